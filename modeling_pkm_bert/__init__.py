@@ -1,0 +1,45 @@
+"""Product key memory for BERT in the Hugging Face ecosystem (Kim & Jung 2020, on Lample et al. 2019)."""
+
+from .configuration_bert_pkm import AUTO_MAP, BertPkmConfig
+from .modeling_bert_pkm import (
+    BertPkmForCausalLM,
+    BertPkmForMaskedLM,
+    BertPkmForMultipleChoice,
+    BertPkmForQuestionAnswering,
+    BertPkmForSequenceClassification,
+    BertPkmForTokenClassification,
+    BertPkmModel,
+    BertPkmPreTrainedModel,
+)
+from .product_key_memory import ProductKeyMemory
+
+
+__version__ = "0.1.0"
+
+
+def register_auto_classes() -> None:
+    """Make `AutoConfig`/`AutoModel*` resolve `model_type="bert_pkm"` to this package in the current process."""
+    import transformers
+
+    from . import modeling_bert_pkm
+
+    transformers.AutoConfig.register(BertPkmConfig.model_type, BertPkmConfig, exist_ok=True)
+    for auto_class, target in AUTO_MAP.items():
+        if auto_class != "AutoConfig":
+            model_class = getattr(modeling_bert_pkm, target.split(".")[-1])
+            getattr(transformers, auto_class).register(BertPkmConfig, model_class, exist_ok=True)
+
+
+__all__ = [
+    "BertPkmConfig",
+    "BertPkmForCausalLM",
+    "BertPkmForMaskedLM",
+    "BertPkmForMultipleChoice",
+    "BertPkmForQuestionAnswering",
+    "BertPkmForSequenceClassification",
+    "BertPkmForTokenClassification",
+    "BertPkmModel",
+    "BertPkmPreTrainedModel",
+    "ProductKeyMemory",
+    "register_auto_classes",
+]

@@ -1,0 +1,109 @@
+"""BertPkm model configuration: BERT plus product key memory (PKM) layers."""
+
+from huggingface_hub.dataclasses import strict
+from transformers import BertConfig
+
+
+PKM_MODES = ("resm", "replace")
+PKM_VALUE_INITS = ("normal", "zeros")
+
+# Written into every saved config so that each saved folder loads through any Auto class as remote code.
+AUTO_MAP = {
+    "AutoConfig": "configuration_bert_pkm.BertPkmConfig",
+    "AutoModel": "modeling_bert_pkm.BertPkmModel",
+    "AutoModelForMaskedLM": "modeling_bert_pkm.BertPkmForMaskedLM",
+    "AutoModelForSequenceClassification": "modeling_bert_pkm.BertPkmForSequenceClassification",
+    "AutoModelForQuestionAnswering": "modeling_bert_pkm.BertPkmForQuestionAnswering",
+    "AutoModelForTokenClassification": "modeling_bert_pkm.BertPkmForTokenClassification",
+    "AutoModelForMultipleChoice": "modeling_bert_pkm.BertPkmForMultipleChoice",
+    "AutoModelForCausalLM": "modeling_bert_pkm.BertPkmForCausalLM",
+}
+
+
+@strict
+class BertPkmConfig(BertConfig):
+    r"""
+    Configuration of a BERT whose layers at `pkm_layers` carry a product key memory (Lample et al. 2019), placed
+    beside the feed-forward network (`"resm"`: LN(x + FFN(x) + PKM(x)), Kim & Jung 2020) or instead of it
+    (`"replace"`: LN(x + PKM(x))). Every [`BertConfig`] field is accepted; with `pkm_layers=[]` the model is BERT.
+
+    pkm_layers (`list[int]`, *optional*):
+        0-based indices of the layers that get a memory. Defaults to two layers at regular intervals,
+        `[n // 3, 2 * n // 3]` for `n = num_hidden_layers`: the paper's `[4, 8]` for 12 layers, `[2, 4]` for 6.
+    pkm_mode (`str`, *optional*, defaults to `"resm"`):
+        `"resm"` adds the memory beside the FFN, `"replace"` replaces the FFN by the memory.
+    pkm_n_keys (`int`, *optional*, defaults to 512):
+        Sub-keys per half; the memory has `pkm_n_keys ** 2` slots.
+    pkm_heads (`int`, *optional*, defaults to 4):
+        Memory heads; each has its own sub-keys, all share the values and their outputs are summed.
+    pkm_knn (`int`, *optional*, defaults to 32):
+        Slots read per head and token.
+    pkm_k_dim (`int`, *optional*, defaults to 256):
+        Query/key dimension per head (even: it is split into two halves).
+    pkm_query_batchnorm (`bool`, *optional*, defaults to `True`):
+        BatchNorm on the queries, with statistics over non-padding tokens.
+    pkm_query_bias (`bool`, *optional*, defaults to `True`):
+        Bias in the query projection.
+    pkm_value_init (`str`, *optional*, defaults to `"normal"`):
+        `"normal"`: N(0, hidden_size ** -0.5) as XLM; `"zeros"`: a ResM model then starts as the plain BERT.
+    pkm_input_dropout, pkm_query_dropout, pkm_value_dropout (`float`, *optional*, defaults to 0.0):
+        Dropout on the memory input, on the queries and on the memory output.
+    """
+
+    model_type = "bert_pkm"
+    _auto_class = "AutoConfig"  # save_pretrained copies the code files
+
+    pkm_layers: list[int] | None = None
+    pkm_mode: str = "resm"
+    pkm_n_keys: int = 512
+    pkm_heads: int = 4
+    pkm_knn: int = 32
+    pkm_k_dim: int = 256
+    pkm_query_batchnorm: bool = True
+    pkm_query_bias: bool = True
+    pkm_value_init: str = "normal"
+    pkm_input_dropout: float | int = 0.0
+    pkm_query_dropout: float | int = 0.0
+    pkm_value_dropout: float | int = 0.0
+
+    def __post_init__(self, **kwargs):
+        if self.pkm_layers is None:
+            n = self.num_hidden_layers
+            self.pkm_layers = sorted({n // 3, 2 * n // 3})
+        self.pkm_layers = [int(i) for i in self.pkm_layers]
+        self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
+        super().__post_init__(**kwargs)
+        self._check_pkm_fields()
+
+    def _check_pkm_fields(self):
+        def fail(field, problem):
+            raise ValueError(f"BertPkmConfig.{field}={getattr(self, field)!r}: {problem}")
+
+        n = self.num_hidden_layers
+        if any(i < 0 or i >= n for i in self.pkm_layers):
+            fail("pkm_layers", f"every index must be in [0, {n - 1}] (num_hidden_layers={n}; indices are 0-based)")
+        if len(set(self.pkm_layers)) != len(self.pkm_layers):
+            fail("pkm_layers", "an index is repeated")
+        if self.pkm_mode not in PKM_MODES:
+            fail("pkm_mode", f"must be one of {PKM_MODES}")
+        if self.pkm_value_init not in PKM_VALUE_INITS:
+            fail("pkm_value_init", f"must be one of {PKM_VALUE_INITS}")
+        if self.pkm_n_keys < 1:
+            fail("pkm_n_keys", "must be >= 1")
+        if self.pkm_heads < 1:
+            fail("pkm_heads", "must be >= 1")
+        if not 1 <= self.pkm_knn <= self.pkm_n_keys:
+            fail("pkm_knn", f"must be in [1, pkm_n_keys={self.pkm_n_keys}]")
+        if self.pkm_k_dim < 2 or self.pkm_k_dim % 2:
+            fail("pkm_k_dim", "must be even and >= 2 (the query is split into two halves)")
+        for field in ("pkm_input_dropout", "pkm_query_dropout", "pkm_value_dropout"):
+            if not 0 <= getattr(self, field) < 1:
+                fail(field, "a dropout probability must be in [0, 1)")
+
+    @property
+    def pkm_mem_size(self) -> int:
+        """Number of memory slots (value rows) of each memory layer."""
+        return self.pkm_n_keys**2
+
+
+__all__ = ["BertPkmConfig"]

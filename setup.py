@@ -1,0 +1,40 @@
+from setuptools import find_packages, setup
+
+
+setup(
+    name="modeling-pkm-bert",
+    version="0.1.0",
+    description="Product key memory (PKM) for BERT in the Hugging Face ecosystem (Kim & Jung 2020, Lample et al. 2019)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    packages=find_packages(include=["modeling_pkm_bert", "modeling_pkm_bert.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4,<3",
+        "transformers>=5.4,<6",
+        "huggingface_hub>=1.5,<3",
+        "safetensors>=0.4,<1",
+        "numpy>=1.26,<3",
+    ],
+    extras_require={
+        "scripts": [
+            "accelerate>=1.10,<2",
+            "datasets>=4,<6",
+            "scikit-learn>=1.5,<2",
+            "scipy>=1.13,<2",
+            "tqdm>=4.66,<5",
+            "matplotlib>=3.8,<4",
+        ],
+        "dev": [
+            "accelerate>=1.10,<2",
+            "datasets>=4,<6",
+            "scikit-learn>=1.5,<2",
+            "scipy>=1.13,<2",
+            "tqdm>=4.66,<5",
+            "matplotlib>=3.8,<4",
+            "pytest>=8,<10",
+            "product-key-memory==0.3.0",
+        ],
+    },
+)
