@@ -575,7 +575,7 @@ class BertPkmForMultipleChoice(BertPkmPreTrainedModel):
         num_choices = input_ids.shape[1] if input_ids is not None else inputs_embeds.shape[1]
 
         def flat(tensor):
-            return tensor.view(-1, tensor.size(-1)) if tensor is not None else None
+            return tensor.reshape(-1, tensor.size(-1)) if tensor is not None else None
 
         outputs = self.bert(
             flat(input_ids),

@@ -1,0 +1,210 @@
+import pytest
+import torch
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+)
+
+from conftest import tiny_config
+from modeling_pkm_bert import (
+    BertPkmForCausalLM,
+    BertPkmForMaskedLM,
+    BertPkmForMultipleChoice,
+    BertPkmForQuestionAnswering,
+    BertPkmForSequenceClassification,
+    BertPkmForTokenClassification,
+    BertPkmModel,
+    ProductKeyMemory,
+)
+
+
+def batch(batch_size=3, seq_len=9, vocab=99, pad_from=(None, 6, 4)):
+    input_ids = torch.randint(1, vocab, (batch_size, seq_len))
+    attention_mask = torch.ones_like(input_ids)
+    for row, start in enumerate(pad_from[:batch_size]):
+        if start is not None:
+            input_ids[row, start:] = 0
+            attention_mask[row, start:] = 0
+    return input_ids, attention_mask
+
+
+def bert_config_of(config) -> BertConfig:
+    fields = {k: v for k, v in config.to_dict().items() if not k.startswith("pkm_") and k not in ("auto_map", "model_type")}
+    return BertConfig(**fields)
+
+
+@pytest.mark.parametrize(
+    "pkm_class,bert_class,outputs",
+    [
+        (BertPkmForMaskedLM, BertForMaskedLM, ("logits",)),
+        (BertPkmForSequenceClassification, BertForSequenceClassification, ("logits",)),
+        (BertPkmForQuestionAnswering, BertForQuestionAnswering, ("start_logits", "end_logits")),
+        (BertPkmForTokenClassification, BertForTokenClassification, ("logits",)),
+    ],
+)
+def test_without_memory_layers_it_is_bert(pkm_class, bert_class, outputs):
+    config = tiny_config(pkm_layers=[], num_labels=2 if "start_logits" in outputs else 3)
+    pkm_model = pkm_class(config).eval()
+    bert = bert_class(bert_config_of(config)).eval()
+    bert.load_state_dict(pkm_model.state_dict(), strict=True)
+    input_ids, attention_mask = batch()
+    with torch.no_grad():
+        ours = pkm_model(input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        theirs = bert(input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    for name in outputs:
+        assert (getattr(ours, name) - getattr(theirs, name)).abs().max() <= 1e-5
+    assert len(ours.hidden_states) == len(theirs.hidden_states) == config.num_hidden_layers + 1
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_resm_with_zero_values_starts_as_the_bert(train):
+    config = tiny_config(pkm_layers=[0, 2], pkm_value_init="zeros")
+    pkm_model = BertPkmForMaskedLM(config).train(train)
+    bert = BertForMaskedLM(bert_config_of(config)).train(train)
+    result = pkm_model.load_state_dict(bert.state_dict(), strict=False)
+    assert not result.unexpected_keys
+    assert all(".memory." in key for key in result.missing_keys) and result.missing_keys
+    input_ids, attention_mask = batch()
+    assert (pkm_model(input_ids, attention_mask=attention_mask).logits - bert(input_ids, attention_mask=attention_mask).logits).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["resm", "replace"])
+@pytest.mark.parametrize("train", [False, True])
+def test_padding_changes_no_output_of_real_tokens(mode, train):
+    model = BertPkmForMaskedLM(tiny_config(pkm_mode=mode, pkm_layers=[0, 2])).train(train)
+    input_ids, attention_mask = batch(seq_len=7, pad_from=(None, 5, 3))
+    more_padding = torch.nn.functional.pad(input_ids, (0, 6)), torch.nn.functional.pad(attention_mask, (0, 6))
+    short = model(input_ids, attention_mask=attention_mask).logits
+    long = model(*more_padding[:1], attention_mask=more_padding[1]).logits
+    real = attention_mask.bool()
+    torch.testing.assert_close(long[:, :7][real], short[real], atol=2e-5, rtol=1e-4)
+
+
+def test_layer_structure_follows_the_mode():
+    resm = BertPkmModel(tiny_config(pkm_layers=[1], pkm_mode="resm"))
+    replace = BertPkmModel(tiny_config(pkm_layers=[1], pkm_mode="replace"))
+    assert isinstance(resm.encoder.layer[1].memory, ProductKeyMemory) and resm.encoder.layer[0].memory is None
+    assert resm.encoder.layer[1].intermediate is not None
+    assert replace.encoder.layer[1].intermediate is None
+    assert not any(".1.output.dense" in name or ".1.intermediate" in name for name, _ in replace.named_parameters())
+    assert "encoder.layer.1.output.LayerNorm.weight" in dict(replace.named_parameters())
+    assert "encoder.layer.1.memory.values.weight" in dict(replace.named_parameters())
+
+
+@pytest.mark.parametrize("mode", ["resm", "replace"])
+def test_memory_layer_formula(mode):
+    layer = BertPkmModel(tiny_config(pkm_layers=[0], pkm_mode=mode)).eval().encoder.layer[0]
+    x = torch.randn(2, 5, 32)
+    attention_output, _ = layer.attention(x)
+    memory = layer.memory(attention_output)
+    if mode == "resm":  # LN(x + FFN(x) + PKM(x))
+        ffn = layer.output.dense(layer.intermediate(attention_output))
+        expected = layer.output.LayerNorm(attention_output + ffn + memory)
+    else:  # LN(x + PKM(x))
+        expected = layer.output.LayerNorm(attention_output + memory)
+    torch.testing.assert_close(layer(x), expected)
+
+
+def test_every_head_runs_with_labels():
+    config = tiny_config(num_labels=3)
+    input_ids, attention_mask = batch()
+    for model_class, labels in [
+        (BertPkmForMaskedLM, dict(labels=input_ids.masked_fill(attention_mask == 0, -100))),
+        (BertPkmForSequenceClassification, dict(labels=torch.tensor([0, 2, 1]))),
+        (BertPkmForTokenClassification, dict(labels=torch.randint(0, 3, input_ids.shape))),
+        (BertPkmForQuestionAnswering, dict(start_positions=torch.tensor([1, 2, 3]), end_positions=torch.tensor([2, 4, 3]))),
+    ]:
+        model = model_class(tiny_config() if model_class is BertPkmForQuestionAnswering else config)
+        output = model(input_ids, attention_mask=attention_mask, **labels)
+        assert torch.isfinite(output.loss), model_class.__name__
+        output.loss.backward()
+    choices = BertPkmForMultipleChoice(config)
+    output = choices(input_ids[None].expand(2, -1, -1), attention_mask=attention_mask[None].expand(2, -1, -1), labels=torch.tensor([0, 2]))
+    assert output.logits.shape == (2, 3) and torch.isfinite(output.loss)
+    regression = BertPkmForSequenceClassification(tiny_config(num_labels=1))
+    assert torch.isfinite(regression(input_ids, attention_mask=attention_mask, labels=torch.randn(3)).loss)
+
+
+def test_causal_lm_generates_the_same_with_and_without_cache():
+    model = BertPkmForCausalLM(tiny_config(is_decoder=True, pkm_layers=[0, 2])).eval()
+    prompt = torch.randint(1, 99, (2, 4))
+    with_cache = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+    without_cache = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False)
+    assert with_cache.shape == (2, 10)
+    assert torch.equal(with_cache, without_cache)
+    output = model(prompt, labels=prompt)
+    assert torch.isfinite(output.loss)
+
+
+def test_eager_and_sdpa_agree_and_attentions_are_returned():
+    config = tiny_config()
+    input_ids, attention_mask = batch()
+    sdpa = BertPkmForMaskedLM(config).eval()
+    eager = BertPkmForMaskedLM(tiny_config(attn_implementation="eager")).eval()
+    eager.load_state_dict(sdpa.state_dict())
+    assert sdpa.config._attn_implementation == "sdpa"
+    output = eager(input_ids, attention_mask=attention_mask, output_attentions=True)
+    torch.testing.assert_close(output.logits, sdpa(input_ids, attention_mask=attention_mask).logits, atol=1e-5, rtol=1e-4)
+    assert len(output.attentions) == config.num_hidden_layers and output.attentions[0].shape == (3, 4, 9, 9)
+    as_tuple = eager(input_ids, attention_mask=attention_mask, return_dict=False)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], output.logits)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    input_ids, attention_mask = batch()
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = BertPkmForMaskedLM(tiny_config(pkm_layers=[0, 2])).train()
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            assert model.bert.encoder.layer[0].gradient_checkpointing
+        model(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any(".memory.values" in n for n in grads[0])
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_resized_embeddings_stay_tied():
+    model = BertPkmForMaskedLM(tiny_config())
+    model.resize_token_embeddings(120)
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    assert model.cls.predictions.decoder.weight.shape[0] == 120 and model.config.vocab_size == 120
+    input_ids, attention_mask = batch(vocab=120)
+    assert model(input_ids, attention_mask=attention_mask).logits.shape[-1] == 120
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_save_and_load_round_trip(tmp_path, dtype):
+    model = BertPkmForSequenceClassification(tiny_config(num_labels=2)).eval().to(dtype)
+    model.save_pretrained(tmp_path)
+    loaded = BertPkmForSequenceClassification.from_pretrained(tmp_path).eval()
+    assert loaded.dtype == dtype
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    input_ids, attention_mask = batch()
+    assert torch.equal(model(input_ids, attention_mask=attention_mask).logits, loaded(input_ids, attention_mask=attention_mask).logits)
+    assert (tmp_path / "model.safetensors").exists()
+    for code in ("configuration_bert_pkm.py", "modeling_bert_pkm.py", "product_key_memory.py"):
+        assert (tmp_path / code).exists(), code
+
+
+def test_memories_are_initialised_when_loading_a_plain_bert(tmp_path):
+    # transformers 5 builds on the meta device: every memory parameter comes from _init_weights
+    config = tiny_config(pkm_layers=[0, 2], pkm_n_keys=16, pkm_k_dim=32)
+    BertForMaskedLM(bert_config_of(config)).save_pretrained(tmp_path)
+    model = BertPkmForMaskedLM.from_pretrained(tmp_path, config=config)
+    for layer in (0, 2):
+        memory = model.bert.encoder.layer[layer].memory
+        bound = (config.pkm_k_dim // 2) ** -0.5
+        assert torch.isfinite(memory.keys).all() and memory.keys.abs().max() <= bound
+        assert memory.keys.std() > 0.4 * bound
+        assert abs(memory.values.weight.std().item() - config.hidden_size**-0.5) < 0.03
+        assert torch.equal(memory.query_batchnorm.running_var, torch.ones_like(memory.query_batchnorm.running_var))
+    input_ids, attention_mask = batch()
+    assert torch.isfinite(model(input_ids, attention_mask=attention_mask).logits).all()
