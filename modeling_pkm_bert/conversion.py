@@ -1,0 +1,704 @@
+"""BERT / DistilBERT checkpoints -> BertPkm models ("+Init" of Kim & Jung 2020), saved as complete Hub folders."""
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from huggingface_hub import HfApi, ModelCard, ModelCardData, hf_hub_download
+from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidationError
+from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects, validate_repo_id
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, BertConfig, PreTrainedModel
+
+from . import modeling_bert_pkm
+from .configuration_bert_pkm import AUTO_MAP, BertPkmConfig
+from .modeling_bert_pkm import BertPkmPreTrainedModel
+
+
+PKM_FIELDS = [f.name for f in dataclasses.fields(BertPkmConfig) if f.name.startswith("pkm_")]
+TARGET_CLASSES = [target.split(".")[-1] for auto, target in AUTO_MAP.items() if auto != "AutoConfig"]
+
+# source architecture -> (transformers class loaded to read every tensor of the checkpoint, default BertPkm class);
+# BERT and DistilBERT bodies without a task head are read through their pre-training class so that an MLM head,
+# pooler or NSP head present in the checkpoint is seen whatever `architectures` says
+SOURCE_ARCHITECTURES = {
+    "BertModel": ("BertForPreTraining", "BertPkmModel"),
+    "BertForPreTraining": ("BertForPreTraining", "BertPkmForMaskedLM"),
+    "BertForMaskedLM": ("BertForPreTraining", "BertPkmForMaskedLM"),
+    "BertForNextSentencePrediction": ("BertForPreTraining", "BertPkmModel"),
+    "BertLMHeadModel": ("BertForPreTraining", "BertPkmForCausalLM"),
+    "BertForSequenceClassification": ("BertForSequenceClassification", "BertPkmForSequenceClassification"),
+    "BertForMultipleChoice": ("BertForMultipleChoice", "BertPkmForMultipleChoice"),
+    "BertForTokenClassification": ("BertForTokenClassification", "BertPkmForTokenClassification"),
+    "BertForQuestionAnswering": ("BertForQuestionAnswering", "BertPkmForQuestionAnswering"),
+    "DistilBertModel": ("DistilBertForMaskedLM", "BertPkmModel"),
+    "DistilBertForMaskedLM": ("DistilBertForMaskedLM", "BertPkmForMaskedLM"),
+    "DistilBertForSequenceClassification": ("DistilBertForSequenceClassification", "BertPkmForSequenceClassification"),
+    "DistilBertForMultipleChoice": ("DistilBertForMultipleChoice", "BertPkmForMultipleChoice"),
+    "DistilBertForTokenClassification": ("DistilBertForTokenClassification", "BertPkmForTokenClassification"),
+    "DistilBertForQuestionAnswering": ("DistilBertForQuestionAnswering", "BertPkmForQuestionAnswering"),
+}
+SUPPORTED_MODEL_TYPES = ("bert", "distilbert")
+# the shape of the network: weights are copied, so these cannot change in a conversion
+ARCHITECTURE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "type_vocab_size",
+)
+# BertConfig fields that describe a run or a file, not the model
+_RUNTIME_FIELDS = {"transformers_version", "architectures", "dtype", "output_hidden_states", "return_dict"}
+
+# DistilBERT names (without the "distilbert." prefix) -> BERT names; bodies as in BertModel, heads as in BertFor*
+_DISTILBERT_RENAMES = [
+    (r"embeddings\.(word_embeddings|position_embeddings|LayerNorm)\.", r"embeddings.\1."),
+    (r"transformer\.layer\.(\d+)\.attention\.q_lin\.", r"encoder.layer.\1.attention.self.query."),
+    (r"transformer\.layer\.(\d+)\.attention\.k_lin\.", r"encoder.layer.\1.attention.self.key."),
+    (r"transformer\.layer\.(\d+)\.attention\.v_lin\.", r"encoder.layer.\1.attention.self.value."),
+    (r"transformer\.layer\.(\d+)\.attention\.out_lin\.", r"encoder.layer.\1.attention.output.dense."),
+    (r"transformer\.layer\.(\d+)\.sa_layer_norm\.", r"encoder.layer.\1.attention.output.LayerNorm."),
+    (r"transformer\.layer\.(\d+)\.ffn\.lin1\.", r"encoder.layer.\1.intermediate.dense."),
+    (r"transformer\.layer\.(\d+)\.ffn\.lin2\.", r"encoder.layer.\1.output.dense."),
+    (r"transformer\.layer\.(\d+)\.output_layer_norm\.", r"encoder.layer.\1.output.LayerNorm."),
+    (r"vocab_transform\.", "cls.predictions.transform.dense."),
+    (r"vocab_layer_norm\.", "cls.predictions.transform.LayerNorm."),
+    (r"vocab_projector\.weight", "cls.predictions.decoder.weight"),
+    (r"vocab_projector\.bias", "cls.predictions.bias"),
+    (r"pre_classifier\.", "pooler.dense."),
+    (r"(classifier|qa_outputs)\.", r"\1."),
+]
+_HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.")
+_TASK_HEAD_PREFIXES = ("classifier.", "qa_outputs.")  # sized by num_labels: may differ after config_overrides
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
+CODE_FILES_RE = re.compile(r"^\s*from\s+\.(\w+)\s+import", re.MULTILINE)
+# accelerate checkpoints (step_*/epoch_*), pickles and hidden files of a training output folder stay local
+PUSH_IGNORE_PATTERNS = ["step_*", "epoch_*", "*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt", ".*"]
+PIPELINE_TAGS = {
+    "BertPkmModel": "feature-extraction",
+    "BertPkmForMaskedLM": "fill-mask",
+    "BertPkmForSequenceClassification": "text-classification",
+    "BertPkmForTokenClassification": "token-classification",
+    "BertPkmForQuestionAnswering": "question-answering",
+    "BertPkmForCausalLM": "text-generation",
+}
+_AUTO_CLASS_OF = {target.split(".")[-1]: auto for auto, target in AUTO_MAP.items()}
+_BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
+_HUB_LOOKUP_ERRORS = (EntryNotFoundError, HfHubHTTPError, HFValidationError, OSError)
+
+
+@dataclass
+class ConversionReport:
+    """What a conversion did: target tensors `carried` from the source or `new`, source tensors `dropped`."""
+
+    source: str
+    source_architecture: str
+    target_class: str
+    carried: list[str] = field(default_factory=list)
+    new: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    renamed: dict[str, str] = field(default_factory=dict)  # target name -> source name, where they differ
+    notes: list[str] = field(default_factory=list)
+    source_parameters: int = 0
+    target_parameters: int = 0
+    carried_parameters: int = 0
+    new_parameters: int = 0
+    dropped_parameters: int = 0
+    memory_layers: list[int] = field(default_factory=list)
+    memory_value_parameters: int = 0
+    memory_other_parameters: int = 0
+
+    def __str__(self):
+        lines = [
+            f"{self.source} ({self.source_architecture}, {self.source_parameters:,} parameters)"
+            f" -> {self.target_class} ({self.target_parameters:,} parameters)",
+            f"  carried {len(self.carried):4d} tensors {self.carried_parameters:>14,} parameters",
+            f"  new     {len(self.new):4d} tensors {self.new_parameters:>14,} parameters",
+            *(f"    {name}" for name in group_names(self.new)),
+            f"  dropped {len(self.dropped):4d} tensors {self.dropped_parameters:>14,} parameters",
+            *(f"    {name}" for name in group_names(self.dropped)),
+            f"  memory at layers {self.memory_layers}: values {self.memory_value_parameters:,} parameters,"
+            f" other memory parameters {self.memory_other_parameters:,}",
+            *(f"  note: {note}" for note in self.notes),
+        ]
+        return "\n".join(lines)
+
+
+def group_names(names: list[str]) -> list[str]:
+    """Tensor names folded over layer indices and leaves: `a.layer.{2,4}.memory.query_proj.{weight,bias}`."""
+    by_layer: dict[str, list[str]] = {}
+    for name in names:
+        match = re.search(r"\.layer\.(\d+)\.", name)
+        key = name if match is None else name[: match.start(1)] + "{}" + name[match.end(1) :]
+        by_layer.setdefault(key, []).append("" if match is None else match.group(1))
+    by_leaf: dict[str, list[str]] = {}
+    for key, layers in by_layer.items():
+        folded = key.format("{" + ",".join(layers) + "}" if len(layers) > 1 else layers[0])
+        parent, dot, leaf = folded.rpartition(".")
+        by_leaf.setdefault(parent + dot, []).append(leaf)
+    return [parent + (leaf[0] if len(leaf) == 1 else "{" + ",".join(leaf) + "}") for parent, leaf in by_leaf.items()]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Conversion
+
+
+def convert_to_pkm(
+    source: str | os.PathLike | PreTrainedModel,
+    target_class: type[BertPkmPreTrainedModel] | str | None = None,
+    *,
+    config_overrides: dict | None = None,
+    **pkm_kwargs,
+) -> tuple[BertPkmPreTrainedModel, ConversionReport]:
+    """
+    Build a BertPkm model from a BERT or DistilBERT checkpoint (a folder, a Hub id or a loaded model): every source
+    tensor that has a place in the target is copied (DistilBERT renamed onto BERT, with zero token-type embeddings),
+    the FFN of `"replace"` layers is dropped, the memories and any head missing in the source are initialised new.
+
+    `target_class` defaults to the BertPkm class of the source's head; `config_overrides` sets other config fields
+    (e.g. `{"num_labels": 3}`); `pkm_kwargs` are `pkm_*` fields of [`BertPkmConfig`]. With `pkm_mode="resm"` and
+    `pkm_value_init="zeros"` the result computes exactly what the source computes. Returns the model (in eval mode)
+    and a [`ConversionReport`].
+    """
+    source_model, architecture, not_in_checkpoint, unread = _load_source(source)
+    source_name = _source_name(source)
+    src_config = source_model.config
+    target_class = _resolve_target_class(target_class, architecture)
+    config = _target_config(src_config, source_name, config_overrides or {}, pkm_kwargs)
+
+    model = target_class(config)
+    report = ConversionReport(source=source_name, source_architecture=architecture, target_class=target_class.__name__)
+    src_tensors = source_model.state_dict(keep_vars=True)
+    tgt_tensors = model.state_dict(keep_vars=True)
+    target_prefix = model.base_model_prefix + "." if model.base_model is not model else ""
+
+    state_dict = {}
+    for src_name, tensor in src_tensors.items():
+        if src_name in not_in_checkpoint:
+            continue  # initialised by transformers when the source was loaded, not a weight of the checkpoint
+        canonical = _canonical_name(src_name, source_model)
+        if canonical is None:
+            continue
+        head = canonical.startswith(_HEAD_PREFIXES)
+        if head and not target_prefix:
+            continue  # a head has no place in BertPkmModel
+        tgt_name = canonical if head else target_prefix + canonical
+        if tgt_name not in tgt_tensors:
+            continue
+        if tgt_tensors[tgt_name].shape != tensor.shape:
+            if canonical.startswith(_TASK_HEAD_PREFIXES):
+                report.notes.append(
+                    f"{src_name} {tuple(tensor.shape)} does not fit {tgt_name} {tuple(tgt_tensors[tgt_name].shape)}"
+                    f" (num_labels={config.num_labels}): initialised new"
+                )
+                continue
+            raise ValueError(
+                f"{source_name}: tensor {src_name} has shape {tuple(tensor.shape)} but {target_class.__name__} expects"
+                f" {tuple(tgt_tensors[tgt_name].shape)} for {tgt_name}"
+            )
+        state_dict[tgt_name] = tensor.detach()
+        if tgt_name != src_name:
+            report.renamed[tgt_name] = src_name
+
+    zeros = {}
+    if src_config.model_type == "distilbert":
+        name = target_prefix + "embeddings.token_type_embeddings.weight"
+        zeros[name] = torch.zeros_like(tgt_tensors[name])
+        report.notes.append(f"{name} set to zeros: DistilBERT has no token types; the model ignores them until trained")
+        if any(src.startswith("pre_classifier.") for src in report.renamed.values()):
+            report.notes.append(
+                "DistilBERT's pre_classifier (ReLU) became BERT's pooler (tanh): the classification logits differ from"
+                " the source's until the model is fine-tuned"
+            )
+
+    with torch.no_grad():
+        result = model.load_state_dict({**state_dict, **zeros}, strict=False)
+    if result.unexpected_keys:  # cannot happen: every name was checked against the target
+        raise RuntimeError(f"tensors not loaded into {target_class.__name__}: {result.unexpected_keys}")
+
+    # tied tensors (decoder.weight = word_embeddings.weight, ...) are one object under several names
+    carried_ids = {id(tgt_tensors[name]) for name in state_dict}
+    carried_src_ids = {id(src_tensors[report.renamed.get(name, name)]) for name in state_dict}
+    report.carried = [name for name, t in tgt_tensors.items() if id(t) in carried_ids]
+    report.new = [name for name, t in tgt_tensors.items() if id(t) not in carried_ids]
+    report.dropped = [
+        name
+        for name, t in src_tensors.items()
+        if name not in not_in_checkpoint and id(t) not in carried_src_ids
+    ] + sorted(unread)
+
+    params = dict(model.named_parameters())
+    src_params = {n: p for n, p in source_model.named_parameters() if n not in not_in_checkpoint}
+    report.source_parameters = sum(p.numel() for p in src_params.values())
+    report.target_parameters = sum(p.numel() for p in params.values())
+    report.carried_parameters = sum(p.numel() for p in params.values() if id(p) in carried_ids)
+    report.new_parameters = report.target_parameters - report.carried_parameters
+    report.dropped_parameters = sum(p.numel() for p in src_params.values() if id(p) not in carried_src_ids)
+    for i, layer in enumerate(model.base_model.encoder.layer):
+        if layer.memory is not None:
+            values = layer.memory.values.weight.numel()
+            report.memory_layers.append(i)
+            report.memory_value_parameters += values
+            report.memory_other_parameters += sum(p.numel() for p in layer.memory.parameters()) - values
+
+    if config.pkm_mode == "replace" and config.pkm_layers:
+        report.notes.append(f"pkm_mode='replace': the FFN of layers {config.pkm_layers} is dropped")
+    missing_heads = sorted({n.split(".")[0] for n in report.new if n.startswith(_HEAD_PREFIXES)})
+    if missing_heads:
+        report.notes.append(f"head {', '.join(missing_heads)} initialised new (not in the source): train it")
+    if unread:
+        reader = type(source_model).__name__
+        report.notes.append(f"checkpoint tensors that transformers' {reader} does not read: {sorted(unread)}")
+    return model.eval(), report
+
+
+def _source_name(source) -> str:
+    if isinstance(source, PreTrainedModel):
+        return source.config._name_or_path or type(source).__name__
+    return str(source)
+
+
+def _check_model_type(config, source_name):
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{source_name}: model_type {config.model_type!r} is not supported; convert_to_pkm converts BERT"
+            f" (model_type 'bert') and DistilBERT ('distilbert') checkpoints"
+        )
+    position_embedding_type = getattr(config, "position_embedding_type", "absolute")
+    if position_embedding_type != "absolute":
+        raise ValueError(
+            f"{source_name}: position_embedding_type={position_embedding_type!r} is not supported (transformers 5 and"
+            f" BertPkm have absolute position embeddings only)"
+        )
+
+
+def _check_architecture(architecture, source_name):
+    if architecture not in SOURCE_ARCHITECTURES:
+        raise ValueError(
+            f"{source_name}: architecture {architecture!r} is not supported; supported: {sorted(SOURCE_ARCHITECTURES)}"
+        )
+
+
+def _load_source(source) -> tuple[PreTrainedModel, str, set[str], set[str]]:
+    """The source model, its architecture, the names it holds that the checkpoint did not, checkpoint names unread."""
+    source_name = _source_name(source)
+    if isinstance(source, PreTrainedModel):
+        _check_model_type(source.config, source_name)
+        _check_architecture(type(source).__name__, source_name)
+        return source, type(source).__name__, set(), set()
+
+    config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+    _check_model_type(config, source_name)
+    base = "BertModel" if config.model_type == "bert" else "DistilBertModel"
+    architecture = (config.architectures or [base])[0]
+    _check_architecture(architecture, source_name)
+    load_class = getattr(transformers, SOURCE_ARCHITECTURES[architecture][0])
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # our report replaces the MISSING/UNEXPECTED table of transformers
+    try:
+        model, info = load_class.from_pretrained(source, config=config, dtype=torch.float32, output_loading_info=True)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    return model, architecture, set(info["missing_keys"]), set(info["unexpected_keys"])
+
+
+def _resolve_target_class(target_class, architecture) -> type[BertPkmPreTrainedModel]:
+    if target_class is None:
+        target_class = SOURCE_ARCHITECTURES[architecture][1]
+    if isinstance(target_class, str):
+        if target_class not in TARGET_CLASSES:
+            raise ValueError(f"target_class {target_class!r} is not a BertPkm model class: {TARGET_CLASSES}")
+        target_class = getattr(modeling_bert_pkm, target_class)
+    if not (isinstance(target_class, type) and issubclass(target_class, BertPkmPreTrainedModel)):
+        raise ValueError(f"target_class must be a BertPkm model class {TARGET_CLASSES}, got {target_class!r}")
+    return target_class
+
+
+def _bert_fields(src_config) -> dict:
+    """The BertConfig fields of a BERT or DistilBERT config (DistilBERT: zero token types, LayerNorm eps 1e-12)."""
+    if src_config.model_type == "bert":
+        names = [f.name for f in dataclasses.fields(BertConfig) if f.name not in _RUNTIME_FIELDS]
+        return {name: getattr(src_config, name) for name in names}
+    c = src_config
+    return {
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.dim,
+        "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads,
+        "intermediate_size": c.hidden_dim,
+        "hidden_act": c.activation,
+        "hidden_dropout_prob": c.dropout,
+        "attention_probs_dropout_prob": c.attention_dropout,
+        "max_position_embeddings": c.max_position_embeddings,
+        "type_vocab_size": 2,
+        "initializer_range": c.initializer_range,
+        "layer_norm_eps": 1e-12,  # hard-coded in every DistilBERT LayerNorm
+        "pad_token_id": c.pad_token_id,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "classifier_dropout": c.seq_classif_dropout,
+        "chunk_size_feed_forward": c.chunk_size_feed_forward,
+        "id2label": c.id2label,
+        "label2id": c.label2id,
+        "problem_type": c.problem_type,
+    }
+
+
+def _target_config(src_config, source_name, config_overrides, pkm_kwargs) -> BertPkmConfig:
+    unknown = sorted(set(pkm_kwargs) - set(PKM_FIELDS))
+    if unknown:
+        raise TypeError(f"unknown PKM option(s) {unknown}; BertPkmConfig's PKM fields are {PKM_FIELDS}")
+    fields = _bert_fields(src_config)
+    changed = [k for k in ARCHITECTURE_FIELDS if k in config_overrides and config_overrides[k] != fields[k]]
+    if changed:
+        raise ValueError(
+            f"config_overrides cannot change {changed} (source: {[fields[k] for k in changed]}): the conversion copies"
+            f" the source weights, so the network keeps its shape"
+        )
+    if "num_labels" in config_overrides and config_overrides["num_labels"] != len(fields.get("id2label") or {}):
+        del fields["id2label"], fields["label2id"]  # the labels of the source's head do not fit the new one
+    kwargs = {**fields, **config_overrides, **pkm_kwargs}
+    layers, depth = kwargs.get("pkm_layers"), fields["num_hidden_layers"]
+    if layers is not None and any(not 0 <= int(i) < depth for i in layers):
+        raise ValueError(
+            f"pkm_layers={list(layers)} does not fit {source_name}: it has {depth} layers (num_hidden_layers), so"
+            f" memory layer indices must be in [0, {depth - 1}] (0-based)"
+        )
+    return BertPkmConfig(**kwargs)
+
+
+def _canonical_name(src_name: str, source_model: PreTrainedModel) -> str | None:
+    """A source tensor's name in BERT terms: body as in BertModel (`encoder.layer.0...`), heads as in BertFor*."""
+    prefix = source_model.base_model_prefix + "."
+    name = src_name[len(prefix) :] if src_name.startswith(prefix) else src_name
+    if source_model.config.model_type == "bert":
+        return name
+    for pattern, replacement in _DISTILBERT_RENAMES:
+        new, n = re.subn("^" + pattern, replacement, name)
+        if n:
+            return new
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Hub folder: tokenizer, license, model card, checks, atomic save
+
+
+def load_source_tokenizer(source):
+    """The source's tokenizer, or None where it has no tokenizer files (AutoTokenizer would invent a 5-token one)."""
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    if Path(source).is_dir():
+        found = any((Path(source) / name).is_file() for name in TOKENIZER_FILES)
+    else:
+        found = any(_hub_file(str(source), name) for name in TOKENIZER_FILES)
+    return AutoTokenizer.from_pretrained(source) if found else None
+
+
+def _hub_file(repo_id: str, filename: str) -> Path | None:
+    try:
+        return Path(hf_hub_download(repo_id, filename))
+    except _HUB_LOOKUP_ERRORS:
+        return None
+
+
+def source_license(source) -> str | None:
+    """The license in the source's README YAML, else in its config.json, else None."""
+    if not isinstance(source, (str, os.PathLike)):
+        return getattr(getattr(source, "config", None), "license", None)
+    local = Path(source).is_dir()
+    readme = Path(source) / "README.md" if local else _hub_file(str(source), "README.md")
+    if readme is not None and readme.is_file():
+        license = ModelCard.load(readme, ignore_metadata_errors=True).data.license
+        if license:
+            return license
+    config = Path(source) / "config.json" if local else _hub_file(str(source), "config.json")
+    if config is not None and config.is_file():
+        return json.loads(config.read_text(encoding="utf-8")).get("license")
+    return None
+
+
+def hub_id_or_none(name) -> str | None:
+    """`name` if it can be a Hub model id (not a local path), else None."""
+    if name is None or not isinstance(name, str) or os.path.exists(name):
+        return None
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return None
+    return name
+
+
+def folder_parameter_counts(folder: str | os.PathLike) -> dict[str, int]:
+    """Parameter counts of a saved model from its safetensors headers: total, memory values, other memory params."""
+    counts = {"total": 0, "memory_values": 0, "memory_other": 0}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                if name.endswith(_BUFFER_SUFFIXES):
+                    continue
+                n = 1
+                for d in f.get_slice(name).get_shape():
+                    n *= d
+                counts["total"] += n
+                if ".memory." in name:
+                    counts["memory_values" if name.endswith("memory.values.weight") else "memory_other"] += n
+    return counts
+
+
+def write_model_card(
+    folder: str | os.PathLike,
+    *,
+    repo_id: str | None = None,
+    base_model: str | None = None,
+    license: str | None = None,
+    report: ConversionReport | None = None,
+    model_name: str | None = None,
+) -> ModelCard:
+    """Write `README.md` for a saved BertPkm folder: YAML metadata, usage, memory settings, parameter counts."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    architecture = (config.get("architectures") or ["BertPkmModel"])[0]
+    auto_class = _AUTO_CLASS_OF.get(architecture, "AutoModel")
+    base_model = hub_id_or_none(base_model)
+    tags = ["pkm", "product-key-memory", "bert", "bert_pkm", f"pkm-{config['pkm_mode']}", "custom_code"]
+    if report is not None and report.source_architecture.startswith("DistilBert"):
+        tags.insert(3, "distilbert")
+    data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag=PIPELINE_TAGS.get(architecture),
+        tags=tags,
+        base_model=base_model,
+        license=license,
+    )
+    counts = folder_parameter_counts(folder)
+    name = model_name or repo_id or folder.name
+    load_from = repo_id or "path/to/this/folder"
+    source = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a BERT checkpoint"
+    if report is not None and not base_model:
+        source = f"`{report.source}`"
+    mode = {"resm": "beside the feed-forward network (ResM)", "replace": "instead of the feed-forward network"}
+    settings = "\n".join(f"| `{k}` | `{json.dumps(config[k])}` |" for k in PKM_FIELDS if k in config)
+    lines = [
+        f"# {name}",
+        "",
+        f"BERT with product key memory (PKM, Lample et al. 2019) at layers {config['pkm_layers']},"
+        f" {mode[config['pkm_mode']]}, as in Kim & Jung 2020 (*Large Product Key Memory for Pretrained Language"
+        f" Models*). Architecture: `{architecture}`.",
+    ]
+    if report is not None:
+        lines += [
+            "",
+            f"Converted from {source} ({report.source_architecture}): {report.carried_parameters:,} parameters"
+            f" carried over, {report.new_parameters:,} new (the memories"
+            + (", the head" if any(n.startswith(_HEAD_PREFIXES) for n in report.new) else "")
+            + f"), {report.dropped_parameters:,} dropped. "
+            + (
+                "Its memory values are zero and sit beside the FFN, so it computes exactly what the source"
+                " computes until trained"
+                if config["pkm_mode"] == "resm" and config["pkm_value_init"] == "zeros"
+                else "Its memories are freshly initialised, so its outputs differ from the source's until trained"
+            )
+            + " (e.g. with masked language modeling).",
+        ]
+    lines += [
+        "",
+        "## Usage",
+        "",
+        "The model code ships with the checkpoint (`trust_remote_code=True`); it needs `transformers>=5.4,<6`.",
+        "",
+        "```python",
+        f"from transformers import AutoTokenizer, {auto_class}",
+        "",
+        f'tokenizer = AutoTokenizer.from_pretrained("{load_from}", trust_remote_code=True)  # reads the config',
+        f'model = {auto_class}.from_pretrained("{load_from}", trust_remote_code=True)',
+        'outputs = model(**tokenizer("Product keys make a large memory cheap to read.", return_tensors="pt"))',
+        "```",
+        "",
+        "## Memory settings",
+        "",
+        "| setting | value |",
+        "|---|---|",
+        settings,
+        f"| memory slots per layer | {config['pkm_n_keys'] ** 2:,} |",
+        "",
+        "## Parameters",
+        "",
+        "| | parameters |",
+        "|---|---:|",
+        f"| total | {counts['total']:,} |",
+        f"| memory values | {counts['memory_values']:,} |",
+        f"| other memory parameters (keys, query network) | {counts['memory_other']:,} |",
+        f"| rest of the model | {counts['total'] - counts['memory_values'] - counts['memory_other']:,} |",
+        "",
+        "Memory values are best trained in their own optimizer group (Adam, constant learning rate 1e-3, no weight"
+        " decay), as in XLM and the paper.",
+        "",
+    ]
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
+    card.save(folder / "README.md")
+    return card
+
+
+def check_hub_folder(folder: str | os.PathLike) -> None:
+    """Raise ValueError naming every reason `folder` is not a loadable BertPkm Hub repository."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder}: no config.json, not a saved model folder")
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    problems = []
+    if config.get("model_type") != BertPkmConfig.model_type:
+        problems.append(f"model_type is {config.get('model_type')!r}, not {BertPkmConfig.model_type!r}")
+    auto_map = config.get("auto_map") or {}
+    absent = {k: v for k, v in AUTO_MAP.items() if auto_map.get(k) != v}
+    if absent:
+        problems.append(f"config.json auto_map lacks {sorted(absent)}")
+    modules = {target.split(".")[0] for target in auto_map.values()}
+    todo, seen = list(modules), set()
+    while todo:  # the code files named by auto_map and what they import relatively
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        path = folder / f"{module}.py"
+        if not path.is_file():
+            problems.append(f"remote-code file {path.name} is missing")
+            continue
+        todo += CODE_FILES_RE.findall(path.read_text(encoding="utf-8"))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        problems += [f"shard {s} is missing" for s in sorted(shards) if not (folder / s).is_file()]
+    elif not (folder / "model.safetensors").is_file():
+        problems.append("no model.safetensors (or model.safetensors.index.json)")
+    if problems:
+        raise ValueError(f"{folder} is not a complete BertPkm Hub folder: " + "; ".join(problems))
+
+
+def check_output_dir(output_dir: str | os.PathLike, overwrite: bool = False) -> None:
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"output_dir {output_dir} exists and is not a folder")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
+        raise ValueError(f"output_dir {output_dir} exists and is not empty; use --overwrite_output_dir to replace it")
+
+
+def save_converted(
+    model: BertPkmPreTrainedModel,
+    report: ConversionReport | None,
+    output_dir: str | os.PathLike,
+    tokenizer=None,
+    source_name: str | None = None,
+    license: str | None = None,
+    *,
+    repo_id: str | None = None,
+    max_shard_size: int | str = "2GB",
+    overwrite: bool = False,
+) -> Path:
+    """
+    Write a complete Hub repository: config with the full auto_map, the remote-code files, safetensors weights
+    (sharded above `max_shard_size`), the tokenizer and a model card. Everything is written into a temporary sibling
+    folder that is renamed to `output_dir` at the end, so a failure leaves no half-written output.
+    """
+    output_dir = Path(output_dir).absolute()
+    check_output_dir(output_dir, overwrite)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output folder gets the usual permissions
+    try:
+        if tokenizer is not None:
+            model.config.tokenizer_class = type(tokenizer).__name__
+            tokenizer.save_pretrained(tmp)
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        base_model = source_name if source_name is not None else (report.source if report is not None else None)
+        write_model_card(
+            tmp,
+            repo_id=repo_id,
+            base_model=base_model,
+            license=license,
+            report=report,
+            model_name=repo_id or output_dir.name,
+        )
+        check_hub_folder(tmp)
+        _replace_folder(tmp, output_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output_dir
+
+
+def _replace_folder(new: Path, target: Path) -> None:
+    old = None
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        target.rename(old / target.name)
+    try:
+        new.rename(target)
+    except BaseException:
+        if old is not None:
+            (old / target.name).rename(target)
+        raise
+    finally:
+        if old is not None and target.exists():
+            shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Hub upload
+
+
+def files_to_upload(folder: str | os.PathLike, ignore_patterns: list[str] = PUSH_IGNORE_PATTERNS) -> list[str]:
+    """The files `upload_folder` sends for `folder` with these ignore patterns (the same filter as huggingface_hub)."""
+    folder = Path(folder)
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.glob("**/*") if p.is_file())
+    return list(filter_repo_objects(files, ignore_patterns=list(ignore_patterns) + DEFAULT_IGNORE_PATTERNS))
+
+
+def push_folder_to_hub(
+    folder: str | os.PathLike,
+    repo_id: str,
+    private: bool = False,
+    token: str | None = None,
+    commit_message: str = "Upload BertPkm model",
+    ignore_patterns: list[str] = PUSH_IGNORE_PATTERNS,
+):
+    """Create `repo_id` if needed and upload `folder` to it; the token comes from `token`, HF_TOKEN or the login."""
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
+    return api.upload_folder(
+        repo_id=repo_id,
+        folder_path=str(folder),
+        repo_type="model",
+        commit_message=commit_message,
+        ignore_patterns=list(ignore_patterns),
+    )
+
+
+__all__ = [
+    "ConversionReport",
+    "check_hub_folder",
+    "check_output_dir",
+    "convert_to_pkm",
+    "files_to_upload",
+    "folder_parameter_counts",
+    "group_names",
+    "hub_id_or_none",
+    "load_source_tokenizer",
+    "push_folder_to_hub",
+    "save_converted",
+    "source_license",
+    "write_model_card",
+]

@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""
+Convert a BERT or DistilBERT checkpoint (local folder or Hub id) into a BertPkm model with product key memory layers
+("+Init" of Kim & Jung 2020) and save it as a complete Hub repository; optionally push it to the Hub.
+
+    python run_scripts/convert_to_pkm.py --model_name_or_path bert-base-uncased --output_dir bert-pkm \
+        --pkm_layers 4 8 --pkm_mode resm --pkm_value_init zeros
+"""
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from transformers import set_seed
+
+
+try:
+    import modeling_pkm_bert  # noqa: F401
+except ImportError:  # run from a source checkout without `pip install -e .`
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+from modeling_pkm_bert.conversion import (  # noqa: E402
+    TARGET_CLASSES,
+    check_output_dir,
+    convert_to_pkm,
+    hub_id_or_none,
+    load_source_tokenizer,
+    push_folder_to_hub,
+    save_converted,
+    source_license,
+)
+from modeling_pkm_bert.training import add_pkm_arguments, pkm_kwargs_from_args  # noqa: E402
+
+
+logger = logging.getLogger(__name__)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Convert a BERT/DistilBERT checkpoint into a BertPkm model.")
+    parser.add_argument(
+        "--model_name_or_path", type=str, required=True, help="BERT or DistilBERT checkpoint: a local folder or Hub id."
+    )
+    parser.add_argument("--output_dir", type=str, required=True, help="Where to write the converted Hub folder.")
+    parser.add_argument(
+        "--target_class",
+        type=str,
+        default=None,
+        choices=TARGET_CLASSES,
+        help="BertPkm class to build (default: the one of the source's head, BertForMaskedLM -> BertPkmForMaskedLM).",
+    )
+    parser.add_argument(
+        "--num_labels", type=int, default=None, help="Labels of a new classification head (with --target_class)."
+    )
+    parser.add_argument("--overwrite_output_dir", action="store_true", help="Replace a non-empty --output_dir.")
+    parser.add_argument("--max_shard_size", type=str, default="2GB", help="Weights above this size are sharded.")
+    parser.add_argument("--seed", type=int, default=42, help="Seed of the memory initialisation.")
+    parser.add_argument(
+        "--base_model", type=str, default=None, help="Hub id for the model card (default: --model_name_or_path if one)."
+    )
+    parser.add_argument("--license", type=str, default=None, help="License for the model card (default: the source's).")
+    parser.add_argument("--push_to_hub", action="store_true", help="Upload the output folder to the Hub.")
+    parser.add_argument(
+        "--hub_model_id", type=str, default=None, help="Repository to push to (default: the --output_dir name)."
+    )
+    parser.add_argument("--private", action="store_true", help="Create the Hub repository as private.")
+    parser.add_argument("--hub_token", type=str, default=None, help="Hub token (default: HF_TOKEN or the login).")
+    add_pkm_arguments(parser)  # the pkm_* flags every script shares (plus two training options, refused below)
+    args = parser.parse_args(argv)
+    if args.freeze_memory or args.memory_learning_rate != parser.get_default("memory_learning_rate"):
+        parser.error("--freeze_memory and --memory_learning_rate are training options; the converter does not train")
+
+    if args.num_labels is not None and args.num_labels < 1:
+        parser.error("--num_labels must be >= 1")
+    if (args.hub_model_id or args.private or args.hub_token) and not args.push_to_hub:
+        parser.error("--hub_model_id, --private and --hub_token need --push_to_hub")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
+    # fail before the (possibly long) conversion
+    check_output_dir(args.output_dir, args.overwrite_output_dir)
+    hub_model_id = args.hub_model_id or (Path(args.output_dir).absolute().name if args.push_to_hub else None)
+    set_seed(args.seed)
+
+    # Convert
+    config_overrides = {"num_labels": args.num_labels} if args.num_labels is not None else None
+    model, report = convert_to_pkm(
+        args.model_name_or_path, args.target_class, config_overrides=config_overrides, **pkm_kwargs_from_args(args)
+    )
+    print(report)
+
+    # Save the Hub folder: weights, code, config, tokenizer, model card
+    tokenizer = load_source_tokenizer(args.model_name_or_path)
+    if tokenizer is None:
+        logger.warning(f"{args.model_name_or_path} has no tokenizer files: the output folder has no tokenizer")
+    output_dir = save_converted(
+        model,
+        report,
+        args.output_dir,
+        tokenizer=tokenizer,
+        source_name=args.base_model or hub_id_or_none(args.model_name_or_path),
+        license=args.license or source_license(args.model_name_or_path),
+        repo_id=hub_model_id,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite_output_dir,
+    )
+    logger.info(f"Saved {report.target_class} to {output_dir}")
+
+    if args.push_to_hub:
+        commit = push_folder_to_hub(
+            output_dir,
+            hub_model_id,
+            private=args.private,
+            token=args.hub_token,
+            commit_message=f"Convert {report.source} to {report.target_class}",
+        )
+        logger.info(f"Pushed to {commit}")
+    return output_dir
+
+
+if __name__ == "__main__":
+    main()

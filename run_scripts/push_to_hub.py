@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""
+Publish a BertPkm output folder (converted or trained) on the Hugging Face Hub: check that it is a complete Hub
+repository, write a model card if it has none, then create the repository and upload the folder. Accelerate
+checkpoints (step_*/epoch_*), pickles and hidden files are not uploaded.
+
+    python run_scripts/push_to_hub.py --model_dir outputs/mlm --hub_model_id me/bert-pkm-mlm --private
+"""
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+try:
+    import modeling_pkm_bert  # noqa: F401
+except ImportError:  # run from a source checkout without `pip install -e .`
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+from modeling_pkm_bert.conversion import (  # noqa: E402
+    TOKENIZER_FILES,
+    check_hub_folder,
+    files_to_upload,
+    push_folder_to_hub,
+    write_model_card,
+)
+
+
+logger = logging.getLogger(__name__)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Upload a BertPkm output folder to the Hugging Face Hub.")
+    parser.add_argument(
+        "--model_dir", type=str, required=True, help="Output folder of convert_to_pkm.py or of a run_* script."
+    )
+    parser.add_argument("--hub_model_id", type=str, required=True, help="Repository to push to, e.g. user/bert-pkm.")
+    parser.add_argument("--private", action="store_true", help="Create the repository as private.")
+    parser.add_argument("--hub_token", type=str, default=None, help="Hub token (default: HF_TOKEN or the login).")
+    parser.add_argument("--commit_message", type=str, default="Upload BertPkm model")
+    parser.add_argument("--base_model", type=str, default=None, help="Hub id of the base model, for a new model card.")
+    parser.add_argument("--license", type=str, default=None, help="License, for a new model card.")
+    parser.add_argument("--dry_run", action="store_true", help="List what would be uploaded, upload nothing.")
+    args = parser.parse_args(argv)
+    if not Path(args.model_dir).is_dir():
+        parser.error(f"--model_dir {args.model_dir} is not a folder")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
+
+    check_hub_folder(args.model_dir)
+    if not any((Path(args.model_dir) / name).is_file() for name in TOKENIZER_FILES):
+        logger.warning(f"{args.model_dir} has no tokenizer: users of the repository will need another one")
+    if not (Path(args.model_dir) / "README.md").is_file():
+        write_model_card(args.model_dir, repo_id=args.hub_model_id, base_model=args.base_model, license=args.license)
+        logger.info(f"Wrote a model card to {Path(args.model_dir) / 'README.md'}")
+
+    files = files_to_upload(args.model_dir)
+    print(f"{'Would upload' if args.dry_run else 'Uploading'} {len(files)} files to {args.hub_model_id}:")
+    print("\n".join(f"  {name}" for name in files))
+    if args.dry_run:
+        return None
+    commit = push_folder_to_hub(
+        args.model_dir,
+        args.hub_model_id,
+        private=args.private,
+        token=args.hub_token,
+        commit_message=args.commit_message,
+    )
+    logger.info(f"Pushed to {commit}")
+    return commit
+
+
+if __name__ == "__main__":
+    main()
