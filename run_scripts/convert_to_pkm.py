@@ -66,10 +66,8 @@ def parse_args(argv=None):
     )
     parser.add_argument("--private", action="store_true", help="Create the Hub repository as private.")
     parser.add_argument("--hub_token", type=str, default=None, help="Hub token (default: HF_TOKEN or the login).")
-    add_pkm_arguments(parser)  # the pkm_* flags every script shares (plus two training options, refused below)
+    add_pkm_arguments(parser, training_options=False)  # the pkm_* flags every script shares
     args = parser.parse_args(argv)
-    if args.freeze_memory or args.memory_learning_rate != parser.get_default("memory_learning_rate"):
-        parser.error("--freeze_memory and --memory_learning_rate are training options; the converter does not train")
 
     if args.num_labels is not None and args.num_labels < 1:
         parser.error("--num_labels must be >= 1")
