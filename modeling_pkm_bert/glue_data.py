@@ -1,0 +1,168 @@
+"""The GLUE tasks: their columns and labels as on the Hub (`nyu-mll/glue`), and readers of GLUE's own TSV files.
+
+`run_scripts/run_glue.py` gets every task into one shape, whatever the source: the Hub dataset's column names
+(`task.sentence_keys`) and a `label` column holding the Hub's class ids (`task.label_names` gives their order;
+a float score for STS-B). The TSV reader turns the files of GLUE's `download_glue_data.py` into that shape:
+
+| task | file layout (train.tsv / dev.tsv) | label |
+|---|---|---|
+| cola | no header; source, label, original mark, sentence (4 columns) | 0 unacceptable, 1 acceptable |
+| sst2 | header `sentence  label` | 0 negative, 1 positive |
+| mrpc | header `Quality  #1 ID  #2 ID  #1 String  #2 String`, UTF-8 byte-order mark | Quality: 0/1 |
+| qqp | header `id  qid1  qid2  question1  question2  is_duplicate` | is_duplicate: 0/1 |
+| stsb | header `index genre filename year old_index source1 source2 sentence1 sentence2 score` | score, 0-5 |
+| mnli | header `index ... sentence1 sentence2 label1 ... gold_label`; dev_matched/mismatched | gold_label |
+| qnli | header `index  question  sentence  label` | entailment/not_entailment |
+| rte | header `index  sentence1  sentence2  label` | entailment/not_entailment |
+| wnli | header `index  sentence1  sentence2  label` | 0 not_entailment, 1 entailment |
+
+Files are read as tab-separated text without quote handling (`csv.QUOTE_NONE`: RTE and MRPC sentences contain
+`"`), as UTF-8 with an optional byte-order mark. Columns are found by header name, so extra columns (MNLI's
+label1..label5) do not matter. Rows too short to hold the needed columns are skipped with a warning (the GLUE
+processors of transformers skip malformed QQP rows the same way). GLUE's test files (no labels) are not read.
+"""
+
+import csv
+import dataclasses
+import logging
+import os
+
+import datasets
+
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class GlueTask:
+    name: str
+    sentence_keys: tuple[str, str | None]  # the Hub's text columns
+    label_names: tuple[str, ...] | None  # class names in the Hub's id order; None: regression
+    metrics: tuple[str, ...]  # what `glue_metrics.glue_compute_metrics` returns for the task
+    tsv_columns: dict  # Hub column -> TSV header name, or column index when the file has no header
+    tsv_label: str | int  # the TSV's label column (header name or index)
+    tsv_has_header: bool = True
+    validation_splits: tuple[str, ...] = ("validation",)  # Hub split names evaluated, in order
+
+    @property
+    def is_regression(self) -> bool:
+        return self.label_names is None
+
+    @property
+    def num_labels(self) -> int:
+        return 1 if self.is_regression else len(self.label_names)
+
+
+_ENTAILMENT2 = ("entailment", "not_entailment")
+
+GLUE_TASKS = {
+    task.name: task
+    for task in (
+        GlueTask("cola", ("sentence", None), ("unacceptable", "acceptable"), ("matthews_correlation",),
+                 {"sentence": 3}, 1, tsv_has_header=False),
+        GlueTask("sst2", ("sentence", None), ("negative", "positive"), ("accuracy",),
+                 {"sentence": "sentence"}, "label"),
+        GlueTask("mrpc", ("sentence1", "sentence2"), ("not_equivalent", "equivalent"), ("accuracy", "f1"),
+                 {"sentence1": "#1 String", "sentence2": "#2 String"}, "Quality"),
+        GlueTask("qqp", ("question1", "question2"), ("not_duplicate", "duplicate"), ("accuracy", "f1"),
+                 {"question1": "question1", "question2": "question2"}, "is_duplicate"),
+        GlueTask("stsb", ("sentence1", "sentence2"), None, ("pearson", "spearmanr"),
+                 {"sentence1": "sentence1", "sentence2": "sentence2"}, "score"),
+        GlueTask("mnli", ("premise", "hypothesis"), ("entailment", "neutral", "contradiction"), ("accuracy",),
+                 {"premise": "sentence1", "hypothesis": "sentence2"}, "gold_label",
+                 validation_splits=("validation_matched", "validation_mismatched")),
+        GlueTask("qnli", ("question", "sentence"), _ENTAILMENT2, ("accuracy",),
+                 {"question": "question", "sentence": "sentence"}, "label"),
+        GlueTask("rte", ("sentence1", "sentence2"), _ENTAILMENT2, ("accuracy",),
+                 {"sentence1": "sentence1", "sentence2": "sentence2"}, "label"),
+        GlueTask("wnli", ("sentence1", "sentence2"), ("not_entailment", "entailment"), ("accuracy",),
+                 {"sentence1": "sentence1", "sentence2": "sentence2"}, "label"),
+    )
+}  # fmt: skip
+
+
+def get_glue_task(name: str) -> GlueTask:
+    if name not in GLUE_TASKS:
+        raise ValueError(f"unknown GLUE task {name!r}; expected one of {sorted(GLUE_TASKS)}")
+    return GLUE_TASKS[name]
+
+
+def glue_features(task: GlueTask) -> datasets.Features:
+    """The Hub's features of a task (text columns, `label` as ClassLabel or float32, `idx`)."""
+    features = {key: datasets.Value("string") for key in task.sentence_keys if key is not None}
+    features["label"] = (
+        datasets.Value("float32") if task.is_regression else datasets.ClassLabel(names=list(task.label_names))
+    )
+    features["idx"] = datasets.Value("int32")
+    return datasets.Features(features)
+
+
+def _parse_label(task: GlueTask, text: str, where: str):
+    text = text.strip()
+    if task.is_regression:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{where}: the {task.name} score {text!r} is not a number") from None
+    if text in task.label_names:
+        return task.label_names.index(text)
+    if text.isdigit() and int(text) < len(task.label_names):
+        return int(text)
+    raise ValueError(
+        f"{where}: label {text!r} is not a {task.name} label (expected one of {list(task.label_names)} "
+        f"or their ids 0..{len(task.label_names) - 1})"
+    )
+
+
+def read_glue_tsv(path: str | os.PathLike, task: GlueTask | str) -> dict[str, list]:
+    """Reads a GLUE train/dev TSV of `task` into Hub-shaped columns: the task's sentence keys, `label`, `idx`."""
+    task = get_glue_task(task) if isinstance(task, str) else task
+    wanted = {**task.tsv_columns, "label": task.tsv_label}
+    columns = {key: [] for key in wanted}
+    columns["idx"] = []
+    skipped = []
+    with open(path, encoding="utf-8-sig", newline="") as handle:
+        reader = csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
+        if task.tsv_has_header:
+            header = next(reader, None)
+            if header is None:
+                raise ValueError(f"{path} is empty; expected a {task.name} TSV with a header")
+            missing = [name for name in wanted.values() if name not in header]
+            if missing:
+                raise ValueError(
+                    f"{path} does not have the GLUE {task.name} layout: header {header} lacks {missing} "
+                    f"(expected columns {sorted(wanted.values(), key=str)})"
+                )
+            positions = {key: header.index(name) for key, name in wanted.items()}
+        else:
+            positions = dict(wanted)
+        needed = max(positions.values()) + 1
+        first_line = 2 if task.tsv_has_header else 1
+        for line_number, row in enumerate(reader, start=first_line):
+            if not row:
+                continue
+            if len(row) < needed:
+                skipped.append(line_number)
+                continue
+            for key, position in positions.items():
+                value = row[position]
+                columns[key].append(_parse_label(task, value, f"{path}:{line_number}") if key == "label" else value)
+            columns["idx"].append(len(columns["idx"]))
+    if not columns["idx"]:
+        raise ValueError(
+            f"{path} holds no {task.name} rows in the GLUE {task.name} layout ({len(skipped)} rows too short)"
+        )
+    if skipped:
+        logger.warning(
+            f"{path}: skipped {len(skipped)} malformed rows (first at line {skipped[0]}; fewer than {needed} fields)"
+        )
+    return columns
+
+
+def load_glue_tsv(path: str | os.PathLike, task: GlueTask | str) -> datasets.Dataset:
+    """`read_glue_tsv` as a `datasets.Dataset` with the Hub's features (so `features["label"].names` works)."""
+    task = get_glue_task(task) if isinstance(task, str) else task
+    return datasets.Dataset.from_dict(read_glue_tsv(path, task), features=glue_features(task))
+
+
+__all__ = ["GLUE_TASKS", "GlueTask", "get_glue_task", "glue_features", "load_glue_tsv", "read_glue_tsv"]
