@@ -2,6 +2,8 @@
 
 import argparse
 import dataclasses
+import os
+import re
 
 import torch
 
@@ -26,8 +28,9 @@ def _field_parser(field: dataclasses.Field):
     return dict(type=str)
 
 
-def add_pkm_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Adds `--pkm_<field>` for every pkm_* field of BertPkmConfig, and the memory optimisation options."""
+def add_pkm_arguments(parser: argparse.ArgumentParser, training_options: bool = True) -> argparse.ArgumentParser:
+    """Adds `--pkm_<field>` for every pkm_* field of BertPkmConfig, and (for training scripts) the memory
+    optimisation options `--memory_learning_rate` and `--freeze_memory`."""
     group = parser.add_argument_group(
         "product key memory",
         "Given any --pkm_* flag and a plain BERT/DistilBERT checkpoint, the model is converted on load (+Init); "
@@ -36,6 +39,8 @@ def add_pkm_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     for name, field in PKM_FIELDS.items():
         default = field.default if field.default is not dataclasses.MISSING else None
         group.add_argument(f"--{name}", default=None, help=f"BertPkmConfig.{name} (config default: {default})", **_field_parser(field))
+    if not training_options:
+        return parser
     group.add_argument(
         "--memory_learning_rate",
         type=float,
@@ -45,6 +50,17 @@ def add_pkm_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     )
     group.add_argument(
         "--freeze_memory", action="store_true", help="Keep all memory parameters fixed (the paper's Table 5 ablation)."
+    )
+    group.add_argument(
+        "--memory_optimizer",
+        choices=MEMORY_OPTIMIZERS,
+        default="adam",
+        help="adam: torch Adam on dense value gradients (XLM's published setting; works with every backend). "
+        "sparse_row_adam: optimization.SparseRowAdam, a lazy row-wise Adam that updates only the rows a step read "
+        "(the paper's 'sparse update' of the values; bf16 first moment and one second moment per row, 1.5x the table "
+        "instead of Adam's 4x), fed sparse value gradients on one process or gloo and dense ones under NCCL, which "
+        "has no sparse all-reduce. It pays off when a step reads a small part of the table "
+        "(tokens per step * heads * knn well below pkm_n_keys ** 2).",
     )
     return parser
 
@@ -64,9 +80,12 @@ def memory_value_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def freeze_memory(model: torch.nn.Module) -> int:
-    """Fixes every memory parameter (keys, query network, values); returns how many parameters were frozen."""
+    """Fixes every memory parameter (keys, query network, values) and the query BatchNorm's running statistics, so the
+    memory is the same function after training (Table 5); returns how many parameters were frozen."""
     frozen = 0
     for memory in memory_modules(model).values():
+        if isinstance(memory.query_batchnorm, torch.nn.BatchNorm1d):
+            memory.query_batchnorm.momentum = 0.0  # batch statistics still normalise in training; the running ones stay
         for parameter in memory.parameters():
             parameter.requires_grad_(False)
             frozen += parameter.numel()
@@ -96,10 +115,30 @@ def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> tuple
     return main_groups, memory_groups
 
 
-def create_memory_optimizer(memory_groups: list[dict], args: argparse.Namespace) -> torch.optim.Optimizer | None:
-    """The values' own optimizer: Adam at a constant `--memory_learning_rate` (no scheduler is attached to it)."""
+MEMORY_OPTIMIZERS = ("adam", "sparse_row_adam")
+
+
+def sparse_gradients_supported() -> bool:
+    """Whether sparse value gradients can be all-reduced here: one process, or a gloo process group (not NCCL)."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return not distributed or torch.distributed.get_backend() == "gloo"
+
+
+def create_memory_optimizer(
+    memory_groups: list[dict], args: argparse.Namespace, model: torch.nn.Module | None = None
+) -> torch.optim.Optimizer | None:
+    """The values' own optimizer at a constant `--memory_learning_rate` (no scheduler is attached to it): Adam, or
+    with `--memory_optimizer sparse_row_adam` the row-wise lazy `SparseRowAdam`. For the latter, pass `model` (before
+    `accelerator.prepare`: DDP reads the flag when it wraps the model) to switch its value gradients to sparse where
+    the process group can all-reduce them; without it, or under NCCL, the gradients stay dense (same update)."""
     if not memory_groups:
         return None
+    if getattr(args, "memory_optimizer", "adam") == "sparse_row_adam":
+        from .optimization import SparseRowAdam, set_sparse_values
+
+        if model is not None:
+            set_sparse_values(model, sparse_gradients_supported())
+        return SparseRowAdam(memory_groups, lr=args.memory_learning_rate)
     return torch.optim.Adam(memory_groups, lr=args.memory_learning_rate)
 
 
@@ -134,8 +173,10 @@ def load_model(
     """
     import transformers
 
-    from . import modeling_bert_pkm
+    from . import modeling_bert_pkm, register_auto_classes
     from .conversion import convert_to_pkm
+
+    register_auto_classes()  # a BertPkm checkpoint loads with this package's classes, without trust_remote_code
 
     if task not in TASK_CLASSES:
         raise ValueError(f"unknown task {task!r}; expected one of {sorted(TASK_CLASSES)}")
@@ -169,3 +210,105 @@ def load_model(
             model_name_or_path, dtype=torch.float32, trust_remote_code=trust_remote_code, **config_overrides
         )
     return model.float()
+
+
+# ---- checkpoints: atomic `accelerator.save_state` and exact resume ----
+
+CHECKPOINT_NAME = re.compile(r"^(step|epoch)_(\d+)$")
+
+
+def save_checkpoint(accelerator, output_dir: str | None, name: str) -> str:
+    """`accelerator.save_state` into `output_dir/name` atomically: written to `name.tmp`, then renamed, so an
+    interrupted save never leaves a half-written `step_N`/`epoch_N` that a resume would pick up."""
+    import shutil
+
+    final = os.path.join(output_dir, name) if output_dir else name
+    temporary = f"{final}.tmp"
+    if accelerator.is_main_process and os.path.exists(temporary):
+        shutil.rmtree(temporary)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(temporary)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(temporary, final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def resume_position(
+    checkpoint: str, num_update_steps_per_epoch: int, gradient_accumulation_steps: int = 1
+) -> tuple[int, int, int]:
+    """Where training continues after `accelerator.load_state(checkpoint)`: (starting epoch, completed optimizer steps,
+    batches of the starting epoch to skip), read from the folder name `step_N` (N optimizer steps done) or `epoch_E`
+    (epoch E, 0-based, finished). Exact for any gradient accumulation, the last accumulation of an epoch being short."""
+    name = os.path.basename(os.path.normpath(checkpoint))
+    match = CHECKPOINT_NAME.match(name)
+    if match is None:
+        raise ValueError(f"cannot resume from {checkpoint!r}: the folder must be named step_<N> or epoch_<E>")
+    kind, number = match.group(1), int(match.group(2))
+    if kind == "epoch":
+        return number + 1, (number + 1) * num_update_steps_per_epoch, 0
+    epoch, steps_into_epoch = divmod(number, num_update_steps_per_epoch)
+    return epoch, number, steps_into_epoch * gradient_accumulation_steps
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The most advanced `step_N` / `epoch_E` folder in `output_dir` (by optimizer steps; an `epoch_E` counts as the
+    end of epoch E, after every step of it), or None. Half-written `*.tmp` folders are never picked."""
+    if not output_dir or not os.path.isdir(output_dir):
+        return None
+    found = []
+    for name in os.listdir(output_dir):
+        match = CHECKPOINT_NAME.match(name)
+        if match and os.path.isdir(os.path.join(output_dir, name)):
+            number = int(match.group(2))
+            # order: by epoch for epoch_E (after its steps), by step for step_N; the two kinds are not mixed in a run
+            found.append(((match.group(1) == "epoch", number), name))
+    return os.path.join(output_dir, max(found)[1]) if found else None
+
+
+# ---- model card with fine-tuning results (run_glue, run_squad) ----
+
+
+def write_results_model_card(
+    folder: str,
+    results: dict,
+    *,
+    repo_id: str | None = None,
+    base_model: str | None = None,
+    dataset: str | None = None,
+    task: str | None = None,
+    command: str | None = None,
+    title: str = "Fine-tuning results",
+) -> str:
+    """Writes `folder/README.md` for a fine-tuned model: `conversion.write_model_card` for a BertPkm folder (a short
+    card for a plain BERT baseline), followed by a `title` section ("Fine-tuning results") with every scalar of
+    `results` and the command that produced them. Returns the card's text."""
+    import json
+
+    from .conversion import write_model_card
+
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    if config.get("model_type") == BertPkmConfig.model_type:
+        text = str(write_model_card(folder, repo_id=repo_id, base_model=base_model))
+    else:
+        architecture = (config.get("architectures") or ["a BERT model"])[0]
+        text = f"# {repo_id or os.path.basename(os.path.abspath(folder))}\n\n`{architecture}` without product key memory"
+        text += f" (the baseline), fine-tuned from `{base_model}`.\n" if base_model else " (the baseline).\n"
+    lines = ["", f"## {title}", ""]
+    if dataset or task:
+        lines += [f"Task: {task or '-'}; data: `{dataset or '-'}`.", ""]
+    lines += ["| metric | value |", "|---|---:|"]
+    for key, value in results.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        lines.append(f"| `{key}` | {value:.4f} |" if isinstance(value, float) else f"| `{key}` | {value} |")
+    if command:
+        lines += ["", "Produced by:", "", "```bash", command, "```"]
+    text = text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
+    with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as handle:
+        handle.write(text)
+    return text

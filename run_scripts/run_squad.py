@@ -480,7 +480,7 @@ def main(argv=None):
         # learning rate without weight decay (XLM and the paper).
         main_groups, memory_groups = optimizer_param_groups(model, args.weight_decay)
         optimizer = torch.optim.AdamW(main_groups, lr=args.learning_rate)
-        memory_optimizer = create_memory_optimizer(memory_groups, args)
+        memory_optimizer = create_memory_optimizer(memory_groups, args, model)
 
         # Scheduler and math around the number of training steps.
         overrode_max_train_steps = False
