@@ -5,6 +5,237 @@ import torch.nn.functional as F
 from torch import nn
 
 
+_CANDIDATE_PAIRS: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+
+def _candidate_pairs(knn: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Ranks `(a, b)` in the two halves' descending top-`knn` lists whose sum can be among the best `knn` products.
+
+    Pair `(a, b)` is matched or beaten by every pair `(a', b')` with `a' <= a` and `b' <= b`, that is by
+    `(a + 1) * (b + 1) - 1` others, so only pairs with `(a + 1) * (b + 1) <= knn` can make the top `knn`:
+    119 of the 1024 pairs for `knn=32` (about `knn * ln(knn)`).
+    """
+    if knn not in _CANDIDATE_PAIRS:
+        pairs = [(a, b) for a in range(knn) for b in range(knn // (a + 1))]
+        _CANDIDATE_PAIRS[knn] = tuple(a for a, _ in pairs), tuple(b for _, b in pairs)
+    return _CANDIDATE_PAIRS[knn]
+
+
+def _reusable_buffer(
+    cache: dict, name: str, numel: int, dtype: torch.dtype, device: torch.device, spare: float = 0.0
+) -> torch.Tensor:
+    """A flat CPU buffer of `numel` elements, the previous one when nothing else holds it any more.
+
+    A fresh allocation of hundreds of MiB costs its page faults on every step on CPU (a 768 MiB value gradient: as
+    long as the whole step); reusing the last step's buffer, once the optimizer has dropped the gradient that lived
+    in it, avoids them. A buffer still referenced elsewhere (a kept `.grad`, gradient accumulation) is never reused:
+    a new one is made and kept instead. `spare`: extra room for sizes that vary from step to step.
+    """
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # no way to tell whether the last buffer is free: always a new one
+        return torch.empty(numel, dtype=dtype, device=device)
+    entry = cache.get(name)
+    if entry is not None:
+        buffer, free_count = entry
+        if (
+            buffer.dtype == dtype
+            and buffer.device == device
+            and buffer.numel() >= numel
+            and use_count(buffer.untyped_storage()._cdata) == free_count
+        ):
+            return buffer[:numel]
+    buffer = torch.empty(numel + int(numel * spare), dtype=dtype, device=device)
+    cache[name] = (buffer, use_count(buffer.untyped_storage()._cdata))
+    return buffer[:numel]
+
+
+# CPU fp32/fp64: torch's sparse CSR kernels for the value backward (False: the EmbeddingBag-style kernels used elsewhere)
+_CPU_SPARSE_KERNELS = True
+
+
+class _WeightedRowSum(torch.autograd.Function):
+    """`output[t] = sum_j per_sample_weights[t, j] * weight[indices[t, j]]`, with a cheaper backward than EmbeddingBag's.
+
+    The lookups are sorted by row once; then
+    - the weight gradient (row r: the sum of `per_sample_weight * grad_output[token]` over the lookups of r) is a
+      (rows x tokens) sparse matrix times `grad_output`: the coalesced rows only, as a sparse COO tensor (`sparse=True`),
+      or all rows, dense (`sparse=False`), without a separate zero-fill and scatter;
+    - the gradient of each per-sample weight, `dot(weight[indices[t, j]], grad_output[t])`, is a sampled matrix
+      product over the same pattern, which reads the value rows in ascending order.
+    On CPU in fp32/fp64 both are torch sparse CSR kernels; elsewhere EmbeddingBag-style kernels do the same sums.
+    """
+
+    @staticmethod
+    def forward(ctx, weight, indices, per_sample_weights, sparse, workspaces):
+        ctx.save_for_backward(weight, indices, per_sample_weights)
+        ctx.sparse, ctx.workspaces = sparse, workspaces
+        return F.embedding_bag(indices, weight, mode="sum", per_sample_weights=per_sample_weights)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        weight, indices, per_sample_weights = ctx.saved_tensors
+        need_weight, need_per_sample_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        grad_output = grad_output.contiguous()
+        n_rows, dim = weight.shape
+        tokens, bag = indices.shape
+        device, dtype = weight.device, grad_output.dtype
+        flat = indices.reshape(-1)
+        sorted_rows, order = flat.sort(stable=True)
+        tokens_of_lookups = torch.div(order, bag, rounding_mode="floor")
+        weights_of_lookups = per_sample_weights.reshape(-1)[order].to(dtype)
+        grad_weight = grad_per_sample_weights = None
+
+        cpu_kernels = device.type == "cpu" and dtype in (torch.float32, torch.float64) and weight.dtype == dtype
+        if _CPU_SPARSE_KERNELS and cpu_kernels:
+            index_dtype = torch.int32 if flat.numel() < 2**31 else torch.int64
+            tokens_of_lookups = tokens_of_lookups.to(index_dtype)
+            crow = torch.zeros(n_rows + 1, dtype=index_dtype, device=device)
+            torch.cumsum(torch.bincount(flat, minlength=n_rows), 0, dtype=index_dtype, out=crow[1:])
+            # torch says once per process that sparse CSR support is in beta (UserWarning; harmless)
+            lookups = torch.sparse_csr_tensor(
+                crow, tokens_of_lookups, weights_of_lookups, (n_rows, tokens), check_invariants=False
+            )
+            if need_per_sample_weights:
+                dots = torch.sparse.sampled_addmm(lookups, weight, grad_output.t(), beta=0.0).values()
+                grad_per_sample_weights = torch.empty_like(dots).index_copy_(0, order, dots).view(tokens, bag)
+            if need_weight and not ctx.sparse:
+                out = _reusable_buffer(ctx.workspaces, "dense_grad", n_rows * dim, dtype, device).view(n_rows, dim)
+                grad_weight = torch.addmm(out, lookups, grad_output, beta=0, out=out)
+            elif need_weight:
+                del lookups, crow
+                used, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+                crow = torch.zeros(used.numel() + 1, dtype=index_dtype, device=device)
+                torch.cumsum(counts, 0, dtype=index_dtype, out=crow[1:])
+                compact = torch.sparse_csr_tensor(
+                    crow, tokens_of_lookups, weights_of_lookups, (used.numel(), tokens), check_invariants=False
+                )
+                # the number of rows used changes from step to step: 1/8 spare room
+                out = _reusable_buffer(ctx.workspaces, "sparse_grad", used.numel() * dim, dtype, device, spare=0.125)
+                out = out.view(used.numel(), dim)
+                grad_weight = _sparse_rows(used, torch.addmm(out, compact, grad_output, beta=0, out=out), n_rows)
+            return grad_weight, None, grad_per_sample_weights, None, None
+
+        if need_per_sample_weights:
+            offsets = torch.arange(0, tokens * bag, bag, device=device)
+            offset2bag = torch.arange(tokens, device=device).repeat_interleave(bag)
+            grad_per_sample_weights = torch.ops.aten._embedding_bag_per_sample_weights_backward(
+                grad_output, weight, flat, offsets, offset2bag, 0, -1
+            ).view(tokens, bag)
+        if need_weight:
+            used, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+            offsets = torch.cumsum(counts, 0) - counts
+            grad_rows = F.embedding_bag(
+                tokens_of_lookups, grad_output, offsets, mode="sum", per_sample_weights=weights_of_lookups
+            ).to(weight.dtype)
+            if ctx.sparse:
+                grad_weight = _sparse_rows(used, grad_rows, n_rows)
+            else:
+                grad_weight = grad_rows.new_zeros(n_rows, dim).index_copy_(0, used, grad_rows)
+        return grad_weight, None, grad_per_sample_weights, None, None
+
+
+class _SubkeyTopk(torch.autograd.Function):
+    """`(bmm(halves, keys^T)).topk(knn)` for every head-half at once, whose backward touches the selected keys only.
+
+    The dense backward multiplies an (n_keys)-wide gradient that is zero but for `knn` entries per row: here the query
+    gradient sums the `knn` selected sub-keys of each row (an EmbeddingBag) and the key gradient sums, per sub-key,
+    the queries that selected it (an EmbeddingBag over the selections sorted by key).
+    """
+
+    @staticmethod
+    def forward(ctx, halves, keys, knn):
+        scores, indices = torch.bmm(halves, keys.transpose(1, 2)).topk(knn, dim=-1)
+        ctx.save_for_backward(halves, keys, indices)
+        ctx.mark_non_differentiable(indices)
+        return scores, indices
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_scores, _grad_indices):
+        halves, keys, indices = ctx.saved_tensors
+        groups, tokens, half = halves.shape
+        n_keys, knn = keys.shape[1], indices.shape[-1]
+        # rows of keys.reshape(groups * n_keys, half)
+        rows = (indices + torch.arange(0, groups * n_keys, n_keys, device=indices.device).view(groups, 1, 1)).view(-1, knn)
+        grad_scores = grad_scores.contiguous().view(-1, knn).to(keys.dtype)
+        grad_halves = grad_keys = None
+        if ctx.needs_input_grad[0]:
+            grad_halves = F.embedding_bag(rows, keys.reshape(-1, half), mode="sum", per_sample_weights=grad_scores)
+            grad_halves = grad_halves.view(groups, tokens, half)
+        if ctx.needs_input_grad[1]:
+            flat = rows.reshape(-1)
+            _, order = flat.sort(stable=True)
+            counts = torch.bincount(flat, minlength=groups * n_keys)
+            grad_keys = F.embedding_bag(
+                torch.div(order, knn, rounding_mode="floor"),
+                halves.reshape(groups * tokens, half).to(keys.dtype),
+                torch.cumsum(counts, 0) - counts,
+                mode="sum",
+                per_sample_weights=grad_scores.reshape(-1)[order],
+            ).view(groups, n_keys, half)
+        return grad_halves, grad_keys, None
+
+
+def _sparse_rows(rows: torch.Tensor, values: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """The sparse COO gradient of a `(n_rows, dim)` table from its sorted distinct `rows` and their `values`."""
+    return torch.sparse_coo_tensor(
+        rows.unsqueeze(0), values, (n_rows, values.shape[1]), is_coalesced=True, check_invariants=False
+    )
+
+
+class ProductKeyValues(nn.EmbeddingBag):
+    r"""
+    The value table of a [`ProductKeyMemory`]: an `nn.EmbeddingBag(num_slots, v_dim, mode="sum")` (same `weight`, same
+    call `values(indices, per_sample_weights=weights)`, same output) whose training backward is cheaper.
+
+    - `sparse=False` (default): a dense `weight.grad` as EmbeddingBag's, which DDP/NCCL, FSDP, `clip_grad_norm_` and
+      every optimizer accept.
+    - `sparse=True`: `weight.grad` is a coalesced sparse COO tensor over the rows the step used (one row each), for
+      [`~optimization.SparseRowAdam`] or `torch.optim.SparseAdam`; DDP reads the `sparse` attribute at wrapping time
+      (sparse all-reduce needs gloo, not NCCL; FSDP refuses sparse gradients).
+
+    On CPU the gradient lives in a buffer reused from step to step (fresh allocations of hundreds of MiB cost page
+    faults); `eval()` releases it. `fused_backward = False` gives EmbeddingBag's own backward (the reference).
+    """
+
+    fused_backward = True
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, sparse: bool = False, **kwargs):
+        super().__init__(num_embeddings, embedding_dim, mode="sum", sparse=sparse, **kwargs)
+        self._workspaces = {}
+
+    def forward(self, input, offsets=None, per_sample_weights=None):
+        if (
+            not self.fused_backward
+            or offsets is not None
+            or input.dim() != 2
+            or per_sample_weights is None
+            or not torch.is_grad_enabled()
+            or not (self.weight.requires_grad or per_sample_weights.requires_grad)
+            or self.max_norm is not None
+            or self.padding_idx is not None
+            or torch.compiler.is_compiling()
+        ):
+            return super().forward(input, offsets, per_sample_weights)
+        return _WeightedRowSum.apply(self.weight, input, per_sample_weights, self.sparse, self._workspaces)
+
+    def train(self, mode: bool = True):
+        if not mode:
+            self.release_workspace()
+        return super().train(mode)
+
+    def release_workspace(self):
+        """Frees the gradient buffer kept between training steps (it is made again by the next backward)."""
+        self._workspaces.clear()
+
+    def __getstate__(self):
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        return {**state, "_workspaces": {}}
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, mode='sum', sparse={self.sparse}"
+
+
 class ProductKeyMemory(nn.Module):
     r"""
     Maps `(..., input_dim)` to `(..., v_dim)`: a query network (Linear + BatchNorm) gives each head a query that is
@@ -15,7 +246,17 @@ class ProductKeyMemory(nn.Module):
     Slot `i1 * n_keys + i2` pairs row `i1` of `keys[h, 0]` (first half of the query) with row `i2` of `keys[h, 1]`.
     Padding tokens (`attention_mask == 0`) are neither looked up nor counted in the BatchNorm statistics; their output is
     zero.
+
+    `sparse=True` (or setting `sparse_values` before wrapping the model in DDP) makes `values.weight.grad` a coalesced
+    sparse tensor over the rows a step used, for a row-wise optimizer (`optimization.SparseRowAdam`); the default dense
+    gradient suits DDP/NCCL, FSDP and any optimizer. Either way the values are read through `self.values(indices,
+    per_sample_weights=weights)`, a [`ProductKeyValues`] (an `nn.EmbeddingBag`).
     """
+
+    # only the (a + 1) * (b + 1) <= knn pairs of the halves' top-knn lists are scored (exact); False: all knn ** 2
+    prune_candidates = True
+    # backward of the sub-key top-knn through the knn selected keys only (False: dense bmm backward, the reference)
+    fused_search_backward = True
 
     def __init__(
         self,
@@ -31,6 +272,7 @@ class ProductKeyMemory(nn.Module):
         input_dropout: float = 0.0,
         query_dropout: float = 0.0,
         value_dropout: float = 0.0,
+        sparse: bool = False,
     ):
         super().__init__()
         if k_dim % 2:
@@ -50,7 +292,7 @@ class ProductKeyMemory(nn.Module):
         self.query_batchnorm = nn.BatchNorm1d(heads * k_dim) if query_batchnorm else nn.Identity()
         self.query_dropout = nn.Dropout(query_dropout)
         self.keys = nn.Parameter(torch.empty(heads, 2, n_keys, k_dim // 2))
-        self.values = nn.EmbeddingBag(n_keys**2, self.v_dim, mode="sum")
+        self.values = ProductKeyValues(n_keys**2, self.v_dim, sparse=sparse)
         self.value_dropout = nn.Dropout(value_dropout)
         self.reset_parameters()
 
@@ -71,21 +313,46 @@ class ProductKeyMemory(nn.Module):
     def mem_size(self) -> int:
         return self.n_keys**2
 
+    @property
+    def sparse_values(self) -> bool:
+        """Whether `values.weight.grad` is sparse (rows used by the step) rather than dense."""
+        return self.values.sparse
+
+    @sparse_values.setter
+    def sparse_values(self, sparse: bool):
+        self.values.sparse = bool(sparse)
+
     def search(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact top-`knn` product keys of each head: `(..., heads, k_dim)` -> scores, indices `(..., heads, knn)`."""
         if queries.shape[-2:] != (self.heads, self.k_dim):
             raise ValueError(f"queries must end in (heads, k_dim) = {(self.heads, self.k_dim)}, got {tuple(queries.shape)}")
         batch_shape, knn, n_keys = queries.shape[:-2], self.knn, self.n_keys
         halves = queries.reshape(-1, self.heads * 2, self.k_dim // 2).transpose(0, 1)  # (heads * 2, tokens, half)
-        subkey_scores = torch.bmm(halves, self.keys.to(halves.dtype).flatten(0, 1).transpose(1, 2))
-        half_scores, half_indices = subkey_scores.topk(knn, dim=-1)  # (heads * 2, tokens, knn)
+        keys = self.keys.to(halves.dtype).flatten(0, 1)  # (heads * 2, n_keys, half)
+        if (
+            self.fused_search_backward
+            and torch.is_grad_enabled()
+            and (halves.requires_grad or keys.requires_grad)
+            and not torch.compiler.is_compiling()
+        ):
+            half_scores, half_indices = _SubkeyTopk.apply(halves, keys, knn)
+        else:
+            subkey_scores = torch.bmm(halves, keys.transpose(1, 2))
+            half_scores, half_indices = subkey_scores.topk(knn, dim=-1)  # (heads * 2, tokens, knn), sorted descending
         half_scores = half_scores.unflatten(0, (self.heads, 2))
         half_indices = half_indices.unflatten(0, (self.heads, 2))
         # a product key is the concatenation of its two sub-keys, so its score is the sum of the halves' scores
-        candidate_scores = half_scores[:, 0, :, :, None] + half_scores[:, 1, :, None, :]  # (heads, tokens, knn, knn)
-        candidate_indices = half_indices[:, 0, :, :, None] * n_keys + half_indices[:, 1, :, None, :]
-        scores, best = candidate_scores.flatten(-2).topk(knn, dim=-1)  # (heads, tokens, knn)
-        indices = candidate_indices.flatten(-2).gather(-1, best)
+        if self.prune_candidates:
+            # only the pairs of ranks (a, b) with (a + 1) * (b + 1) <= knn can be among the best knn sums
+            first, second = (torch.tensor(ranks, device=queries.device) for ranks in _candidate_pairs(knn))
+            candidate_scores = half_scores[:, 0, :, first] + half_scores[:, 1, :, second]  # (heads, tokens, pairs)
+            scores, best = candidate_scores.topk(knn, dim=-1)  # (heads, tokens, knn)
+            indices = half_indices[:, 0].gather(-1, first[best]) * n_keys + half_indices[:, 1].gather(-1, second[best])
+        else:  # all knn * knn pairs, as XLM
+            candidate_scores = half_scores[:, 0, :, :, None] + half_scores[:, 1, :, None, :]  # (heads, tokens, knn, knn)
+            candidate_indices = half_indices[:, 0, :, :, None] * n_keys + half_indices[:, 1, :, None, :]
+            scores, best = candidate_scores.flatten(-2).topk(knn, dim=-1)  # (heads, tokens, knn)
+            indices = candidate_indices.flatten(-2).gather(-1, best)
         return (
             scores.transpose(0, 1).reshape(*batch_shape, self.heads, knn),
             indices.transpose(0, 1).reshape(*batch_shape, self.heads, knn),
@@ -115,6 +382,8 @@ class ProductKeyMemory(nn.Module):
             )
         # padding is skipped: it must not shift the BatchNorm statistics nor cost lookups
         real = attention_mask.reshape(-1).nonzero().squeeze(1)
+        if real.numel() == flat.shape[0]:  # no padding: no gather and scatter of the tokens
+            return self.lookup(flat).view(*batch_shape, self.v_dim)
         output = flat.new_zeros(flat.shape[0], self.v_dim)
         if real.numel():
             output = output.index_copy(0, real, self.lookup(flat.index_select(0, real)))

@@ -1,0 +1,299 @@
+"""Optimisation of product key memories: the values' own optimizer group and a row-wise lazy Adam for them.
+
+XLM and Kim & Jung train the memory values with their own Adam at a constant learning rate of 1e-3, without weight
+decay or warm-up, and everything else (keys and query network included) with the main optimizer and schedule. A
+step reads `tokens * heads * knn` rows of a table of `n_keys ** 2` rows (131,072 lookups of 262,144 rows for 8 x 128
+tokens at the paper's size, ~100k distinct rows), yet dense Adam rewrites every row and keeps two fp32 moments: a
+value table's training state is then 4x the table (weights, gradient, two moments). Here:
+
+- `ProductKeyMemory(..., sparse=True)` / `set_sparse_values(model)` gives a sparse value gradient over the rows used;
+- `SparseRowAdam` updates only those rows, with a bf16 first moment and a row-wise fp32 second moment (~1.5x the
+  table with the weights, plus the step's sparse gradient), as large embedding-table systems do;
+- `pkm_param_groups` / `pkm_value_parameters` split the parameters, `pkm_lr_lambdas` keeps the values' learning rate
+  constant under a scheduler, `clip_grad_norm_` accepts the sparse gradients that torch's refuses.
+
+Typical use (two optimizers, as XLM):
+
+    set_sparse_values(model, True)                       # before DDP wrapping; keep False for NCCL/FSDP
+    main = torch.optim.AdamW(pkm_param_groups(model, lr=1e-4, weight_decay=0.01, include_values=False))
+    values = SparseRowAdam(pkm_value_parameters(model), lr=1e-3)
+    scheduler = transformers.get_scheduler("linear", main, num_warmup_steps=..., num_training_steps=...)
+    ...
+    loss.backward(); main.step(); values.step(); scheduler.step(); main.zero_grad(); values.zero_grad()
+"""
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from .product_key_memory import ProductKeyMemory
+
+
+PKM_VALUES_GROUP = "pkm_values"
+
+
+def pkm_value_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The value tables (`values.weight`) of every `ProductKeyMemory` in `model`, each once, in module order."""
+    seen, parameters = set(), []
+    for module in model.modules():
+        if isinstance(module, ProductKeyMemory) and id(module.values.weight) not in seen:
+            seen.add(id(module.values.weight))
+            parameters.append(module.values.weight)
+    return parameters
+
+
+def pkm_param_groups(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    memory_lr: float = 1e-3,
+    include_values: bool = True,
+) -> list[dict]:
+    """Optimizer parameter groups with the memory values apart (XLM; Kim & Jung 2020).
+
+    Returns up to three groups, each with a `"name"`:
+    - `"decay"`: every other trainable parameter at `lr` with `weight_decay`;
+    - `"no_decay"`: biases and the parameters of LayerNorm / BatchNorm modules (the memories' query BatchNorm
+      included) at `lr` without weight decay, as the transformers examples do;
+    - `"pkm_values"` (when `include_values`): the value tables at the constant `memory_lr` (1e-3), no weight decay.
+      Keep it out of any warm-up/decay schedule: give it its own optimizer (`include_values=False` here, and
+      `SparseRowAdam(pkm_value_parameters(model), lr=memory_lr)`), or use `pkm_lr_lambdas` with one `LambdaLR`.
+    Keys and query networks of the memories follow the main schedule. Empty groups are left out; frozen parameters
+    (`requires_grad=False`) too.
+    """
+    values = {id(p) for p in pkm_value_parameters(model)}
+    norms = (nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.GroupNorm)
+    no_decay_ids = {id(p) for m in model.modules() if isinstance(m, norms) for p in m.parameters(recurse=False)}
+    decay, no_decay, memory, seen = [], [], [], set()
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad or id(parameter) in seen:
+            continue
+        seen.add(id(parameter))
+        if id(parameter) in values:
+            memory.append(parameter)
+        elif id(parameter) in no_decay_ids or name.endswith("bias"):
+            no_decay.append(parameter)
+        else:
+            decay.append(parameter)
+    groups = [
+        {"params": decay, "lr": lr, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "lr": lr, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+    if include_values:
+        groups.append({"params": memory, "lr": memory_lr, "weight_decay": 0.0, "name": PKM_VALUES_GROUP})
+    return [group for group in groups if group["params"]]
+
+
+def pkm_lr_lambdas(
+    optimizer: torch.optim.Optimizer, schedule: Callable[[int], float]
+) -> list[Callable[[int], float]]:
+    """Per-group multipliers for `torch.optim.lr_scheduler.LambdaLR(optimizer, pkm_lr_lambdas(optimizer, schedule))`:
+    `schedule` (e.g. linear warm-up and decay) for every group except `"pkm_values"`, which stays at its lr."""
+    return [(lambda step: 1.0) if group.get("name") == PKM_VALUES_GROUP else schedule for group in optimizer.param_groups]
+
+
+def set_sparse_values(model: nn.Module, sparse: bool = True) -> int:
+    """Switches the value gradient of every memory to sparse (rows used by the step) or dense; returns how many
+    memories were switched. Call it before wrapping the model in DDP (which reads the flag once): sparse gradients
+    need a gloo process group (NCCL has no sparse all-reduce) and no FSDP; dense ones work everywhere."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, ProductKeyMemory):
+            module.sparse_values = sparse
+            count += 1
+    return count
+
+
+def _coalesced(grad: torch.Tensor) -> torch.Tensor:
+    """A coalesced view of a sparse row gradient. The autograd engine drops the `is_coalesced` flag that the memory's
+    backward sets, so rows already sorted and distinct are flagged again (cheap), instead of paying `coalesce()`."""
+    if grad.is_coalesced():
+        return grad
+    rows = grad._indices()
+    if rows.shape[0] == 1 and (rows.shape[1] < 2 or bool((rows[0, 1:] > rows[0, :-1]).all())):
+        return grad._coalesced_(True)
+    return grad.coalesce()
+
+
+def cast_pkm_values(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Stores every memory's value table in `dtype` (e.g. bf16 for inference); returns how many were cast.
+
+    The lookup reads half the bytes in bf16 (on the 2-core CPU of benchmarks/RESULTS.md the gather of 4096 tokens
+    runs ~2x faster); EmbeddingBag accumulates in fp32, but the softmax weights are rounded to bf16 and the memory
+    output to bf16 before it is cast back to the hidden states' dtype (relative error ~4e-3 of the memory output).
+    Meant for inference: training bf16 values has no fp32 master copy (`SparseRowAdam` then rounds each update).
+    """
+    count = 0
+    for module in model.modules():
+        if isinstance(module, ProductKeyMemory):
+            module.values.to(dtype)
+            count += 1
+    return count
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` that also takes sparse gradients (torch's raises on them): the norm of a
+    sparse gradient is that of its coalesced values. Returns the total norm (before clipping)."""
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    grads = [_coalesced(g) if g.is_sparse else g for g in grads]
+    dense_view = [g._values() if g.is_sparse else g for g in grads]
+    norms = [torch.linalg.vector_norm(g, norm_type) for g in dense_view]
+    device = norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for parameter, grad in zip([p for p in parameters if p.grad is not None], grads):
+        if grad.is_sparse:
+            grad._values().mul_(clip_coef.to(grad.device))
+            parameter.grad = grad  # the coalesced (and now scaled) gradient
+        else:
+            grad.mul_(clip_coef.to(grad.device))
+    return total
+
+
+class SparseRowAdam(torch.optim.Optimizer):
+    r"""Lazy, row-wise Adam for embedding-like tables such as PKM values (`(rows, dim)` parameters).
+
+    Semantics. Only the rows present in a step's gradient are updated: the rows of a sparse gradient (coalesced if
+    needed), or, for a dense gradient (DDP/NCCL, FSDP), the rows with a nonzero entry, so both give the same result.
+    A touched row gets an Adam step with its own moments; an untouched row keeps its weights and moments unchanged
+    (dense Adam would keep moving it with its decaying momentum; `torch.optim.SparseAdam` is lazy in the same way).
+    The step count is per parameter (global), for the bias corrections, as in `SparseAdam`/TF `LazyAdam`.
+
+    State (chosen for the "<= 2x the table" target; dense Adam keeps 4x: weights, gradient, two fp32 moments):
+    - `exp_avg`: the first moment, per element, stored in `exp_avg_dtype` (default bf16: half the table; the update
+      is computed in fp32 and rounded once per step, DeepSeek-V3 kept its AdamW moments in bf16 likewise);
+    - `exp_avg_sq`: with `rowwise=True` (default) ONE fp32 second moment per row, the running mean over the row of
+      the squared gradient (FBGEMM's "partial row-wise Adam"): 4 bytes a row. With `rowwise=False` the usual per-element
+      fp32 second moment.
+    - `betas[0] == 0`: no first moment is kept at all (as Adafactor's default): a row-wise RMSprop.
+    Weights + state: 1.5x the fp32 table by default (+ 1/dim), 2x with an fp32 first moment, 3x with `rowwise=False`
+    and fp32, 1x with `betas[0] == 0`; plus the step's gradient while it exists (sparse: the fraction of rows used,
+    ~0.39x at 8 x 128 tokens of the paper's memory, -> 1x once a step touches every row; dense: 1x). So weights +
+    gradient + state stay <= 2x the table with the defaults while a step touches <= half of the rows, and always
+    with `betas[0] == 0`.
+
+    With `rowwise=False` and `exp_avg_dtype=torch.float32`, a step in which every row has a nonzero gradient equals
+    `torch.optim.Adam` (weight_decay 0) exactly, op for op. `weight_decay` is decoupled (AdamW) and, like the rest,
+    applied to the touched rows only. Rows are processed in chunks of `chunk_rows` so that temporaries stay small
+    (256 rows x 768 fp32 = 768 KiB, L2-sized; no fresh allocations of hundreds of MiB, which cost page faults on CPU).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        rowwise: bool = True,
+        exp_avg_dtype: torch.dtype = torch.bfloat16,
+        chunk_rows: int = 256,
+    ):
+        if not lr >= 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"Invalid betas: {betas}")
+        if not eps >= 0.0:
+            raise ValueError(f"Invalid eps: {eps}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"Invalid weight_decay: {weight_decay}")
+        if chunk_rows < 1:
+            raise ValueError(f"Invalid chunk_rows: {chunk_rows}")
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rowwise=rowwise, exp_avg_dtype=exp_avg_dtype,
+            chunk_rows=chunk_rows,
+        )
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dim() != 2:
+                    raise ValueError(f"SparseRowAdam updates rows of 2-D tables; got a parameter of shape {tuple(p.shape)}")
+
+    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            if group["betas"][0] > 0:  # beta1 = 0: no first moment at all
+                state["exp_avg"] = torch.zeros_like(p, dtype=group["exp_avg_dtype"], memory_format=torch.contiguous_format)
+            shape = (p.shape[0],) if group["rowwise"] else p.shape
+            state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
+        return state
+
+    @staticmethod
+    def _touched(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rows, their gradient rows or None to read them from the dense gradient)."""
+        if grad.is_sparse:
+            grad = _coalesced(grad)
+            return grad._indices()[0], grad._values()
+        return grad.any(dim=1).nonzero().squeeze(1), None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, weight_decay, rowwise = group["lr"], group["eps"], group["weight_decay"], group["rowwise"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse and p.grad.dense_dim() != 1:
+                    raise ValueError("SparseRowAdam expects sparse gradients with sparse rows and dense columns")
+                state = self._init_state(p, group)
+                state["step"] += 1
+                step = state["step"].item()
+                bias_correction1 = 1 - beta1**step
+                bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+                step_size = lr / bias_correction1
+                rows, grad_rows = self._touched(p.grad)
+                exp_avg, exp_avg_sq = state.get("exp_avg"), state["exp_avg_sq"]
+                for start in range(0, rows.numel(), group["chunk_rows"]):
+                    index = rows[start : start + group["chunk_rows"]]
+                    if grad_rows is None:
+                        grad = p.grad.index_select(0, index)
+                    else:
+                        grad = grad_rows[start : start + group["chunk_rows"]]
+                    grad = grad.to(torch.float32) if grad.dtype != torch.float32 else grad
+                    if exp_avg is None:
+                        moment1 = grad
+                    else:
+                        moment1 = exp_avg.index_select(0, index)
+                        moment1 = moment1.float() if moment1.dtype != torch.float32 else moment1
+                        moment1.lerp_(grad, 1 - beta1)
+                    moment2 = exp_avg_sq.index_select(0, index)
+                    if rowwise:
+                        mean_square = torch.linalg.vector_norm(grad, dim=1).square_().div_(grad.shape[1])
+                        moment2.mul_(beta2).add_(mean_square, alpha=1 - beta2)
+                        denom = (moment2.sqrt() / bias_correction2_sqrt).add_(eps).unsqueeze(1)
+                    else:
+                        moment2.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                        denom = (moment2.sqrt() / bias_correction2_sqrt).add_(eps)
+                    weights = p.index_select(0, index)
+                    weights = weights.float() if weights.dtype != torch.float32 else weights
+                    if weight_decay:
+                        weights.mul_(1 - lr * weight_decay)
+                    weights.addcdiv_(moment1, denom, value=-step_size)
+                    p.index_copy_(0, index, weights.to(p.dtype))
+                    if exp_avg is not None:
+                        exp_avg.index_copy_(0, index, moment1.to(exp_avg.dtype))
+                    exp_avg_sq.index_copy_(0, index, moment2)
+        return loss
+
+
+__all__ = [
+    "PKM_VALUES_GROUP",
+    "SparseRowAdam",
+    "cast_pkm_values",
+    "clip_grad_norm_",
+    "pkm_lr_lambdas",
+    "pkm_param_groups",
+    "pkm_value_parameters",
+    "set_sparse_values",
+]

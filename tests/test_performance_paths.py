@@ -1,0 +1,547 @@
+"""The fast paths of the memory equal the reference paths: pruned search, fused value backward (dense and sparse),
+row-wise lazy Adam, parameter groups, sparse-aware clipping."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modeling_pkm_bert import ProductKeyMemory
+from modeling_pkm_bert import product_key_memory as pkm_module
+from modeling_pkm_bert.optimization import (
+    SparseRowAdam,
+    clip_grad_norm_,
+    pkm_lr_lambdas,
+    pkm_param_groups,
+    pkm_value_parameters,
+    set_sparse_values,
+)
+from modeling_pkm_bert.product_key_memory import ProductKeyValues, _candidate_pairs
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def brute_force_topk(memory, queries):
+    n = memory.n_keys
+    keys = memory.keys
+    full_keys = torch.cat([keys[:, 0].repeat_interleave(n, dim=1), keys[:, 1].repeat(1, n, 1)], dim=-1)
+    return torch.einsum("...hd,hsd->...hs", queries, full_keys).topk(memory.knn, dim=-1)
+
+
+def configured(memory, *, sparse=False, fused=True, prune=True):
+    """A deep copy of `memory` on the given paths (fused=False, prune=False, sparse=False: the reference)."""
+    memory = copy.deepcopy(memory)
+    memory.sparse_values = sparse
+    memory.values.fused_backward = fused
+    memory.fused_search_backward = fused
+    memory.prune_candidates = prune
+    return memory
+
+
+def dense(grad):
+    return grad.to_dense() if grad.is_sparse else grad
+
+
+# ---------------------------------------------------------------- search
+
+
+@pytest.mark.parametrize("knn", [1, 2, 3, 5, 8, 13, 32])
+def test_candidate_pairs_are_exactly_those_that_can_win(knn):
+    first, second = _candidate_pairs(knn)
+    pairs = set(zip(first, second))
+    assert len(pairs) == len(first)
+    assert pairs == {(a, b) for a in range(knn) for b in range(knn) if (a + 1) * (b + 1) <= knn}
+    if knn == 32:
+        assert len(pairs) == 119
+
+
+@pytest.mark.parametrize(
+    "n_keys,heads,knn,k_dim,batch_shape",
+    [(8, 2, 4, 16, (5,)), (8, 2, 8, 6, (3, 4)), (16, 3, 16, 8, (9,)), (12, 1, 7, 4, (2, 5)), (5, 2, 1, 4, (6,)), (32, 4, 32, 8, (40,))],
+)
+def test_pruned_search_equals_brute_force(n_keys, heads, knn, k_dim, batch_shape):
+    """Includes knn == n_keys, where the halves' top-knn lists are every sub-key."""
+    memory = ProductKeyMemory(12, n_keys=n_keys, heads=heads, knn=knn, k_dim=k_dim).double()
+    assert memory.prune_candidates
+    queries = torch.randn(*batch_shape, heads, k_dim, dtype=torch.float64)
+    scores, indices = memory.search(queries)
+    expected_scores, expected_indices = brute_force_topk(memory, queries)
+    torch.testing.assert_close(scores, expected_scores, rtol=0, atol=1e-12)
+    assert torch.equal(indices, expected_indices)
+
+
+@pytest.mark.parametrize("prune,fused", [(True, True), (True, False), (False, True)])
+def test_fast_search_equals_full_grid_reference_with_gradients(prune, fused):
+    """Pruned candidates and the sparse backward of the sub-key top-k vs XLM's full grid with dense backward."""
+    memory = ProductKeyMemory(12, n_keys=16, heads=3, knn=8, k_dim=10).double()
+    queries = torch.randn(20, 3, 10, dtype=torch.float64)
+    weights = torch.randn(20, 3, 8, dtype=torch.float64)
+    results = []
+    for prune_, fused_ in ((False, False), (prune, fused)):
+        memory.prune_candidates, memory.fused_search_backward = prune_, fused_
+        memory.keys.grad = None
+        q = queries.clone().requires_grad_()
+        scores, indices = memory.search(q)
+        (scores * weights).sum().backward()
+        results.append((scores, indices, q.grad, memory.keys.grad.clone()))
+    (ref_scores, ref_indices, ref_query_grad, ref_keys_grad), (scores, indices, query_grad, keys_grad) = results
+    assert torch.equal(scores, ref_scores) and torch.equal(indices, ref_indices)
+    assert keys_grad.abs().sum() > 0
+    # the same gradient, summed in another order
+    torch.testing.assert_close(query_grad, ref_query_grad, rtol=0, atol=1e-14)
+    torch.testing.assert_close(keys_grad, ref_keys_grad, rtol=0, atol=1e-14)
+
+
+# ---------------------------------------------------------------- value lookup
+
+
+def test_values_module_is_an_embedding_bag_with_the_hook_contract():
+    memory = ProductKeyMemory(12, 10, n_keys=8, heads=2, knn=4, k_dim=8).train()
+    assert isinstance(memory.values, torch.nn.EmbeddingBag) and isinstance(memory.values, ProductKeyValues)
+    assert memory.values.weight.shape == (64, 10)
+    assert "values.weight" in memory.state_dict()
+    seen = []
+    memory.values.register_forward_hook(lambda m, args, kwargs, out: seen.append((args[0], kwargs["per_sample_weights"], out)), with_kwargs=True)
+    x = torch.randn(3, 5, 12)
+    out = memory(x)
+    indices, weights, values_out = seen[-1]
+    assert indices.shape == weights.shape == (15, 2 * 4) and indices.dtype == torch.int64
+    torch.testing.assert_close(weights.view(15, 2, 4).sum(-1), torch.ones(15, 2))
+    torch.testing.assert_close(values_out.view(3, 5, 10), out)
+
+
+@pytest.mark.parametrize("csr_kernels", [True, False])
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_fast_path_equals_reference_outputs_and_gradients(sparse, with_mask, csr_kernels, monkeypatch):
+    """Both backward implementations (CPU sparse kernels; the EmbeddingBag-style one used on GPUs and in bf16)."""
+    monkeypatch.setattr(pkm_module, "_CPU_SPARSE_KERNELS", csr_kernels)
+    memory = ProductKeyMemory(24, 20, n_keys=16, heads=3, knn=8, k_dim=16).double().train()
+    x = torch.randn(4, 7, 24, dtype=torch.float64)
+    g = torch.randn(4, 7, 20, dtype=torch.float64)
+    mask = None
+    if with_mask:
+        mask = torch.ones(4, 7, dtype=torch.long)
+        mask[1, 4:] = 0
+        mask[3, 1:] = 0
+    results = []
+    for module in (configured(memory, sparse=False, fused=False, prune=False), configured(memory, sparse=sparse)):
+        xx = x.clone().requires_grad_()
+        out = module(xx, mask)
+        (out * g).sum().backward()
+        grads = {name: p.grad for name, p in module.named_parameters()}
+        results.append((out, xx.grad, grads, module))
+    (ref_out, ref_xgrad, ref_grads, _), (out, xgrad, grads, module) = results
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-14)
+    torch.testing.assert_close(xgrad, ref_xgrad, rtol=0, atol=1e-13)
+    assert grads["values.weight"].is_sparse == sparse
+    if sparse:  # one entry per row used, sorted (autograd drops the coalesced flag; SparseRowAdam re-flags it)
+        rows = grads["values.weight"]._indices()[0]
+        assert torch.equal(rows, torch.unique(rows)) and (dense(grads["values.weight"]).abs().sum(1) > 0).sum() == rows.numel()
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(dense(grads[name]), ref, rtol=0, atol=1e-13, msg=name)
+    torch.testing.assert_close(module.query_batchnorm.running_mean, results[0][3].query_batchnorm.running_mean)
+
+
+@pytest.mark.parametrize("frozen", ["values", "keys", "memory"])
+def test_fast_path_with_frozen_parts(frozen):
+    """Frozen values (or keys, or the whole memory, as `--freeze_memory`): the input gradient is still exact."""
+    memory = ProductKeyMemory(16, 12, n_keys=8, heads=2, knn=4, k_dim=8).double().train()
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    grads = []
+    for module in (configured(memory, sparse=False, fused=False, prune=False), configured(memory, sparse=True)):
+        parameters = {"values": [module.values.weight], "keys": [module.keys], "memory": list(module.parameters())}
+        for parameter in parameters[frozen]:
+            parameter.requires_grad_(False)
+        xx = x.clone().requires_grad_()
+        module(xx).square().sum().backward()
+        grads.append([xx.grad] + [p.grad for p in module.parameters() if p.requires_grad])
+    for got, expected in zip(grads[1], grads[0]):
+        torch.testing.assert_close(dense(got), expected, rtol=0, atol=1e-12)
+
+
+def test_fused_lookup_equals_embedding_bag_float32_and_per_sample_weight_gradient():
+    torch.manual_seed(1)
+    values = ProductKeyValues(50, 6)
+    indices = torch.randint(0, 50, (9, 12))
+    weights = torch.rand(9, 12, requires_grad=True)
+    grad_out = torch.randn(9, 6)
+    out = values(indices, per_sample_weights=weights)
+    out.backward(grad_out)
+    ref_weight = values.weight.detach().clone().requires_grad_()
+    ref_weights = weights.detach().clone().requires_grad_()
+    ref = F.embedding_bag(indices, ref_weight, mode="sum", per_sample_weights=ref_weights)
+    ref.backward(grad_out)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(weights.grad, ref_weights.grad)
+    torch.testing.assert_close(values.weight.grad, ref_weight.grad)
+    # the per-sample-weight gradient is dot(value row, output gradient)
+    torch.testing.assert_close(weights.grad, (values.weight[indices] * grad_out[:, None]).sum(-1).detach())
+
+
+def test_bfloat16_values_take_the_fallback_backward():
+    torch.manual_seed(10)
+    values = ProductKeyValues(40, 8).to(torch.bfloat16)
+    reference = torch.nn.EmbeddingBag(40, 8, mode="sum").to(torch.bfloat16)
+    reference.weight.data.copy_(values.weight.data)
+    indices, g = torch.randint(0, 40, (6, 5)), torch.randn(6, 8, dtype=torch.bfloat16)
+    weights = torch.rand(6, 5, dtype=torch.bfloat16, requires_grad=True)
+    ref_weights = weights.detach().clone().requires_grad_()
+    values(indices, per_sample_weights=weights).backward(g)
+    reference(indices, per_sample_weights=ref_weights).backward(g)
+    torch.testing.assert_close(values.weight.grad, reference.weight.grad, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(weights.grad, ref_weights.grad, rtol=2e-2, atol=2e-2)
+
+
+def test_gradient_accumulation_and_buffer_reuse_are_safe():
+    """Two backward passes before a step add up (the reused gradient buffer never overwrites a live gradient),
+    and the buffer is reused once the gradient is dropped."""
+    torch.manual_seed(2)
+    for sparse in (False, True):
+        values = ProductKeyValues(40, 5, sparse=sparse)
+        reference = torch.nn.EmbeddingBag(40, 5, mode="sum")
+        reference.weight.data.copy_(values.weight.data)
+        for _ in range(2):
+            indices, weights, g = torch.randint(0, 40, (6, 4)), torch.rand(6, 4), torch.randn(6, 5)
+            values(indices, per_sample_weights=weights).backward(g)
+            reference(indices, per_sample_weights=weights).backward(g)
+        torch.testing.assert_close(dense(values.weight.grad), reference.weight.grad)
+        values.weight.grad = None
+        indices, weights = torch.randint(0, 40, (6, 4)), torch.rand(6, 4)
+        values(indices, per_sample_weights=weights).sum().backward()
+        buffer, _ = values._workspaces["sparse_grad" if sparse else "dense_grad"]
+        grad_storage = (values.weight.grad._values() if sparse else values.weight.grad).untyped_storage()
+        assert grad_storage.data_ptr() == buffer.untyped_storage().data_ptr()
+        kept = dense(values.weight.grad).clone()
+        values(torch.randint(0, 40, (6, 4)), per_sample_weights=torch.rand(6, 4)).sum().backward()
+        assert not torch.equal(dense(values.weight.grad), kept)  # accumulated, not overwritten in place and lost
+        values.eval()
+        assert values._workspaces == {}
+
+
+def test_inference_and_frozen_paths_use_plain_embedding_bag():
+    values = ProductKeyValues(30, 4)
+    indices, weights = torch.randint(0, 30, (5, 3)), torch.rand(5, 3)
+    with torch.no_grad():
+        out = values(indices, per_sample_weights=weights)
+    torch.testing.assert_close(out, F.embedding_bag(indices, values.weight, mode="sum", per_sample_weights=weights))
+    values.weight.requires_grad_(False)
+    out = values(indices, per_sample_weights=weights)
+    assert not out.requires_grad
+
+
+# ---------------------------------------------------------------- optimizer
+
+
+def plain_lazy_row_adam(weight, grads, lr, betas, eps, weight_decay, rowwise, moment_dtype):
+    """A straightforward lazy Adam, a Python loop over rows: rows with a nonzero gradient row are updated."""
+    weight = weight.clone()
+    m = torch.zeros_like(weight)
+    v = torch.zeros(weight.shape[0]) if rowwise else torch.zeros_like(weight)
+    for step, grad in enumerate(grads, start=1):
+        for r in range(weight.shape[0]):
+            g = grad[r]
+            if not torch.any(g != 0):
+                continue
+            m_r = m[r] * betas[0] + (1 - betas[0]) * g
+            m[r] = m_r.to(moment_dtype).float()
+            if rowwise:
+                v[r] = v[r] * betas[1] + (1 - betas[1]) * (g * g).mean()
+            else:
+                v[r] = v[r] * betas[1] + (1 - betas[1]) * g * g
+            m_hat = m_r / (1 - betas[0] ** step)
+            v_hat = v[r] / (1 - betas[1] ** step)
+            weight[r] = weight[r] * (1 - lr * weight_decay) - lr * m_hat / (v_hat.sqrt() + eps)
+    return weight
+
+
+def random_row_grads(rows, dim, steps, fraction, seed):
+    generator = torch.Generator().manual_seed(seed)
+    grads = []
+    for _ in range(steps):
+        grad = torch.randn(rows, dim, generator=generator)
+        grad[torch.rand(rows, generator=generator) > fraction] = 0
+        grads.append(grad)
+    return grads
+
+
+@pytest.mark.parametrize("rowwise", [True, False])
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sparse_grad", [True, False])
+def test_sparse_row_adam_equals_plain_reference(rowwise, moment_dtype, sparse_grad):
+    rows, dim, steps = 23, 6, 5
+    torch.manual_seed(3)
+    start = torch.randn(rows, dim)
+    grads = random_row_grads(rows, dim, steps, fraction=0.4, seed=4)
+    kwargs = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    parameter = torch.nn.Parameter(start.clone())
+    optimizer = SparseRowAdam([parameter], rowwise=rowwise, exp_avg_dtype=moment_dtype, chunk_rows=4, **kwargs)
+    for grad in grads:
+        parameter.grad = grad.to_sparse(1) if sparse_grad else grad.clone()
+        optimizer.step()
+    expected = plain_lazy_row_adam(start, grads, rowwise=rowwise, moment_dtype=moment_dtype, **kwargs)
+    tolerance = 1e-6 if moment_dtype == torch.float32 else 1e-5
+    torch.testing.assert_close(parameter.detach(), expected, rtol=0, atol=tolerance)
+    untouched = torch.stack([g.abs().sum(1) == 0 for g in grads]).all(0)
+    assert torch.equal(parameter.detach()[untouched], start[untouched])
+    state = optimizer.state[parameter]
+    assert state["exp_avg"].dtype == moment_dtype
+    assert state["exp_avg_sq"].shape == ((rows,) if rowwise else (rows, dim))
+
+
+def test_sparse_row_adam_without_first_moment():
+    """betas[0] == 0 keeps no first moment: a row-wise RMSprop, the same as the plain reference with beta1 = 0."""
+    rows, dim = 15, 4
+    start = torch.randn(rows, dim)
+    grads = random_row_grads(rows, dim, steps=4, fraction=0.5, seed=12)
+    parameter = torch.nn.Parameter(start.clone())
+    optimizer = SparseRowAdam([parameter], lr=1e-2, betas=(0.0, 0.99))
+    for grad in grads:
+        parameter.grad = grad.to_sparse(1)
+        optimizer.step()
+    assert "exp_avg" not in optimizer.state[parameter]
+    expected = plain_lazy_row_adam(
+        start, grads, lr=1e-2, betas=(0.0, 0.99), eps=1e-8, weight_decay=0.0, rowwise=True, moment_dtype=torch.float32
+    )
+    torch.testing.assert_close(parameter.detach(), expected, rtol=0, atol=1e-6)
+
+
+def test_sparse_row_adam_equals_torch_adam_when_every_row_is_touched():
+    torch.manual_seed(5)
+    start = torch.randn(17, 8)
+    grads = [torch.randn(17, 8) for _ in range(6)]
+    ours = torch.nn.Parameter(start.clone())
+    theirs = torch.nn.Parameter(start.clone())
+    optimizer = SparseRowAdam([ours], lr=3e-3, rowwise=False, exp_avg_dtype=torch.float32, chunk_rows=5)
+    adam = torch.optim.Adam([theirs], lr=3e-3, foreach=False)
+    for grad in grads:
+        ours.grad = grad.to_sparse(1)
+        theirs.grad = grad.clone()
+        optimizer.step()
+        adam.step()
+    torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(optimizer.state[ours]["exp_avg"], adam.state[theirs]["exp_avg"], rtol=0, atol=0)
+
+
+def test_sparse_row_adam_state_dict_round_trip():
+    parameter = torch.nn.Parameter(torch.randn(10, 4))
+    optimizer = SparseRowAdam([parameter])
+    parameter.grad = torch.randn(10, 4).to_sparse(1)
+    optimizer.step()
+    clone = torch.nn.Parameter(parameter.detach().clone())
+    restored = SparseRowAdam([clone])
+    restored.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    grad = torch.randn(10, 4).to_sparse(1)
+    parameter.grad, clone.grad = grad, grad.clone()
+    optimizer.step()
+    restored.step()
+    torch.testing.assert_close(parameter, clone, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_training_sparse_fast_path_equals_dense_reference_after_several_steps(with_mask):
+    """Memory trained with (fast sparse lookup + SparseRowAdam on a sparse gradient) vs (reference EmbeddingBag +
+    SparseRowAdam on the dense gradient) and (reference + the plain loop): same parameters after several steps."""
+    torch.manual_seed(6)
+    # no query bias: before a BatchNorm its gradient is rounding noise, which Adam would blow up to lr-sized steps
+    memory = ProductKeyMemory(16, 12, n_keys=8, heads=2, knn=4, k_dim=8, query_bias=False).train()
+    fast, reference = configured(memory, sparse=True), configured(memory, sparse=False, fused=False, prune=False)
+    models = {"fast": fast, "reference": reference}
+    optimizers = {}
+    for name, module in models.items():
+        values = [module.values.weight]
+        others = [p for n, p in module.named_parameters() if n != "values.weight"]
+        optimizers[name] = (
+            torch.optim.AdamW(others, lr=1e-2, foreach=False),
+            SparseRowAdam(values, lr=1e-2, exp_avg_dtype=torch.float32),
+        )
+    value_grads = []
+    for step in range(4):
+        x = torch.randn(3, 6, 16)
+        mask = None
+        if with_mask:
+            mask = torch.ones(3, 6)
+            mask[step % 3, 2:] = 0
+        for name, module in models.items():
+            loss = module(x, mask).square().mean()
+            loss.backward()
+            if name == "reference":
+                value_grads.append(module.values.weight.grad.clone())
+            for optimizer in optimizers[name]:
+                optimizer.step()
+                optimizer.zero_grad()
+    for (name, p), (_, q) in zip(fast.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=2e-6, msg=name)
+    for name in ("running_mean", "running_var"):
+        torch.testing.assert_close(getattr(fast.query_batchnorm, name), getattr(reference.query_batchnorm, name))
+    expected = plain_lazy_row_adam(
+        memory.values.weight.detach(), value_grads, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+        rowwise=True, moment_dtype=torch.float32,
+    )
+    torch.testing.assert_close(reference.values.weight.detach(), expected, rtol=0, atol=2e-6)
+
+
+def test_dense_fast_path_with_torch_adam_equals_reference():
+    torch.manual_seed(7)
+    memory = ProductKeyMemory(16, 12, n_keys=8, heads=2, knn=4, k_dim=8, query_bias=False).train()
+    fast, reference = configured(memory, sparse=False), configured(memory, sparse=False, fused=False, prune=False)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2, foreach=False) for m in (fast, reference)]
+    for _ in range(3):
+        x = torch.randn(2, 5, 16)
+        for module, optimizer in zip((fast, reference), opts):
+            module(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for p, q in zip(fast.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- groups, clipping
+
+
+def test_param_groups_and_value_parameters():
+    from conftest import tiny_config
+
+    from modeling_pkm_bert import BertPkmForMaskedLM
+
+    model = BertPkmForMaskedLM(tiny_config(pkm_layers=[0, 2]))
+    values = pkm_value_parameters(model)
+    assert [p.shape for p in values] == [(64, 32), (64, 32)]
+    assert values[0] is model.bert.encoder.layer[0].memory.values.weight
+    groups = pkm_param_groups(model, lr=1e-4, weight_decay=0.01)
+    by_name = {g["name"]: g for g in groups}
+    assert set(by_name) == {"decay", "no_decay", "pkm_values"}
+    assert by_name["pkm_values"]["lr"] == 1e-3 and by_name["pkm_values"]["weight_decay"] == 0.0
+    assert {id(p) for p in by_name["pkm_values"]["params"]} == {id(p) for p in values}
+    assert by_name["decay"]["weight_decay"] == 0.01 and by_name["decay"]["lr"] == 1e-4
+    ids = {name: id(p) for name, p in model.named_parameters()}
+    no_decay = {id(p) for p in by_name["no_decay"]["params"]}
+    decay = {id(p) for p in by_name["decay"]["params"]}
+    memory = "bert.encoder.layer.0.memory."
+    assert ids[memory + "query_batchnorm.weight"] in no_decay and ids[memory + "query_proj.bias"] in no_decay
+    assert ids[memory + "keys"] in decay and ids[memory + "query_proj.weight"] in decay
+    assert ids["bert.embeddings.LayerNorm.weight"] in no_decay
+    n_params = len({id(p) for p in model.parameters()})
+    assert sum(len(g["params"]) for g in groups) == n_params
+    assert "pkm_values" not in {g["name"] for g in pkm_param_groups(model, 1e-4, 0.01, include_values=False)}
+    optimizer = torch.optim.AdamW(groups)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, pkm_lr_lambdas(optimizer, lambda step: step / 10))
+    optimizer.step()
+    scheduler.step()
+    lrs = {g["name"]: g["lr"] for g in optimizer.param_groups}
+    assert lrs["pkm_values"] == 1e-3 and lrs["decay"] == pytest.approx(1e-5)
+    assert set_sparse_values(model, True) == 2 and model.bert.encoder.layer[2].memory.values.sparse
+
+
+def test_bert_pkm_training_step_with_sparse_values():
+    from conftest import tiny_config
+
+    from modeling_pkm_bert import BertPkmForMaskedLM
+
+    torch.manual_seed(8)
+    model = BertPkmForMaskedLM(tiny_config(pkm_layers=[0, 2], pkm_query_bias=False)).train()
+    reference = copy.deepcopy(model)
+    set_sparse_values(model, True)
+    for module in reference.modules():
+        if isinstance(module, ProductKeyMemory):
+            module.values.fused_backward = False
+            module.fused_search_backward = False
+            module.prune_candidates = False
+    input_ids = torch.randint(0, 99, (2, 9))
+    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    attention_mask[1, 6:] = 0
+    optimizers = {}
+    for name, m in (("fast", model), ("reference", reference)):
+        main = torch.optim.AdamW(pkm_param_groups(m, 1e-3, 0.01, include_values=False), foreach=False)
+        optimizers[name] = (main, SparseRowAdam(pkm_value_parameters(m), lr=1e-3))
+    for _ in range(3):
+        for name, m in (("fast", model), ("reference", reference)):
+            loss = m(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids).loss
+            loss.backward()
+            norm = clip_grad_norm_(pkm_value_parameters(m), 1.0)
+            assert torch.isfinite(norm)
+            for optimizer in optimizers[name]:
+                optimizer.step()
+                optimizer.zero_grad()
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5, msg=name)
+
+
+def test_clip_grad_norm_matches_torch_on_dense_and_handles_sparse():
+    torch.manual_seed(9)
+    a, b = torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7, 3))
+    grad_a, grad_b = torch.randn(5, 3), torch.randn(7, 3)
+    grad_b[[1, 4]] = 0
+    a.grad, b.grad = grad_a.clone(), grad_b.to_sparse(1)
+    # an uncoalesced sparse gradient: the same row twice
+    b.grad = torch.sparse_coo_tensor(torch.tensor([[0, 0, 2]]), torch.ones(3, 3), (7, 3), check_invariants=True) + b.grad
+    dense_b = b.grad.to_dense()
+    ref_a, ref_b = torch.nn.Parameter(a.detach().clone()), torch.nn.Parameter(b.detach().clone())
+    ref_a.grad, ref_b.grad = grad_a.clone(), dense_b.clone()
+    total = clip_grad_norm_(iter([a, b]), 0.5)  # any iterable, as torch's
+    ref_total = torch.nn.utils.clip_grad_norm_([ref_a, ref_b], 0.5)
+    torch.testing.assert_close(total, ref_total)
+    torch.testing.assert_close(a.grad, ref_a.grad)
+    torch.testing.assert_close(b.grad.to_dense(), ref_b.grad)
+
+
+# ---------------------------------------------------------------- torch.compile
+
+
+def test_no_graph_break_without_padding():
+    memory = ProductKeyMemory(16, n_keys=8, heads=2, knn=4, k_dim=8).train()
+    explanation = torch._dynamo.explain(memory)(torch.randn(2, 3, 16))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+# ---------------------------------------------------------------- the benchmark's XLM peer
+
+
+def test_benchmark_xlm_reference_computes_the_same_layer():
+    """benchmarks/xlm_reference.py (the peer of the speed comparison) is the same function as ProductKeyMemory."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from xlm_reference import XlmProductKeyMemory
+
+    torch.manual_seed(11)
+    ours = ProductKeyMemory(20, 12, n_keys=8, heads=3, knn=5, k_dim=10).double().train()
+    xlm = XlmProductKeyMemory(20, 12, n_keys=8, heads=3, knn=5, k_dim=10).double().train()
+    state = ours.state_dict()
+    xlm.load_state_dict(
+        {
+            "keys": state["keys"],
+            "values.weight": state["values.weight"],
+            **{f"query_proj.0.{k}": state[f"query_proj.{k}"] for k in ("weight", "bias")},
+            **{f"query_proj.1.{k}": v for k, v in state.items() if k.startswith("query_batchnorm.") for k in [k.split(".", 1)[1]]},
+        }
+    )
+    x = torch.randn(4, 6, 20, dtype=torch.float64)
+    torch.testing.assert_close(xlm(x), ours(x))
+    ours.eval(), xlm.eval()
+    torch.testing.assert_close(xlm(x), ours(x))
+
+
+def test_bfloat16_values_for_inference_are_close():
+    from conftest import tiny_config
+
+    from modeling_pkm_bert import BertPkmModel
+    from modeling_pkm_bert.optimization import cast_pkm_values
+
+    model = BertPkmModel(tiny_config(pkm_layers=[0, 2])).eval()
+    ids = torch.randint(0, 99, (2, 7))
+    with torch.inference_mode():
+        expected = model(input_ids=ids).last_hidden_state
+        assert cast_pkm_values(model, torch.bfloat16) == 2
+        assert model.encoder.layer[0].memory.values.weight.dtype == torch.bfloat16
+        output = model(input_ids=ids).last_hidden_state
+    assert output.dtype == torch.float32
+    torch.testing.assert_close(output, expected, rtol=0, atol=5e-2)
