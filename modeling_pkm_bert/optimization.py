@@ -224,6 +224,16 @@ class SparseRowAdam(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
         return state
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        # torch casts floating state to the parameter's dtype: give the first moments back their own (bf16 -> fp32 -> bf16
+        # is exact), so a resumed run updates exactly as the uninterrupted one
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p, {})
+                if "exp_avg" in state:
+                    state["exp_avg"] = state["exp_avg"].to(group["exp_avg_dtype"])
+
     @staticmethod
     def _touched(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(rows, their gradient rows or None to read them from the dense gradient)."""
