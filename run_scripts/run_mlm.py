@@ -1,0 +1,1034 @@
+#!/usr/bin/env python
+# Copyright 2021 The HuggingFace Inc. team and the modeling_pkm_bert authors. Licensed under the Apache License 2.0.
+"""
+Masked language modeling (continued pretraining) of BERT and BertPkm models with 🤗 Accelerate: the pretraining
+recipe of Kim & Jung 2020 (sections 4-6, Table 2), runnable on a laptop or a GPU cluster.
+
+Follows the transformers `run_mlm_no_trainer.py` example and adds:
+* product key memory: any `--pkm_*` flag converts a plain BERT checkpoint on load (the paper's "+Init"), e.g.
+  `--pkm_layers 4 8 --pkm_mode resm` for "+Init +ResM"; the memory values train in their own optimizer at a constant
+  `--memory_learning_rate` (1e-3, no weight decay, no warm-up: XLM and the paper), optionally with the row-wise sparse
+  update `--memory_optimizer sparse_row_adam`; `--freeze_memory`;
+* several evaluation sets (`--validation_files wt2=wiki.test.raw pg19=book.txt`, Table 2's WikiText-2 /
+  WikiText-103 / PG-19 columns), each with its masked-LM loss and perplexity, and the memory usage of every memory
+  layer on the first one (MU, top-1 MU, KL_u, KL_w, ...: section 3.2) in the log, the trackers and `all_results.json`;
+* `--track_staleness`: for every memory slot, the last training step at which it was a top-1 pick (section 3.1,
+  Figure 2), kept in checkpoints and written to `staleness.safetensors`;
+* exact resume: `--checkpointing_steps` saves the complete state atomically, and a resumed run ends with the weights
+  of the uninterrupted one (same `--seed`): the masks of a batch are drawn from (seed, process, epoch, batch), each
+  epoch's order from (seed, epoch), evaluation never touches the training random streams;
+* with no data arguments, a public-domain excerpt shipped with the project (`run_scripts/data/`, Pride and Prejudice
+  chapters 1-20 for training; its last three chapters and two chapters of Moby-Dick for evaluation).
+
+The paper's recipe (section 5.2) for BERT-base, 12 layers, memories at layers {4, 8} (0-based here: 4 8):
+
+    accelerate launch run_mlm.py --model_name_or_path bert-base-uncased --pkm_layers 4 8 --pkm_mode resm \\
+        --train_file corpus.txt --validation_files wt2=wikitext-2/wiki.test.raw wt103=wikitext-103/wiki.test.raw \\
+        pg19=pg19_test.txt --max_seq_length 512 --per_device_train_batch_size 32 --gradient_accumulation_steps 1 \\
+        --learning_rate 1e-4 --weight_decay 0.01 --num_warmup_steps 10000 --max_train_steps 500000 \\
+        --memory_learning_rate 1e-3 --mixed_precision fp16 --checkpointing_steps 100000 --track_staleness \\
+        --seed 42 --output_dir bert-base-resm-init          # 32 GPUs x 32 = the paper's 1024 sequences a step
+
+Launchers:
+* one process: `python run_mlm.py ...`;
+* GPUs: `accelerate launch [--num_processes N] run_mlm.py ...` (dense value gradients: NCCL has no sparse
+  all-reduce, so `--memory_optimizer sparse_row_adam` falls back to dense gradients there);
+* several processes on CPU (gloo): `ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 run_mlm.py ...` —
+  `accelerate launch --cpu` starts several processes only through MPI.
+
+Data: `--dataset_name` (Hub, needs the network or a cache) or `--train_file` / `--validation_file(s)`: `.txt` (also
+`.raw`, `.tokens`: one text per line, empty lines dropped), `.csv` or `.json`/`.jsonl` (json lines) with a text
+column (`--text_column_name`, default `text` or the only column). Lines are concatenated and cut into blocks of
+`--max_seq_length` tokens unless `--line_by_line`. Validation masks are drawn once from each example's index, so
+every evaluation of every run (any seed, any number of processes) scores the same masked positions.
+"""
+
+import argparse
+import collections
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import re
+import sys
+import time
+from itertools import chain
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.logging import get_logger
+from accelerate.utils import broadcast_object_list, set_seed
+from datasets import load_dataset
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+import transformers
+from transformers import (
+    CONFIG_MAPPING,
+    MODEL_MAPPING,
+    AutoConfig,
+    AutoModelForMaskedLM,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    DataCollatorForTokenClassification,
+    DataCollatorWithPadding,
+    SchedulerType,
+    get_scheduler,
+)
+
+
+try:
+    import modeling_pkm_bert  # noqa: F401
+except ImportError:  # run from a source checkout without `pip install -e .`
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+from modeling_pkm_bert import BertPkmConfig, register_auto_classes  # noqa: E402
+from modeling_pkm_bert.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage  # noqa: E402
+from modeling_pkm_bert.staleness import StalenessTracker  # noqa: E402
+from modeling_pkm_bert.training import (  # noqa: E402
+    add_pkm_arguments,
+    create_memory_optimizer,
+    freeze_memory,
+    latest_checkpoint,
+    load_model,
+    memory_modules,
+    optimizer_param_groups,
+    pkm_kwargs_from_args,
+    resume_position,
+    save_checkpoint,
+    write_results_model_card,
+)
+
+
+logger = get_logger(__name__)
+
+MODEL_CONFIG_CLASSES = list(MODEL_MAPPING.keys())
+MODEL_TYPES = tuple(conf.model_type for conf in MODEL_CONFIG_CLASSES)
+
+# The embedded default data: public-domain excerpts (see run_scripts/data/README.md).
+EMBEDDED_DATA = Path(__file__).resolve().parent / "data"
+EMBEDDED_TRAIN_FILE = EMBEDDED_DATA / "pride_and_prejudice_train.txt"
+EMBEDDED_VALIDATION_FILES = {
+    "pride_and_prejudice": EMBEDDED_DATA / "pride_and_prejudice_validation.txt",  # held-out chapters of the book
+    "moby_dick": EMBEDDED_DATA / "moby_dick_validation.txt",  # another author: the "PG-19" of the demo
+}
+TEXT_EXTENSIONS = ("txt", "text", "raw", "tokens")
+DATA_EXTENSIONS = (*TEXT_EXTENSIONS, "csv", "json", "jsonl")
+# the validation masks depend on this and on each example's index only: comparable across runs and seeds
+EVAL_MASK_SEED = 0
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Masked language modeling (continued pretraining) of BERT/BertPkm models"
+    )
+    parser.add_argument(
+        "--dataset_name", type=str, default=None, help="The name of the dataset to use (via the datasets library)."
+    )
+    parser.add_argument(
+        "--dataset_config_name", type=str, default=None, help="The configuration name of the dataset to use."
+    )
+    parser.add_argument("--train_file", type=str, default=None, help="Training data: a txt, csv or json file.")
+    parser.add_argument(
+        "--validation_file",
+        type=str,
+        default=None,
+        help="An evaluation file (txt, csv or json); see --validation_files.",
+    )
+    parser.add_argument(
+        "--validation_files",
+        type=str,
+        nargs="+",
+        default=None,
+        metavar="[NAME=]FILE",
+        help="Several evaluation sets, each reported with its own loss and perplexity (Table 2: WikiText-2, "
+        "WikiText-103, PG-19), e.g. `wt2=wiki.test.raw pg19=book.txt`; the name defaults to the file's name. "
+        "The memory usage is measured on the first one.",
+    )
+    parser.add_argument(
+        "--text_column_name",
+        type=str,
+        default=None,
+        help="The column of a csv/json file holding the text (default: `text`, or the file's only column).",
+    )
+    parser.add_argument(
+        "--validation_split_percentage",
+        type=int,
+        default=5,
+        help="The percentage of the train set used as validation set when there is no validation split or file.",
+    )
+    parser.add_argument(
+        "--max_train_samples", type=int, default=None, help="Keep the first n training examples (after grouping)."
+    )
+    parser.add_argument(
+        "--max_eval_samples", type=int, default=None, help="Keep the first n examples of each evaluation set."
+    )
+    parser.add_argument(
+        "--pad_to_max_length",
+        action="store_true",
+        help="With --line_by_line, pad all samples to `max_seq_length` (default: dynamic padding).",
+    )
+    parser.add_argument(
+        "--model_name_or_path",
+        type=str,
+        default=None,
+        help="A BERT/DistilBERT checkpoint (converted to BertPkm on load when any --pkm_* flag is given), a BertPkm "
+        "checkpoint, or any masked LM; without it a model is trained from scratch from --config_name/--model_type.",
+    )
+    parser.add_argument(
+        "--config_name", type=str, default=None, help="Pretrained config name or path if not the same as model_name."
+    )
+    parser.add_argument(
+        "--tokenizer_name",
+        type=str,
+        default=None,
+        help="Pretrained tokenizer name or path if not the same as model_name.",
+    )
+    parser.add_argument(
+        "--use_slow_tokenizer",
+        action="store_true",
+        help="Use a slow tokenizer (not backed by the 🤗 Tokenizers library).",
+    )
+    parser.add_argument(
+        "--per_device_train_batch_size",
+        type=int,
+        default=8,
+        help="Batch size (per device) for the training dataloader.",
+    )
+    parser.add_argument(
+        "--per_device_eval_batch_size",
+        type=int,
+        default=8,
+        help="Batch size (per device) for the evaluation dataloader.",
+    )
+    parser.add_argument(
+        "--learning_rate", type=float, default=5e-5, help="Initial learning rate (after warm-up; paper: 1e-4)."
+    )
+    parser.add_argument("--weight_decay", type=float, default=0.0, help="Weight decay to use (BERT: 0.01).")
+    parser.add_argument("--num_train_epochs", type=int, default=3, help="Total number of training epochs to perform.")
+    parser.add_argument(
+        "--max_train_steps", type=int, default=None, help="Total number of training steps; overrides num_train_epochs."
+    )
+    parser.add_argument(
+        "--gradient_accumulation_steps",
+        type=int,
+        default=1,
+        help="Number of updates steps to accumulate before performing a backward/update pass.",
+    )
+    parser.add_argument(
+        "--lr_scheduler_type",
+        type=SchedulerType,
+        default="linear",
+        help="The scheduler type to use (the main optimizer only; the memory values keep a constant rate).",
+        choices=["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"],
+    )
+    parser.add_argument(
+        "--num_warmup_steps", type=int, default=0, help="Number of steps for the warm-up (paper: 10,000 of 500,000)."
+    )
+    parser.add_argument(
+        "--mixed_precision",
+        type=str,
+        default=None,
+        choices=["no", "fp16", "bf16"],
+        help="Mixed precision (default: accelerate's configuration or ACCELERATE_MIXED_PRECISION, else fp32).",
+    )
+    parser.add_argument("--output_dir", type=str, default=None, help="Where to store the final model.")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="A seed for reproducible training; without one a seed is drawn and logged. Resume with the same seed.",
+    )
+    parser.add_argument(
+        "--model_type",
+        type=str,
+        default=None,
+        help="Model type to use if training from scratch (a transformers model type, e.g. bert).",
+    )
+    parser.add_argument(
+        "--max_seq_length",
+        type=int,
+        default=None,
+        help="The maximum total input sequence length after tokenization. Sequences longer than this will be "
+        "truncated (default: the tokenizer's maximum, at most 1024 and the model's positions).",
+    )
+    parser.add_argument(
+        "--line_by_line",
+        action="store_true",
+        help="Whether distinct lines of text in the dataset are to be handled as distinct sequences.",
+    )
+    parser.add_argument(
+        "--preprocessing_num_workers", type=int, default=None, help="The number of processes to use for preprocessing."
+    )
+    parser.add_argument(
+        "--overwrite_cache", action="store_true", help="Overwrite the cached training and evaluation sets."
+    )
+    parser.add_argument(
+        "--mlm_probability",
+        type=float,
+        default=0.15,
+        help="Ratio of tokens to mask for masked language modeling loss.",
+    )
+    parser.add_argument(
+        "--checkpointing_steps",
+        type=str,
+        default=None,
+        help="Save the complete training state every n optimizer steps (an integer), or 'epoch' at each epoch's end.",
+    )
+    parser.add_argument(
+        "--resume_from_checkpoint",
+        type=str,
+        default=None,
+        help="A step_<N> or epoch_<E> folder to continue from, or 'latest' for the newest one in output_dir.",
+    )
+    parser.add_argument(
+        "--eval_steps",
+        type=int,
+        default=None,
+        help="Evaluate every n optimizer steps instead of at the end of every epoch (the final evaluation, with the "
+        "memory usage, always runs).",
+    )
+    parser.add_argument(
+        "--evaluate_before_training",
+        action="store_true",
+        help="Also evaluate the model as loaded (perplexities and memory usage, `initial_*` in the results): the "
+        "starting point of Figure 3. Skipped when resuming.",
+    )
+    parser.add_argument(
+        "--track_staleness",
+        action="store_true",
+        help="Record for every memory slot the last training step at which it was a top-1 pick (Figure 2).",
+    )
+    parser.add_argument(
+        "--staleness_bins", type=int, default=5, help="Step ranges of the staleness histogram (the paper: 5)."
+    )
+    parser.add_argument(
+        "--trust_remote_code",
+        action="store_true",
+        help="Allow custom code from the Hub for datasets, configs, tokenizers and models (trusted repos only).",
+    )
+    parser.add_argument("--push_to_hub", action="store_true", help="Whether or not to push the model to the Hub.")
+    parser.add_argument(
+        "--hub_model_id", type=str, help="The name of the repository to keep in sync with the local `output_dir`."
+    )
+    parser.add_argument("--hub_token", type=str, help="The token to use to push to the Model Hub.")
+    parser.add_argument("--hub_private_repo", action="store_true", help="Create the Hub repository as private.")
+    parser.add_argument(
+        "--with_tracking", action="store_true", help="Whether to enable experiment trackers for logging."
+    )
+    parser.add_argument(
+        "--report_to",
+        type=str,
+        default="all",
+        help='The integration to report the results and logs to: "tensorboard", "wandb", "comet_ml", "clearml" or '
+        '"all". Only applicable when `--with_tracking` is passed.',
+    )
+    add_pkm_arguments(parser)
+    args = parser.parse_args(argv)
+
+    # Sanity checks
+    args.embedded_data = args.dataset_name is None and not any(
+        (args.train_file, args.validation_file, args.validation_files)
+    )
+    if args.validation_file is not None and args.validation_files is not None:
+        parser.error("give the evaluation sets either with --validation_file or with --validation_files, not both")
+    if args.dataset_name is not None and args.train_file is not None:
+        parser.error("give the training data either with --dataset_name or with --train_file, not both")
+    args.validation_sets = parse_validation_sets(parser, args)
+    if args.embedded_data:
+        args.train_file = str(EMBEDDED_TRAIN_FILE)
+        args.validation_sets = {name: str(path) for name, path in EMBEDDED_VALIDATION_FILES.items()}
+    files = [("--train_file", args.train_file)] + [
+        (f"--validation_files {n}", p) for n, p in args.validation_sets.items()
+    ]
+    for option, path in files:
+        if path is not None:
+            check_data_file(parser, option, path)
+    if args.model_type is not None and args.model_type not in MODEL_TYPES:
+        parser.error(f"unknown --model_type {args.model_type!r}")
+    if args.model_name_or_path is None and args.config_name is None and args.model_type is None:
+        parser.error("give --model_name_or_path, or --config_name / --model_type to train a model from scratch")
+    if args.model_name_or_path is None and args.tokenizer_name is None:
+        parser.error("training from scratch needs --tokenizer_name (this script does not train tokenizers)")
+    if args.checkpointing_steps is not None and not (
+        args.checkpointing_steps == "epoch" or args.checkpointing_steps.isdigit()
+    ):
+        parser.error(f"--checkpointing_steps must be an integer or 'epoch', got {args.checkpointing_steps!r}")
+    if (args.checkpointing_steps or args.resume_from_checkpoint == "latest") and args.output_dir is None:
+        parser.error("--checkpointing_steps and --resume_from_checkpoint latest need an --output_dir")
+    if args.push_to_hub and args.output_dir is None:
+        parser.error("Need an `output_dir` to create a repo when `--push_to_hub` is passed.")
+    if not 0 < args.mlm_probability < 1:
+        parser.error(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
+    if args.eval_steps is not None and args.eval_steps < 1:
+        parser.error("--eval_steps must be >= 1")
+    return args
+
+
+def parse_validation_sets(parser, args) -> dict[str, str]:
+    """{name: path} of the evaluation files: `NAME=FILE` or `FILE` (named after the file, e.g. `wiki_test`)."""
+    specs = args.validation_files or ([args.validation_file] if args.validation_file else [])
+    sets = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or os.path.exists(spec):
+            name, path = Path(spec).name.rsplit(".", 1)[0] if "." in Path(spec).name else Path(spec).name, spec
+        name = re.sub(r"\W+", "_", name).strip("_") or "validation"
+        if name in sets:
+            parser.error(f"two evaluation sets are named {name!r}: name them with NAME=FILE")
+        sets[name] = path
+    return sets
+
+
+def check_data_file(parser, option: str, path: str) -> None:
+    """A clear error, before any training, for a data file that is missing, empty or of an unknown kind."""
+    extension = path.rsplit(".", 1)[-1].lower() if "." in os.path.basename(path) else ""
+    if extension not in DATA_EXTENSIONS:
+        parser.error(f"{option} {path!r}: expected a {', '.join(DATA_EXTENSIONS)} file")
+    if not os.path.isfile(path):
+        parser.error(f"{option} {path!r} does not exist")
+    with open(path, "rb") as handle:
+        if not handle.read(1 << 16).strip():
+            parser.error(f"{option} {path!r} is empty")
+
+
+def load_text_file(path: str, split: str, text_column_name: str | None) -> datasets.Dataset:
+    """One data file as a dataset with a single `text` column; empty lines dropped."""
+    extension = path.rsplit(".", 1)[-1].lower()
+    if extension in TEXT_EXTENSIONS:
+        dataset = load_dataset("text", data_files={split: path}, split=split)
+        column = "text"
+    else:
+        builder = "json" if extension in ("json", "jsonl") else extension
+        dataset = load_dataset(builder, data_files={split: path}, split=split)
+        column = text_column(dataset.column_names, text_column_name, path)
+    dataset = dataset.select_columns([column]).rename_columns({column: "text"} if column != "text" else {})
+    dataset = dataset.filter(
+        lambda texts: [bool(t and t.strip()) for t in texts],
+        batched=True,
+        input_columns="text",
+        desc=f"Dropping empty lines of {split}",
+    )
+    if len(dataset) == 0:
+        raise ValueError(f"{path} holds no text (every line of column {column!r} is empty)")
+    return dataset
+
+
+def text_column(column_names: list[str], requested: str | None, where: str) -> str:
+    """The text column: `requested` (which must exist), else `text`, else the only column; else a clear error."""
+    if requested is not None:
+        if requested not in column_names:
+            raise ValueError(f"{where} has no column {requested!r} (--text_column_name); its columns: {column_names}")
+        return requested
+    if "text" in column_names:
+        return "text"
+    if len(column_names) == 1:
+        return column_names[0]
+    raise ValueError(
+        f"{where} has no 'text' column; name the text column with --text_column_name (columns: {column_names})"
+    )
+
+
+def load_raw_datasets(args) -> tuple[datasets.Dataset | None, dict[str, datasets.Dataset]]:
+    """(training set or None, {name: evaluation set}), each with one `text` column."""
+    train, validation = None, {}
+    if args.dataset_name is not None:
+        # Downloading and loading a dataset from the hub.
+        try:
+            raw = load_dataset(args.dataset_name, args.dataset_config_name, trust_remote_code=args.trust_remote_code)
+        except Exception as error:  # offline: ConnectionError / LocalEntryNotFoundError / OfflineModeIsEnabled
+            raise RuntimeError(
+                f"could not load {args.dataset_name!r} from the Hub: {type(error).__name__}: {error}. Offline, give "
+                "local files instead: --train_file and --validation_files (txt, csv or json)."
+            ) from error
+        if "train" not in raw:
+            raise ValueError(f"{args.dataset_name} has no 'train' split (splits: {list(raw)})")
+        column = text_column(raw["train"].column_names, args.text_column_name, args.dataset_name)
+        train = raw["train"]
+        if not args.validation_sets:
+            if "validation" in raw:
+                validation["validation"] = raw["validation"]
+            else:
+                cut = args.validation_split_percentage
+                validation["validation"] = load_dataset(
+                    args.dataset_name,
+                    args.dataset_config_name,
+                    split=f"train[:{cut}%]",
+                    trust_remote_code=args.trust_remote_code,
+                )
+                train = load_dataset(
+                    args.dataset_name,
+                    args.dataset_config_name,
+                    split=f"train[{cut}%:]",
+                    trust_remote_code=args.trust_remote_code,
+                )
+        train = train.select_columns([column]).rename_columns({column: "text"} if column != "text" else {})
+        validation = {
+            name: dataset.select_columns([column]).rename_columns({column: "text"} if column != "text" else {})
+            for name, dataset in validation.items()
+        }
+    elif args.train_file is not None:
+        train = load_text_file(args.train_file, "train", args.text_column_name)
+        if not args.validation_sets:
+            cut = len(train) * args.validation_split_percentage // 100
+            if cut == 0:
+                raise ValueError(
+                    f"{args.train_file} has too few lines ({len(train)}) to hold out "
+                    f"{args.validation_split_percentage}% for validation: give --validation_files"
+                )
+            validation["validation"] = train.select(range(cut))
+            train = train.select(range(cut, len(train)))
+    for name, path in args.validation_sets.items():
+        validation[name] = load_text_file(path, name, args.text_column_name)
+    return train, validation
+
+
+def mask_seed(*numbers: int) -> int:
+    """A 32-bit seed mixed from non-negative integers (seed, process, epoch, batch...) by numpy's SeedSequence."""
+    return int(np.random.SeedSequence([int(n) for n in numbers]).generate_state(1)[0])
+
+
+def mask_tokens(masker: DataCollatorForLanguageModeling, input_ids, special_tokens_mask, seed: int):
+    """The official MLM masking (80% [MASK], 10% random, 10% kept, special tokens and padding never masked) of one
+    batch, drawn from its own generator seeded with `seed`: (masked input_ids, labels with -100 elsewhere)."""
+    masker.generator = torch.Generator().manual_seed(seed)
+    return masker.torch_mask_tokens(input_ids.detach().cpu().clone(), special_tokens_mask.detach().cpu())
+
+
+def evaluate(args, accelerator, model, eval_datasets, collate_fn, measure_memory_usage=False):
+    """Masked-LM loss and perplexity on every evaluation set, and the memory usage of every memory layer on the first
+    one: (metrics, {layer: usage}).
+
+    Each process evaluates its own contiguous shard with the unwrapped model, so every example counts exactly once
+    (a prepared dataloader repeats examples to even out the last batch, which would count their memory lookups twice)
+    and no collective runs per batch. The loss is the mean over all masked tokens, summed across processes.
+    """
+    model = accelerator.unwrap_model(model)
+    was_training = model.training
+    model.eval()
+    metrics, usage = {}, {}
+    # evaluation never draws from the training random streams (an exact resume depends on them)
+    with torch.random.fork_rng(devices=[]):
+        for index, (name, dataset) in enumerate(eval_datasets.items()):
+            shard = dataset.shard(
+                num_shards=accelerator.num_processes, index=accelerator.process_index, contiguous=True
+            )
+            dataloader = DataLoader(shard, collate_fn=collate_fn, batch_size=args.per_device_eval_batch_size)
+            track = measure_memory_usage and index == 0 and memory_modules(model)
+            totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # (summed loss, masked tokens)
+            with track_memory_usage(model) if track else contextlib.nullcontext() as tracker:
+                for batch in dataloader:
+                    batch = {key: value.to(accelerator.device) for key, value in batch.items()}
+                    with torch.no_grad(), accelerator.autocast():
+                        loss = model(**batch).loss
+                    masked = (batch["labels"] != -100).sum()
+                    if masked > 0:
+                        totals += torch.stack([loss.double() * masked, masked.double()])
+            totals = accelerator.reduce(totals, reduction="sum")
+            eval_loss = (totals[0] / totals[1]).item()
+            try:
+                perplexity = math.exp(eval_loss)
+            except OverflowError:
+                perplexity = float("inf")
+            metrics[f"eval_{name}_loss"] = eval_loss
+            metrics[f"eval_{name}_perplexity"] = perplexity
+            if track:
+                gather(tracker, accelerator)
+                usage = tracker.results()
+    if was_training:
+        model.train()
+    return metrics, usage
+
+
+def peak_memory_mb(device: torch.device) -> float | None:
+    """Peak memory of this process so far: the GPU's allocated peak on CUDA, else the peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    command = " ".join(["python", "run_mlm.py", *(sys.argv[1:] if argv is None else argv)])
+    start_time = time.time()
+
+    # Initialize the accelerator. The seedable sampler draws each epoch's order from (seed, epoch), so that a resumed
+    # run sees the batches the uninterrupted one would. We will let the accelerator handle device placement for us.
+    accelerator_log_kwargs = {}
+    if args.with_tracking:
+        accelerator_log_kwargs["log_with"] = args.report_to
+        accelerator_log_kwargs["project_dir"] = args.output_dir
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=args.mixed_precision,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        **accelerator_log_kwargs,
+    )
+
+    # Make one log on every process with the configuration for debugging.
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%m/%d/%Y %H:%M:%S",
+        level=logging.INFO,
+    )
+    logger.info(accelerator.state, main_process_only=False)
+    if accelerator.is_local_main_process:
+        datasets.utils.logging.set_verbosity_warning()
+        transformers.utils.logging.set_verbosity_warning()
+    else:
+        datasets.utils.logging.set_verbosity_error()
+        transformers.utils.logging.set_verbosity_error()
+
+    # Set the training seed now; without --seed one is drawn (the same on every process) and logged, since the data
+    # order and the masks derive from it.
+    if args.seed is None:
+        args.seed = broadcast_object_list([random.SystemRandom().randrange(2**31)])[0]
+        logger.info(f"No --seed given: using seed {args.seed}")
+    set_seed(args.seed)
+
+    if accelerator.is_main_process and args.output_dir is not None:
+        os.makedirs(args.output_dir, exist_ok=True)
+    accelerator.wait_for_everyone()
+
+    # Get the datasets: a dataset from the Hub, your own txt/csv/json files, or the embedded public-domain excerpt.
+    if args.embedded_data:
+        logger.info(
+            f"No data arguments: training on {EMBEDDED_TRAIN_FILE.name} and evaluating on "
+            f"{', '.join(p.name for p in EMBEDDED_VALIDATION_FILES.values())} (public domain, run_scripts/data/)"
+        )
+    with accelerator.main_process_first():
+        raw_train, raw_validation = load_raw_datasets(args)
+
+    # Load pretrained model and tokenizer. A plain BERT checkpoint with --pkm_* flags is converted on load (+Init).
+    register_auto_classes()  # bert_pkm configs and checkpoints resolve to this package's classes
+    pkm_kwargs = pkm_kwargs_from_args(args)
+    tokenizer_source = args.tokenizer_name or args.model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(
+        tokenizer_source, use_fast=not args.use_slow_tokenizer, trust_remote_code=args.trust_remote_code
+    )
+    if args.model_name_or_path is not None:
+        model = load_model(
+            "masked-lm", args.model_name_or_path, pkm_kwargs, trust_remote_code=args.trust_remote_code, logger=logger
+        )
+    else:
+        logger.info("Training new model from scratch")
+        model = AutoModelForMaskedLM.from_config(
+            config_from_scratch(args, pkm_kwargs), trust_remote_code=args.trust_remote_code
+        ).float()
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(len(tokenizer))
+    if args.freeze_memory:
+        logger.info(f"--freeze_memory: {freeze_memory(model):,} memory parameters are kept fixed")
+
+    # Preprocessing the datasets: tokenize, then concatenate the texts and cut them into blocks of max_seq_length
+    # (or one sequence per line with --line_by_line).
+    max_positions = model.config.max_position_embeddings
+    if args.max_seq_length is None:
+        max_seq_length = min(tokenizer.model_max_length, 1024, max_positions)
+        logger.info(f"--max_seq_length not given: using {max_seq_length}")
+    else:
+        if args.max_seq_length > min(tokenizer.model_max_length, max_positions):
+            raise ValueError(
+                f"--max_seq_length {args.max_seq_length} is longer than the model can take "
+                f"({min(tokenizer.model_max_length, max_positions)})"
+            )
+        max_seq_length = args.max_seq_length
+
+    def tokenize_line_by_line(examples):
+        return tokenizer(
+            examples["text"],
+            padding="max_length" if args.pad_to_max_length else False,
+            truncation=True,
+            max_length=max_seq_length,
+            # We use this option because DataCollatorForLanguageModeling is more efficient when it receives the
+            # `special_tokens_mask`.
+            return_special_tokens_mask=True,
+        )
+
+    def tokenize(examples):
+        return tokenizer(examples["text"], return_special_tokens_mask=True)
+
+    # Main data processing function that will concatenate all texts from our dataset and generate chunks of
+    # max_seq_length (the remainder of each batch of 1000 texts is dropped, as in the official script).
+    def group_texts(examples):
+        concatenated = {k: list(chain(*examples[k])) for k in examples}
+        total_length = (len(concatenated[list(examples.keys())[0]]) // max_seq_length) * max_seq_length
+        return {
+            k: [t[i : i + max_seq_length] for i in range(0, total_length, max_seq_length)]
+            for k, t in concatenated.items()
+        }
+
+    def preprocess(dataset, split):
+        kwargs = dict(num_proc=args.preprocessing_num_workers, load_from_cache_file=not args.overwrite_cache)
+        if args.line_by_line:
+            return dataset.map(
+                tokenize_line_by_line,
+                batched=True,
+                remove_columns=["text"],
+                desc=f"Running tokenizer on {split}",
+                **kwargs,
+            )
+        dataset = dataset.map(
+            tokenize, batched=True, remove_columns=["text"], desc=f"Running tokenizer on {split}", **kwargs
+        )
+        return dataset.map(group_texts, batched=True, desc=f"Grouping {split} in blocks of {max_seq_length}", **kwargs)
+
+    # The validation masks are drawn once, from each example's index: every evaluation scores the same positions.
+    masker = DataCollatorForLanguageModeling(tokenizer=tokenizer, mlm_probability=args.mlm_probability)
+
+    def mask_for_evaluation(example, index):
+        input_ids, labels = mask_tokens(
+            masker,
+            torch.tensor([example["input_ids"]]),
+            torch.tensor([example["special_tokens_mask"]]),
+            mask_seed(EVAL_MASK_SEED, index),
+        )
+        return {"input_ids": input_ids[0].tolist(), "labels": labels[0].tolist()}
+
+    with accelerator.main_process_first():
+        train_dataset = preprocess(raw_train, "train") if raw_train is not None else None
+        eval_datasets = {}
+        for name, dataset in raw_validation.items():
+            dataset = preprocess(dataset, name)
+            if args.max_eval_samples is not None:
+                dataset = dataset.select(range(min(args.max_eval_samples, len(dataset))))
+            eval_datasets[name] = dataset.map(
+                mask_for_evaluation, with_indices=True, remove_columns=["special_tokens_mask"], desc=f"Masking {name}"
+            )
+    if train_dataset is not None and args.max_train_samples is not None:
+        train_dataset = train_dataset.select(range(min(args.max_train_samples, len(train_dataset))))
+    for name, dataset in [("the training set", train_dataset), *eval_datasets.items()]:
+        if dataset is not None and len(dataset) == 0:
+            raise ValueError(
+                f"{name} yields no sequence of {max_seq_length} tokens: give more text, a smaller --max_seq_length, "
+                "or --line_by_line"
+            )
+    do_train = train_dataset is not None and args.max_train_steps != 0 and args.num_train_epochs > 0
+
+    # Log a few random samples from the training set:
+    if do_train:
+        for index in random.Random(args.seed).sample(range(len(train_dataset)), min(3, len(train_dataset))):
+            logger.info(
+                f"Sample {index} of the training set: {tokenizer.decode(train_dataset[index]['input_ids'])!r}."
+            )
+
+    # DataLoaders creation: the training collator only pads (the masks are drawn per batch in the loop below), the
+    # evaluation one also pads the fixed labels with -100.
+    pad_to_multiple_of = 8 if accelerator.mixed_precision != "no" else None
+    train_collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+    eval_collator = DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+    train_dataloader = None
+    if do_train:
+        train_dataloader = DataLoader(
+            train_dataset,
+            shuffle=True,
+            collate_fn=train_collator,
+            batch_size=args.per_device_train_batch_size,
+            # its own generator: creating an epoch's iterator then draws no number from the global RNG (dropout),
+            # which a resumed run would otherwise draw at a different point
+            generator=torch.Generator().manual_seed(args.seed),
+        )
+
+    # Optimizer: the main AdamW with a warm-up + decay schedule; the memory values in their own Adam at a constant
+    # learning rate without weight decay (XLM and the paper; --memory_optimizer sparse_row_adam: row-wise updates).
+    main_groups, memory_groups = optimizer_param_groups(model, args.weight_decay)
+    optimizer = torch.optim.AdamW(main_groups, lr=args.learning_rate)
+    memory_optimizer = create_memory_optimizer(memory_groups, args, model) if do_train else None
+
+    # Staleness (Figure 2): the last step each memory slot was a top-1 pick, kept in checkpoints.
+    staleness = None
+    if args.track_staleness and memory_modules(model) and do_train:
+        staleness = StalenessTracker(model).attach()
+        accelerator.register_for_checkpointing(staleness)
+
+    # Prepare everything with our `accelerator`.
+    model, optimizer, *rest = accelerator.prepare(
+        model, optimizer, *(x for x in (memory_optimizer, train_dataloader) if x is not None)
+    )
+    memory_optimizer = rest.pop(0) if memory_optimizer is not None else None
+    train_dataloader = rest.pop(0) if do_train else None
+    optimizers = [o for o in (optimizer, memory_optimizer) if o is not None]
+
+    # Scheduler and math around the number of training steps, from the prepared (per-process) dataloader. The
+    # prepared scheduler advances once per process at each optimizer step, hence the factor num_processes.
+    num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps) if do_train else 1
+    if args.max_train_steps is None:
+        args.max_train_steps = args.num_train_epochs * num_update_steps_per_epoch if do_train else 0
+    args.num_train_epochs = math.ceil(args.max_train_steps / num_update_steps_per_epoch)
+    lr_scheduler = accelerator.prepare(
+        get_scheduler(
+            name=args.lr_scheduler_type,
+            optimizer=optimizer,
+            num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
+            num_training_steps=max(args.max_train_steps, 1) * accelerator.num_processes,
+        )
+    )
+
+    checkpointing_steps = args.checkpointing_steps
+    if checkpointing_steps is not None and checkpointing_steps.isdigit():
+        checkpointing_steps = int(checkpointing_steps)
+
+    # We need to initialize the trackers we use, and also store our configuration.
+    if args.with_tracking:
+        experiment_config = {k: (v.value if isinstance(v, SchedulerType) else v) for k, v in vars(args).items()}
+        experiment_config = {k: (str(v) if isinstance(v, (list, dict)) else v) for k, v in experiment_config.items()}
+        accelerator.init_trackers("mlm_no_trainer", experiment_config)
+
+    def report_evaluation(metrics, usage, when):
+        logger.info(
+            f"{when}: "
+            + ", ".join(f"{name} perplexity {metrics[f'eval_{name}_perplexity']:.2f}" for name in eval_datasets)
+        )
+        if usage:
+            logger.info(f"Memory usage on {next(iter(eval_datasets))} ({when}):\n{format_memory_usage(usage)}")
+
+    results = {}
+
+    # The model as loaded, before any update (Figure 3 starts here; a converted MiniLM has a new MLM head, so its
+    # perplexity is very high before training).
+    if args.evaluate_before_training and eval_datasets and not args.resume_from_checkpoint:
+        metrics, usage = evaluate(args, accelerator, model, eval_datasets, eval_collator, measure_memory_usage=True)
+        report_evaluation(metrics, usage, "before training")
+        results.update({f"initial_{k}": v for k, v in metrics.items()})
+        results.update(flatten_memory_usage(usage, prefix="initial_eval_memory"))
+        if args.with_tracking:
+            accelerator.log({**metrics, **flatten_memory_usage(usage, prefix="eval_memory")}, step=0)
+
+    # Train!
+    completed_steps, starting_epoch, resume_batches = 0, 0, 0
+    train_time, steps_timed, train_loss = 0.0, 0, None
+    if do_train:
+        total_batch_size = (
+            args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+        )
+        logger.info("***** Running training *****")
+        logger.info(f"  Num examples = {len(train_dataset)} (sequences of up to {max_seq_length} tokens)")
+        logger.info(f"  Num Epochs = {args.num_train_epochs}")
+        logger.info(f"  Instantaneous batch size per device = {args.per_device_train_batch_size}")
+        logger.info(f"  Total train batch size (w. parallel, distributed & accumulation) = {total_batch_size}")
+        logger.info(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
+        logger.info(f"  Total optimization steps = {args.max_train_steps} (warm-up {args.num_warmup_steps})")
+        if memory_optimizer is not None:
+            sparse = any(memory.sparse_values for memory in memory_modules(model).values())
+            logger.info(
+                f"  Memory values: {type(memory_optimizer.optimizer).__name__}, constant lr "
+                f"{args.memory_learning_rate}, no weight decay, {'sparse' if sparse else 'dense'} gradients"
+            )
+
+        # Potentially load in the weights and states from a previous save
+        if args.resume_from_checkpoint:
+            checkpoint = args.resume_from_checkpoint
+            if checkpoint == "latest":
+                checkpoint = latest_checkpoint(args.output_dir)
+                if checkpoint is None:
+                    raise ValueError(
+                        f"--resume_from_checkpoint latest: no step_<N>/epoch_<E> folder in {args.output_dir}"
+                    )
+            if staleness is not None and not os.path.isfile(os.path.join(checkpoint, "custom_checkpoint_0.pkl")):
+                raise ValueError(f"{checkpoint} holds no staleness state: resume it without --track_staleness")
+            accelerator.print(f"Resumed from checkpoint: {checkpoint}")
+            accelerator.load_state(checkpoint)
+            starting_epoch, completed_steps, resume_batches = resume_position(
+                checkpoint, num_update_steps_per_epoch, args.gradient_accumulation_steps
+            )
+
+        # Only show the progress bar once on each machine.
+        progress_bar = tqdm(
+            range(args.max_train_steps), disable=not accelerator.is_local_main_process, desc="MLM steps"
+        )
+        progress_bar.update(completed_steps)
+        running_loss, running_batches = 0.0, 0  # since the last evaluation: the reported train_loss
+        recent_losses = collections.deque(maxlen=20)  # the progress bar's loss
+        for epoch in range(starting_epoch, args.num_train_epochs):
+            model.train()
+            train_dataloader.set_epoch(epoch)
+            if epoch == starting_epoch and resume_batches:
+                # We skip the first `n` batches in the dataloader when resuming from a checkpoint
+                active_dataloader = accelerator.skip_first_batches(train_dataloader, resume_batches)
+                active_dataloader.set_epoch(epoch)
+                batch_index = resume_batches
+            else:
+                active_dataloader = train_dataloader
+                batch_index = 0
+            step_start = time.perf_counter()
+            for batch in active_dataloader:
+                # The masks of this batch depend on (seed, process, epoch, batch) only.
+                seed = mask_seed(args.seed, accelerator.process_index, epoch, batch_index)
+                input_ids, labels = mask_tokens(masker, batch["input_ids"], batch.pop("special_tokens_mask"), seed)
+                batch["input_ids"], batch["labels"] = input_ids.to(accelerator.device), labels.to(accelerator.device)
+                batch_index += 1
+                if staleness is not None:
+                    staleness.step = completed_steps + 1
+                with accelerator.accumulate(model):
+                    outputs = model(**batch)
+                    loss = outputs.loss
+                    recent_losses.append(loss.detach().float().item())
+                    running_loss += recent_losses[-1]
+                    running_batches += 1
+                    accelerator.backward(loss)
+                    for o in optimizers:
+                        o.step()
+                    lr_scheduler.step()
+                    for o in optimizers:
+                        o.zero_grad()
+
+                # Checks if the accelerator has performed an optimization step behind the scenes
+                if accelerator.sync_gradients:
+                    train_time += time.perf_counter() - step_start
+                    steps_timed += 1
+                    progress_bar.update(1)
+                    completed_steps += 1
+                    train_loss = running_loss / running_batches
+                    progress_bar.set_postfix(loss=f"{sum(recent_losses) / len(recent_losses):.3f}", refresh=False)
+                    if isinstance(checkpointing_steps, int) and completed_steps % checkpointing_steps == 0:
+                        if staleness is not None:
+                            staleness.synchronize()
+                        save_checkpoint(accelerator, args.output_dir, f"step_{completed_steps}")
+                    if (
+                        args.eval_steps
+                        and completed_steps % args.eval_steps == 0
+                        and completed_steps < args.max_train_steps
+                    ):
+                        metrics, _ = evaluate(args, accelerator, model, eval_datasets, eval_collator)
+                        report_evaluation(metrics, None, f"step {completed_steps}")
+                        if args.with_tracking:
+                            accelerator.log(
+                                {**metrics, "train_loss": train_loss, "epoch": epoch}, step=completed_steps
+                            )
+                        running_loss, running_batches = 0.0, 0
+                    step_start = time.perf_counter()
+
+                if completed_steps >= args.max_train_steps:
+                    break
+
+            last_epoch = epoch == args.num_train_epochs - 1 or completed_steps >= args.max_train_steps
+            if not args.eval_steps and not last_epoch and eval_datasets:  # the last one is evaluated below
+                metrics, _ = evaluate(args, accelerator, model, eval_datasets, eval_collator)
+                report_evaluation(metrics, None, f"epoch {epoch}")
+                if args.with_tracking:
+                    accelerator.log({**metrics, "train_loss": train_loss, "epoch": epoch}, step=completed_steps)
+                running_loss, running_batches = 0.0, 0
+            if args.checkpointing_steps == "epoch":
+                if staleness is not None:
+                    staleness.synchronize()
+                save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}")
+            if last_epoch:
+                break
+        progress_bar.close()
+        results.update(
+            {
+                "train_loss": train_loss,
+                "train_samples": len(train_dataset),
+                "epoch": args.num_train_epochs,
+                "step": completed_steps,
+                "train_time": round(train_time, 2),
+                "train_steps_per_second": round(steps_timed / train_time, 4) if train_time else None,
+                "train_samples_per_second": round(steps_timed * total_batch_size / train_time, 3)
+                if train_time
+                else None,
+            }
+        )
+
+    # Evaluation: the perplexity on every evaluation set and the memory usage on the first one (section 3.2).
+    if eval_datasets:
+        eval_start = time.time()
+        metrics, usage = evaluate(args, accelerator, model, eval_datasets, eval_collator, measure_memory_usage=True)
+        report_evaluation(metrics, usage, "after training" if do_train else "evaluation")
+        first = next(iter(eval_datasets))
+        results["perplexity"] = metrics[f"eval_{first}_perplexity"]  # the official script's key
+        results.update(metrics)
+        results.update(flatten_memory_usage(usage, prefix="eval_memory"))
+        for name, dataset in eval_datasets.items():
+            results[f"eval_{name}_samples"] = len(dataset)
+        results["eval_runtime"] = round(time.time() - eval_start, 2)
+    if staleness is not None:
+        staleness.synchronize()
+        histogram = staleness.results(completed_steps, args.staleness_bins)
+        logger.info(
+            "Staleness (fraction of slots by the step range of their last top-1 pick):\n"
+            + json.dumps(histogram, indent=2)
+        )
+        results.update(flatten_memory_usage(histogram, prefix="staleness"))
+    peak = peak_memory_mb(accelerator.device)
+    results["peak_memory_mb"] = round(peak, 1) if peak is not None else None
+
+    if args.with_tracking:
+        accelerator.log({k: v for k, v in results.items() if isinstance(v, (int, float))}, step=completed_steps)
+        accelerator.end_training()
+
+    # Save the model (a BertPkm folder is a complete Hub repository: code files, auto_map, tokenizer, model card).
+    if args.output_dir is not None:
+        accelerator.wait_for_everyone()
+        unwrapped_model = accelerator.unwrap_model(model)
+        if do_train:
+            unwrapped_model.save_pretrained(
+                args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save
+            )
+        if accelerator.is_main_process:
+            if do_train:
+                tokenizer.save_pretrained(args.output_dir)
+                if staleness is not None:
+                    from safetensors.torch import save_file
+
+                    save_file(
+                        {name: last.contiguous() for name, last in staleness.state_dict().items()},
+                        os.path.join(args.output_dir, "staleness.safetensors"),
+                        metadata={"step": str(completed_steps), "never": "-1"},
+                    )
+                write_results_model_card(
+                    args.output_dir,
+                    results,
+                    repo_id=args.hub_model_id,
+                    base_model=args.model_name_or_path,
+                    dataset=args.dataset_name or args.train_file,
+                    task="fill-mask",
+                    command=command,
+                    title="Masked language modeling results",
+                )
+            results["total_runtime"] = round(time.time() - start_time, 2)
+            with open(os.path.join(args.output_dir, "all_results.json"), "w") as f:
+                json.dump(results, f, indent=4)
+            if args.push_to_hub and do_train:
+                from modeling_pkm_bert.conversion import push_folder_to_hub
+
+                repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
+                push_folder_to_hub(
+                    args.output_dir,
+                    repo_id,
+                    private=args.hub_private_repo,
+                    token=args.hub_token,
+                    commit_message="End of training",
+                )
+    logger.info(json.dumps(results, indent=4))
+    return results
+
+
+def config_from_scratch(args, pkm_kwargs):
+    """The config of a model trained from scratch: --config_name or --model_type, turned into a BertPkm config when
+    --pkm_* flags are given (the paper's rows without +Init)."""
+    if args.config_name:
+        config = AutoConfig.from_pretrained(args.config_name, trust_remote_code=args.trust_remote_code)
+    else:
+        config = CONFIG_MAPPING[args.model_type]()
+        logger.warning("You are instantiating a new config instance from scratch.")
+    if not pkm_kwargs:
+        return config
+    if config.model_type not in ("bert", BertPkmConfig.model_type):
+        raise ValueError(f"--pkm_* flags need a BERT or BertPkm config, got model_type {config.model_type!r}")
+    fields = {
+        k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")
+    }
+    return BertPkmConfig(**{**fields, **pkm_kwargs})
+
+
+if __name__ == "__main__":
+    main()
