@@ -286,6 +286,16 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return os.path.join(output_dir, max(found)[1]) if found else None
 
 
+def resolve_checkpoint(resume_from_checkpoint: str, output_dir: str | None) -> str:
+    """The folder `--resume_from_checkpoint` names: a path, or `latest` for `latest_checkpoint(output_dir)`."""
+    if resume_from_checkpoint != "latest":
+        return resume_from_checkpoint
+    checkpoint = latest_checkpoint(output_dir)
+    if checkpoint is None:
+        raise ValueError(f"--resume_from_checkpoint latest: no step_<N>/epoch_<E> folder in {output_dir}")
+    return checkpoint
+
+
 # ---- model card with fine-tuning results (run_glue, run_squad) ----
 
 

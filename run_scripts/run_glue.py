@@ -71,7 +71,7 @@ from modeling_pkm_bert.training import (  # noqa: E402
     add_pkm_arguments,
     create_memory_optimizer,
     freeze_memory,
-    latest_checkpoint,
+    resolve_checkpoint,
     load_model,
     memory_modules,
     optimizer_param_groups,
@@ -668,13 +668,7 @@ def main(argv=None):
 
         # Potentially load in the weights and states from a previous save
         if args.resume_from_checkpoint:
-            checkpoint = args.resume_from_checkpoint
-            if checkpoint == "latest":
-                checkpoint = latest_checkpoint(args.output_dir)
-                if checkpoint is None:
-                    raise ValueError(
-                        f"--resume_from_checkpoint latest: no step_<N>/epoch_<E> folder in {args.output_dir}"
-                    )
+            checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
             accelerator.print(f"Resumed from checkpoint: {checkpoint}")
             accelerator.load_state(checkpoint)
             starting_epoch, completed_steps, resume_batches = resume_position(
