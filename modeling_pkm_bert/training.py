@@ -8,6 +8,7 @@ import re
 import torch
 
 from .configuration_bert_pkm import BertPkmConfig
+from .optimization import PKM_VALUES_GROUP, pkm_param_groups
 from .product_key_memory import ProductKeyMemory
 
 
@@ -74,11 +75,6 @@ def memory_modules(model: torch.nn.Module) -> dict[str, ProductKeyMemory]:
     return {name: module for name, module in model.named_modules() if isinstance(module, ProductKeyMemory)}
 
 
-def memory_value_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The value tables of every memory: they get their own optimizer group."""
-    return [memory.values.weight for memory in memory_modules(model).values()]
-
-
 def freeze_memory(model: torch.nn.Module) -> int:
     """Fixes every memory parameter (keys, query network, values) and the query BatchNorm's running statistics, so the
     memory is the same function after training (Table 5); returns how many parameters were frozen."""
@@ -93,25 +89,14 @@ def freeze_memory(model: torch.nn.Module) -> int:
 
 
 def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> tuple[list[dict], list[dict]]:
-    """(main groups, memory groups): main = everything but the values, decayed except biases and norms as in the
-    transformers examples; memory = the value tables, no weight decay."""
-    values = {id(p) for p in memory_value_parameters(model)}
-    no_decay_modules = (torch.nn.LayerNorm, torch.nn.BatchNorm1d)
-    no_decay = {
-        id(p) for module in model.modules() if isinstance(module, no_decay_modules) for p in module.parameters(recurse=False)
-    }
-    decay, plain, memory = [], [], []
-    for name, parameter in model.named_parameters():
-        if not parameter.requires_grad:
-            continue
-        if id(parameter) in values:
-            memory.append(parameter)
-        elif id(parameter) in no_decay or name.endswith("bias"):
-            plain.append(parameter)
-        else:
-            decay.append(parameter)
-    main_groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}) if g["params"]]
-    memory_groups = [{"params": memory, "weight_decay": 0.0}] if memory else []
+    """(main groups, memory groups) of `optimization.pkm_param_groups`: main = everything but the values, decayed
+    except biases and norms; memory = the value tables without weight decay, for their own optimizer. The groups carry
+    no learning rate: each optimizer gives its own."""
+    groups = pkm_param_groups(model, lr=0.0, weight_decay=weight_decay)
+    for group in groups:
+        del group["lr"]
+    main_groups = [group for group in groups if group["name"] != PKM_VALUES_GROUP]
+    memory_groups = [group for group in groups if group["name"] == PKM_VALUES_GROUP]
     return main_groups, memory_groups
 
 
