@@ -12,6 +12,10 @@ from .modeling_bert_pkm import (
     BertPkmPreTrainedModel,
 )
 from .product_key_memory import ProductKeyMemory
+from . import cpu_kernels
+
+
+cpu_kernels.register()  # the native product-key selection for CPU inference (PKM_BERT_NATIVE=0: off)
 
 
 __version__ = "0.1.0"

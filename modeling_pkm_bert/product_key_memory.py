@@ -176,6 +176,35 @@ class _SubkeyTopk(torch.autograd.Function):
         return grad_halves, grad_keys, None
 
 
+def _combine_halves(
+    half_scores: torch.Tensor, half_indices: torch.Tensor, n_keys: int, knn: int, prune: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best `knn` product keys from each half's sorted top-`knn`: `(heads * 2, tokens, knn)` -> `(heads, tokens, knn)`.
+
+    A product key is the concatenation of its two sub-keys, so its score is the sum of the halves' scores; with
+    `prune`, only the rank pairs `(a, b)` with `(a + 1) * (b + 1) <= knn` are scored (exact), else all `knn ** 2`, as XLM.
+    """
+    half_scores, half_indices = half_scores.unflatten(0, (-1, 2)), half_indices.unflatten(0, (-1, 2))
+    if prune:
+        first, second = (torch.tensor(ranks, device=half_scores.device) for ranks in _candidate_pairs(knn))
+        candidate_scores = half_scores[:, 0].index_select(-1, first) + half_scores[:, 1].index_select(-1, second)
+        scores, best = candidate_scores.topk(knn, dim=-1)  # (heads, tokens, knn)
+        indices = half_indices[:, 0].gather(-1, first[best]) * n_keys + half_indices[:, 1].gather(-1, second[best])
+    else:
+        candidate_scores = half_scores[:, 0, :, :, None] + half_scores[:, 1, :, None, :]  # (heads, tokens, knn, knn)
+        candidate_indices = half_indices[:, 0, :, :, None] * n_keys + half_indices[:, 1, :, None, :]
+        scores, best = candidate_scores.flatten(-2).topk(knn, dim=-1)
+        indices = candidate_indices.flatten(-2).gather(-1, best)
+    return scores, indices
+
+
+def _native_selection(subkey_scores: torch.Tensor):
+    """`torch.ops.pkm_bert.select_product_keys` for fp32 CPU scores once `modeling_pkm_bert` registered it, else None."""
+    if subkey_scores.dtype != torch.float32 or subkey_scores.device.type != "cpu" or subkey_scores.requires_grad:
+        return None
+    return getattr(torch.ops.pkm_bert, "select_product_keys", None)
+
+
 def _sparse_rows(rows: torch.Tensor, values: torch.Tensor, n_rows: int) -> torch.Tensor:
     """The sparse COO gradient of a `(n_rows, dim)` table from its sorted distinct `rows` and their `values`."""
     return torch.sparse_coo_tensor(
@@ -257,6 +286,8 @@ class ProductKeyMemory(nn.Module):
     prune_candidates = True
     # backward of the sub-key top-knn through the knn selected keys only (False: dense bmm backward, the reference)
     fused_search_backward = True
+    # without gradients, fp32 on CPU: the selection in `torch.ops.pkm_bert.select_product_keys` when registered
+    native_search = True
 
     def __init__(
         self,
@@ -338,21 +369,12 @@ class ProductKeyMemory(nn.Module):
             half_scores, half_indices = _SubkeyTopk.apply(halves, keys, knn)
         else:
             subkey_scores = torch.bmm(halves, keys.transpose(1, 2))
+            select = _native_selection(subkey_scores) if self.native_search and self.prune_candidates else None
+            if select is not None:  # the same selection in a native kernel (cpu_kernels.py): (tokens, heads, knn)
+                scores, indices = select(subkey_scores, knn)
+                return scores.view(*batch_shape, self.heads, knn), indices.view(*batch_shape, self.heads, knn)
             half_scores, half_indices = subkey_scores.topk(knn, dim=-1)  # (heads * 2, tokens, knn), sorted descending
-        half_scores = half_scores.unflatten(0, (self.heads, 2))
-        half_indices = half_indices.unflatten(0, (self.heads, 2))
-        # a product key is the concatenation of its two sub-keys, so its score is the sum of the halves' scores
-        if self.prune_candidates:
-            # only the pairs of ranks (a, b) with (a + 1) * (b + 1) <= knn can be among the best knn sums
-            first, second = (torch.tensor(ranks, device=queries.device) for ranks in _candidate_pairs(knn))
-            candidate_scores = half_scores[:, 0, :, first] + half_scores[:, 1, :, second]  # (heads, tokens, pairs)
-            scores, best = candidate_scores.topk(knn, dim=-1)  # (heads, tokens, knn)
-            indices = half_indices[:, 0].gather(-1, first[best]) * n_keys + half_indices[:, 1].gather(-1, second[best])
-        else:  # all knn * knn pairs, as XLM
-            candidate_scores = half_scores[:, 0, :, :, None] + half_scores[:, 1, :, None, :]  # (heads, tokens, knn, knn)
-            candidate_indices = half_indices[:, 0, :, :, None] * n_keys + half_indices[:, 1, :, None, :]
-            scores, best = candidate_scores.flatten(-2).topk(knn, dim=-1)  # (heads, tokens, knn)
-            indices = candidate_indices.flatten(-2).gather(-1, best)
+        scores, indices = _combine_halves(half_scores, half_indices, n_keys, knn, self.prune_candidates)
         return (
             scores.transpose(0, 1).reshape(*batch_shape, self.heads, knn),
             indices.transpose(0, 1).reshape(*batch_shape, self.heads, knn),

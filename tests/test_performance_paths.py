@@ -42,6 +42,7 @@ def configured(memory, *, sparse=False, fused=True, prune=True):
     memory.values.fused_backward = fused
     memory.fused_search_backward = fused
     memory.prune_candidates = prune
+    memory.native_search = fused
     return memory
 
 

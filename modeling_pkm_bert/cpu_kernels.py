@@ -1,0 +1,184 @@
+"""A native CPU kernel for the product-key selection at inference, built at run time with the system C compiler.
+
+`torch.topk` over the 512 sub-key scores of every (token, head, half) is most of a memory's inference time on CPU
+(about 5 us per row); `csrc/product_key_select.c` selects the same top-`knn` product keys in well under 1 us per row
+(AVX-512 where the compiler targets it, portable C elsewhere). Importing `modeling_pkm_bert` registers it as the torch
+op `torch.ops.pkm_bert.select_product_keys`, which `ProductKeyMemory.search` uses, when it exists, for fp32 CPU inputs
+that need no gradient; models loaded with `trust_remote_code=True` use it too once the package is imported.
+
+The library is compiled once (`cc -O3 -march=native`, about a second) into `$PKM_BERT_CACHE` (default
+`~/.cache/modeling_pkm_bert`) and loaded with ctypes. Without a compiler the op computes the same result with torch
+(logged once). `PKM_BERT_NATIVE=0` leaves the op unregistered.
+"""
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .product_key_memory import _candidate_pairs, _combine_halves
+
+
+logger = logging.getLogger(__name__)
+
+OP_NAME = "pkm_bert::select_product_keys"
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
+PORTABLE_FLAGS = ("-O3", "-fPIC", "-shared")
+# below this many (token, head) pairs per thread, a second thread costs more than it saves
+_ROWS_PER_THREAD = 512
+
+_lock = threading.Lock()
+_libraries: dict[tuple[str, ...], ctypes.CDLL | None] = {}
+_pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_pool: ThreadPoolExecutor | None = None
+
+
+def _source() -> str:
+    return resources.files(__package__).joinpath("csrc/product_key_select.c").read_text()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PKM_BERT_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "modeling_pkm_bert"
+
+
+def _cpu_signature() -> str:
+    """What `-march=native` depends on: a library built on one CPU may not run on another sharing the cache."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("flags", "Features")))
+    except (OSError, StopIteration):
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def build_library(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
+    """Compiles (once, atomically, into the cache) and loads the kernel; `None` when no compiler can build it."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        logger.info("no C compiler found: product-key selection stays on torch.topk")
+        return None
+    source = _source()
+    key = hashlib.sha256("\0".join([source, compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
+    cache = _cache_dir()
+    path = cache / f"product_key_select-{key}.so"
+    if not path.exists():
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as scratch:
+                c_file, so_file = Path(scratch) / "product_key_select.c", Path(scratch) / "product_key_select.so"
+                c_file.write_text(source)
+                subprocess.run([compiler, *flags, str(c_file), "-o", str(so_file)], check=True, capture_output=True, text=True)
+                os.replace(so_file, path)  # atomic: a concurrent build or reader never sees half a library
+        except (OSError, subprocess.CalledProcessError) as error:
+            details = getattr(error, "stderr", "") or error
+            logger.info("could not build the product-key selection kernel with %s %s: %s", compiler, " ".join(flags), details)
+            return None
+    library = ctypes.CDLL(str(path))
+    function = library.pkm_select_product_keys
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # fmt: skip
+    return library
+
+
+def library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
+    """The loaded kernel (built on first use): native flags, else portable ones; `None` without a compiler."""
+    candidates = [flags] if flags is not None else [FLAGS, PORTABLE_FLAGS]
+    with _lock:
+        for candidate in candidates:
+            if candidate not in _libraries:
+                _libraries[candidate] = build_library(candidate)
+            if _libraries[candidate] is not None:
+                return _libraries[candidate]
+    return None
+
+
+def _pair_tensors(knn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if knn not in _pairs:
+        _pairs[knn] = tuple(torch.tensor(ranks, dtype=torch.int32) for ranks in _candidate_pairs(knn))
+    return _pairs[knn]
+
+
+def _torch_selection(subkey_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same selection with torch ops (`ProductKeyMemory.search`'s own path)."""
+    half_scores, half_indices = subkey_scores.topk(knn, dim=-1)
+    scores, indices = _combine_halves(half_scores, half_indices, subkey_scores.shape[-1], knn, prune=True)
+    return scores.transpose(0, 1).contiguous(), indices.transpose(0, 1).contiguous()
+
+
+def select_product_keys_native(
+    subkey_scores: torch.Tensor, knn: int, flags: tuple[str, ...] | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The kernel on `(heads * 2, tokens, n_keys)` fp32 CPU scores -> `(tokens, heads, knn)` scores and indices.
+
+    `None` when the kernel is unavailable or a score is NaN (then torch's ordering of NaN applies: use torch).
+    """
+    global _pool
+    kernel = library(flags)
+    if kernel is None:
+        return None
+    groups, tokens, n_keys = subkey_scores.shape
+    heads = groups // 2
+    subkey_scores = subkey_scores.contiguous()
+    first, second = _pair_tensors(knn)
+    scores = torch.empty(tokens, heads, knn, dtype=torch.float32)
+    indices = torch.empty(tokens, heads, knn, dtype=torch.int64)
+
+    def run(begin: int, end: int) -> int:  # ctypes releases the GIL: chunks run in parallel
+        return kernel.pkm_select_product_keys(
+            subkey_scores.data_ptr(), heads, tokens, n_keys, knn, first.data_ptr(), second.data_ptr(), first.numel(),
+            scores.data_ptr(), indices.data_ptr(), begin, end,
+        )  # fmt: skip
+
+    threads = max(1, min(torch.get_num_threads(), tokens * heads // _ROWS_PER_THREAD))
+    if threads == 1:
+        status = run(0, tokens)
+    else:
+        with _lock:
+            if _pool is None or _pool._max_workers < threads:
+                _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pkm_select")
+        bounds = [tokens * i // threads for i in range(threads + 1)]
+        status = max(_pool.map(run, bounds[:-1], bounds[1:]))
+    if status == -1:
+        raise MemoryError("product-key selection kernel: out of memory")
+    return (scores, indices) if status == 0 else None
+
+
+def _select_product_keys(subkey_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if subkey_scores.dtype == torch.float32 and subkey_scores.device.type == "cpu":
+        result = select_product_keys_native(subkey_scores, knn)
+        if result is not None:
+            return result
+    return _torch_selection(subkey_scores, knn)
+
+
+def _fake_select_product_keys(subkey_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    groups, tokens, _ = subkey_scores.shape
+    shape = (tokens, groups // 2, knn)
+    return subkey_scores.new_empty(shape), subkey_scores.new_empty(shape, dtype=torch.int64)
+
+
+def register() -> bool:
+    """Registers `torch.ops.pkm_bert.select_product_keys` (once); False when `PKM_BERT_NATIVE=0` disables it."""
+    if os.environ.get("PKM_BERT_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if hasattr(torch.ops.pkm_bert, "select_product_keys"):
+        return True
+    op = torch.library.custom_op(OP_NAME, mutates_args=(), device_types="cpu")(_select_product_keys)
+    op.register_fake(_fake_select_product_keys)
+    return True
+
+
+__all__ = ["build_library", "library", "register", "select_product_keys_native"]

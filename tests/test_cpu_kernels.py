@@ -1,0 +1,180 @@
+"""The native product-key selection (`cpu_kernels`, `csrc/product_key_select.c`) equals the torch selection."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from modeling_pkm_bert import ProductKeyMemory, cpu_kernels
+from modeling_pkm_bert.cpu_kernels import FLAGS, PORTABLE_FLAGS, _torch_selection, select_product_keys_native
+from modeling_pkm_bert.product_key_memory import _native_selection
+
+
+SHAPES = [  # heads, tokens, n_keys, knn
+    (4, 37, 512, 32),  # the paper's size
+    (1, 5, 16, 16),  # knn = n_keys: every sub-key is a candidate
+    (2, 9, 64, 5),
+    (3, 7, 100, 7),  # n_keys not a multiple of the vector width
+    (2, 4, 8, 1),
+    (1, 3, 24, 20),  # fewer groups than 2 * knn
+]
+
+
+def compiled(flags):
+    if cpu_kernels.library(flags) is None:
+        pytest.skip(f"no C compiler could build the kernel with {' '.join(flags)} (the torch selection is used then)")
+    return flags
+
+
+@pytest.fixture(params=[FLAGS, PORTABLE_FLAGS], ids=["native", "portable"])
+def flags(request):
+    """Both builds: `-march=native` (AVX-512 paths on a CPU that has it) and the portable C paths."""
+    return compiled(request.param)
+
+
+def product_scores(subkey_scores):
+    """All n_keys ** 2 product scores of each (token, head), slot i1 * n_keys + i2: `(tokens, heads, n_keys ** 2)`."""
+    halves = subkey_scores.unflatten(0, (-1, 2))  # (heads, 2, tokens, n_keys)
+    return (halves[:, 0, :, :, None] + halves[:, 1, :, None, :]).flatten(-2).transpose(0, 1)
+
+
+def assert_valid_selection(subkey_scores, knn, scores, indices):
+    """Scores equal the torch selection's exactly; the indices are distinct slots with those scores, and where the
+    knn-th score is not tied they are exactly torch's (a tie at the boundary may pick another slot of equal score)."""
+    reference_scores, reference_indices = _torch_selection(subkey_scores, knn)
+    assert torch.equal(scores, reference_scores)
+    assert torch.equal(product_scores(subkey_scores).gather(-1, indices), scores)
+    assert (indices.sort(-1).values.diff(dim=-1) > 0).all()
+    full = product_scores(subkey_scores)
+    boundary_tied = (full == scores[..., -1:]).sum(-1) > (scores == scores[..., -1:]).sum(-1)
+    untied = ~boundary_tied & (scores.diff(dim=-1) != 0).all(-1)
+    assert torch.equal(indices[untied], reference_indices[untied])
+
+
+@pytest.mark.parametrize("heads,tokens,n_keys,knn", SHAPES)
+def test_native_selection_equals_torch(flags, heads, tokens, n_keys, knn):
+    subkey_scores = torch.randn(heads * 2, tokens, n_keys)
+    result = select_product_keys_native(subkey_scores, knn, flags)
+    assert result is not None
+    assert_valid_selection(subkey_scores, knn, *result)
+
+
+@pytest.mark.parametrize("heads,tokens,n_keys,knn", SHAPES)
+def test_native_selection_with_ties(flags, heads, tokens, n_keys, knn):
+    # few distinct values: ties everywhere, also at the thresholds and between pairs
+    subkey_scores = torch.randint(-2, 3, (heads * 2, tokens, n_keys)).float()
+    assert_valid_selection(subkey_scores, knn, *select_product_keys_native(subkey_scores, knn, flags))
+
+
+def test_native_selection_on_skewed_scores(flags):
+    # the top scores all in one threshold group and sorted rows: many candidates, the quadratic ranking's worst case
+    subkey_scores = torch.arange(8 * 3 * 512, dtype=torch.float32).view(8, 3, 512) % 512 / 7
+    subkey_scores[:, 1] = subkey_scores[:, 1].flip(-1)
+    subkey_scores[:, 2, ::64] += 1000
+    assert_valid_selection(subkey_scores, 32, *select_product_keys_native(subkey_scores, 32, flags))
+
+
+def test_nan_scores_fall_back_to_torch(flags):
+    subkey_scores = torch.randn(8, 6, 512)
+    subkey_scores[3, 2, 100] = float("nan")
+    assert select_product_keys_native(subkey_scores, 32, flags) is None
+    compiled(FLAGS)
+    scores, indices = torch.ops.pkm_bert.select_product_keys(subkey_scores, 32)
+    reference_scores, reference_indices = _torch_selection(subkey_scores, 32)
+    torch.testing.assert_close(scores, reference_scores, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(indices, reference_indices)
+
+
+def test_threads_split_the_tokens():
+    compiled(FLAGS)
+    subkey_scores = torch.randn(8, 700, 512)  # 2800 (token, head) rows: enough for 2 threads
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = select_product_keys_native(subkey_scores, 32)
+        torch.set_num_threads(2)
+        two = select_product_keys_native(subkey_scores, 32)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+def test_op_schema_and_fake_tensor():
+    compiled(FLAGS)
+    torch.library.opcheck(torch.ops.pkm_bert.select_product_keys.default, (torch.randn(4, 10, 64), 8))
+
+
+def test_memory_uses_the_kernel_without_gradients_only():
+    compiled(FLAGS)
+    memory = ProductKeyMemory(32, n_keys=64, heads=2, knn=8, k_dim=16).eval()
+    assert _native_selection(torch.randn(4, 3, 64)) is not None
+    assert _native_selection(torch.randn(4, 3, 64, dtype=torch.float64)) is None
+    assert _native_selection(torch.randn(4, 3, 64, requires_grad=True)) is None
+    queries = torch.randn(2, 7, 2, 16)
+    with torch.no_grad():
+        native = memory.search(queries)
+        memory.native_search = False
+        reference = memory.search(queries)
+    assert torch.equal(native[0], reference[0]) and torch.equal(native[1], reference[1])
+
+    hidden = torch.randn(2, 7, 32)
+    with torch.inference_mode():
+        memory.native_search = True
+        output = memory(hidden)
+        memory.native_search = False
+        torch.testing.assert_close(output, memory(hidden), rtol=0, atol=1e-6)
+
+    # the gradient paths never go through the op (fused and reference search backward)
+    memory.native_search = True
+    memory.train()
+    for fused in (True, False):
+        memory.fused_search_backward = fused
+        with torch.profiler.profile() as profile:
+            memory(hidden).sum().backward()
+        assert memory.keys.grad is not None
+        assert not [event for event in profile.events() if "select_product_keys" in event.name]
+    memory.eval()
+    with torch.profiler.profile() as profile, torch.no_grad():
+        memory(hidden)
+    assert [event for event in profile.events() if "select_product_keys" in event.name]
+
+
+def test_build_is_cached_atomically(tmp_path, monkeypatch):
+    monkeypatch.setenv("PKM_BERT_CACHE", str(tmp_path))
+    if cpu_kernels.build_library(PORTABLE_FLAGS) is None:
+        pytest.skip("no C compiler")
+    built = list(tmp_path.glob("product_key_select-*.so"))
+    assert len(built) == 1 and not [p for p in tmp_path.iterdir() if p.is_dir()]  # no scratch left behind
+    mtime = built[0].stat().st_mtime_ns
+    assert cpu_kernels.build_library(PORTABLE_FLAGS) is not None
+    assert built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
+
+
+def test_without_a_compiler_the_torch_selection_is_used(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PKM_BERT_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    flags = ("-O2", "-fPIC", "-shared")  # a build nobody made before in this process
+    with caplog.at_level("INFO", logger="modeling_pkm_bert.cpu_kernels"):
+        assert select_product_keys_native(torch.randn(2, 3, 16), 4, flags) is None
+    assert "could not build" in caplog.text
+
+
+def test_disabled_by_environment():
+    code = "import torch, modeling_pkm_bert; print(hasattr(torch.ops.pkm_bert, 'select_product_keys'))"
+    env = {**os.environ, "PKM_BERT_NATIVE": "0"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+def test_infinite_scores(flags):
+    subkey_scores = torch.randn(4, 5, 64)
+    subkey_scores[0, 1, :40] = float("inf")  # inf + (-inf) sums are NaN: the torch selection decides
+    subkey_scores[1, 1, :] = float("-inf")
+    subkey_scores[2, 3, :] = float("-inf")
+    result = select_product_keys_native(subkey_scores, 8, flags)
+    assert result is None
+    clean = subkey_scores[:, [0, 2, 4]]
+    clean[0, 0, :10] = float("inf")
+    assert_valid_selection(clean, 8, *select_product_keys_native(clean, 8, flags))
