@@ -1,5 +1,7 @@
 """Product key memory (Lample et al. 2019, XLM `pq_fast`), pure torch, all heads batched."""
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,6 +55,12 @@ def _reusable_buffer(
 _CPU_SPARSE_KERNELS = True
 
 
+def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch's once-per-process notice that sparse CSR support is in beta: noise here
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
+        return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
+
+
 class _WeightedRowSum(torch.autograd.Function):
     """`output[t] = sum_j per_sample_weights[t, j] * weight[indices[t, j]]`, with a cheaper backward than EmbeddingBag's.
 
@@ -91,10 +99,7 @@ class _WeightedRowSum(torch.autograd.Function):
             tokens_of_lookups = tokens_of_lookups.to(index_dtype)
             crow = torch.zeros(n_rows + 1, dtype=index_dtype, device=device)
             torch.cumsum(torch.bincount(flat, minlength=n_rows), 0, dtype=index_dtype, out=crow[1:])
-            # torch says once per process that sparse CSR support is in beta (UserWarning; harmless)
-            lookups = torch.sparse_csr_tensor(
-                crow, tokens_of_lookups, weights_of_lookups, (n_rows, tokens), check_invariants=False
-            )
+            lookups = _csr(crow, tokens_of_lookups, weights_of_lookups, (n_rows, tokens))
             if need_per_sample_weights:
                 dots = torch.sparse.sampled_addmm(lookups, weight, grad_output.t(), beta=0.0).values()
                 grad_per_sample_weights = torch.empty_like(dots).index_copy_(0, order, dots).view(tokens, bag)
@@ -106,9 +111,7 @@ class _WeightedRowSum(torch.autograd.Function):
                 used, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
                 crow = torch.zeros(used.numel() + 1, dtype=index_dtype, device=device)
                 torch.cumsum(counts, 0, dtype=index_dtype, out=crow[1:])
-                compact = torch.sparse_csr_tensor(
-                    crow, tokens_of_lookups, weights_of_lookups, (used.numel(), tokens), check_invariants=False
-                )
+                compact = _csr(crow, tokens_of_lookups, weights_of_lookups, (used.numel(), tokens))
                 # the number of rows used changes from step to step: 1/8 spare room
                 out = _reusable_buffer(ctx.workspaces, "sparse_grad", used.numel() * dim, dtype, device, spare=0.125)
                 out = out.view(used.numel(), dim)
