@@ -41,6 +41,7 @@ _lock = threading.Lock()
 _libraries: dict[tuple[str, ...], ctypes.CDLL | None] = {}
 _pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 _pool: ThreadPoolExecutor | None = None
+_pool_size = 0
 
 
 def _source() -> str:
@@ -125,7 +126,7 @@ def select_product_keys_native(
 
     `None` when the kernel is unavailable or a score is NaN (then torch's ordering of NaN applies: use torch).
     """
-    global _pool
+    global _pool, _pool_size
     kernel = library(flags)
     if kernel is None:
         return None
@@ -147,8 +148,8 @@ def select_product_keys_native(
         status = run(0, tokens)
     else:
         with _lock:
-            if _pool is None or _pool._max_workers < threads:
-                _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pkm_select")
+            if _pool_size < threads:
+                _pool, _pool_size = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pkm_select"), threads
         bounds = [tokens * i // threads for i in range(threads + 1)]
         status = max(_pool.map(run, bounds[:-1], bounds[1:]))
     if status == -1:

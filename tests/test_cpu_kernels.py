@@ -44,10 +44,10 @@ def assert_valid_selection(subkey_scores, knn, scores, indices):
     """Scores equal the torch selection's exactly; the indices are distinct slots with those scores, and where the
     knn-th score is not tied they are exactly torch's (a tie at the boundary may pick another slot of equal score)."""
     reference_scores, reference_indices = _torch_selection(subkey_scores, knn)
-    assert torch.equal(scores, reference_scores)
-    assert torch.equal(product_scores(subkey_scores).gather(-1, indices), scores)
-    assert (indices.sort(-1).values.diff(dim=-1) > 0).all()
     full = product_scores(subkey_scores)
+    assert torch.equal(scores, reference_scores)
+    assert torch.equal(full.gather(-1, indices), scores)
+    assert (indices.sort(-1).values.diff(dim=-1) > 0).all()
     boundary_tied = (full == scores[..., -1:]).sum(-1) > (scores == scores[..., -1:]).sum(-1)
     untied = ~boundary_tied & (scores.diff(dim=-1) != 0).all(-1)
     assert torch.equal(indices[untied], reference_indices[untied])
