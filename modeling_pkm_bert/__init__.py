@@ -13,6 +13,7 @@ from .modeling_bert_pkm import (
 )
 from .product_key_memory import ProductKeyMemory
 from . import cpu_kernels
+from .cpu_kernels import use_huge_pages
 
 
 cpu_kernels.register()  # the native product-key selection for CPU inference (PKM_BERT_NATIVE=0: off)
@@ -46,4 +47,5 @@ __all__ = [
     "BertPkmPreTrainedModel",
     "ProductKeyMemory",
     "register_auto_classes",
+    "use_huge_pages",
 ]

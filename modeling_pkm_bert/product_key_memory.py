@@ -140,9 +140,8 @@ class _WeightedRowSum(torch.autograd.Function):
 class _SubkeyTopk(torch.autograd.Function):
     """`(bmm(halves, keys^T)).topk(knn)` for every head-half at once, whose backward touches the selected keys only.
 
-    The dense backward multiplies an (n_keys)-wide gradient that is zero but for `knn` entries per row: here the query
-    gradient sums the `knn` selected sub-keys of each row (an EmbeddingBag) and the key gradient sums, per sub-key,
-    the queries that selected it (an EmbeddingBag over the selections sorted by key).
+    The dense backward multiplies an (n_keys)-wide gradient that is zero but for `knn` entries per row; this one reads
+    the `knn` selected sub-keys and queries only ([`_subkey_score_gradients`]).
     """
 
     @staticmethod
@@ -156,27 +155,63 @@ class _SubkeyTopk(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_scores, _grad_indices):
         halves, keys, indices = ctx.saved_tensors
-        groups, tokens, half = halves.shape
-        n_keys, knn = keys.shape[1], indices.shape[-1]
-        # rows of keys.reshape(groups * n_keys, half)
-        rows = (indices + torch.arange(0, groups * n_keys, n_keys, device=indices.device).view(groups, 1, 1)).view(-1, knn)
-        grad_scores = grad_scores.contiguous().view(-1, knn).to(keys.dtype)
-        grad_halves = grad_keys = None
-        if ctx.needs_input_grad[0]:
-            grad_halves = F.embedding_bag(rows, keys.reshape(-1, half), mode="sum", per_sample_weights=grad_scores)
-            grad_halves = grad_halves.view(groups, tokens, half)
-        if ctx.needs_input_grad[1]:
-            flat = rows.reshape(-1)
-            _, order = flat.sort(stable=True)
-            counts = torch.bincount(flat, minlength=groups * n_keys)
-            grad_keys = F.embedding_bag(
-                torch.div(order, knn, rounding_mode="floor"),
-                halves.reshape(groups * tokens, half).to(keys.dtype),
-                torch.cumsum(counts, 0) - counts,
-                mode="sum",
-                per_sample_weights=grad_scores.reshape(-1)[order],
-            ).view(groups, n_keys, half)
-        return grad_halves, grad_keys, None
+        return *_subkey_score_gradients(ctx.needs_input_grad, halves, keys, indices, grad_scores), None
+
+
+def _subkey_score_gradients(needs_input_grad, halves, keys, indices, grad_scores):
+    """Gradients of `halves` and `keys` from those of the selected sub-key scores `bmm(halves, keys^T)[g, t, indices]`.
+
+    The query gradient sums the `knn` selected sub-keys of each row (an EmbeddingBag) and the key gradient sums, per
+    sub-key, the queries that selected it (an EmbeddingBag over the selections sorted by key); a sub-key selected twice
+    in a row counts twice.
+    """
+    groups, tokens, half = halves.shape
+    n_keys, knn = keys.shape[1], indices.shape[-1]
+    # rows of keys.reshape(groups * n_keys, half)
+    rows = (indices + torch.arange(0, groups * n_keys, n_keys, device=indices.device).view(groups, 1, 1)).reshape(-1, knn)
+    grad_scores = grad_scores.reshape(-1, knn).to(keys.dtype)
+    grad_halves = grad_keys = None
+    if needs_input_grad[0]:
+        grad_halves = F.embedding_bag(rows, keys.reshape(-1, half), mode="sum", per_sample_weights=grad_scores)
+        grad_halves = grad_halves.view(groups, tokens, half)
+    if needs_input_grad[1]:
+        flat = rows.reshape(-1)
+        _, order = flat.sort(stable=True)
+        counts = torch.bincount(flat, minlength=groups * n_keys)
+        grad_keys = F.embedding_bag(
+            torch.div(order, knn, rounding_mode="floor"),
+            halves.reshape(groups * tokens, half).to(keys.dtype),
+            torch.cumsum(counts, 0) - counts,
+            mode="sum",
+            per_sample_weights=grad_scores.reshape(-1)[order],
+        ).view(groups, n_keys, half)
+    return grad_halves, grad_keys
+
+
+class _NativeProductKeySearch(torch.autograd.Function):
+    """The native selection (`cpu_kernels.py`) of the top-`knn` product keys, with the gradient of their scores.
+
+    The score of product key `i1 * n_keys + i2` is the sum of sub-key scores `i1` (first half) and `i2` (second half),
+    so its gradient goes to those two scores, then to the queries and keys as in [`_SubkeyTopk`].
+    """
+
+    @staticmethod
+    def forward(ctx, halves, keys, knn, select):
+        scores, indices = select(torch.bmm(halves, keys.transpose(1, 2)), knn)  # (tokens, heads, knn)
+        ctx.save_for_backward(halves, keys, indices)
+        ctx.mark_non_differentiable(indices)
+        return scores, indices
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_scores, _grad_indices):
+        halves, keys, indices = ctx.saved_tensors
+        n_keys = keys.shape[1]
+        # (tokens, heads, 2, knn) -> (heads * 2, tokens, knn): the sub-keys of each half and the gradient they get
+        subkeys = torch.stack((indices.div(n_keys, rounding_mode="floor"), indices.remainder(n_keys)), 2)
+        grad_subkey_scores = grad_scores.unsqueeze(2).expand(-1, -1, 2, -1)
+        subkeys, grad_subkey_scores = (t.flatten(1, 2).transpose(0, 1) for t in (subkeys, grad_subkey_scores))
+        return *_subkey_score_gradients(ctx.needs_input_grad, halves, keys, subkeys, grad_subkey_scores), None, None
 
 
 def _combine_halves(
@@ -201,9 +236,9 @@ def _combine_halves(
     return scores, indices
 
 
-def _native_selection(subkey_scores: torch.Tensor):
-    """`torch.ops.pkm_bert.select_product_keys` for fp32 CPU scores once `modeling_pkm_bert` registered it, else None."""
-    if subkey_scores.dtype != torch.float32 or subkey_scores.device.type != "cpu" or subkey_scores.requires_grad:
+def _native_selection(halves: torch.Tensor):
+    """`torch.ops.pkm_bert.select_product_keys` for fp32 CPU queries once `modeling_pkm_bert` registered it, else None."""
+    if halves.dtype != torch.float32 or halves.device.type != "cpu":
         return None
     return getattr(torch.ops.pkm_bert, "select_product_keys", None)
 
@@ -289,7 +324,8 @@ class ProductKeyMemory(nn.Module):
     prune_candidates = True
     # backward of the sub-key top-knn through the knn selected keys only (False: dense bmm backward, the reference)
     fused_search_backward = True
-    # without gradients, fp32 on CPU: the selection in `torch.ops.pkm_bert.select_product_keys` when registered
+    # fp32 on CPU: the selection in `torch.ops.pkm_bert.select_product_keys` when registered (with gradients: when
+    # `fused_search_backward` too); False: the torch ops
     native_search = True
 
     def __init__(
@@ -363,17 +399,20 @@ class ProductKeyMemory(nn.Module):
         batch_shape, knn, n_keys = queries.shape[:-2], self.knn, self.n_keys
         halves = queries.reshape(-1, self.heads * 2, self.k_dim // 2).transpose(0, 1)  # (heads * 2, tokens, half)
         keys = self.keys.to(halves.dtype).flatten(0, 1)  # (heads * 2, n_keys, half)
-        if (
-            self.fused_search_backward
-            and torch.is_grad_enabled()
-            and (halves.requires_grad or keys.requires_grad)
-            and not torch.compiler.is_compiling()
-        ):
-            half_scores, half_indices = _SubkeyTopk.apply(halves, keys, knn)
+        # fp32 on CPU: the selection in a native kernel (cpu_kernels.py), the same as the torch ops below
+        select = _native_selection(halves) if self.native_search and self.prune_candidates else None
+        if torch.is_grad_enabled() and (halves.requires_grad or keys.requires_grad):
+            fused = self.fused_search_backward and not torch.compiler.is_compiling()
+            if fused and select is not None:
+                scores, indices = _NativeProductKeySearch.apply(halves, keys, knn, select)
+                return scores.view(*batch_shape, self.heads, knn), indices.view(*batch_shape, self.heads, knn)
+            if fused:
+                half_scores, half_indices = _SubkeyTopk.apply(halves, keys, knn)
+            else:
+                half_scores, half_indices = torch.bmm(halves, keys.transpose(1, 2)).topk(knn, dim=-1)
         else:
             subkey_scores = torch.bmm(halves, keys.transpose(1, 2))
-            select = _native_selection(subkey_scores) if self.native_search and self.prune_candidates else None
-            if select is not None:  # the same selection in a native kernel (cpu_kernels.py): (tokens, heads, knn)
+            if select is not None:  # (tokens, heads, knn)
                 scores, indices = select(subkey_scores, knn)
                 return scores.view(*batch_shape, self.heads, knn), indices.view(*batch_shape, self.heads, knn)
             half_scores, half_indices = subkey_scores.topk(knn, dim=-1)  # (heads * 2, tokens, knn), sorted descending

@@ -1,5 +1,6 @@
 """The native product-key selection (`cpu_kernels`, `csrc/product_key_select.c`) equals the torch selection."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -7,8 +8,9 @@ import sys
 import pytest
 import torch
 
-from modeling_pkm_bert import ProductKeyMemory, cpu_kernels
+from modeling_pkm_bert import ProductKeyMemory, cpu_kernels, use_huge_pages
 from modeling_pkm_bert.cpu_kernels import FLAGS, PORTABLE_FLAGS, _torch_selection, select_product_keys_native
+from modeling_pkm_bert.optimization import SparseRowAdam
 from modeling_pkm_bert.product_key_memory import _native_selection
 
 
@@ -106,12 +108,11 @@ def test_op_schema_and_fake_tensor():
     torch.library.opcheck(torch.ops.pkm_bert.select_product_keys.default, (torch.randn(4, 10, 64), 8))
 
 
-def test_memory_uses_the_kernel_without_gradients_only():
+def test_memory_uses_the_kernel_for_fp32_cpu_queries():
     compiled(FLAGS)
     memory = ProductKeyMemory(32, n_keys=64, heads=2, knn=8, k_dim=16).eval()
     assert _native_selection(torch.randn(4, 3, 64)) is not None
     assert _native_selection(torch.randn(4, 3, 64, dtype=torch.float64)) is None
-    assert _native_selection(torch.randn(4, 3, 64, requires_grad=True)) is None
     queries = torch.randn(2, 7, 2, 16)
     with torch.no_grad():
         native = memory.search(queries)
@@ -126,7 +127,7 @@ def test_memory_uses_the_kernel_without_gradients_only():
         memory.native_search = False
         torch.testing.assert_close(output, memory(hidden), rtol=0, atol=1e-6)
 
-    # the gradient paths never go through the op (fused and reference search backward)
+    # with gradients: the fused search backward goes through the op, the reference (dense bmm backward) never does
     memory.native_search = True
     memory.train()
     for fused in (True, False):
@@ -134,11 +135,85 @@ def test_memory_uses_the_kernel_without_gradients_only():
         with torch.profiler.profile() as profile:
             memory(hidden).sum().backward()
         assert memory.keys.grad is not None
-        assert not [event for event in profile.events() if "select_product_keys" in event.name]
+        assert bool([event for event in profile.events() if "select_product_keys" in event.name]) == fused
     memory.eval()
     with torch.profiler.profile() as profile, torch.no_grad():
         memory(hidden)
     assert [event for event in profile.events() if "select_product_keys" in event.name]
+
+
+@pytest.mark.parametrize("with_ties", [False, True])
+def test_native_search_with_gradients_equals_the_torch_search(with_ties):
+    """Scores, indices, and the query and key gradients of the native search vs the torch ops (`_SubkeyTopk`); with
+    ties, where either may pick another slot of equal score, the gradients vs autograd through brute-force scores of
+    the slots the native search picked."""
+    compiled(FLAGS)
+    torch.manual_seed(3)
+    memory = ProductKeyMemory(32, n_keys=64, heads=3, knn=16, k_dim=12)
+    queries = torch.randn(40, 3, 12)
+    if with_ties:  # rounded keys and queries: many equal sub-key and product scores, and repeated sub-keys
+        with torch.no_grad():
+            memory.keys.copy_(memory.keys.mul(4).round().div(4))
+        queries = queries.round()
+    weights = torch.randn(40, 3, 16)
+    results = []
+    for native in (True, False):
+        memory.native_search = native
+        memory.keys.grad = None
+        q = queries.clone().requires_grad_()
+        with torch.profiler.profile() as profile:
+            scores, indices = memory.search(q)
+            (scores * weights).sum().backward()
+        assert bool([event for event in profile.events() if "select_product_keys" in event.name]) == native
+        results.append((scores.detach(), indices, q.grad, memory.keys.grad.clone()))
+    (scores, indices, query_grad, keys_grad), (ref_scores, ref_indices, ref_query_grad, ref_keys_grad) = results
+    assert torch.equal(scores, ref_scores)
+    assert keys_grad.abs().sum() > 0
+    if with_ties:
+        assert not torch.equal(indices, ref_indices)  # the case this test is for
+        memory.keys.grad = None
+        q = queries.clone().requires_grad_()
+        first, second = memory.keys[:, 0], memory.keys[:, 1]  # (heads, n_keys, half)
+        half = memory.k_dim // 2
+        i1, i2 = indices.div(memory.n_keys, rounding_mode="floor"), indices.remainder(memory.n_keys)
+        heads = torch.arange(3).view(1, 3, 1)
+        slot_scores = (q[..., None, :half] * first[heads, i1]).sum(-1) + (q[..., None, half:] * second[heads, i2]).sum(-1)
+        torch.testing.assert_close(slot_scores.detach(), scores, rtol=0, atol=1e-6)
+        (slot_scores * weights).sum().backward()
+        ref_query_grad, ref_keys_grad = q.grad, memory.keys.grad
+    else:
+        assert torch.equal(indices, ref_indices)
+    torch.testing.assert_close(query_grad, ref_query_grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(keys_grad, ref_keys_grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_training_with_the_native_search_equals_the_torch_search_after_several_steps(sparse):
+    compiled(FLAGS)
+    torch.manual_seed(4)
+    # no query bias: before a BatchNorm its gradient is rounding noise, which Adam would blow up to lr-sized steps
+    memory = ProductKeyMemory(24, 16, n_keys=32, heads=2, knn=8, k_dim=16, query_bias=False, sparse=sparse).train()
+    native, reference = copy.deepcopy(memory), copy.deepcopy(memory)
+    reference.native_search = False
+    optimizers = [
+        (
+            torch.optim.AdamW([p for n, p in m.named_parameters() if n != "values.weight"], lr=1e-2, foreach=False),
+            SparseRowAdam([m.values.weight], lr=1e-2, exp_avg_dtype=torch.float32),
+        )
+        for m in (native, reference)
+    ]
+    for step in range(4):
+        x = torch.randn(3, 10, 24)
+        mask = torch.ones(3, 10)
+        mask[step % 3, 6:] = 0
+        for module, module_optimizers in zip((native, reference), optimizers):
+            module(x, mask).square().mean().backward()
+            for optimizer in module_optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+    for (name, p), q in zip(native.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5, msg=name)
+        assert not torch.equal(p, memory.get_parameter(name)), name  # it trained
 
 
 def test_build_is_cached_atomically(tmp_path, monkeypatch):
@@ -178,3 +253,62 @@ def test_infinite_scores(flags):
     clean = subkey_scores[:, [0, 2, 4]]
     clean[0, 0, :10] = float("inf")
     assert_valid_selection(clean, 8, *select_product_keys_native(clean, 8, flags))
+
+
+# ---------------------------------------------------------------- huge pages
+
+
+def test_use_huge_pages_moves_large_tensors_and_keeps_the_model(tmp_path):
+    memory = ProductKeyMemory(64, n_keys=128, heads=2, knn=8, k_dim=16).eval()  # values: 16384 x 64 fp32, 4 MiB
+    memory.register_buffer("large_buffer", torch.randn(1 << 20))  # 4 MiB
+    memory.register_buffer("shared_view", memory.large_buffer[:10])  # shares its storage: both stay
+    values, keys = memory.values.weight, memory.keys
+    before = {name: (tensor.clone(), tensor.data_ptr()) for name, tensor in memory.state_dict().items()}
+    hidden = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        expected = memory(hidden)
+    optimizer = torch.optim.SGD(memory.parameters(), lr=0.1)
+
+    on_huge_pages = use_huge_pages(memory, min_bytes=2 << 20)
+    state = memory.state_dict()
+    assert memory.values.weight is values and memory.keys is keys  # parameters keep their identity
+    for name, (tensor, pointer) in before.items():
+        assert torch.equal(state[name], tensor), name
+        assert (state[name].data_ptr() != pointer) == (name == "values.weight"), name
+    with torch.no_grad():
+        assert torch.equal(memory(hidden), expected)
+    memory.train()
+    memory(hidden).sum().backward()
+    optimizer.step()  # the optimizer still holds the moved parameter
+    assert not torch.equal(memory.values.weight, before["values.weight"][0])
+
+    if cpu_kernels._madvise() is None:
+        assert on_huge_pages == 0
+        pytest.skip("no transparent huge pages on this system (not Linux, or disabled): nothing else to check")
+    begin, end = cpu_kernels._huge_page_range(memory.values.weight)
+    assert end - begin >= 2 << 20
+    assert on_huge_pages >= (end - begin) // 2  # most of the aligned range (a fragmented host may deny a few pages)
+    assert cpu_kernels.huge_page_bytes([memory.values.weight]) == on_huge_pages
+
+
+def test_use_huge_pages_on_a_loaded_checkpoint(tmp_path):
+    """transformers maps safetensors files into memory: the tables are copied out of the file mapping."""
+    from modeling_pkm_bert import BertPkmConfig, BertPkmModel
+
+    config = BertPkmConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        pkm_layers=[1], pkm_n_keys=256, pkm_heads=2, pkm_knn=8, pkm_k_dim=16,
+    )  # fmt: skip
+    BertPkmModel(config).save_pretrained(tmp_path)
+    model = BertPkmModel.from_pretrained(tmp_path).eval()
+    input_ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        expected = model(input_ids).last_hidden_state
+    use_huge_pages(model, min_bytes=1 << 20)  # the 65536 x 32 value table only
+    values = model.encoder.layer[1].memory.values.weight
+    address = values.data_ptr()
+    with open("/proc/self/maps") as maps:
+        mapping = next(line for line in maps if int(line.split("-")[0], 16) <= address < int(line.split()[0].split("-")[1], 16))
+    assert "safetensors" not in mapping
+    with torch.no_grad():
+        assert torch.equal(model(input_ids).last_hidden_state, expected)
