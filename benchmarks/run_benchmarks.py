@@ -49,6 +49,7 @@ from modeling_pkm_bert.optimization import (  # noqa: E402
     pkm_value_parameters,
     set_sparse_values,
 )
+from modeling_pkm_bert.cpu_kernels import use_huge_pages  # noqa: E402
 from modeling_pkm_bert.product_key_memory import ProductKeyMemory  # noqa: E402
 
 
@@ -76,6 +77,12 @@ def interleaved(functions: dict, rounds: int, warmup: int = 1, before=None) -> d
             functions[name]()
             samples[name].append(time.perf_counter() - start)
     return samples
+
+
+def timed(function) -> float:
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
 
 
 def median(values):
@@ -580,6 +587,62 @@ def verdict(paired: float, implied: float, target: float = 0.95) -> str:
     return "met" if min(paired, implied) >= target else "not met" if max(paired, implied) < target else "unclear"
 
 
+def memory_breakdown(args) -> list[str]:
+    """Where one memory's inference time goes at 1 x 128 tokens, each part against what this core can do at most."""
+    calls = 10 if args.quick else 40
+    torch.manual_seed(8)
+    hidden = torch.randn(128, 768)
+    with torch.inference_mode():
+        big = torch.randn(2048, 2048)
+        matmul = min(timed(lambda: big @ big) for _ in range(5))
+        stream = torch.randn(128 << 20)  # 512 MiB
+        read = min(timed(stream.sum) for _ in range(5))
+    del big, stream
+    peak_flops, peak_read = 2 * 2048**3 / matmul, (128 << 20) * 4 / read
+    parts = {  # op -> (part, work: flops or bytes, unit)
+        "aten::addmm": ("query projection (GEMM)", 2 * 128 * 768 * 1024, "GFLOP/s"),
+        "aten::bmm": ("sub-key scores (batched GEMM)", 2 * 128 * 8 * 512 * 128, "GFLOP/s"),
+        "pkm_bert::select_product_keys": ("selection (native kernel)", None, ""),
+        "aten::_embedding_bag": ("value gather (16384 random rows of 3 KiB)", 128 * 128 * 768 * 4, "GB/s"),
+    }
+    lines = [
+        f"One memory (768, 512^2 slots, 4 heads, knn 32, fp32) at 1 x 128 tokens, profiled over {calls} calls, on 4 KiB "
+        f"pages and after `use_huge_pages`; for scale, this core's fp32 matmul (2048^3) runs at {peak_flops / 1e9:.0f} "
+        f"GFLOP/s and a sequential read (`sum` of 512 MiB) at {peak_read / 1e9:.1f} GB/s:",
+        "",
+        "| part | ms, 4 KiB pages | ms, huge pages | rate (huge pages) | share of the core's best |",
+        "|---|---|---|---|---|",
+    ]
+    memory = ProductKeyMemory(768).eval()
+    per_op = {}
+    for pages in ("4 KiB", "huge"):
+        if pages == "huge":
+            use_huge_pages(memory)
+        with torch.inference_mode():
+            for _ in range(3):
+                memory(hidden)
+            start = time.perf_counter()
+            with torch.profiler.profile() as profile:
+                for _ in range(calls):
+                    memory(hidden)
+            total = (time.perf_counter() - start) / calls
+        times = {event.key: event.self_cpu_time_total / calls / 1e6 for event in profile.key_averages()}
+        per_op[pages] = {op: times.get(op, float("nan")) for op in parts}
+        per_op[pages]["total"] = total
+    for op, (part, work, unit) in parts.items():
+        small, huge = per_op["4 KiB"][op], per_op["huge"][op]
+        rate = share = "-"
+        if work is not None:
+            rate = f"{work / huge / 1e9:.1f} {unit}"
+            share = f"{work / huge / (peak_flops if unit == 'GFLOP/s' else peak_read):.0%}"
+        lines.append(f"| {part} | {small * 1e3:.2f} | {huge * 1e3:.2f} | {rate} | {share} |")
+    lines.append(
+        f"| whole call (wall, under the profiler) | {per_op['4 KiB']['total'] * 1e3:.2f} | "
+        f"{per_op['huge']['total'] * 1e3:.2f} | - | - |"
+    )
+    return lines
+
+
 def section_table1(args) -> list[str]:
     sizes = ["base"] if args.quick else ["base", "large"]
     lines = [
@@ -597,9 +660,11 @@ def section_table1(args) -> list[str]:
         "+ResM / BERT, fastest rounds | +ResM / BERT from the memories' share |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    verdicts, bf16_error = [], float("nan")
+    verdicts, bf16_error, on_huge_pages = [], float("nan"), {}
     for size in sizes:
         models = {kind: build_encoder(size, kind) for kind in ("bert", "pkm", "resm")}
+        for kind, model in models.items():  # every model alike: its tensors of >= 32 MiB on 2 MiB pages
+            on_huge_pages[f"{kind}-{size}"] = use_huge_pages(model)
         for batch in (1, 32):
             rounds = table1_rounds(args, size, batch)
             samples, shares = time_models(models, batch, rounds)
@@ -613,18 +678,23 @@ def section_table1(args) -> list[str]:
             )
             verdicts.append(f"BERT-{size} {batch}x128: {resm:.3f} paired, {implied:.3f} from the share ({verdict(resm, implied)})")
         if size == "base":
-            # the same ResM model on torch.topk (no native selection), then with its value tables in bf16
+            # the same ResM model on 4 KiB pages, on torch.topk (no native selection), then with bf16 value tables
             ids = torch.randint(1000, 30000, (1, 128), generator=torch.Generator().manual_seed(7))
             with torch.inference_mode():
                 fp32_out = models["resm"](input_ids=ids).last_hidden_state
-            pair = {"bert": models["bert"], "resm": models["resm"]}
-            for label, values_dtype, native in (
-                ("+ResM on `torch.topk` (no native selection)", torch.float32, False),
-                ("+ResM with bf16 values", torch.bfloat16, True),
+            del models["pkm"]
+            for label in (
+                "+ResM on 4 KiB pages (no `use_huge_pages`)",
+                "+ResM on `torch.topk` (no native selection)",
+                "+ResM with bf16 values",
             ):
-                ProductKeyMemory.native_search = native
-                if values_dtype != torch.float32:
-                    cast_pkm_values(models["resm"], values_dtype)
+                pair = {"bert": models["bert"], "resm": models["resm"]}
+                if "4 KiB" in label:
+                    pair["resm"] = build_encoder(size, "resm")  # the same weights (same seed), freshly allocated
+                ProductKeyMemory.native_search = "topk" not in label
+                if "bf16" in label:
+                    cast_pkm_values(models["resm"], torch.bfloat16)
+                    on_huge_pages["resm-base, bf16 values"] = use_huge_pages(models["resm"])  # the cast made new tables
                     with torch.inference_mode():
                         out = models["resm"](input_ids=ids).last_hidden_state
                     bf16_error = ((out - fp32_out).abs().max() / fp32_out.abs().max()).item()
@@ -639,16 +709,23 @@ def section_table1(args) -> list[str]:
                     )
                     verdicts.append(f"BERT-{size} {label} {batch}x128: {resm:.3f} paired, {implied:.3f} from the share ({verdict(resm, implied)})")
                 ProductKeyMemory.native_search = True
+                del pair
         del models
     lines += [
+        "",
+        "Huge pages: every model of the table went through `use_huge_pages(model)` (its parameters of >= 32 MiB copied "
+        "into memory on 2 MiB transparent huge pages: the value tables, and the word embeddings of every model); bytes "
+        "on huge pages: " + ", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in on_huge_pages.items()) + ". "
+        "The row 'on 4 KiB pages' is the ResM model without it.",
         "",
         "bf16 values: `cast_pkm_values(model, torch.bfloat16)` (inference option; the search, softmax and everything else "
         f"stay fp32); max |difference| of the last hidden state vs fp32 values, relative to its max: {bf16_error:.1e}.",
         "",
         "Target ResM / BERT >= 0.95 on CPU: " + "; ".join(verdicts) + ". GPU (>= 0.9): not measured, no GPU in this run.",
         "Paper (V100, batch 1, BERT-base): 79.8 / 61.4 / 59.3 batch/s, ResM / BERT = 0.743.",
+        "",
     ]
-    return lines
+    return lines + memory_breakdown(args)
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -702,26 +779,26 @@ NOTES = [
     "costs its page faults every step, about as long as the whole layer on this VM); (3) the sub-key top-k has a "
     "backward through the knn selected keys only (no dense n_keys-wide gradient matmuls); (4) only the 119 of the "
     "32 x 32 candidate pairs that can reach the top 32 are scored ((a+1)(b+1) <= knn); (5) `SparseRowAdam` updates "
-    "the touched rows in cache-sized chunks with a bf16 first moment and a row-wise second moment; (6) at inference, "
-    "the native selection of the next note (tested equal to the torch selection in `tests/test_cpu_kernels.py`).",
+    "the touched rows in cache-sized chunks with a bf16 first moment and a row-wise second moment; (6) the native "
+    "selection of the next note, in training too (its gradient goes to the two sub-key scores of each selected slot; "
+    "tested equal to the torch search in `tests/test_cpu_kernels.py`).",
     "- Threads: the benchmark runs torch with 1 thread by default. This 2-core VM is shared with other jobs; with 2 "
     "threads every parallel op waits for a descheduled peer thread (single ops then take 10+ ms), which measures the "
     "scheduler, not the code. `--threads 2` is available; the layer comparison is repeated with 2 threads above.",
     "- THP: `THP_MEM_ALLOC_ENABLE=1` (a torch environment variable) backs large CPU allocations with huge pages. It "
     "removes most of the page-fault cost of the peers' fresh dense gradients, so against peers run that way the layer "
     "speed-up is smaller (see section 1); our path avoids those allocations either way.",
-    "- Table 1 on CPU: at inference the selection runs in a native kernel (`modeling_pkm_bert/csrc/"
-    "product_key_select.c`, built at first use with the system C compiler, registered as "
-    "`torch.ops.pkm_bert.select_product_keys` by `modeling_pkm_bert.cpu_kernels`): a threshold from the maxima of "
-    "64 groups of sub-keys leaves ~40 of the 512 scores per head-half, ranked by counting with AVX-512, then the "
-    "pruned pairs likewise. It selects both halves and the pairs of a (token, head) in ~1.5 us where `torch.topk` "
-    "took ~5 us per head-half (the rows 'on `torch.topk`' above measure the model without it). What remains of a "
-    "memory at 1 x 128 is ~7-8 ms against ~265 ms for BERT-base: the query projection and the sub-key scores (two "
-    "GEMMs, ~4 ms together, near this core's fp32 FMA peak), the value gather (~2-3 ms in fp32, ~1 ms with bf16 "
-    "values: bound by the ~20 GB/s of memory bandwidth one core gets here) and the selection (~1 ms). So the fp32 "
-    "ResM / BERT-base ratio sits at about 0.95 on this CPU and bf16 values add about a point; BERT-large hides the "
-    "same memory cost behind 2x the layers and 1.8x the width. The GPU targets (>= 0.9) and the Triton kernel need "
-    "a GPU and are not measured here.",
+    "- Table 1 on CPU: the selection runs in a native kernel (`modeling_pkm_bert/csrc/product_key_select.c`, built at "
+    "first use with the system C compiler, registered as `torch.ops.pkm_bert.select_product_keys` by "
+    "`modeling_pkm_bert.cpu_kernels`): a threshold from the maxima of 64 groups of sub-keys leaves ~40 of the 512 "
+    "scores per head-half, ranked by counting with AVX-512, then the pruned pairs likewise (the rows 'on "
+    "`torch.topk`' measure the model without it). `use_huge_pages` puts the value tables on 2 MiB pages: a lookup "
+    "reads random 3 KiB rows of a 768 MiB table, and on 4 KiB pages nearly every row costs a TLB miss and a page "
+    "walk. The breakdown under the table shows what a memory costs then: two GEMMs and a gather that each run close "
+    "to what this core does at best (its fp32 matmul, its sequential read), plus the selection. At ~7-8 ms per "
+    "memory against ~270 ms for BERT-base at 1 x 128, the fp32 ResM / BERT-base ratio cannot rise much above ~0.95 "
+    "on this CPU; bf16 values halve the gather. BERT-large hides the same memory cost behind 2x the layers and 1.8x "
+    "the width. The GPU targets (>= 0.9) and the Triton kernel need a GPU and are not measured here.",
     "- The values' training state (weights + sparse gradient + `SparseRowAdam` state) is 1.5x the table plus the "
     "fraction of rows a step touches (0.39 at 8 x 128 tokens): it reaches 2x at ~11 x 128 tokens per memory per step "
     "and 2.5x once every row is touched; `SparseRowAdam(betas=(0.0, 0.999))` keeps no first moment (<= 2x always).",
