@@ -22,18 +22,23 @@ static void rank_select(const float *vals, const int32_t *idx, int count, int k,
     const __m512i one = _mm512_set1_epi32(1);
     int32_t ranks[16];
     for (int i = 0; i < count; i += 16) { /* the ranks of 16 values at once: every value adds 1 to those it beats */
-        __mmask16 valid = count - i >= 16 ? 0xFFFF : (__mmask16)((1u << (count - i)) - 1);
+        int end = count - i >= 16 ? i + 16 : count;
+        __mmask16 valid = (__mmask16)((1u << (end - i)) - 1);
         __m512 v = _mm512_maskz_loadu_ps(valid, vals + i);
         __m512i position = _mm512_add_epi32(lanes, _mm512_set1_epi32(i));
         __m512i rank = _mm512_setzero_si512();
-        for (int j = 0; j < count; j++) {
+        for (int j = 0; j < i; j++) /* earlier than every lane: a tie beats too */
+            rank = _mm512_mask_add_epi32(rank, _mm512_cmp_ps_mask(_mm512_set1_ps(vals[j]), v, _CMP_GE_OQ), rank, one);
+        for (int j = i; j < end; j++) { /* the block itself: a tie beats the later lanes */
             __m512 w = _mm512_set1_ps(vals[j]);
             __mmask16 beats = _mm512_cmp_ps_mask(w, v, _CMP_GT_OQ) |
                               (_mm512_cmp_ps_mask(w, v, _CMP_EQ_OQ) & _mm512_cmpgt_epi32_mask(position, _mm512_set1_epi32(j)));
             rank = _mm512_mask_add_epi32(rank, beats, rank, one);
         }
+        for (int j = end; j < count; j++) /* later than every lane: only a larger value beats */
+            rank = _mm512_mask_add_epi32(rank, _mm512_cmp_ps_mask(_mm512_set1_ps(vals[j]), v, _CMP_GT_OQ), rank, one);
         _mm512_storeu_si512(ranks, rank);
-        for (int l = 0; l < 16 && i + l < count; l++)
+        for (int l = 0; l < end - i; l++)
             if (ranks[l] < k) { out_vals[ranks[l]] = vals[i + l]; out_idx[ranks[l]] = idx[i + l]; }
     }
 #else
@@ -144,6 +149,30 @@ int pkm_select_product_keys(const float *subkey_scores, int64_t heads, int64_t t
                 bound = x > bound ? x : bound;
             }
             int count = 0, nan = bound != bound; /* inf - inf */
+#if defined(__AVX512F__)
+            if (knn <= 32) { /* both lists in two registers each: the pair sums are permutes */
+                __mmask16 low = knn >= 16 ? 0xFFFF : (__mmask16)((1u << knn) - 1);
+                __mmask16 high = knn <= 16 ? 0 : (__mmask16)((1u << (knn - 16)) - 1);
+                __m512 first_low = _mm512_maskz_loadu_ps(low, v1), first_high = _mm512_maskz_loadu_ps(high, v1 + 16);
+                __m512 second_low = _mm512_maskz_loadu_ps(low, v2), second_high = _mm512_maskz_loadu_ps(high, v2 + 16);
+                const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+                const __m512 threshold = _mm512_set1_ps(bound);
+                __mmask16 unordered = 0;
+                for (int64_t p = 0; p < n_pairs; p += 16) {
+                    __mmask16 valid = n_pairs - p >= 16 ? 0xFFFF : (__mmask16)((1u << (n_pairs - p)) - 1);
+                    __m512i a = _mm512_maskz_loadu_epi32(valid, pair_a + p), b = _mm512_maskz_loadu_epi32(valid, pair_b + p);
+                    __m512 x = _mm512_add_ps(_mm512_permutex2var_ps(first_low, a, first_high),
+                                             _mm512_permutex2var_ps(second_low, b, second_high));
+                    unordered |= _mm512_mask_cmp_ps_mask(valid, x, x, _CMP_UNORD_Q);
+                    __mmask16 keep = _mm512_mask_cmp_ps_mask(valid, x, threshold, _CMP_GE_OQ);
+                    _mm512_storeu_ps(cand + count, _mm512_maskz_compress_ps(keep, x));
+                    _mm512_storeu_si512(cand_idx + count,
+                                        _mm512_maskz_compress_epi32(keep, _mm512_add_epi32(lanes, _mm512_set1_epi32((int)p))));
+                    count += __builtin_popcount(keep);
+                }
+                nan |= unordered != 0;
+            } else
+#endif
             for (int64_t p = 0; p < n_pairs; p++) {
                 float x = v1[pair_a[p]] + v2[pair_b[p]];
                 nan |= x != x;
