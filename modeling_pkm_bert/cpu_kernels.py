@@ -243,6 +243,8 @@ def use_huge_pages(model: nn.Module, min_bytes: int = 32 << 20) -> int:
     where transparent huge pages are not disabled (`/sys/kernel/mm/transparent_hugepage/enabled`); elsewhere it
     changes nothing and returns 0. Call it again after moving the model between devices or dtypes.
     """
+    if not isinstance(min_bytes, int) or min_bytes < 0:
+        raise ValueError(f"min_bytes must be a non-negative int, got {min_bytes!r}")
     madvise = _madvise()
     if madvise is None:
         return 0

@@ -291,6 +291,11 @@ def test_use_huge_pages_moves_large_tensors_and_keeps_the_model(tmp_path):
     assert cpu_kernels.huge_page_bytes([memory.values.weight]) == on_huge_pages
 
 
+def test_use_huge_pages_rejects_a_bad_size():
+    with pytest.raises(ValueError, match="min_bytes"):
+        use_huge_pages(torch.nn.Linear(2, 2), min_bytes=-1)
+
+
 def test_use_huge_pages_on_a_loaded_checkpoint(tmp_path):
     """transformers maps safetensors files into memory: the tables are copied out of the file mapping."""
     from modeling_pkm_bert import BertPkmConfig, BertPkmModel
