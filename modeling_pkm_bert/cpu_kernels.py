@@ -237,7 +237,7 @@ def use_huge_pages(model: nn.Module, min_bytes: int = 32 << 20) -> int:
 
     The value lookup reads `heads * knn` random rows of a 768 MiB table per token: with 4 KiB pages nearly every row
     costs a TLB miss and a page walk, and the gather runs at about half the memory bandwidth. With 2 MiB pages the
-    lookup of 128 tokens takes ~1.7x less time on the CPU of benchmarks/RESULTS.md. The tensors are copied (this also
+    lookup of 128 tokens takes 1.4-1.6x less time on the CPU of benchmarks/RESULTS.md. The tensors are copied (this also
     detaches them from a memory-mapped checkpoint file) and set as `param.data`, so parameters keep their identity
     (optimizers, tied weights). Tensors that share storage with another tensor are left alone. Linux only, and only
     where transparent huge pages are not disabled (`/sys/kernel/mm/transparent_hugepage/enabled`); elsewhere it
