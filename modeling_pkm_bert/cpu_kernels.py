@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
@@ -248,15 +249,10 @@ def use_huge_pages(model: nn.Module, min_bytes: int = 32 << 20) -> int:
     madvise = _madvise()
     if madvise is None:
         return 0
-    tensors = {}
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        tensors.setdefault(id(tensor), (name, tensor))
-    storage_users: dict[int, int] = {}
-    for _, tensor in tensors.values():
-        key = tensor.untyped_storage().data_ptr()
-        storage_users[key] = storage_users.get(key, 0) + 1
+    named = [*model.named_parameters(), *model.named_buffers()]  # each tensor once
+    storage_users = Counter(tensor.untyped_storage().data_ptr() for _, tensor in named)
     moved = []
-    for name, tensor in tensors.values():
+    for name, tensor in named:
         size = tensor.numel() * tensor.element_size()
         if tensor.device.type != "cpu" or size < min_bytes or storage_users[tensor.untyped_storage().data_ptr()] > 1:
             continue
@@ -267,12 +263,11 @@ def use_huge_pages(model: nn.Module, min_bytes: int = 32 << 20) -> int:
         fresh.copy_(tensor)
         if begin < end:
             madvise(begin, end - begin, _MADV_COLLAPSE)  # Linux >= 6.1: collapse what the faults left in 4 KiB pages
-        module_name, _, attribute = name.rpartition(".")
-        owner = model.get_submodule(module_name)
         if isinstance(tensor, nn.Parameter):
             tensor.data = fresh
         else:
-            owner._buffers[attribute] = fresh
+            module_name, _, attribute = name.rpartition(".")
+            model.get_submodule(module_name)._buffers[attribute] = fresh
         moved.append(fresh)
     return huge_page_bytes(moved)
 

@@ -401,21 +401,18 @@ class ProductKeyMemory(nn.Module):
         keys = self.keys.to(halves.dtype).flatten(0, 1)  # (heads * 2, n_keys, half)
         # fp32 on CPU: the selection in a native kernel (cpu_kernels.py), the same as the torch ops below
         select = _native_selection(halves) if self.native_search and self.prune_candidates else None
-        if torch.is_grad_enabled() and (halves.requires_grad or keys.requires_grad):
-            fused = self.fused_search_backward and not torch.compiler.is_compiling()
-            if fused and select is not None:
-                scores, indices = _NativeProductKeySearch.apply(halves, keys, knn, select)
-                return scores.view(*batch_shape, self.heads, knn), indices.view(*batch_shape, self.heads, knn)
+        needs_grad = torch.is_grad_enabled() and (halves.requires_grad or keys.requires_grad)
+        fused = needs_grad and self.fused_search_backward and not torch.compiler.is_compiling()
+        if select is not None and (fused or not needs_grad):  # (tokens, heads, knn)
             if fused:
-                half_scores, half_indices = _SubkeyTopk.apply(halves, keys, knn)
+                scores, indices = _NativeProductKeySearch.apply(halves, keys, knn, select)
             else:
-                half_scores, half_indices = torch.bmm(halves, keys.transpose(1, 2)).topk(knn, dim=-1)
-        else:
-            subkey_scores = torch.bmm(halves, keys.transpose(1, 2))
-            if select is not None:  # (tokens, heads, knn)
-                scores, indices = select(subkey_scores, knn)
-                return scores.view(*batch_shape, self.heads, knn), indices.view(*batch_shape, self.heads, knn)
-            half_scores, half_indices = subkey_scores.topk(knn, dim=-1)  # (heads * 2, tokens, knn), sorted descending
+                scores, indices = select(torch.bmm(halves, keys.transpose(1, 2)), knn)
+            return scores.view(*batch_shape, self.heads, knn), indices.view(*batch_shape, self.heads, knn)
+        if fused:
+            half_scores, half_indices = _SubkeyTopk.apply(halves, keys, knn)
+        else:  # (heads * 2, tokens, knn), sorted descending
+            half_scores, half_indices = torch.bmm(halves, keys.transpose(1, 2)).topk(knn, dim=-1)
         scores, indices = _combine_halves(half_scores, half_indices, n_keys, knn, self.prune_candidates)
         return (
             scores.transpose(0, 1).reshape(*batch_shape, self.heads, knn),
