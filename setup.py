@@ -19,6 +19,7 @@ setup(
         "numpy>=1.26,<3",
     ],
     extras_require={
+        "triton": ["triton>=3.2,<4"],  # the opt-in GPU value gathers (CUDA wheels of torch bring it already)
         "scripts": [
             "accelerate>=1.10,<2",
             "datasets>=4,<6",
@@ -36,6 +37,8 @@ setup(
             "matplotlib>=3.8,<4",
             "pytest>=8,<10",
             "product-key-memory==0.3.0",
+            # the Triton gathers are checked on CPU under the Triton interpreter
+            "triton>=3.2,<4; platform_system == 'Linux' and platform_machine == 'x86_64'",
         ],
     },
 )

@@ -11,12 +11,20 @@ from .modeling_bert_pkm import (
     BertPkmModel,
     BertPkmPreTrainedModel,
 )
+import os
+
+import torch
+
 from .product_key_memory import ProductKeyMemory
 from . import cpu_kernels
 from .cpu_kernels import use_huge_pages
 
 
 cpu_kernels.register()  # the native product-key selection for CPU inference (PKM_BERT_NATIVE=0: off)
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":  # triton's import costs ~0.2 s: only then
+    from . import triton_kernels
+
+    triton_kernels.register()  # torch.ops.pkm_bert.bag_sum / row_dots, used where ProductKeyValues.triton_devices says
 
 
 __version__ = "0.1.0"

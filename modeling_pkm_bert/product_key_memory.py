@@ -70,13 +70,16 @@ class _WeightedRowSum(torch.autograd.Function):
       or all rows, dense (`sparse=False`), without a separate zero-fill and scatter;
     - the gradient of each per-sample weight, `dot(weight[indices[t, j]], grad_output[t])`, is a sampled matrix
       product over the same pattern, which reads the value rows in ascending order.
-    On CPU in fp32/fp64 both are torch sparse CSR kernels; elsewhere EmbeddingBag-style kernels do the same sums.
+    On CPU in fp32/fp64 both are torch sparse CSR kernels; elsewhere EmbeddingBag-style kernels do the same sums: with
+    `triton`, the Triton ops `torch.ops.pkm_bert.bag_sum` and `row_dots` (`triton_kernels.py`), else EmbeddingBag's.
     """
 
     @staticmethod
-    def forward(ctx, weight, indices, per_sample_weights, sparse, workspaces):
+    def forward(ctx, weight, indices, per_sample_weights, sparse, workspaces, triton=False):
         ctx.save_for_backward(weight, indices, per_sample_weights)
-        ctx.sparse, ctx.workspaces = sparse, workspaces
+        ctx.sparse, ctx.workspaces, ctx.triton = sparse, workspaces, triton
+        if triton:
+            return _triton_bag_sum(weight, indices, per_sample_weights)
         return F.embedding_bag(indices, weight, mode="sum", per_sample_weights=per_sample_weights)
 
     @staticmethod
@@ -93,7 +96,8 @@ class _WeightedRowSum(torch.autograd.Function):
         weights_of_lookups = per_sample_weights.reshape(-1)[order].to(dtype)
         grad_weight = grad_per_sample_weights = None
 
-        cpu_kernels = device.type == "cpu" and dtype in (torch.float32, torch.float64) and weight.dtype == dtype
+        cpu_kernels = not ctx.triton and device.type == "cpu" and dtype in (torch.float32, torch.float64)
+        cpu_kernels = cpu_kernels and weight.dtype == dtype
         if _CPU_SPARSE_KERNELS and cpu_kernels:
             index_dtype = torch.int32 if flat.numel() < 2**31 else torch.int64
             tokens_of_lookups = tokens_of_lookups.to(index_dtype)
@@ -116,9 +120,12 @@ class _WeightedRowSum(torch.autograd.Function):
                 out = _reusable_buffer(ctx.workspaces, "sparse_grad", used.numel() * dim, dtype, device, spare=0.125)
                 out = out.view(used.numel(), dim)
                 grad_weight = _sparse_rows(used, torch.addmm(out, compact, grad_output, beta=0, out=out), n_rows)
-            return grad_weight, None, grad_per_sample_weights, None, None
+            return grad_weight, None, grad_per_sample_weights, None, None, None
 
-        if need_per_sample_weights:
+        if need_per_sample_weights and ctx.triton:
+            grad_per_sample_weights = torch.ops.pkm_bert.row_dots(weight, flat, grad_output, bag).view(tokens, bag)
+            grad_per_sample_weights = grad_per_sample_weights.to(per_sample_weights.dtype)
+        elif need_per_sample_weights:
             offsets = torch.arange(0, tokens * bag, bag, device=device)
             offset2bag = torch.arange(tokens, device=device).repeat_interleave(bag)
             grad_per_sample_weights = torch.ops.aten._embedding_bag_per_sample_weights_backward(
@@ -126,15 +133,27 @@ class _WeightedRowSum(torch.autograd.Function):
             ).view(tokens, bag)
         if need_weight:
             used, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-            offsets = torch.cumsum(counts, 0) - counts
-            grad_rows = F.embedding_bag(
-                tokens_of_lookups, grad_output, offsets, mode="sum", per_sample_weights=weights_of_lookups
-            ).to(weight.dtype)
+            ends = torch.cumsum(counts, 0)
+            if ctx.triton:  # bags: the lookups of each used row; rows of the bags: tokens of grad_output
+                bounds = F.pad(ends, (1, 0))
+                grad_rows = torch.ops.pkm_bert.bag_sum(grad_output, tokens_of_lookups, weights_of_lookups, bounds)
+            else:
+                grad_rows = F.embedding_bag(
+                    tokens_of_lookups, grad_output, ends - counts, mode="sum", per_sample_weights=weights_of_lookups
+                )
+            grad_rows = grad_rows.to(weight.dtype)
             if ctx.sparse:
                 grad_weight = _sparse_rows(used, grad_rows, n_rows)
             else:
                 grad_weight = grad_rows.new_zeros(n_rows, dim).index_copy_(0, used, grad_rows)
-        return grad_weight, None, grad_per_sample_weights, None, None
+        return grad_weight, None, grad_per_sample_weights, None, None, None
+
+
+def _triton_bag_sum(weight: torch.Tensor, indices: torch.Tensor, per_sample_weights: torch.Tensor) -> torch.Tensor:
+    """`F.embedding_bag(indices, weight, mode="sum", per_sample_weights=...)` for 2-d `indices`, in the Triton op."""
+    tokens, bag = indices.shape
+    bounds = torch.arange(0, tokens * bag + 1, bag, device=indices.device)
+    return torch.ops.pkm_bert.bag_sum(weight, indices.reshape(-1), per_sample_weights.reshape(-1), bounds)
 
 
 class _SubkeyTopk(torch.autograd.Function):
@@ -266,6 +285,10 @@ class ProductKeyValues(nn.EmbeddingBag):
     """
 
     fused_backward = True
+    # device types whose gathers (lookup, value gradient, per-sample-weight gradient) run in the Triton ops of
+    # `triton_kernels.py` once registered (needs the triton package); empty: EmbeddingBag everywhere. Opt-in, e.g.
+    # `ProductKeyValues.triton_devices = ("cuda",)`, until a GPU benchmark shows them faster than EmbeddingBag.
+    triton_devices = ()
 
     def __init__(self, num_embeddings: int, embedding_dim: int, sparse: bool = False, **kwargs):
         super().__init__(num_embeddings, embedding_dim, mode="sum", sparse=sparse, **kwargs)
@@ -273,18 +296,25 @@ class ProductKeyValues(nn.EmbeddingBag):
 
     def forward(self, input, offsets=None, per_sample_weights=None):
         if (
-            not self.fused_backward
-            or offsets is not None
+            offsets is not None
             or input.dim() != 2
             or per_sample_weights is None
-            or not torch.is_grad_enabled()
-            or not (self.weight.requires_grad or per_sample_weights.requires_grad)
             or self.max_norm is not None
             or self.padding_idx is not None
             or torch.compiler.is_compiling()
         ):
             return super().forward(input, offsets, per_sample_weights)
-        return _WeightedRowSum.apply(self.weight, input, per_sample_weights, self.sparse, self._workspaces)
+        triton = (
+            self.weight.device.type in self.triton_devices
+            and self.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)  # the kernels sum in fp32
+            and hasattr(torch.ops.pkm_bert, "bag_sum")
+        )
+        needs_grad = torch.is_grad_enabled() and (self.weight.requires_grad or per_sample_weights.requires_grad)
+        if needs_grad and self.fused_backward:
+            return _WeightedRowSum.apply(self.weight, input, per_sample_weights, self.sparse, self._workspaces, triton)
+        if triton and not needs_grad:
+            return _triton_bag_sum(self.weight, input, per_sample_weights)
+        return super().forward(input, offsets, per_sample_weights)
 
     def train(self, mode: bool = True):
         if not mode:
