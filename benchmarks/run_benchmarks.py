@@ -261,8 +261,10 @@ def section_layer(args) -> list[str]:
         )
     sparse_speedup = paired_ratio(samples, best_peer, "ours_sparse")
     dense_speedup = paired_ratio(samples, best_peer, "ours_dense")
-    lower_memory = all(memory["ours_sparse"]["peak_rss"] < memory[p]["peak_rss"] for p in peers)
-    lower_memory_dense = all(memory["ours_dense"]["peak_rss"] < memory[p]["peak_rss"] for p in peers)
+    # lower only by more than the run-to-run noise of a fresh process's peak RSS (about +-15 MiB)
+    noise = 15 * MiB
+    lower_memory = all(memory["ours_sparse"]["peak_rss"] < memory[p]["peak_rss"] - noise for p in peers)
+    lower_memory_dense = all(memory["ours_dense"]["peak_rss"] < memory[p]["peak_rss"] - noise for p in peers)
     lowest_peer_peak = min(memory[p]["peak_rss"] for p in peers)
 
     def peak_delta(impl):
@@ -270,7 +272,8 @@ def section_layer(args) -> list[str]:
 
     lines += [
         "",
-        f"Faster peer in this run: **{best_peer}**. Target >= 2x faster than it, with lower peak memory: "
+        f"Faster peer in this run: **{best_peer}**. Target >= 2x faster than it, with lower peak memory (by more than "
+        "15 MiB): "
         f"sparse {'**met**' if sparse_speedup >= 2 and lower_memory else '**not met**'} ({sparse_speedup:.2f}x, "
         f"peak {peak_delta('ours_sparse'):+.0f} MiB vs the lower peer); dense "
         f"{'**met**' if dense_speedup >= 2 and lower_memory_dense else '**not met**'} ({dense_speedup:.2f}x, peak "
