@@ -90,6 +90,9 @@ def _bag_sum(table: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, off
             f"{tuple(weights.shape)}, {tuple(offsets.shape)}"
         )
     _check_rows(rows, table.shape[0])
+    # bounds outside [0, len(rows)] or decreasing would read past `rows`: checked on the device like the rows
+    bounds_ok = (offsets[0] >= 0) & (offsets[-1] <= rows.numel()) & (offsets.diff() >= 0).all()
+    torch._assert_async(bounds_ok, f"offsets must be non-decreasing in [0, {rows.numel()}]")
     n_bags, dim = offsets.numel() - 1, table.shape[1]
     out = table.new_empty(n_bags, dim)
     if n_bags and dim:

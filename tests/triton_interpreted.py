@@ -75,6 +75,9 @@ def test_bad_inputs_raise_clear_errors():
         torch.ops.pkm_bert.bag_sum(table, torch.tensor([1, 10, 3]), weights, bounds)
     with pytest.raises(RuntimeError, match=r"rows must be in \[0, 10\)"):
         torch.ops.pkm_bert.row_dots(table, torch.tensor([-1, 2, 3]), torch.randn(1, 4), 3)
+    for bad_bounds in ([0, 4], [-1, 3], [0, 2, 1, 3]):
+        with pytest.raises(RuntimeError, match=r"offsets must be non-decreasing in \[0, 3\]"):
+            torch.ops.pkm_bert.bag_sum(table, rows, weights, torch.tensor(bad_bounds))
     with pytest.raises(ValueError, match="int32 or int64"):
         torch.ops.pkm_bert.bag_sum(table, rows.float(), weights, bounds)
     with pytest.raises(ValueError, match="contiguous 2-d"):
