@@ -1,0 +1,112 @@
+"""The arithmetic behind benchmarks/RESULTS.md: interleaved rounds, paired ratios, verdicts, the memories' share."""
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from modeling_pkm_bert import BertPkmConfig, BertPkmModel
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks" / "run_benchmarks.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("run_benchmarks", BENCHMARKS)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["run_benchmarks"] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("run_benchmarks", None)
+
+
+def test_interleaved_runs_every_function_each_round_in_rotated_order(bench):
+    calls = []
+    functions = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    prepared = []
+    samples = bench.interleaved(functions, rounds=4, warmup=2, before=prepared.append)
+    assert calls[:6] == list("abcabc")  # the warm-up, untimed
+    assert calls[6:] == list("abc" "bca" "cab" "abc")  # each round starts one later: no variant always runs first
+    assert prepared == calls  # `before` precedes every call
+    assert {name: len(times) for name, times in samples.items()} == {"a": 4, "b": 4, "c": 4}
+    assert all(t >= 0 for times in samples.values() for t in times)
+
+
+def test_interleaved_times_each_call_separately(bench):
+    samples = bench.interleaved({"slow": lambda: time.sleep(0.02), "fast": lambda: None}, rounds=3, warmup=0)
+    assert min(samples["slow"]) >= 0.02
+    assert max(samples["fast"]) < 0.02
+
+
+def test_ratios_pair_the_rounds(bench):
+    samples = {"bert": [1.0, 2.0, 4.0], "resm": [1.25, 2.0, 5.0]}
+    # per-round ratios 0.8, 1.0, 0.8: the paired median is 0.8, whatever the medians of the columns (2.0 / 2.0 = 1.0)
+    assert bench.paired_ratio(samples, "bert", "resm") == pytest.approx(0.8)
+    assert bench.paired_ratio(samples, "resm", "bert") == pytest.approx(1.25)
+    assert bench.min_ratio(samples, "bert", "resm") == pytest.approx(1.0 / 1.25)
+
+
+@pytest.mark.parametrize(
+    "paired, implied, expected",
+    [(0.96, 0.951, "met"), (0.95, 0.95, "met"), (0.946, 0.951, "unclear"), (0.951, 0.949, "unclear"), (0.94, 0.949, "not met")],
+)
+def test_verdict_needs_both_estimates(bench, paired, implied, expected):
+    assert bench.verdict(paired, implied) == expected
+
+
+def test_verdict_takes_the_gpu_target(bench):
+    assert bench.verdict(0.91, 0.92, target=0.9) == "met"
+    assert bench.verdict(0.91, 0.92) == "not met"
+
+
+def test_a_lower_peak_must_clear_the_noise(bench):
+    MiB = 2**20
+    assert bench.clearly_lower(1591 * MiB, [2091 * MiB, 2061 * MiB])  # sparse mode in RESULTS.md
+    assert not bench.clearly_lower(2062 * MiB, [2091 * MiB, 2061 * MiB])  # dense: above one peer
+    assert not bench.clearly_lower(2050 * MiB, [2091 * MiB, 2061 * MiB])  # 11 MiB lower: within the noise
+    assert bench.clearly_lower(2050 * MiB, [2091 * MiB, 2061 * MiB], noise=10 * MiB)
+
+
+def tiny_model(layers):
+    config = BertPkmConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        pkm_layers=layers, pkm_n_keys=8, pkm_heads=2, pkm_knn=4, pkm_k_dim=8,
+    )  # fmt: skip
+    return BertPkmModel(config).eval()
+
+
+def test_memory_timer_measures_a_share_of_each_call(bench):
+    model = tiny_model([0, 1])
+    ids = torch.randint(0, 64, (2, 16))
+    timer = bench.MemoryTimer(model)
+    entered = []
+
+    def slow_down(module, args):  # registered after the timer's hook: inside the timed span
+        entered.append(module)
+        time.sleep(0.02)
+
+    for memory in (m for m in model.modules() if isinstance(m, bench.ProductKeyMemory)):
+        memory.register_forward_pre_hook(slow_down)
+
+    def run():
+        with torch.inference_mode():
+            model(input_ids=ids)
+
+    samples = bench.interleaved({"resm": timer.wrap(run)}, rounds=3, warmup=1)
+    assert len(entered) == 2 * 4  # both memories, in the warm-up and the 3 rounds
+    assert len(timer.per_call) == 4  # one entry per call, the warm-up's first
+    assert all(inside >= 0.04 for inside in timer.per_call)  # the time in both memories, summed
+    shares = [inside / total for inside, total in zip(timer.per_call[1:], samples["resm"])]
+    assert all(0 < share < 1 for share in shares)
+
+
+def test_memory_timer_of_a_model_without_memories_reads_zero(bench):
+    model = tiny_model([])
+    timer = bench.MemoryTimer(model)
+    with torch.inference_mode():
+        timer.wrap(lambda: model(input_ids=torch.randint(0, 64, (1, 8))))()
+    assert timer.per_call == [0.0]
