@@ -295,13 +295,16 @@ class ProductKeyValues(nn.EmbeddingBag):
         self._workspaces = {}
 
     def forward(self, input, offsets=None, per_sample_weights=None):
+        if torch.compiler.is_compiling():
+            if self.sparse and self.weight.requires_grad and torch.is_grad_enabled():
+                return self._eager_forward(input, offsets, per_sample_weights)
+            return super().forward(input, offsets, per_sample_weights)
         if (
             offsets is not None
             or input.dim() != 2
             or per_sample_weights is None
             or self.max_norm is not None
             or self.padding_idx is not None
-            or torch.compiler.is_compiling()
         ):
             return super().forward(input, offsets, per_sample_weights)
         triton = (
@@ -315,6 +318,12 @@ class ProductKeyValues(nn.EmbeddingBag):
         if triton and not needs_grad:
             return _triton_bag_sum(self.weight, input, per_sample_weights)
         return super().forward(input, offsets, per_sample_weights)
+
+    # torch's sparse EmbeddingBag backward has no fake-tensor kernel, so a compiled graph cannot hold a lookup with a
+    # sparse gradient: it runs eagerly (one graph break), in the fused path
+    @torch.compiler.disable
+    def _eager_forward(self, input, offsets, per_sample_weights):
+        return self.forward(input, offsets, per_sample_weights)
 
     def train(self, mode: bool = True):
         if not mode:

@@ -502,6 +502,86 @@ def test_no_graph_break_without_padding():
     assert explanation.graph_break_count == 0, explanation.break_reasons
 
 
+def test_sparse_value_gradients_break_the_graph_once():
+    """torch's sparse EmbeddingBag backward cannot be traced: the lookup runs eagerly, the rest stays compiled."""
+    memory = ProductKeyMemory(16, n_keys=8, heads=2, knn=4, k_dim=8, sparse=True).train()
+    explanation = torch._dynamo.explain(memory)(torch.randn(2, 3, 16))
+    # one break, counted in each frame it passes through (memory, lookup, values)
+    assert explanation.graph_break_count == 3, explanation.break_reasons
+    assert all("_eager_forward" in str(reason) for reason in explanation.break_reasons)
+    with torch.no_grad():  # no gradient, nothing sparse: one graph
+        assert torch._dynamo.explain(memory)(torch.randn(2, 3, 16)).graph_break_count == 0
+
+
+def _compiler_backends():
+    import shutil
+
+    inductor = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
+    return ["aot_eager", pytest.param("inductor", marks=inductor)]
+
+
+@pytest.mark.parametrize("backend", _compiler_backends())
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_compiled_memory_trains_like_eager(backend, sparse):
+    """torch.compile of a memory in training: outputs, every gradient and the parameters after 3 optimizer steps (AdamW,
+    values in Adam or SparseRowAdam) equal eager mode's; dense mode compiles as one graph."""
+    torch._dynamo.reset()
+    torch.manual_seed(12)
+    # no query bias: before the BatchNorm its gradient is rounding noise, which Adam would scale up to lr-sized steps
+    eager = ProductKeyMemory(16, n_keys=8, heads=2, knn=4, k_dim=8, query_bias=False, sparse=sparse).train()
+    memory = copy.deepcopy(eager)
+    compiled = torch.compile(memory, backend=backend, fullgraph=not sparse)
+    optimizers = {}
+    for name, m in (("eager", eager), ("compiled", memory)):
+        rest = [p for p in m.parameters() if p is not m.values.weight]
+        values = SparseRowAdam([m.values.weight], lr=1e-2) if sparse else torch.optim.Adam([m.values.weight], lr=1e-2)
+        optimizers[name] = (torch.optim.AdamW(rest, lr=1e-2, foreach=False), values)
+    for step in range(3):
+        x = torch.randn(2, 5, 16)
+        grad_output = torch.randn(2, 5, 16)
+        outputs, input_grads = {}, {}
+        for name, run in (("eager", eager), ("compiled", compiled)):
+            inputs = x.clone().requires_grad_()
+            outputs[name] = run(inputs)
+            (outputs[name] * grad_output).sum().backward()
+            input_grads[name] = inputs.grad
+        torch.testing.assert_close(outputs["compiled"], outputs["eager"])
+        torch.testing.assert_close(input_grads["compiled"], input_grads["eager"])
+        for (name, p), q in zip(eager.named_parameters(), memory.parameters()):
+            assert q.grad.is_sparse == p.grad.is_sparse == (sparse and name == "values.weight"), name
+            torch.testing.assert_close(q.grad.to_dense(), p.grad.to_dense(), msg=f"step {step}: {name}")
+        for optimizer in (*optimizers["eager"], *optimizers["compiled"]):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    for (name, p), q in zip(eager.named_parameters(), memory.parameters()):
+        torch.testing.assert_close(q, p, msg=name)
+    torch.testing.assert_close(memory.query_batchnorm.running_mean, eager.query_batchnorm.running_mean)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_compiled_masked_lm_with_padding_trains_like_eager(sparse):
+    from conftest import tiny_config
+
+    from modeling_pkm_bert import BertPkmForMaskedLM
+
+    torch._dynamo.reset()
+    torch.manual_seed(13)
+    eager = BertPkmForMaskedLM(tiny_config(pkm_layers=[0, 2])).train()
+    set_sparse_values(eager, sparse)
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, backend="aot_eager")
+    input_ids = torch.randint(0, 99, (3, 9))
+    attention_mask = torch.ones(3, 9, dtype=torch.long)
+    attention_mask[1, 6:] = 0  # padding: the query BatchNorm statistics skip these tokens
+    losses = {}
+    for name, run in (("eager", eager), ("compiled", compiled)):
+        losses[name] = run(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids).loss
+        losses[name].backward()
+    torch.testing.assert_close(losses["compiled"], losses["eager"])
+    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad.to_dense(), p.grad.to_dense(), msg=name)
+
+
 # ---------------------------------------------------------------- the benchmark's XLM peer
 
 
