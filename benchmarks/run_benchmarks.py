@@ -319,6 +319,40 @@ def section_layer(args) -> list[str]:
                     lines.append(f"| {label} | {fmt_ms(median(two[impl]))} | {paired_ratio(two, best_two, impl):.2f}x |")
             except Exception as error:  # noqa: BLE001
                 lines += ["", f"(2-thread variant failed: {error})"]
+    return lines + compiled_layer(args)
+
+
+def compiled_layer(args) -> list[str]:
+    """Our layer (dense value grads) eager vs `torch.compile`d, its training lookup run eagerly (the default) or traced."""
+    rounds = 3 if args.quick else 5
+    torch.manual_seed(1)
+    x, g = torch.randn(8, 128, 768, requires_grad=True), torch.randn(8, 128, 768)
+    modules = {kind: build_layer("ours_dense").train() for kind in ("eager", "compiled", "compiled_traced")}
+    modules["compiled_traced"].trace_training_lookup = True
+    steps = {kind: layer_step_fn(m, x, g) for kind, m in modules.items()}
+    for kind in ("compiled", "compiled_traced"):
+        compiled = torch.compile(modules[kind])  # inductor; compiles in the warm-up
+        steps[kind] = layer_step_fn(compiled, x, g)
+    start = time.perf_counter()
+    for step in steps.values():
+        step()
+    compile_seconds = time.perf_counter() - start
+    samples = interleaved(steps, rounds=rounds, warmup=1)
+    labels = {
+        "eager": "eager",
+        "compiled": "`torch.compile` (inductor); the lookup that needs gradients runs eagerly (default)",
+        "compiled_traced": "`torch.compile` (inductor), `trace_training_lookup = True` (one graph, torch's generic backward)",
+    }
+    lines = [
+        "",
+        f"`torch.compile` of our layer (dense value grads), same step, {rounds} interleaved rounds (first calls, including "
+        f"compilation: {compile_seconds:.0f} s):",
+        "",
+        "| ours, `ProductKeyMemory(...)` | median ms | time / eager (paired median) |",
+        "|---|---|---|",
+    ]
+    for kind, label in labels.items():
+        lines.append(f"| {label} | {fmt_ms(median(samples[kind]))} | {paired_ratio(samples, kind, 'eager'):.2f} |")
     return lines
 
 

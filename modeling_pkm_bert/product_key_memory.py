@@ -366,6 +366,10 @@ class ProductKeyMemory(nn.Module):
     # fp32 on CPU: the selection in `torch.ops.pkm_bert.select_product_keys` when registered (with gradients: when
     # `fused_search_backward` too); False: the torch ops
     native_search = True
+    # under torch.compile, a lookup that needs gradients runs eagerly in the fused paths above, one graph break per
+    # memory (traced, its backward is torch's generic one: ~2.5x slower at the paper's size); True traces it, so that
+    # a training step can compile to one graph (`fullgraph=True`, dense value gradients)
+    trace_training_lookup = False
 
     def __init__(
         self,
@@ -460,6 +464,9 @@ class ProductKeyMemory(nn.Module):
 
     def lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The memory on a flat batch of tokens: `(tokens, input_dim)` -> `(tokens, v_dim)`."""
+        if torch.compiler.is_compiling() and not self.trace_training_lookup and torch.is_grad_enabled():
+            if hidden_states.requires_grad or any(p.requires_grad for p in self.parameters()):
+                return self._eager_lookup(hidden_states)
         queries = self.query_proj(self.input_dropout(hidden_states))
         queries = self.query_dropout(self.query_batchnorm(queries))
         scores, indices = self.search(queries.unflatten(-1, (self.heads, self.k_dim)))
@@ -468,6 +475,10 @@ class ProductKeyMemory(nn.Module):
             indices.flatten(1), per_sample_weights=weights.flatten(1).to(self.values.weight.dtype)
         )  # the bag sums knn rows of every head: heads are summed
         return self.value_dropout(output.to(hidden_states.dtype))
+
+    @torch.compiler.disable
+    def _eager_lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lookup(hidden_states)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """`(batch, seq, input_dim)` (or any `(..., input_dim)`) -> `(..., v_dim)`; `attention_mask` is 1 on real tokens."""
