@@ -256,8 +256,11 @@ def _combine_halves(
 
 
 def _native_selection(halves: torch.Tensor):
-    """`torch.ops.pkm_bert.select_product_keys` for fp32 CPU queries once `modeling_pkm_bert` registered it, else None."""
-    if halves.dtype != torch.float32 or halves.device.type != "cpu":
+    """`torch.ops.pkm_bert.select_product_keys` for fp32 CPU queries once `modeling_pkm_bert` registered it, else None.
+
+    Never under `torch.export`: an exported program (and the ONNX made from it) holds standard ops only, so that it runs
+    where this package is not installed."""
+    if halves.dtype != torch.float32 or halves.device.type != "cpu" or torch.compiler.is_exporting():
         return None
     return getattr(torch.ops.pkm_bert, "select_product_keys", None)
 
@@ -296,9 +299,12 @@ class ProductKeyValues(nn.EmbeddingBag):
 
     def forward(self, input, offsets=None, per_sample_weights=None):
         if torch.compiler.is_compiling():
-            if self.sparse and self.weight.requires_grad and torch.is_grad_enabled():
+            if self.sparse and self.weight.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_exporting():
                 return self._eager_forward(input, offsets, per_sample_weights)
             return super().forward(input, offsets, per_sample_weights)
+        return self._fused_forward(input, offsets, per_sample_weights)
+
+    def _fused_forward(self, input, offsets=None, per_sample_weights=None):
         if (
             offsets is not None
             or input.dim() != 2
@@ -323,7 +329,7 @@ class ProductKeyValues(nn.EmbeddingBag):
     # sparse gradient: it runs eagerly (one graph break), in the fused path
     @torch.compiler.disable
     def _eager_forward(self, input, offsets, per_sample_weights):
-        return self.forward(input, offsets, per_sample_weights)
+        return self._fused_forward(input, offsets, per_sample_weights)
 
     def train(self, mode: bool = True):
         if not mode:
@@ -467,18 +473,33 @@ class ProductKeyMemory(nn.Module):
         if torch.compiler.is_compiling() and not self.trace_training_lookup and torch.is_grad_enabled():
             if hidden_states.requires_grad or any(p.requires_grad for p in self.parameters()):
                 return self._eager_lookup(hidden_states)
+        return self._lookup(hidden_states)
+
+    @torch.compiler.disable
+    def _eager_lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self._lookup(hidden_states)
+
+    def _lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
         queries = self.query_proj(self.input_dropout(hidden_states))
-        queries = self.query_dropout(self.query_batchnorm(queries))
+        batchnorm = self.query_batchnorm
+        if (
+            self.training
+            and not torch.compiler.is_compiling()
+            and isinstance(batchnorm, nn.BatchNorm1d)
+            and torch._C._current_graph_task_id() != -1
+        ):  # a gradient-checkpointing recomputation (it runs inside backward): the same batch statistics, and the
+            # running ones, already updated by the first forward, are not updated again (copies take that update)
+            running = batchnorm.running_mean.clone(), batchnorm.running_var.clone()
+            queries = F.batch_norm(queries, *running, batchnorm.weight, batchnorm.bias, True, 0.0, batchnorm.eps)
+        else:
+            queries = batchnorm(queries)
+        queries = self.query_dropout(queries)
         scores, indices = self.search(queries.unflatten(-1, (self.heads, self.k_dim)))
         weights = F.softmax(scores.float(), dim=-1)
         output = self.values(
             indices.flatten(1), per_sample_weights=weights.flatten(1).to(self.values.weight.dtype)
         )  # the bag sums knn rows of every head: heads are summed
         return self.value_dropout(output.to(hidden_states.dtype))
-
-    @torch.compiler.disable
-    def _eager_lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lookup(hidden_states)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """`(batch, seq, input_dim)` (or any `(..., input_dim)`) -> `(..., v_dim)`; `attention_mask` is 1 on real tokens."""
@@ -491,6 +512,8 @@ class ProductKeyMemory(nn.Module):
             raise ValueError(
                 f"attention_mask of shape {tuple(attention_mask.shape)} does not match hidden_states {tuple(batch_shape)}"
             )
+        if torch.compiler.is_exporting():  # no data-dependent token selection in an exported graph
+            return self._export_forward(flat, attention_mask).view(*batch_shape, self.v_dim)
         # padding is skipped: it must not shift the BatchNorm statistics nor cost lookups
         real = attention_mask.reshape(-1).nonzero().squeeze(1)
         if real.numel() == flat.shape[0]:  # no padding: no gather and scatter of the tokens
@@ -499,6 +522,17 @@ class ProductKeyMemory(nn.Module):
         if real.numel():
             output = output.index_copy(0, real, self.lookup(flat.index_select(0, real)))
         return output.view(*batch_shape, self.v_dim)
+
+    def _export_forward(self, flat: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Every token looked up, padding outputs zeroed: exact where the query BatchNorm does not use the batch's own
+        statistics (eval mode), which padding would shift."""
+        if self.training and isinstance(self.query_batchnorm, nn.BatchNorm1d):
+            raise ValueError(
+                "torch.export of a ProductKeyMemory with a query BatchNorm in training mode: padding tokens would enter "
+                "its batch statistics; export the model in eval mode (model.eval())"
+            )
+        real = attention_mask.reshape(-1, 1).bool()
+        return torch.where(real, self.lookup(flat), flat.new_zeros(()))
 
     def extra_repr(self) -> str:
         return (
