@@ -49,7 +49,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from .product_key_memory import ProductKeyMemory
+from .optimization import memory_modules
 
 
 TOP_PERCENTS = {"top50": 50, "top90": 90, "top99": 99}
@@ -233,13 +233,6 @@ def _top_slots_holding(counts: torch.Tensor, percents: Iterable[int]) -> list[in
     return (torch.searchsorted(100 * held, thresholds) + 1).tolist()
 
 
-def _is_product_key_memory(module: nn.Module) -> bool:
-    # a model loaded as Hub remote code has its own copy of the class (transformers_modules.<repo>...): match its name
-    return isinstance(module, ProductKeyMemory) or (
-        type(module).__name__ == "ProductKeyMemory" and isinstance(getattr(module, "values", None), nn.EmbeddingBag)
-    )
-
-
 def _readable_name(path: str) -> str:
     """`bert.encoder.layer.4.memory` -> `layer_4`; a path without a layer number stays as it is."""
     layer_numbers = re.findall(r"(?:^|\.)layer\.(\d+)(?=\.|$)", path)
@@ -259,7 +252,7 @@ class MemoryUsageTracker:
     """
 
     def __init__(self, model: nn.Module, eval_only: bool = False):
-        found = [(path, module) for path, module in model.named_modules() if _is_product_key_memory(module)]
+        found = list(memory_modules(model).items())
         names = [_readable_name(path) for path, _ in found]
         if len(set(names)) < len(names):
             names = [path or "memory" for path, _ in found]

@@ -33,11 +33,43 @@ from .product_key_memory import ProductKeyMemory
 PKM_VALUES_GROUP = "pkm_values"
 
 
+def is_product_key_memory(module: nn.Module) -> bool:
+    """Whether `module` is a product key memory: this package's class, or a copy of it, as in a model loaded with
+    `trust_remote_code=True` (its classes come from the Hub cache module, `transformers_modules.<repo>...`), matched by
+    class name or by its attributes (a `keys` parameter, `values` with a `weight`, a `search` method)."""
+    if isinstance(module, ProductKeyMemory) or type(module).__name__ == "ProductKeyMemory":
+        return True
+    return (
+        isinstance(getattr(module, "keys", None), nn.Parameter)
+        and isinstance(getattr(getattr(module, "values", None), "weight", None), torch.Tensor)
+        and callable(getattr(module, "search", None))
+    )
+
+
+def memory_modules(model: nn.Module) -> dict[str, ProductKeyMemory]:
+    """`{module path: memory}` of every product key memory in `model` (also wrapped: PEFT, sentence-transformers, DDP),
+    found by [`is_product_key_memory`]. Empty for a model without memories; raises ValueError where a config in the
+    model asks for memories (`pkm_layers`) but none is found, rather than letting a helper silently do nothing."""
+    found, wanted = {}, None
+    for name, module in model.named_modules():
+        if is_product_key_memory(module):
+            found[name] = module
+        elif wanted is None and getattr(getattr(module, "config", None), "pkm_layers", None):
+            wanted = module.config.pkm_layers
+    if wanted and not found:
+        raise ValueError(
+            f"{type(model).__name__}: its config has memories at pkm_layers={list(wanted)}, but no product key memory "
+            "module was found in it (looked for class name 'ProductKeyMemory' or a module with a `keys` parameter, "
+            "`values.weight` and `search`)"
+        )
+    return found
+
+
 def pkm_value_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The value tables (`values.weight`) of every `ProductKeyMemory` in `model`, each once, in module order."""
     seen, parameters = set(), []
-    for module in model.modules():
-        if isinstance(module, ProductKeyMemory) and id(module.values.weight) not in seen:
+    for module in memory_modules(model).values():
+        if id(module.values.weight) not in seen:
             seen.add(id(module.values.weight))
             parameters.append(module.values.weight)
     return parameters
@@ -98,10 +130,9 @@ def set_sparse_values(model: nn.Module, sparse: bool = True) -> int:
     memories were switched. Call it before wrapping the model in DDP (which reads the flag once): sparse gradients
     need a gloo process group (NCCL has no sparse all-reduce) and no FSDP; dense ones work everywhere."""
     count = 0
-    for module in model.modules():
-        if isinstance(module, ProductKeyMemory):
-            module.sparse_values = sparse
-            count += 1
+    for module in memory_modules(model).values():
+        module.sparse_values = sparse
+        count += 1
     return count
 
 
@@ -124,9 +155,10 @@ def cast_pkm_values(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> in
     output to bf16 before it is cast back to the hidden states' dtype (relative error ~4e-3 of the memory output).
     Meant for inference: training bf16 values has no fp32 master copy (`SparseRowAdam` then rounds each update).
     """
-    count = 0
-    for module in model.modules():
-        if isinstance(module, ProductKeyMemory):
+    count, seen = 0, set()
+    for module in memory_modules(model).values():
+        if id(module.values) not in seen:  # shared values: cast once
+            seen.add(id(module.values))
             module.values.to(dtype)
             count += 1
     return count
@@ -302,6 +334,8 @@ __all__ = [
     "SparseRowAdam",
     "cast_pkm_values",
     "clip_grad_norm_",
+    "is_product_key_memory",
+    "memory_modules",
     "pkm_lr_lambdas",
     "pkm_param_groups",
     "pkm_value_parameters",

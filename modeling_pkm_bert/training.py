@@ -8,8 +8,7 @@ import re
 import torch
 
 from .configuration_bert_pkm import BertPkmConfig
-from .optimization import PKM_VALUES_GROUP, pkm_param_groups
-from .product_key_memory import ProductKeyMemory
+from .optimization import PKM_VALUES_GROUP, memory_modules, pkm_param_groups  # noqa: F401 (memory_modules: public here)
 
 
 PKM_FIELDS = {f.name: f for f in dataclasses.fields(BertPkmConfig) if f.name.startswith("pkm_")}
@@ -69,10 +68,6 @@ def add_pkm_arguments(parser: argparse.ArgumentParser, training_options: bool = 
 def pkm_kwargs_from_args(args: argparse.Namespace) -> dict:
     """The pkm_* fields the user gave on the command line."""
     return {name: getattr(args, name) for name in PKM_FIELDS if getattr(args, name, None) is not None}
-
-
-def memory_modules(model: torch.nn.Module) -> dict[str, ProductKeyMemory]:
-    return {name: module for name, module in model.named_modules() if isinstance(module, ProductKeyMemory)}
 
 
 def freeze_memory(model: torch.nn.Module) -> int:
