@@ -395,6 +395,58 @@ def _canonical_name(src_name: str, source_model: PreTrainedModel) -> str | None:
 # Hub folder: tokenizer, license, model card, checks, atomic save
 
 
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+
+
+def sentence_transformers_files(source) -> list[str]:
+    """The files of a local sentence-transformers folder (`modules.json`, its configs, the pooling/dense/... module
+    folders) that make a converted folder a sentence-transformers model too, relative to `source`; [] for anything
+    else. Raises ValueError naming the file and the problem where they are malformed or missing."""
+    if not isinstance(source, (str, os.PathLike)) or not Path(source).is_dir():
+        return []
+    source = Path(source)
+    if not (source / "modules.json").is_file():
+        return []
+    modules = _read_json(source / "modules.json")
+    if not isinstance(modules, list) or not modules:
+        raise ValueError(f"{source / 'modules.json'}: expected a non-empty list of modules, got {modules!r}")
+    files = [name for name in SENTENCE_TRANSFORMERS_FILES if (source / name).is_file()]
+    for name in files[1:]:
+        _read_json(source / name)
+    for i, module in enumerate(modules):
+        if not (isinstance(module, dict) and isinstance(module.get("path"), str) and isinstance(module.get("type"), str)):
+            raise ValueError(f"{source / 'modules.json'}: module {i} must have string 'path' and 'type', got {module!r}")
+        path, kind = Path(module["path"]), module["type"].rsplit(".", 1)[-1]
+        if path.is_absolute() or ".." in path.parts:
+            raise ValueError(f"{source / 'modules.json'}: module {i} path {module['path']!r} leaves the folder")
+        if kind == "Transformer":
+            if module["path"] not in ("", "."):
+                raise ValueError(
+                    f"{source / 'modules.json'}: the Transformer module is at {module['path']!r}; only a Transformer at "
+                    "the folder's root (path '') is converted with it"
+                )
+            continue
+        if (source / path).is_dir():
+            found = sorted(p for p in (source / path).rglob("*") if p.is_file())
+            for file in found:
+                if file.suffix == ".json":
+                    _read_json(file)
+            files += [file.relative_to(source).as_posix() for file in found]
+        elif kind != "Normalize":  # Normalize has no files; every other module reads its folder
+            raise ValueError(
+                f"{source / 'modules.json'}: module {i} ({module['type']}) is at {module['path']!r}, but {source / path} "
+                "is missing"
+            )
+    return files
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
+
+
 def load_source_tokenizer(source):
     """The source's tokenizer, or None where it has no tokenizer files (AutoTokenizer would invent a 5-token one)."""
     if not isinstance(source, (str, os.PathLike)):
@@ -608,7 +660,8 @@ def save_converted(
 ) -> Path:
     """
     Write a complete Hub repository: config with the full auto_map, the remote-code files, safetensors weights
-    (sharded above `max_shard_size`), the tokenizer and a model card. Everything is written into a temporary sibling
+    (sharded above `max_shard_size`), the tokenizer, a model card and, when the source is a local sentence-transformers
+    folder, its module files ([`sentence_transformers_files`]). Everything is written into a temporary sibling
     folder that is renamed to `output_dir` at the end, so a failure leaves no half-written output.
     """
     output_dir = Path(output_dir).absolute()
@@ -623,6 +676,10 @@ def save_converted(
             model.config.tokenizer_class = type(tokenizer).__name__
             tokenizer.save_pretrained(tmp)
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        source = report.source if report is not None else None
+        for name in sentence_transformers_files(source):  # a sentence-transformers source stays one
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(source) / name, tmp / name)
         base_model = source_name if source_name is not None else (report.source if report is not None else None)
         write_model_card(
             tmp,
@@ -699,6 +756,7 @@ __all__ = [
     "load_source_tokenizer",
     "push_folder_to_hub",
     "save_converted",
+    "sentence_transformers_files",
     "source_license",
     "write_model_card",
 ]

@@ -29,6 +29,7 @@ from modeling_pkm_bert.conversion import (  # noqa: E402
     load_source_tokenizer,
     push_folder_to_hub,
     save_converted,
+    sentence_transformers_files,
     source_license,
 )
 from modeling_pkm_bert.training import add_pkm_arguments, pkm_kwargs_from_args  # noqa: E402
@@ -81,6 +82,7 @@ def main(argv=None):
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
     # fail before the (possibly long) conversion
     check_output_dir(args.output_dir, args.overwrite_output_dir)
+    sentence_transformers_files(args.model_name_or_path)  # malformed sentence-transformers module files
     hub_model_id = args.hub_model_id or (Path(args.output_dir).absolute().name if args.push_to_hub else None)
     set_seed(args.seed)
 
