@@ -37,6 +37,12 @@ setup(
             "matplotlib>=3.8,<4",
             "pytest>=8,<10",
             "product-key-memory==0.3.0",
+            # integrations (modeling_pkm_bert/integrations, tests/test_export.py, tests/test_integrations.py)
+            "peft>=0.15,<1",
+            "sentence-transformers>=6,<7",
+            "onnx>=1.17,<2",
+            "onnxruntime>=1.20,<2",
+            "onnxscript>=0.5,<1",
             # the Triton gathers are checked on CPU under the Triton interpreter
             "triton>=3.2,<4; platform_system == 'Linux' and platform_machine == 'x86_64'",
         ],

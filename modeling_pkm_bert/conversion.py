@@ -680,6 +680,11 @@ def save_converted(
         for name in sentence_transformers_files(source):  # a sentence-transformers source stays one
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(Path(source) / name, tmp / name)
+        if source is not None and not Path(source).is_dir() and hub_id_or_none(source) and _hub_file(source, "modules.json"):
+            transformers.logging.get_logger(__name__).warning(
+                f"{source} is a sentence-transformers repository: its modules (pooling, normalisation) are carried over "
+                f"from a local folder only; download it (`hf download {source} --local-dir ...`) and convert the folder"
+            )
         base_model = source_name if source_name is not None else (report.source if report is not None else None)
         write_model_card(
             tmp,
