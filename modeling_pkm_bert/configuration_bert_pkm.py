@@ -52,8 +52,8 @@ class BertPkmConfig(BertConfig):
     pkm_input_dropout, pkm_query_dropout, pkm_value_dropout (`float`, *optional*, defaults to 0.0):
         Dropout on the memory input, on the queries and on the memory output.
     pkm_weights_checksum (`dict`, *optional*):
-        Written by `save_pretrained(..., checksum=True)`: the SHA-256 of the saved tensors, verified by `from_pretrained`
-        (safetensors checks the file's layout, not the bytes inside the tensors). Not set by hand.
+        Written by `save_pretrained(..., checksum=True)`: the SHA-256 of the saved tensors, verified by
+        `from_pretrained` (safetensors checks the file's layout, not the bytes inside the tensors). Not set by hand.
     """
 
     model_type = "bert_pkm"
@@ -115,7 +115,8 @@ class BertPkmConfig(BertConfig):
             fail(
                 "pkm_n_keys",
                 f"each memory's value table would hold {slots:,} slots x hidden_size={self.hidden_size}, "
-                f"{table_bytes:,} bytes ({table_bytes / 2**40:.1f} TiB) in fp32, for each of the {len(self.pkm_layers)} memory layer(s);"
+                f"{table_bytes:,} bytes ({table_bytes / 2**40:.1f} TiB) in fp32, for each of the"
+                f" {len(self.pkm_layers)} memory layer(s);"
                 f" the limit is {PKM_MAX_VALUE_TABLE_BYTES / 2**40:.0f} TiB per table",
             )
         query_and_keys_bytes = self.pkm_heads * self.pkm_k_dim * (self.hidden_size + self.pkm_n_keys) * 4
@@ -127,7 +128,7 @@ class BertPkmConfig(BertConfig):
                 f" {PKM_MAX_VALUE_TABLE_BYTES / 2**40:.0f} TiB limit",
             )
         if self.pkm_weights_checksum is not None and not isinstance(self.pkm_weights_checksum.get("model"), str):
-            fail("pkm_weights_checksum", "is written by save_pretrained(..., checksum=True); a dict with a 'model' digest")
+            fail("pkm_weights_checksum", "is written by save_pretrained(..., checksum=True): a dict of digests")
 
     @property
     def pkm_mem_size(self) -> int:

@@ -217,7 +217,8 @@ def _check_attention_mask(mask, batch, length, past_length):
 def _real_tokens_of_4d_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
     """The real tokens of a 4-D attention mask (True/0 where attention is allowed, False/very negative where not):
     those that may attend to themselves. Exact for a 2-D padding mask broadcast to 4-D and for causal masks with
-    padding; a token that others may attend to but that may not attend to itself cannot be told from padding (refused)."""
+    padding; a token that others may attend to but that may not attend to itself cannot be told from padding
+    (refused)."""
     allowed = mask if mask.dtype == torch.bool else mask > -5000  # masked: -inf, finfo.min, BERT's -10000
     current = allowed[..., -length:]  # (batch, heads, length, length): keys at the current positions
     real = current.diagonal(dim1=-2, dim2=-1).any(1)  # (batch, length)
@@ -296,7 +297,8 @@ class BertPkmPreTrainedModel(PreTrainedModel):
             return
         checkpoint_keys = (set(self.state_dict()) - missing) | unexpected | set(mismatched)
         saved_config = _saved_config(type(self.config), source, kwargs)
-        is_pkm = saved_config.get("model_type") == self.config.model_type or any(".memory." in k for k in checkpoint_keys)
+        is_pkm = saved_config.get("model_type") == self.config.model_type
+        is_pkm = is_pkm or any(".memory." in k for k in checkpoint_keys)
         if not is_pkm:  # +Init of a plain BERT: new memories, the FFN of replace layers dropped
             replaced = (".intermediate.dense.", ".output.dense.")
             missing_layers = [k for k in missing_layers if ".memory." not in k]
@@ -304,15 +306,16 @@ class BertPkmPreTrainedModel(PreTrainedModel):
             if not (missing_layers or unexpected_layers or shapes):
                 return
         memories = sorted({int(k.split("encoder.layer.")[1].split(".")[0]) for k in checkpoint_keys if ".memory." in k})
-        fields = {f: saved_config.get(f) for f in ("model_type", "pkm_layers", "pkm_mode", "pkm_n_keys") if f in saved_config}
+        fields = ("model_type", "pkm_layers", "pkm_mode", "pkm_n_keys")
+        fields = {field: saved_config[field] for field in fields if field in saved_config}
         listing = [("missing from the checkpoint (would be initialised at random)", missing_layers)]
         listing += [("in the checkpoint but not in the model (would be dropped)", unexpected_layers)]
         listing += [("of another shape", shapes)]
-        report = "".join(
-            f"\n  {len(keys)} tensor(s) {what}: " + ", ".join(keys[:12]) + (f", ... ({len(keys) - 12} more)" if len(keys) > 12 else "")
-            for what, keys in listing
-            if keys
-        )
+        report = ""
+        for what, keys in listing:
+            if keys:
+                more = f", ... {len(keys) - 12} more" if len(keys) > 12 else ""
+                report += f"\n  {len(keys)} tensor(s) {what}: " + ", ".join(keys[:12]) + more
         raise ValueError(
             f"{source}: the weights do not fit {type(self).__name__} built from the config (pkm_layers="
             f"{self.config.pkm_layers}, pkm_mode={self.config.pkm_mode!r}, pkm_n_keys={self.config.pkm_n_keys}); the"
@@ -437,7 +440,9 @@ class BertPkmModel(BertPkmPreTrainedModel):
             )
 
         past_key_values_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        self._check_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, past_key_values_length)
+        self._check_inputs(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, past_key_values_length
+        )
 
         embedding_output = self.embeddings(
             input_ids=input_ids,
@@ -497,7 +502,8 @@ class BertPkmModel(BertPkmPreTrainedModel):
             name, shape = "input_ids", tuple(input_ids.shape)
         else:
             if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
-                _refuse("inputs_embeds", inputs_embeds.shape, f"must be (batch_size, sequence_length, hidden_size={config.hidden_size})")
+                allowed = f"must be (batch_size, sequence_length, hidden_size={config.hidden_size})"
+                _refuse("inputs_embeds", inputs_embeds.shape, allowed)
             name, shape = "inputs_embeds", tuple(inputs_embeds.shape[:2])
         batch, length = shape
         if batch == 0 or length == 0:
@@ -516,8 +522,11 @@ class BertPkmModel(BertPkmPreTrainedModel):
         if not self.validate_input_values or torch.compiler.is_compiling() or torch.compiler.is_exporting():
             return
         # out-of-range ids index the embedding tables: an IndexError on CPU, a device-side assert on GPU
-        limits = [("input_ids", input_ids, config.vocab_size), ("token_type_ids", token_type_ids, config.type_vocab_size)]
-        limits.append(("position_ids", position_ids, config.max_position_embeddings))
+        limits = [
+            ("input_ids", input_ids, config.vocab_size),
+            ("token_type_ids", token_type_ids, config.type_vocab_size),
+            ("position_ids", position_ids, config.max_position_embeddings),
+        ]
         limits = [(argument, tensor, bound) for argument, tensor, bound in limits if tensor is not None]
         if not limits:
             return
@@ -802,7 +811,8 @@ class BertPkmForMultipleChoice(BertPkmPreTrainedModel):
         if input_ids is not None and input_ids.dim() != 3:
             _refuse("input_ids", input_ids.shape, "must be 3-D (batch_size, num_choices, sequence_length)")
         if inputs_embeds is not None and inputs_embeds.dim() != 4:
-            _refuse("inputs_embeds", inputs_embeds.shape, "must be 4-D (batch_size, num_choices, sequence_length, hidden_size)")
+            allowed = "must be 4-D (batch_size, num_choices, sequence_length, hidden_size)"
+            _refuse("inputs_embeds", inputs_embeds.shape, allowed)
         num_choices = input_ids.shape[1] if input_ids is not None else inputs_embeds.shape[1]
 
         def flat(tensor):

@@ -484,7 +484,8 @@ class ProductKeyMemory(nn.Module):
         """In training the query BatchNorm normalises each token with statistics of the whole batch and keeps them in
         its running mean and variance: one non-finite query would make every sequence's output and every later
         evaluation non-finite, so such a batch is refused (ValueError) before the BatchNorm, as is a batch of one token
-        (no variance). One sum and one host sync per memory and step in eager mode; nothing in compiled/exported graphs."""
+        (no variance). One sum and one host sync per memory and step in eager mode; nothing in compiled/exported
+        graphs."""
         if torch.compiler.is_compiling() or torch.compiler.is_exporting():
             return
         if queries.shape[0] < 2:
