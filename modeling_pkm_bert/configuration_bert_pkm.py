@@ -6,6 +6,9 @@ from transformers import BertConfig
 
 PKM_MODES = ("resm", "replace")
 PKM_VALUE_INITS = ("normal", "zeros")
+# the largest value table a config may ask for: 1 TiB in fp32 (the paper's 512 ** 2 x 768 table is 0.75 GiB); beyond it
+# no single machine holds one, and the allocator's error would come only when the model is built
+PKM_MAX_VALUE_TABLE_BYTES = 2**40
 
 # Written into every saved config so that each saved folder loads through any Auto class as remote code.
 AUTO_MAP = {
@@ -48,6 +51,9 @@ class BertPkmConfig(BertConfig):
         `"normal"`: N(0, hidden_size ** -0.5) as XLM; `"zeros"`: a ResM model then starts as the plain BERT.
     pkm_input_dropout, pkm_query_dropout, pkm_value_dropout (`float`, *optional*, defaults to 0.0):
         Dropout on the memory input, on the queries and on the memory output.
+    pkm_weights_checksum (`dict`, *optional*):
+        Written by `save_pretrained(..., checksum=True)`: the SHA-256 of the saved tensors, verified by
+        `from_pretrained` (safetensors checks the file's layout, not the bytes inside the tensors). Not set by hand.
     """
 
     model_type = "bert_pkm"
@@ -65,6 +71,7 @@ class BertPkmConfig(BertConfig):
     pkm_input_dropout: float | int = 0.0
     pkm_query_dropout: float | int = 0.0
     pkm_value_dropout: float | int = 0.0
+    pkm_weights_checksum: dict | None = None
 
     def __post_init__(self, **kwargs):
         if self.pkm_layers is None:
@@ -99,6 +106,29 @@ class BertPkmConfig(BertConfig):
         for field in ("pkm_input_dropout", "pkm_query_dropout", "pkm_value_dropout"):
             if not 0 <= getattr(self, field) < 1:
                 fail(field, "a dropout probability must be in [0, 1)")
+        self._check_memory_size(fail)
+
+    def _check_memory_size(self, fail):
+        # the value table must exist: refused here with its size rather than by the allocator when the model is built
+        slots, table_bytes = self.pkm_n_keys**2, self.pkm_n_keys**2 * self.hidden_size * 4
+        if table_bytes > PKM_MAX_VALUE_TABLE_BYTES:
+            fail(
+                "pkm_n_keys",
+                f"each memory's value table would hold {slots:,} slots x hidden_size={self.hidden_size}, "
+                f"{table_bytes:,} bytes ({table_bytes / 2**40:.1f} TiB) in fp32, for each of the"
+                f" {len(self.pkm_layers)} memory layer(s);"
+                f" the limit is {PKM_MAX_VALUE_TABLE_BYTES / 2**40:.0f} TiB per table",
+            )
+        query_and_keys_bytes = self.pkm_heads * self.pkm_k_dim * (self.hidden_size + self.pkm_n_keys) * 4
+        if query_and_keys_bytes > PKM_MAX_VALUE_TABLE_BYTES:
+            fail(
+                "pkm_heads",
+                f"pkm_heads x pkm_k_dim = {self.pkm_heads * self.pkm_k_dim:,} query features: the query projection and"
+                f" the keys of each memory would need {query_and_keys_bytes:,} bytes in fp32, over the"
+                f" {PKM_MAX_VALUE_TABLE_BYTES / 2**40:.0f} TiB limit",
+            )
+        if self.pkm_weights_checksum is not None and not isinstance(self.pkm_weights_checksum.get("model"), str):
+            fail("pkm_weights_checksum", "is written by save_pretrained(..., checksum=True): a dict of digests")
 
     @property
     def pkm_mem_size(self) -> int:

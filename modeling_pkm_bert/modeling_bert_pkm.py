@@ -1,5 +1,7 @@
 """PyTorch BERT with product key memory layers (Kim & Jung 2020, "Large Product Key Memory for PLMs")."""
 
+import hashlib
+
 import torch
 from torch import nn
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
@@ -88,6 +90,8 @@ class BertPkmLayer(GradientCheckpointingLayer):
             if has_memory
             else None
         )
+        if has_memory:
+            self.memory.layer_name = f"encoder.layer.{layer_idx}.memory"
         if has_memory and config.pkm_mode == "replace":
             self.intermediate = None
             self.output = BertPkmMemoryOutput(config)
@@ -167,6 +171,70 @@ class BertPkmEncoder(nn.Module):
         )
 
 
+def _weights_digest(state_dict: dict) -> str:
+    """SHA-256 over the names, dtypes, shapes and bytes of the tensors, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        tensor = state_dict[name].detach()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def _body_digest(model) -> str:
+    """The digest of the embeddings and encoder (what every head class shares; the pooler and heads vary by class)."""
+    state_dict = model.base_model.state_dict()
+    return _weights_digest({k: v for k, v in state_dict.items() if k.startswith(("embeddings.", "encoder."))})
+
+
+def _saved_config(config_class, source, kwargs) -> dict:
+    """The checkpoint's own config.json (read through transformers), or {} when it cannot be read."""
+    hub_kwargs = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+    try:
+        config_dict, _ = config_class.get_config_dict(source, **{k: kwargs[k] for k in hub_kwargs if k in kwargs})
+        return config_dict
+    except Exception:  # a config passed in memory only, an unreachable Hub: judged from the tensors alone
+        return {}
+
+
+def _refuse(argument, shape, problem):
+    raise ValueError(f"{argument} of shape {tuple(shape)} {problem}")
+
+
+def _check_attention_mask(mask, batch, length, past_length):
+    kv_length = past_length + length
+    if mask.dim() == 2:
+        if tuple(mask.shape) != (batch, kv_length):
+            past = f" (past_key_values hold {past_length} tokens)" if past_length else ""
+            _refuse("attention_mask", mask.shape, f"must be (batch_size, sequence_length) = {(batch, kv_length)}{past}")
+    elif mask.dim() == 4:
+        if mask.shape[0] not in (1, batch) or tuple(mask.shape[2:]) != (length, kv_length):
+            _refuse("attention_mask", mask.shape, f"(4-D) must be ({batch} or 1, heads or 1, {length}, {kv_length})")
+    else:
+        _refuse("attention_mask", mask.shape, f"must be 2-D {(batch, kv_length)} (1 on real tokens) or a 4-D mask")
+
+
+def _real_tokens_of_4d_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
+    """The real tokens of a 4-D attention mask (True/0 where attention is allowed, False/very negative where not):
+    those that may attend to themselves. Exact for a 2-D padding mask broadcast to 4-D and for causal masks with
+    padding; a token that others may attend to but that may not attend to itself cannot be told from padding
+    (refused)."""
+    allowed = mask if mask.dtype == torch.bool else mask > -5000  # masked: -inf, finfo.min, BERT's -10000
+    current = allowed[..., -length:]  # (batch, heads, length, length): keys at the current positions
+    real = current.diagonal(dim1=-2, dim2=-1).any(1)  # (batch, length)
+    if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+        unclear = current.any(2).any(1) & ~real  # visible to some query, yet not to itself
+        if unclear.any():
+            sequence, position = (int(i) for i in unclear.nonzero()[0])
+            raise ValueError(
+                f"attention_mask of shape {tuple(mask.shape)}: token {position} of sequence {sequence} may be attended"
+                " to but may not attend to itself, so the memories cannot tell whether it is padding (their query"
+                " BatchNorm must skip padding); pass the 2-D padding mask, or a 4-D mask in which every real token"
+                " attends to itself and padding is attended by none"
+            )
+    return real
+
+
 @auto_docstring
 class BertPkmPreTrainedModel(PreTrainedModel):
     config: BertPkmConfig
@@ -181,6 +249,118 @@ class BertPkmPreTrainedModel(PreTrainedModel):
         "attentions": BertSelfAttention,
         "cross_attentions": BertCrossAttention,
     }
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path,
+        *model_args,
+        ignore_mismatched_memories: bool = False,
+        verify_checksum: bool = True,
+        **kwargs,
+    ):
+        r"""
+        [`~PreTrainedModel.from_pretrained`] that refuses (ValueError, with the tensors concerned) a checkpoint whose
+        layers do not fit the config: memory or FFN tensors missing, unexpected or of another shape (`pkm_layers`,
+        `pkm_mode` or `pkm_n_keys` edited, memory tensors stripped). A plain BERT checkpoint loads with new memories
+        (+Init; `convert_to_pkm` gives a report). When the saved config holds `pkm_weights_checksum`
+        (`save_pretrained(..., checksum=True)`), the loaded tensors are verified against it.
+
+        ignore_mismatched_memories (`bool`, defaults to `False`):
+            Load anyway: the tensors that do not fit are initialised new, as transformers does (its warning lists them).
+        verify_checksum (`bool`, defaults to `True`):
+            `False` skips the checksum verification.
+        """
+        output_loading_info = kwargs.pop("output_loading_info", False)
+        ignore_mismatched_sizes = kwargs.pop("ignore_mismatched_sizes", False)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, ignore_mismatched_sizes=True, output_loading_info=True, **kwargs
+        )
+        if not ignore_mismatched_memories:
+            model._check_loaded_tensors(pretrained_model_name_or_path, info, ignore_mismatched_sizes, kwargs)
+        if verify_checksum and model.config.pkm_weights_checksum:
+            model._verify_weights_checksum(pretrained_model_name_or_path)
+        return (model, info) if output_loading_info else model
+
+    def _check_loaded_tensors(self, source, info, ignore_mismatched_sizes, kwargs):
+        """Tensors of the encoder layers (memories, FFNs) that the checkpoint misses, holds in excess or in another
+        shape mean the model does not compute what was trained: refused. Only a plain BERT checkpoint may miss the
+        memories (and carry the FFN of `replace` layers): that is the +Init."""
+        missing, unexpected = set(info["missing_keys"]), set(info["unexpected_keys"])
+        mismatched = {key: (saved, ours) for key, saved, ours in info["mismatched_keys"]}
+        in_layers = lambda keys: sorted(k for k in keys if "encoder.layer." in k)  # noqa: E731
+        missing_layers, unexpected_layers = in_layers(missing), in_layers(unexpected)
+        shapes = [f"{k}: {tuple(a)} in the checkpoint, {tuple(b)} here" for k, (a, b) in sorted(mismatched.items())]
+        if ignore_mismatched_sizes:  # transformers' own opt-out, for shapes
+            shapes = []
+        if not (missing_layers or unexpected_layers or shapes):
+            return
+        checkpoint_keys = (set(self.state_dict()) - missing) | unexpected | set(mismatched)
+        saved_config = _saved_config(type(self.config), source, kwargs)
+        is_pkm = saved_config.get("model_type") == self.config.model_type
+        is_pkm = is_pkm or any(".memory." in k for k in checkpoint_keys)
+        if not is_pkm:  # +Init of a plain BERT: new memories, the FFN of replace layers dropped
+            replaced = (".intermediate.dense.", ".output.dense.")
+            missing_layers = [k for k in missing_layers if ".memory." not in k]
+            unexpected_layers = [k for k in unexpected_layers if not any(part in k for part in replaced)]
+            if not (missing_layers or unexpected_layers or shapes):
+                return
+        memories = sorted({int(k.split("encoder.layer.")[1].split(".")[0]) for k in checkpoint_keys if ".memory." in k})
+        fields = ("model_type", "pkm_layers", "pkm_mode", "pkm_n_keys")
+        fields = {field: saved_config[field] for field in fields if field in saved_config}
+        listing = [("missing from the checkpoint (would be initialised at random)", missing_layers)]
+        listing += [("in the checkpoint but not in the model (would be dropped)", unexpected_layers)]
+        listing += [("of another shape", shapes)]
+        report = ""
+        for what, keys in listing:
+            if keys:
+                more = f", ... {len(keys) - 12} more" if len(keys) > 12 else ""
+                report += f"\n  {len(keys)} tensor(s) {what}: " + ", ".join(keys[:12]) + more
+        raise ValueError(
+            f"{source}: the weights do not fit {type(self).__name__} built from the config (pkm_layers="
+            f"{self.config.pkm_layers}, pkm_mode={self.config.pkm_mode!r}, pkm_n_keys={self.config.pkm_n_keys}); the"
+            f" checkpoint holds memories at layers {memories}; its config.json: {fields}.{report}\nThe loaded model"
+            " would not compute what was trained. Fix config.json (or the config= / pkm_* arguments), or pass"
+            " ignore_mismatched_memories=True to load anyway with those tensors initialised new"
+            " (ignore_mismatched_sizes=True: for tensors of another shape only)"
+        )
+
+    def _verify_weights_checksum(self, source):
+        recorded = self.config.pkm_weights_checksum
+        if recorded.get("dtype") != str(self.dtype):
+            logger.warning(f"{source}: loaded in {self.dtype}, saved in {recorded.get('dtype')}: checksum not verified")
+            return
+        same_class = recorded.get("class") == type(self).__name__
+        digest = _weights_digest(self.state_dict()) if same_class else _body_digest(self)
+        if digest != recorded["model" if same_class else "body"]:
+            raise ValueError(
+                f"{source}: the loaded weights do not match the pkm_weights_checksum saved with them (sha256 of the"
+                f" {'model' if same_class else 'embeddings and encoder'} tensors): the weights file was altered or"
+                " corrupted after saving (safetensors does not check the bytes inside tensors). Restore the file, or"
+                " pass verify_checksum=False to load it anyway"
+            )
+
+    def save_pretrained(self, save_directory, *args, checksum: bool | None = None, **kwargs):
+        r"""
+        [`~PreTrainedModel.save_pretrained`]; with `checksum=True` the config records the SHA-256 of the saved
+        tensors (`pkm_weights_checksum`), which `from_pretrained` verifies. `None` (default) keeps a loaded
+        model's choice: a checksum is recomputed when the config holds one.
+        """
+        if checksum is None:
+            checksum = self.config.pkm_weights_checksum is not None
+        state_dict = kwargs.get("state_dict")
+        self.config.pkm_weights_checksum = (
+            {
+                "algorithm": "sha256",
+                "class": type(self).__name__,
+                "dtype": str(self.dtype),
+                "model": _weights_digest(state_dict if state_dict is not None else self.state_dict()),
+                "body": _body_digest(self),
+            }
+            if checksum
+            else None
+        )
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -204,6 +384,8 @@ class BertPkmPreTrainedModel(PreTrainedModel):
 class BertPkmModel(BertPkmPreTrainedModel):
     _auto_class = "AutoModel"
     _no_split_modules = ["BertEmbeddings", "BertPkmLayer"]
+    # eager forwards check that ids index the embedding tables (one host sync); False skips it
+    validate_input_values = True
 
     def __init__(self, config: BertPkmConfig, add_pooling_layer=True):
         r"""
@@ -258,6 +440,9 @@ class BertPkmModel(BertPkmPreTrainedModel):
             )
 
         past_key_values_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        self._check_inputs(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, past_key_values_length
+        )
 
         embedding_output = self.embeddings(
             input_ids=input_ids,
@@ -267,10 +452,14 @@ class BertPkmModel(BertPkmPreTrainedModel):
             past_key_values_length=past_key_values_length,
         )
 
-        # the memories read real tokens only: the 2-D mask of the current positions (a 4-D mask says nothing of padding)
+        # the memories read real tokens only: the 2-D mask of the current positions, or the tokens a 4-D mask lets
+        # attend to themselves
         padding_mask = None
         if attention_mask is not None and attention_mask.dim() == 2:
             padding_mask = attention_mask[:, -embedding_output.shape[1] :].bool()
+        elif attention_mask is not None and attention_mask.dim() == 4 and self.config.pkm_layers:
+            real = _real_tokens_of_4d_mask(attention_mask, embedding_output.shape[1])
+            padding_mask = real.expand(embedding_output.shape[0], -1)
 
         attention_mask, encoder_attention_mask = self._create_attention_masks(
             attention_mask=attention_mask,
@@ -299,6 +488,53 @@ class BertPkmModel(BertPkmPreTrainedModel):
             pooler_output=pooled_output,
             past_key_values=encoder_outputs.past_key_values,
         )
+
+    def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, past_length):
+        """Shapes always (free); the values of ids in eager mode only, in one host sync (a compiled or exported graph
+        holds no data-dependent check). `validate_input_values = False` skips the latter."""
+        config = self.config
+        if input_ids is not None:
+            if input_ids.dim() != 2:
+                hint = "; a single sequence needs a batch dimension: input_ids[None]" if input_ids.dim() == 1 else ""
+                _refuse("input_ids", input_ids.shape, f"must be 2-D (batch_size, sequence_length){hint}")
+            if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+                _refuse("input_ids", input_ids.shape, f"has dtype {input_ids.dtype}; token ids must be integers")
+            name, shape = "input_ids", tuple(input_ids.shape)
+        else:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+                allowed = f"must be (batch_size, sequence_length, hidden_size={config.hidden_size})"
+                _refuse("inputs_embeds", inputs_embeds.shape, allowed)
+            name, shape = "inputs_embeds", tuple(inputs_embeds.shape[:2])
+        batch, length = shape
+        if batch == 0 or length == 0:
+            _refuse(name, shape, "holds no token: every batch needs at least one sequence of at least one token")
+        if position_ids is None and past_length + length > config.max_position_embeddings:
+            past = f" after past_key_values of {past_length} tokens" if past_length else ""
+            raise ValueError(
+                f"{name} of shape {shape}: {length} tokens{past} reach position {past_length + length - 1}, beyond the"
+                f" position embeddings (max_position_embeddings={config.max_position_embeddings}); truncate the input"
+            )
+        for argument, tensor in (("token_type_ids", token_type_ids), ("position_ids", position_ids)):
+            if tensor is not None and tuple(tensor.shape) not in (shape, (1, length)):
+                _refuse(argument, tensor.shape, f"must match {name}: {shape} (or (1, {length}))")
+        if attention_mask is not None:
+            _check_attention_mask(attention_mask, batch, length, past_length)
+        if not self.validate_input_values or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            return
+        # out-of-range ids index the embedding tables: an IndexError on CPU, a device-side assert on GPU
+        limits = [
+            ("input_ids", input_ids, config.vocab_size),
+            ("token_type_ids", token_type_ids, config.type_vocab_size),
+            ("position_ids", position_ids, config.max_position_embeddings),
+        ]
+        limits = [(argument, tensor, bound) for argument, tensor, bound in limits if tensor is not None]
+        if not limits:
+            return
+        extremes = torch.stack([torch.stack(torch.aminmax(t.detach())).to(torch.int64) for _, t, _ in limits]).tolist()
+        for (argument, tensor, bound), (low, high) in zip(limits, extremes):
+            if low < 0 or high >= bound:
+                value = low if low < 0 else high
+                _refuse(argument, tensor.shape, f"holds {value}; values must be in [0, {bound - 1}]")
 
     def _create_attention_masks(
         self, attention_mask, encoder_attention_mask, embedding_output, encoder_hidden_states, past_key_values
@@ -572,6 +808,11 @@ class BertPkmForMultipleChoice(BertPkmPreTrainedModel):
         input_ids (`torch.LongTensor` of shape `(batch_size, num_choices, sequence_length)`):
             Indices of input sequence tokens in the vocabulary, one sequence per choice.
         """
+        if input_ids is not None and input_ids.dim() != 3:
+            _refuse("input_ids", input_ids.shape, "must be 3-D (batch_size, num_choices, sequence_length)")
+        if inputs_embeds is not None and inputs_embeds.dim() != 4:
+            allowed = "must be 4-D (batch_size, num_choices, sequence_length, hidden_size)"
+            _refuse("inputs_embeds", inputs_embeds.shape, allowed)
         num_choices = input_ids.shape[1] if input_ids is not None else inputs_embeds.shape[1]
 
         def flat(tensor):

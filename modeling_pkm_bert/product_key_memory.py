@@ -376,6 +376,8 @@ class ProductKeyMemory(nn.Module):
     # memory (traced, its backward is torch's generic one: 3.6x slower at the paper's size); True traces it, so that
     # a training step can compile to one graph (`fullgraph=True`, dense value gradients)
     trace_training_lookup = False
+    # how errors name this memory (BertPkmLayer sets e.g. "layer 4 memory")
+    layer_name = "ProductKeyMemory"
 
     def __init__(
         self,
@@ -482,15 +484,15 @@ class ProductKeyMemory(nn.Module):
     def _lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
         queries = self.query_proj(self.input_dropout(hidden_states))
         batchnorm = self.query_batchnorm
-        if (
-            self.training
-            and not torch.compiler.is_compiling()
-            and isinstance(batchnorm, nn.BatchNorm1d)
-            and torch._C._current_graph_task_id() != -1
-        ):  # a gradient-checkpointing recomputation (it runs inside backward): the same batch statistics, and the
-            # running ones, already updated by the first forward, are not updated again (copies take that update)
-            running = batchnorm.running_mean.clone(), batchnorm.running_var.clone()
-            queries = F.batch_norm(queries, *running, batchnorm.weight, batchnorm.bias, True, 0.0, batchnorm.eps)
+        if self.training and isinstance(batchnorm, nn.BatchNorm1d) and not torch.compiler.is_compiling():
+            if torch._C._current_graph_task_id() != -1:
+                # a gradient-checkpointing recomputation (it runs inside backward): the same batch statistics, and the
+                # running ones, already updated by the first forward, are not updated again (copies take that update)
+                running = batchnorm.running_mean.clone(), batchnorm.running_var.clone()
+                queries = F.batch_norm(queries, *running, batchnorm.weight, batchnorm.bias, True, 0.0, batchnorm.eps)
+            else:
+                self._check_batch_statistics(hidden_states, queries)
+                queries = batchnorm(queries)
         else:
             queries = batchnorm(queries)
         queries = self.query_dropout(queries)
@@ -500,6 +502,32 @@ class ProductKeyMemory(nn.Module):
             indices.flatten(1), per_sample_weights=weights.flatten(1).to(self.values.weight.dtype)
         )  # the bag sums knn rows of every head: heads are summed
         return self.value_dropout(output.to(hidden_states.dtype))
+
+    def _check_batch_statistics(self, hidden_states: torch.Tensor, queries: torch.Tensor):
+        """In training the query BatchNorm normalises each token with statistics of the whole batch and keeps them in
+        its running mean and variance: one non-finite query would make every sequence's output and every later
+        evaluation non-finite, so such a batch is refused (ValueError) before the BatchNorm, as is a batch of one token
+        (no variance). One sum and one host sync per memory and step in eager mode; nothing in compiled/exported
+        graphs."""
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            return
+        if queries.shape[0] < 2:
+            raise ValueError(
+                f"{self.layer_name}: a training batch with {queries.shape[0]} real token(s) (attention_mask == 1): the"
+                " query BatchNorm needs at least 2 to compute batch statistics; use a batch with more real tokens,"
+                " or eval() mode"
+            )
+        # a sum is NaN/inf iff some entry is (or, rarely, it overflows: then the exact count decides)
+        if not torch.isfinite(queries.detach().sum()):
+            bad_queries = int((~torch.isfinite(queries.detach())).sum())
+            if bad_queries:
+                bad_inputs = int((~torch.isfinite(hidden_states.detach())).sum())
+                raise ValueError(
+                    f"{self.layer_name}: {bad_inputs} non-finite value(s) (NaN/inf) in its input hidden_states of shape"
+                    f" {tuple(hidden_states.shape)} ({bad_queries} in the queries) in training mode; refused before the"
+                    " query BatchNorm so that its running statistics and the other sequences of the batch stay finite."
+                    " Check the inputs (inputs_embeds), the learning rate and the loss scale"
+                )
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """`(batch, seq, input_dim)` (or any `(..., input_dim)`) -> `(..., v_dim)`; `attention_mask` is 1 on real tokens."""
