@@ -54,6 +54,7 @@ _ROWS_PER_THREAD = 512
 _lock = threading.Lock()
 _libraries: dict[tuple[str, ...], ctypes.CDLL | None] = {}
 _pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_open_libraries: list[int] = []  # descriptors of the loaded libraries (see `_load_verified`)
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 
@@ -138,15 +139,18 @@ def _load_verified(path: Path, sha256: str | None) -> ctypes.CDLL | None:
     try:
         if sha256 is None or hashlib.sha256(data).hexdigest() != sha256:
             logger.warning("ignoring %s: its content does not match the hash recorded when it was built", path)
+            os.close(fd)
             return None
         by_descriptor = f"/proc/self/fd/{fd}"
         library = ctypes.CDLL(by_descriptor if os.path.exists(by_descriptor) else str(path))
         function = library.pkm_select_product_keys
     except (OSError, AttributeError) as error:
         logger.warning("could not load the product-key selection kernel %s: %s", path, error)
-        return None
-    finally:
         os.close(fd)
+        return None
+    # the descriptor stays open while the library is loaded: the loader knows libraries by name, and a later
+    # `/proc/self/fd/N` with a reused N would be taken for this one
+    _open_libraries.append(fd)
     function.restype = ctypes.c_int
     function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # fmt: skip

@@ -675,13 +675,20 @@ def dataset_signature(dataset, samples: int = 64) -> dict:
 
 
 def check_checkpoint(checkpoint: str, settings: dict, allow_inexact: bool, process_index: int = 0, logger=None) -> None:
-    """Before `accelerator.load_state(checkpoint)`: ValueError when the checkpoint's random states are unreadable
-    (accelerate would skip them with an INFO line and the resume would not be exact), or when the run's settings
+    """Before `accelerator.load_state(checkpoint)`: ValueError when the checkpoint holds pickled custom objects
+    (`custom_checkpoint_N.pkl`), when its random states are unreadable (accelerate would skip them with an INFO line
+    and the resume would not be exact), or when the run's settings
     differ from those saved in the checkpoint (`run_settings.json`), unless `allow_inexact` (then a warning)."""
     import json
 
     from accelerate.utils.other import load as accelerate_load  # torch.load(weights_only=True) + numpy's safe types
 
+    pickled = sorted(name for name in os.listdir(checkpoint) if re.fullmatch(r"custom_checkpoint_\d+\.pkl", name))
+    if pickled:  # accelerate would unpickle them with weights_only=False: code could run
+        raise ValueError(
+            f"{checkpoint} holds pickled custom state {pickled}, which this version never writes nor loads (it "
+            "would run code on loading): an older checkpoint or a planted file. Delete it to resume."
+        )
     states = os.path.join(checkpoint, f"random_states_{process_index}.pkl")
     try:
         random_states = accelerate_load(states)
