@@ -36,6 +36,7 @@ setup(
             "tqdm>=4.66,<5",
             "matplotlib>=3.8,<4",
             "pytest>=8,<10",
+            "tensorboard>=2.15,<3",  # the real tracker of tests/test_security.py (no secret reaches it)
             "product-key-memory==0.3.0",
             # the Triton gathers are checked on CPU under the Triton interpreter
             "triton>=3.2,<4; platform_system == 'Linux' and platform_machine == 'x86_64'",

@@ -384,6 +384,23 @@ def redact_secrets(settings: dict) -> dict:
     return {key: clean(value) for key, value in settings.items() if not SECRET_NAME.search(str(key))}
 
 
+def redact_command(argv: list[str]) -> list[str]:
+    """A command line fit to print or save: the value of every secret flag (`--hub_token X`, `--hub_token=X`) and
+    every token-like word replaced by `<redacted>`."""
+    redacted, hide_next = [], False
+    for word in argv:
+        flag, equals, _ = word.partition("=")
+        is_secret_flag = flag.startswith("--") and SECRET_NAME.search(flag[2:]) is not None
+        if hide_next:
+            redacted.append(REDACTED)
+        elif is_secret_flag and equals:
+            redacted.append(f"{flag}={REDACTED}")
+        else:
+            redacted.append(SECRET_VALUE.sub(REDACTED, word))
+        hide_next = is_secret_flag and not equals
+    return redacted
+
+
 def tracker_config(args: argparse.Namespace) -> dict:
     """The run's arguments for `accelerator.init_trackers`, secrets removed (`redact_secrets`), each value a type
     every tracker takes (enums by value; lists, dicts and paths as strings)."""

@@ -117,6 +117,15 @@ def test_hub_token_reaches_no_tracker_log_or_results(tiny, tmp_path, caplog, cap
     assert settings["learning_rate"] == 5e-5 and not any("token" in key for key in settings)
 
 
+def test_redact_command():
+    from modeling_pkm_bert.training import redact_command
+
+    argv = ["--hub_token", TOKEN, "--hub_token=abc", "--tokenizer_name", "bert", "--note", f"x{TOKEN}", "--seed", "1"]
+    assert redact_command(argv) == ["--hub_token", "<redacted>", "--hub_token=<redacted>", "--tokenizer_name", "bert",
+                                    "--note", "x" + TOKEN, "--seed", "1"]  # fmt: skip
+    assert redact_command(["--note", f"use {TOKEN}"]) == ["--note", "use <redacted>"]
+
+
 def test_tracker_config_keeps_the_values_trackers_take():
     import argparse
 
