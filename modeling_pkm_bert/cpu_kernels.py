@@ -10,16 +10,25 @@ The library is compiled once (`cc -O3 -march=native`, about a second) into `$PKM
 `~/.cache/modeling_pkm_bert`) and loaded with ctypes. Without a compiler the op computes the same result with torch
 (logged once). `PKM_BERT_NATIVE=0` leaves the op unregistered.
 
+The cache is trusted only as far as it must be: its folder is created private (0700) and must be owned by this user
+and not writable by others; a library is built in a private scratch folder, hashed, and published by an atomic rename
+next to a json sidecar recording its SHA-256. A cached library is loaded only when it is a regular file owned by this
+user, not group/world-writable, and its bytes hash to the recorded value; it is loaded through the very file
+descriptor that was hashed (`/proc/self/fd/N` on Linux), so nothing can be swapped in between. Anything else is
+rebuilt; a library that still fails to load leaves the torch selection in charge, with a warning.
+
 `use_huge_pages(model)` moves the value tables into memory backed by transparent huge pages (Linux): a lookup reads
 random rows of a 768 MiB table, and with 4 KiB pages nearly every row costs a TLB miss and a page walk.
 """
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -45,6 +54,7 @@ _ROWS_PER_THREAD = 512
 _lock = threading.Lock()
 _libraries: dict[tuple[str, ...], ctypes.CDLL | None] = {}
 _pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_open_libraries: list[int] = []  # descriptors of the loaded libraries (see `_load_verified`)
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 
@@ -69,33 +79,128 @@ def _cpu_signature() -> str:
     return f"{platform.machine()} {platform.processor()} {flags}"
 
 
+def _private_cache_dir() -> Path | None:
+    """The cache folder, created 0700; None (with a warning) when it is not ours or others may write into it."""
+    cache = _cache_dir()
+    try:
+        cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = os.lstat(cache)
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and info.st_mode & 0o022:
+            os.chmod(cache, stat.S_IMODE(info.st_mode) & ~0o077)  # ours but lax (an old umask): make it private
+            info = os.lstat(cache)
+    except OSError as error:
+        logger.warning("native kernel cache %s is unusable (%s): product-key selection stays on torch", cache, error)
+        return None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        logger.warning(
+            "native kernel cache %s is not a folder owned by this user and closed to others (uid %d, mode %o): "
+            "product-key selection stays on torch (set PKM_BERT_CACHE to a private folder)",
+            cache, info.st_uid, stat.S_IMODE(info.st_mode),
+        )  # fmt: skip
+        return None
+    return cache
+
+
+def _read_trusted(path: Path) -> tuple[int, bytes] | None:
+    """(an open descriptor, the bytes) of `path` if it is a regular file of ours that others cannot write, else None.
+    The descriptor stays open: the caller loads exactly the bytes it checked."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        os.close(fd)
+        logger.warning("ignoring %s: not a regular file owned by this user and closed to others", path)
+        return None
+    with os.fdopen(os.dup(fd), "rb") as handle:
+        return fd, handle.read()
+
+
+def _recorded_hash(sidecar: Path) -> str | None:
+    trusted = _read_trusted(sidecar)
+    if trusted is None:
+        return None
+    fd, data = trusted
+    os.close(fd)
+    try:
+        return json.loads(data)["sha256"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _load_verified(path: Path, sha256: str | None) -> ctypes.CDLL | None:
+    """Loads `path` if it is trusted (`_read_trusted`) and its content hashes to `sha256`; the dynamic loader reads
+    the checked file through its descriptor, so a rename after the check changes nothing."""
+    trusted = _read_trusted(path)
+    if trusted is None:
+        return None
+    fd, data = trusted
+    try:
+        if sha256 is None or hashlib.sha256(data).hexdigest() != sha256:
+            logger.warning("ignoring %s: its content does not match the hash recorded when it was built", path)
+            os.close(fd)
+            return None
+        by_descriptor = f"/proc/self/fd/{fd}"
+        library = ctypes.CDLL(by_descriptor if os.path.exists(by_descriptor) else str(path))
+        function = library.pkm_select_product_keys
+    except (OSError, AttributeError) as error:
+        logger.warning("could not load the product-key selection kernel %s: %s", path, error)
+        os.close(fd)
+        return None
+    # the descriptor stays open while the library is loaded: the loader knows libraries by name, and a later
+    # `/proc/self/fd/N` with a reused N would be taken for this one
+    _open_libraries.append(fd)
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # fmt: skip
+    return library
+
+
+def _build_and_publish(compiler: str, flags: tuple[str, ...], source: str, cache: Path, path: Path, sidecar: Path):
+    """Compiles into a private scratch folder, hashes, publishes the library (atomic rename), then its sidecar."""
+    with tempfile.TemporaryDirectory(dir=cache) as scratch:  # mkdtemp: 0700
+        c_file, so_file = Path(scratch) / "product_key_select.c", Path(scratch) / "product_key_select.so"
+        c_file.write_text(source)
+        subprocess.run([compiler, *flags, str(c_file), "-o", str(so_file)], check=True, capture_output=True, text=True)
+        os.chmod(so_file, 0o700)
+        sha256 = hashlib.sha256(so_file.read_bytes()).hexdigest()
+        record = Path(scratch) / "record.json"
+        record.write_text(json.dumps({"sha256": sha256, "compiler": compiler, "flags": list(flags)}))
+        os.chmod(record, 0o600)
+        os.replace(so_file, path)  # atomic: a concurrent build or reader never sees half a library
+        os.replace(record, sidecar)
+    return sha256
+
+
 def build_library(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
-    """Compiles (once, atomically, into the cache) and loads the kernel; `None` when no compiler can build it."""
+    """Compiles (once, atomically, into the private cache) and loads the kernel; `None` when no compiler can build it
+    or it cannot be loaded (the torch selection is used then). A cached library is loaded only when it passes
+    `_load_verified`; otherwise, or when it fails to load, it is rebuilt once."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         logger.info("no C compiler found: product-key selection stays on torch.topk")
         return None
+    cache = _private_cache_dir()
+    if cache is None:
+        return None
     source = _source()
     key = hashlib.sha256("\0".join([source, compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
-    cache = _cache_dir()
-    path = cache / f"product_key_select-{key}.so"
-    if not path.exists():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache) as scratch:
-                c_file, so_file = Path(scratch) / "product_key_select.c", Path(scratch) / "product_key_select.so"
-                c_file.write_text(source)
-                subprocess.run([compiler, *flags, str(c_file), "-o", str(so_file)], check=True, capture_output=True, text=True)
-                os.replace(so_file, path)  # atomic: a concurrent build or reader never sees half a library
-        except (OSError, subprocess.CalledProcessError) as error:
-            details = getattr(error, "stderr", "") or error
-            logger.info("could not build the product-key selection kernel with %s %s: %s", compiler, " ".join(flags), details)
-            return None
-    library = ctypes.CDLL(str(path))
-    function = library.pkm_select_product_keys
-    function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # fmt: skip
+    path, sidecar = cache / f"product_key_select-{key}.so", cache / f"product_key_select-{key}.json"
+    if os.path.lexists(path):
+        library = _load_verified(path, _recorded_hash(sidecar))
+        if library is not None:
+            return library
+        logger.warning("rebuilding the product-key selection kernel %s", path)
+    try:
+        sha256 = _build_and_publish(compiler, flags, source, cache, path, sidecar)
+    except (OSError, subprocess.CalledProcessError) as error:
+        details = getattr(error, "stderr", "") or error
+        logger.info("could not build the product-key selection kernel with %s %s: %s", compiler, " ".join(flags), details)
+        return None
+    library = _load_verified(path, sha256)
+    if library is None:
+        logger.warning("the freshly built kernel %s does not load: product-key selection stays on torch", path)
     return library
 
 
@@ -162,7 +267,22 @@ def select_product_keys_native(
     return (scores, indices) if status == 0 else None
 
 
+def _check_arguments(subkey_scores: torch.Tensor, knn: int) -> None:
+    """The op's contract, on metadata only (shapes, dtype, `knn`): the same checks run eagerly and while tracing."""
+    if not isinstance(subkey_scores, torch.Tensor) or subkey_scores.dim() != 3:
+        shape = tuple(subkey_scores.shape) if isinstance(subkey_scores, torch.Tensor) else type(subkey_scores).__name__
+        raise ValueError(f"select_product_keys: subkey_scores must be (heads * 2, tokens, n_keys), got {shape}")
+    if not subkey_scores.dtype.is_floating_point:
+        raise ValueError(f"select_product_keys: subkey_scores must be floating point, got {subkey_scores.dtype}")
+    groups, _, n_keys = subkey_scores.shape
+    if groups == 0 or groups % 2:
+        raise ValueError(f"select_product_keys: the first dimension must be heads * 2 (even, > 0), got {groups}")
+    if isinstance(knn, bool) or not isinstance(knn, (int, torch.SymInt)) or not 1 <= knn <= n_keys:
+        raise ValueError(f"select_product_keys: knn must be an int in [1, n_keys={n_keys}], got {knn!r}")
+
+
 def _select_product_keys(subkey_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_arguments(subkey_scores, knn)
     if subkey_scores.dtype == torch.float32 and subkey_scores.device.type == "cpu":
         result = select_product_keys_native(subkey_scores, knn)
         if result is not None:
@@ -171,6 +291,7 @@ def _select_product_keys(subkey_scores: torch.Tensor, knn: int) -> tuple[torch.T
 
 
 def _fake_select_product_keys(subkey_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_arguments(subkey_scores, knn)
     groups, tokens, _ = subkey_scores.shape
     shape = (tokens, groups // 2, knn)
     return subkey_scores.new_empty(shape), subkey_scores.new_empty(shape, dtype=torch.int64)

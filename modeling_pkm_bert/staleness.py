@@ -9,17 +9,23 @@ staleness of a memory.
 Usage in a training loop (the hook counts forwards in training mode only; evaluation forwards are ignored)::
 
     staleness = StalenessTracker(model).attach()
-    accelerator.register_for_checkpointing(staleness)   # kept in `accelerator.save_state` checkpoints
     for batch in dataloader:
         staleness.step = completed_steps + 1             # the optimizer step this batch belongs to
         ...
     staleness.synchronize()                              # on every process, before saving or reporting
     staleness.results(completed_steps)                   # {"layer_2": {"never": ..., "steps_1-100": ...}, ...}
+    staleness.save(os.path.join(checkpoint, STALENESS_FILE))  # in each checkpoint; `load` on resume
+
+The state is saved as safetensors (`save`/`load`), never pickled: do not hand the tracker to accelerate's
+`register_for_checkpointing`, which unpickles custom objects with `weights_only=False` (a tampered checkpoint would run
+code).
 
 With several processes each one sees its own tokens: `synchronize()` takes the maximum over the processes (a
 collective: call it on all of them, e.g. right before `accelerator.save_state`, which saves custom objects from the
 main process only).
 """
+
+import os
 
 import torch
 from torch import nn
@@ -27,6 +33,7 @@ from torch import nn
 from .memory_usage import MemoryUsageTracker, _merge_duplicate_slots
 
 
+STALENESS_FILE = "staleness.safetensors"
 NEVER = -1  # the step of a slot that has not been a top-1 pick since the tracking began
 
 
@@ -123,5 +130,33 @@ class StalenessTracker:
                 raise ValueError(f"staleness state of {name} has shape {shape}, expected {tuple(last.shape)}")
             last.copy_(state_dict[name])
 
+    def save(self, path: str | os.PathLike, step: int | None = None) -> None:
+        """Writes the state to a safetensors file (atomically: a temporary file renamed into place)."""
+        from safetensors.torch import save_file
 
-__all__ = ["NEVER", "StalenessTracker", "top1_slots"]
+        metadata = {"never": str(NEVER)}
+        if step is not None:
+            metadata["step"] = str(step)
+        temporary = f"{path}.tmp"
+        save_file({name: last.contiguous() for name, last in self.state_dict().items()}, temporary, metadata=metadata)
+        os.replace(temporary, path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Reads a state written by `save` (safetensors: no code runs); ValueError naming the file when it does not
+        fit this model's memories."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            state = load_file(path)
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"{path}: not a readable staleness state ({error})") from error
+        if any(tensor.dtype != torch.long or tensor.dim() != 1 for tensor in state.values()):
+            raise ValueError(f"{path}: staleness state must hold 1-D int64 tensors")
+        try:
+            self.load_state_dict(state)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from error
+
+
+__all__ = ["NEVER", "STALENESS_FILE", "StalenessTracker", "top1_slots"]

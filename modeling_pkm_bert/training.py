@@ -20,7 +20,7 @@ def _field_parser(field: dataclasses.Field):
     if "list" in annotation:
         return dict(type=int, nargs="*")
     if annotation.startswith("bool") or field.type is bool:
-        return dict(type=lambda text: {"true": True, "false": False}[text.lower()], metavar="{true,false}")
+        return dict(type=_boolean, metavar="{true,false}")
     if "float" in annotation:
         return dict(type=float)
     if "int" in annotation:
@@ -214,9 +214,13 @@ def in_process_memory(model: torch.nn.Module) -> torch.nn.Module:
 CHECKPOINT_NAME = re.compile(r"^(step|epoch)_(\d+)$")
 
 
-def save_checkpoint(accelerator, output_dir: str | None, name: str) -> str:
+def save_checkpoint(
+    accelerator, output_dir: str | None, name: str, settings: dict | None = None, staleness=None
+) -> str:
     """`accelerator.save_state` into `output_dir/name` atomically: written to `name.tmp`, then renamed, so an
-    interrupted save never leaves a half-written `step_N`/`epoch_N` that a resume would pick up."""
+    interrupted save never leaves a half-written `step_N`/`epoch_N` that a resume would pick up. `settings`
+    (`run_settings`) go to `run_settings.json`, a `StalenessTracker`'s state to `staleness.safetensors` (never a
+    pickle), both inside the folder before it is renamed."""
     import shutil
 
     final = os.path.join(output_dir, name) if output_dir else name
@@ -227,11 +231,37 @@ def save_checkpoint(accelerator, output_dir: str | None, name: str) -> str:
     accelerator.save_state(temporary)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        if os.path.exists(final):
-            shutil.rmtree(final)
+        if settings is not None:
+            atomic_write_json(os.path.join(temporary, RUN_SETTINGS_FILE), settings)
+        if staleness is not None:
+            from .staleness import STALENESS_FILE
+
+            staleness.save(os.path.join(temporary, STALENESS_FILE))
+        _pause_for_tests(name, temporary)
+        old = None
+        if os.path.exists(final):  # moved aside, not deleted first: a crash here keeps one complete copy
+            old = f"{final}.old"
+            if os.path.exists(old):
+                shutil.rmtree(old)
+            os.replace(final, old)
         os.replace(temporary, final)
+        if old is not None:
+            shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+def _pause_for_tests(name: str, temporary: str) -> None:
+    """`PKM_BERT_PAUSE_BEFORE_PUBLISHING=step_4`: the save of that checkpoint stops with its `.tmp` folder written
+    but not yet renamed (a `.paused` file in it marks the moment), so a test can kill the run mid-save
+    deterministically."""
+    if os.environ.get("PKM_BERT_PAUSE_BEFORE_PUBLISHING") == name:
+        import time
+
+        with open(os.path.join(temporary, ".paused"), "w") as marker:
+            marker.write(str(os.getpid()))
+        while True:
+            time.sleep(1)
 
 
 def resume_position(
@@ -319,3 +349,389 @@ def write_results_model_card(
     with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as handle:
         handle.write(text)
     return text
+
+
+# ---- security and reliability (issue 13): no secrets in trackers, bad flags/files/output folders caught before any
+# work, atomic final outputs, resumes that are exact or stop ----
+
+# argument names that hold secrets (`hub_token`, `wandb_api_key`, ...): never sent to a tracker or saved in a checkpoint
+SECRET_NAME = re.compile(r"(^|_)(token|secret|password|passwd|api_key|apikey|credentials?|auth)($|_)", re.IGNORECASE)
+# values that look like access tokens whatever their argument's name (Hugging Face, GitHub, OpenAI-style, AWS keys)
+SECRET_VALUE = re.compile(
+    r"\b(hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16})\b"
+)
+REDACTED = "<redacted>"
+
+
+def redact_secrets(settings: dict) -> dict:
+    """`settings` without the entries whose name marks a secret (`hub_token`, ...), token-like values replaced by
+    `<redacted>` (also inside strings and lists)."""
+
+    def clean(value):
+        if isinstance(value, str):
+            return SECRET_VALUE.sub(REDACTED, value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(clean(v) for v in value)
+        if isinstance(value, dict):
+            return redact_secrets(value)
+        return value
+
+    return {key: clean(value) for key, value in settings.items() if not SECRET_NAME.search(str(key))}
+
+
+def redact_command(argv: list[str]) -> list[str]:
+    """A command line fit to print or save: the value of every secret flag (`--hub_token X`, `--hub_token=X`) and
+    every token-like word replaced by `<redacted>`."""
+    redacted, hide_next = [], False
+    for word in argv:
+        flag, equals, _ = word.partition("=")
+        is_secret_flag = flag.startswith("--") and SECRET_NAME.search(flag[2:]) is not None
+        if hide_next:
+            redacted.append(REDACTED)
+        elif is_secret_flag and equals:
+            redacted.append(f"{flag}={REDACTED}")
+        else:
+            redacted.append(SECRET_VALUE.sub(REDACTED, word))
+        hide_next = is_secret_flag and not equals
+    return redacted
+
+
+def tracker_config(args: argparse.Namespace) -> dict:
+    """The run's arguments for `accelerator.init_trackers`, secrets removed (`redact_secrets`), each value a type
+    every tracker takes (enums by value; lists, dicts and paths as strings)."""
+    config = {}
+    for key, value in redact_secrets(vars(args)).items():
+        value = getattr(value, "value", value)  # SchedulerType and other enums
+        config[key] = value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+    return config
+
+
+def add_reliability_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument(
+        "--allow_inexact_resume",
+        action="store_true",
+        help="Resume even when this run's batch size, gradient accumulation, learning rates, seed, schedule or data "
+        "differ from the checkpoint's (default: such a resume stops and names what differs).",
+    )
+    return parser
+
+
+def _boolean(text: str) -> bool:
+    """argparse `type` of a true/false flag: a clear error, not a KeyError, for anything else."""
+    value = {"true": True, "false": False}.get(str(text).lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
+
+
+# (argument, lowest allowed value, what it means); checked only where the script has the argument and it is given
+_MINIMUMS = (
+    ("gradient_accumulation_steps", 1, "batches per optimizer step"),
+    ("per_device_train_batch_size", 1, "sequences per batch"),
+    ("per_device_eval_batch_size", 1, "sequences per batch"),
+    ("max_train_steps", 0, "optimizer steps (0: no training)"),
+    ("num_train_epochs", 0, "epochs (0: no training)"),
+    ("num_warmup_steps", 0, "steps"),
+    ("max_train_samples", 1, "examples"),
+    ("max_eval_samples", 1, "examples"),
+    ("max_seq_length", 1, "tokens"),
+    ("max_length", 1, "tokens"),
+    ("preprocessing_num_workers", 1, "processes"),
+    ("eval_steps", 1, "optimizer steps"),
+    ("staleness_bins", 1, "step ranges"),
+    ("doc_stride", 1, "tokens"),
+    ("n_best_size", 1, "candidates"),
+    ("max_answer_length", 1, "tokens"),
+)
+
+
+def validate_training_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks every training script shares: `parser.error` (exit 2) naming the flag, the value given and what is
+    allowed, before any work. Each script adds its own checks after this one."""
+    import math
+
+    for name, minimum, unit in _MINIMUMS:
+        value = getattr(args, name, None)
+        if value is not None and value < minimum:
+            parser.error(f"--{name} must be >= {minimum} ({unit}), got {value}")
+    for name, positive in (("learning_rate", True), ("memory_learning_rate", False), ("weight_decay", False)):
+        value = getattr(args, name, None)
+        if value is not None and (not math.isfinite(value) or value < 0 or (positive and value == 0)):
+            parser.error(f"--{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value}")
+    warmup_ratio = getattr(args, "warmup_ratio", None)
+    if warmup_ratio is not None and not 0 <= warmup_ratio <= 1:
+        parser.error(f"--warmup_ratio must be in [0, 1], got {warmup_ratio}")
+    percentage = getattr(args, "validation_split_percentage", None)
+    if percentage is not None and not 0 < percentage < 100:
+        parser.error(f"--validation_split_percentage must be in 1..99 (percent of the training data), got {percentage}")
+    seed = getattr(args, "seed", None)
+    if seed is not None and not 0 <= seed < 2**32:
+        parser.error(f"--seed must be in [0, 2**32 - 1] (numpy's range), got {seed}")
+    checkpointing = getattr(args, "checkpointing_steps", None)
+    if checkpointing is not None and checkpointing != "epoch" and not (checkpointing.isdigit() and int(checkpointing)):
+        parser.error(f"--checkpointing_steps must be a positive integer or 'epoch', got {checkpointing!r}")
+    resume = getattr(args, "resume_from_checkpoint", None)
+    if resume is not None and resume != "latest" and not os.path.isdir(resume):
+        parser.error(f"--resume_from_checkpoint {resume!r} is not a folder (a step_<N>/epoch_<E> folder, or 'latest')")
+    output_dir = getattr(args, "output_dir", None)
+    if output_dir is not None:
+        problem = output_dir_problem(output_dir)
+        if problem:
+            parser.error(f"--output_dir {output_dir!r}: {problem}")
+
+
+def output_dir_problem(output_dir: str) -> str | None:
+    """Why `output_dir` cannot receive the run's outputs (without creating anything), or None."""
+    path = os.path.abspath(output_dir)
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return "exists and is not a folder"
+        return None if os.access(path, os.W_OK | os.X_OK) else "is not writable"
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"cannot be created: {parent} is not a folder"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot be created: {parent} is not writable"
+
+
+def prepare_output_dir(output_dir: str) -> None:
+    """Creates `output_dir` and proves it writable (a probe file written and removed) before any data is loaded or
+    any step is trained: a run never discovers at the end that its model cannot be saved."""
+    import tempfile
+
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=output_dir, prefix=".write-probe-"):
+            pass
+    except OSError as error:
+        raise ValueError(f"--output_dir {output_dir!r} cannot be written: {error.strerror or error}") from error
+
+
+def check_data_file_contents(path: str, kind: str | None = None) -> str | None:
+    """Why a training/evaluation file cannot be read (not UTF-8, malformed json / json lines, a csv row with another
+    number of fields than its header), naming the line; None when it reads. `kind`: the extension by default."""
+    import codecs
+    import csv
+    import json
+
+    kind = (kind or path.rsplit(".", 1)[-1]).lower()
+    decoder, offset, line = codecs.getincrementaldecoder("utf-8")(), 0, 1
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as error:
+                position = offset + error.start
+                line += chunk[: error.start].count(b"\n")
+                return f"is not UTF-8 text: byte {position} (line {line}) is {chunk[error.start:error.start + 1]!r}"
+            offset, line = offset + len(chunk), line + chunk.count(b"\n")
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            return f"is not UTF-8 text: it ends inside a multi-byte character (byte {offset})"
+    if kind in ("json", "jsonl"):
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+        try:
+            document = json.loads(text)
+            if not isinstance(document, (dict, list)):
+                return f"is a JSON {type(document).__name__}, expected records (json lines, a list, or an object)"
+            return None
+        except json.JSONDecodeError as whole:
+            invalid = f"is not valid JSON: {whole.msg} at line {whole.lineno} column {whole.colno}"
+        first = True
+        for number, row in enumerate(text.splitlines(), 1):
+            if row.strip():
+                try:
+                    if not isinstance(json.loads(row), dict):
+                        return f"line {number} is not a JSON object (json lines hold one object a line)"
+                except json.JSONDecodeError as error:
+                    if first:  # not json lines either: the document's own error says most
+                        return invalid
+                    return f"is neither a JSON document nor JSON lines: line {number}: {error.msg} (col {error.colno})"
+                first = False
+    if kind == "csv":
+        with open(path, encoding="utf-8", newline="") as handle:
+            rows = csv.reader(handle)
+            header = next(rows, None)
+            for row in rows:
+                if row and header is not None and len(row) != len(header):
+                    return (
+                        f"line {rows.line_num} has {len(row)} fields, the header {len(header)} ({header}); "
+                        "quote fields that hold commas"
+                    )
+    return None
+
+
+def check_data_files(parser: argparse.ArgumentParser, files: list[tuple[str, str | None]]) -> None:
+    """`check_data_file_contents` on each (flag, path) given: `parser.error` naming the flag, the file and the
+    problem, before any data is loaded."""
+    for option, path in files:
+        if path is not None and os.path.isfile(path):
+            problem = check_data_file_contents(path)
+            if problem:
+                parser.error(f"{option} {path!r} {problem}")
+
+
+def check_freeze_memory(model: torch.nn.Module) -> None:
+    """`--freeze_memory` on a model without product key memory would silently train everything: refuse."""
+    if not memory_modules(model):
+        raise ValueError(
+            f"--freeze_memory: the model ({type(model).__name__}) has no product key memory to freeze; give --pkm_* "
+            "flags to convert it, or drop --freeze_memory"
+        )
+
+
+def atomic_write_json(path: str, obj) -> None:
+    """Writes json to a temporary file in the same folder, flushed to disk, then renamed into place: a crash leaves
+    the old file or the new one, never half of one."""
+    import json
+    import tempfile
+
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, temporary = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(obj, handle, indent=4)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temporary, 0o666 & ~_umask())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+FINAL_STAGING = ".final.tmp"
+
+
+def save_final_outputs(accelerator, output_dir: str, write) -> None:
+    """Writes the final model folder atomically per file: `write(staging_folder)` (on every process: it may call
+    `save_pretrained(..., is_main_process=...)`) fills `output_dir/.final.tmp`, whose files are then renamed into
+    `output_dir` (each rename atomic; config.json last, so a folder with a new config has all of the new weights)."""
+    import shutil
+
+    staging = os.path.join(output_dir, FINAL_STAGING)
+    if accelerator.is_main_process and os.path.exists(staging):
+        shutil.rmtree(staging)
+    accelerator.wait_for_everyone()
+    write(staging)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        names = sorted(os.listdir(staging), key=lambda name: name == "config.json")
+        for name in names:
+            target = os.path.join(output_dir, name)
+            if os.path.isdir(os.path.join(staging, name)):
+                if os.path.isdir(target):
+                    shutil.rmtree(target)
+            os.replace(os.path.join(staging, name), target)
+        os.rmdir(staging)
+    accelerator.wait_for_everyone()
+
+
+# ---- resume: the run's settings in every checkpoint, checked before `load_state` ----
+
+RUN_SETTINGS_FILE = "run_settings.json"
+# settings whose change makes a resumed run differ from the uninterrupted one
+RESUME_SETTINGS = (
+    "per_device_train_batch_size",
+    "num_processes",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "memory_learning_rate",
+    "memory_optimizer",
+    "weight_decay",
+    "lr_scheduler_type",
+    "num_warmup_steps",
+    "warmup_ratio",
+    "max_train_steps",
+    "seed",
+    "max_seq_length",
+    "max_length",
+    "mlm_probability",
+    "train_data",
+)
+
+
+def run_settings(args: argparse.Namespace, accelerator, train_dataset=None) -> dict:
+    """What an exact resume depends on: the RESUME_SETTINGS of `args` (secrets never included), the number of
+    processes, and the training data (its datasets fingerprint and size)."""
+    settings = {name: getattr(args, name) for name in RESUME_SETTINGS if hasattr(args, name)}
+    settings = {k: getattr(v, "value", v) for k, v in settings.items()}
+    settings["num_processes"] = accelerator.num_processes
+    if train_dataset is not None:
+        settings["train_data"] = dataset_signature(train_dataset)
+    return redact_secrets(settings)
+
+
+def dataset_signature(dataset, samples: int = 64) -> dict:
+    """A cheap identity of a processed training set: its size and the SHA-256 of `samples` rows spread over it (the
+    first and the last included), so other text, another tokenizer or sequence length shows up without hashing
+    everything."""
+    import hashlib
+    import json
+
+    rows = len(dataset)
+    digest = hashlib.sha256()
+    for index in sorted({rows * i // samples for i in range(samples)} | ({rows - 1} if rows else set())):
+        digest.update(json.dumps(dataset[index], sort_keys=True, default=str).encode())
+    return {"rows": rows, "sha256": digest.hexdigest()}
+
+
+def check_checkpoint(checkpoint: str, settings: dict, allow_inexact: bool, process_index: int = 0, logger=None) -> None:
+    """Before `accelerator.load_state(checkpoint)`: ValueError when the checkpoint holds pickled custom objects
+    (`custom_checkpoint_N.pkl`), when its random states are unreadable (accelerate would skip them with an INFO line
+    and the resume would not be exact), or when the run's settings
+    differ from those saved in the checkpoint (`run_settings.json`), unless `allow_inexact` (then a warning)."""
+    import json
+
+    from accelerate.utils.other import load as accelerate_load  # torch.load(weights_only=True) + numpy's safe types
+
+    pickled = sorted(name for name in os.listdir(checkpoint) if re.fullmatch(r"custom_checkpoint_\d+\.pkl", name))
+    if pickled:  # accelerate would unpickle them with weights_only=False: code could run
+        raise ValueError(
+            f"{checkpoint} holds pickled custom state {pickled}, which this version never writes nor loads (it "
+            "would run code on loading): an older checkpoint or a planted file. Delete it to resume."
+        )
+    states = os.path.join(checkpoint, f"random_states_{process_index}.pkl")
+    try:
+        random_states = accelerate_load(states)
+        if not isinstance(random_states, dict) or not {"random_state", "numpy_random_seed", "torch_manual_seed"} <= set(
+            random_states
+        ):
+            raise ValueError("not a dict of random, numpy and torch states")
+    except Exception as error:  # noqa: BLE001 - any failure means the states cannot be restored
+        raise ValueError(
+            f"{states}: the random states of the checkpoint cannot be read ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}); a resume from it would not be exact"
+        ) from error
+    saved_file = os.path.join(checkpoint, RUN_SETTINGS_FILE)
+    differences = []
+    if not os.path.isfile(saved_file):
+        differences.append(f"{RUN_SETTINGS_FILE} is missing, nothing can be compared")
+    else:
+        try:
+            with open(saved_file, encoding="utf-8") as handle:
+                saved = json.load(handle)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{saved_file} cannot be read: {error}") from error
+        for name in sorted(set(saved) | set(settings)):
+            if saved.get(name) != settings.get(name):
+                differences.append(f"{name}: checkpoint {saved.get(name)!r}, now {settings.get(name)!r}")
+    if not differences:
+        return
+    message = f"{checkpoint} was saved by a run with other settings, so this resume would not be exact: " + "; ".join(
+        differences
+    )
+    if not allow_inexact:
+        raise ValueError(message + ". Resume with the checkpoint's settings, or pass --allow_inexact_resume.")
+    if logger is not None:
+        logger.warning(message + " (--allow_inexact_resume: continuing)")

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """
 Publish a BertPkm output folder (converted or trained) on the Hugging Face Hub: check that it is a complete Hub
-repository, write a model card if it has none, then create the repository and upload the folder. Accelerate
-checkpoints (step_*/epoch_*), pickles and hidden files are not uploaded.
+repository, write a model card if it has none, then create the repository and upload what a model repository needs
+(an allow-list: weights, configs, code files, tokenizer, card, results, sentence-transformers modules, the memory
+report). Accelerate checkpoints (step_*/epoch_*), pickles, logs, tracker folders and hidden files are never sent;
+symlinks are refused. `--dry_run` lists what would be sent and changes nothing in the folder.
 
     python run_scripts/push_to_hub.py --model_dir outputs/mlm --hub_model_id me/bert-pkm-mlm --private
 """
@@ -56,15 +58,20 @@ def main(argv=None):
     check_hub_folder(args.model_dir)
     if not any((Path(args.model_dir) / name).is_file() for name in TOKENIZER_FILES):
         logger.warning(f"{args.model_dir} has no tokenizer: users of the repository will need another one")
-    if not (Path(args.model_dir) / "README.md").is_file():
+    files = files_to_upload(args.model_dir)  # refuses symlinks before anything is written or sent
+    new_card = not (Path(args.model_dir) / "README.md").is_file()
+    if args.dry_run:  # changes nothing: the card that would be written is only announced
+        files = sorted(files + ["README.md"]) if new_card else files
+        print(f"Would upload {len(files)} files to {args.hub_model_id}:")
+        for name in files:
+            print(f"  {name}" + (" (a model card, written at upload)" if new_card and name == "README.md" else ""))
+        return None
+    if new_card:
         write_model_card(args.model_dir, repo_id=args.hub_model_id, base_model=args.base_model, license=args.license)
         logger.info(f"Wrote a model card to {Path(args.model_dir) / 'README.md'}")
-
-    files = files_to_upload(args.model_dir)
-    print(f"{'Would upload' if args.dry_run else 'Uploading'} {len(files)} files to {args.hub_model_id}:")
+        files = files_to_upload(args.model_dir)
+    print(f"Uploading {len(files)} files to {args.hub_model_id}:")
     print("\n".join(f"  {name}" for name in files))
-    if args.dry_run:
-        return None
     commit = push_folder_to_hub(
         args.model_dir,
         args.hub_model_id,

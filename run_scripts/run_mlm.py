@@ -89,9 +89,14 @@ except ImportError:  # run from a source checkout without `pip install -e .`
 
 from modeling_pkm_bert import BertPkmConfig, register_auto_classes  # noqa: E402
 from modeling_pkm_bert.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage  # noqa: E402
-from modeling_pkm_bert.staleness import StalenessTracker  # noqa: E402
+from modeling_pkm_bert.staleness import STALENESS_FILE, StalenessTracker  # noqa: E402
 from modeling_pkm_bert.training import (  # noqa: E402
     add_pkm_arguments,
+    add_reliability_arguments,
+    atomic_write_json,
+    check_checkpoint,
+    check_data_files,
+    check_freeze_memory,
     create_memory_optimizer,
     freeze_memory,
     resolve_checkpoint,
@@ -99,8 +104,13 @@ from modeling_pkm_bert.training import (  # noqa: E402
     memory_modules,
     optimizer_param_groups,
     pkm_kwargs_from_args,
+    prepare_output_dir,
     resume_position,
+    run_settings,
     save_checkpoint,
+    save_final_outputs,
+    tracker_config,
+    validate_training_arguments,
     write_results_model_card,
 )
 
@@ -329,9 +339,11 @@ def parse_args(argv=None):
         '"all". Only applicable when `--with_tracking` is passed.',
     )
     add_pkm_arguments(parser)
+    add_reliability_arguments(parser)
     args = parser.parse_args(argv)
 
     # Sanity checks
+    validate_training_arguments(parser, args)
     args.embedded_data = args.dataset_name is None and not any(
         (args.train_file, args.validation_file, args.validation_files)
     )
@@ -349,6 +361,7 @@ def parse_args(argv=None):
     for option, path in files:
         if path is not None:
             check_data_file(parser, option, path)
+    check_data_files(parser, files)  # UTF-8, well-formed json / csv, before any work
     if args.model_type is not None and args.model_type not in MODEL_TYPES:
         parser.error(f"unknown --model_type {args.model_type!r}")
     if args.model_name_or_path is None and args.config_name is None and args.model_type is None:
@@ -595,8 +608,8 @@ def main(argv=None):
         logger.info(f"No --seed given: using seed {args.seed}")
     set_seed(args.seed)
 
-    if accelerator.is_main_process and args.output_dir is not None:
-        os.makedirs(args.output_dir, exist_ok=True)
+    if args.output_dir is not None:
+        prepare_output_dir(args.output_dir)  # before any data or step: a trained model must be savable
     accelerator.wait_for_everyone()
 
     # Get the datasets: a dataset from the Hub, your own txt/csv/json files, or the embedded public-domain excerpt.
@@ -627,6 +640,7 @@ def main(argv=None):
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer))
     if args.freeze_memory:
+        check_freeze_memory(model)
         logger.info(f"--freeze_memory: {freeze_memory(model):,} memory parameters are kept fixed")
 
     # Preprocessing the datasets: tokenize, then concatenate the texts and cut them into blocks of max_seq_length
@@ -744,11 +758,10 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(main_groups, lr=args.learning_rate)
     memory_optimizer = create_memory_optimizer(memory_groups, args, model) if do_train else None
 
-    # Staleness (Figure 2): the last step each memory slot was a top-1 pick, kept in checkpoints.
+    # Staleness (Figure 2): the last step each memory slot was a top-1 pick, kept in checkpoints (as safetensors).
     staleness = None
     if args.track_staleness and memory_modules(model) and do_train:
         staleness = StalenessTracker(model).attach()
-        accelerator.register_for_checkpointing(staleness)
 
     # Prepare everything with our `accelerator`.
     model, optimizer, *rest = accelerator.prepare(
@@ -776,12 +789,12 @@ def main(argv=None):
     checkpointing_steps = args.checkpointing_steps
     if checkpointing_steps is not None and checkpointing_steps.isdigit():
         checkpointing_steps = int(checkpointing_steps)
+    # what an exact resume depends on, saved in every checkpoint and compared on resume
+    settings = run_settings(args, accelerator, train_dataset) if do_train else None
 
-    # We need to initialize the trackers we use, and also store our configuration.
+    # We need to initialize the trackers we use, and also store our configuration (secrets removed).
     if args.with_tracking:
-        experiment_config = {k: (v.value if isinstance(v, SchedulerType) else v) for k, v in vars(args).items()}
-        experiment_config = {k: (str(v) if isinstance(v, (list, dict)) else v) for k, v in experiment_config.items()}
-        accelerator.init_trackers("mlm_no_trainer", experiment_config)
+        accelerator.init_trackers("mlm_no_trainer", tracker_config(args))
 
     def report_evaluation(metrics, usage, when):
         logger.info(
@@ -827,10 +840,13 @@ def main(argv=None):
         # Potentially load in the weights and states from a previous save
         if args.resume_from_checkpoint:
             checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
-            if staleness is not None and not os.path.isfile(os.path.join(checkpoint, "custom_checkpoint_0.pkl")):
+            if staleness is not None and not os.path.isfile(os.path.join(checkpoint, STALENESS_FILE)):
                 raise ValueError(f"{checkpoint} holds no staleness state: resume it without --track_staleness")
+            check_checkpoint(checkpoint, settings, args.allow_inexact_resume, accelerator.process_index, logger)
             accelerator.print(f"Resumed from checkpoint: {checkpoint}")
             accelerator.load_state(checkpoint)
+            if staleness is not None:
+                staleness.load(os.path.join(checkpoint, STALENESS_FILE))
             starting_epoch, completed_steps, resume_batches = resume_position(
                 checkpoint, num_update_steps_per_epoch, args.gradient_accumulation_steps
             )
@@ -886,7 +902,7 @@ def main(argv=None):
                     if isinstance(checkpointing_steps, int) and completed_steps % checkpointing_steps == 0:
                         if staleness is not None:
                             staleness.synchronize()
-                        save_checkpoint(accelerator, args.output_dir, f"step_{completed_steps}")
+                        save_checkpoint(accelerator, args.output_dir, f"step_{completed_steps}", settings, staleness)
                     if (
                         args.eval_steps
                         and completed_steps % args.eval_steps == 0
@@ -914,7 +930,7 @@ def main(argv=None):
             if args.checkpointing_steps == "epoch":
                 if staleness is not None:
                     staleness.synchronize()
-                save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}")
+                save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", settings, staleness)
             if last_epoch:
                 break
         progress_bar.close()
@@ -959,27 +975,21 @@ def main(argv=None):
         accelerator.log({k: v for k, v in results.items() if isinstance(v, (int, float))}, step=completed_steps)
         accelerator.end_training()
 
-    # Save the model (a BertPkm folder is a complete Hub repository: code files, auto_map, tokenizer, model card).
+    # Save the model (a BertPkm folder is a complete Hub repository: code files, auto_map, tokenizer, model card),
+    # staged in output_dir/.final.tmp and renamed into place file by file: a crash never leaves a torn file.
     if args.output_dir is not None:
-        accelerator.wait_for_everyone()
         unwrapped_model = accelerator.unwrap_model(model)
-        if do_train:
-            unwrapped_model.save_pretrained(
-                args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save
-            )
-        if accelerator.is_main_process:
-            if do_train:
-                tokenizer.save_pretrained(args.output_dir)
-                if staleness is not None:
-                    from safetensors.torch import save_file
 
-                    save_file(
-                        {name: last.contiguous() for name, last in staleness.state_dict().items()},
-                        os.path.join(args.output_dir, "staleness.safetensors"),
-                        metadata={"step": str(completed_steps), "never": "-1"},
-                    )
+        def write_final(folder):
+            unwrapped_model.save_pretrained(
+                folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save
+            )
+            if accelerator.is_main_process:
+                tokenizer.save_pretrained(folder)
+                if staleness is not None:
+                    staleness.save(os.path.join(folder, STALENESS_FILE), step=completed_steps)
                 write_results_model_card(
-                    args.output_dir,
+                    folder,
                     results,
                     repo_id=args.hub_model_id,
                     base_model=args.model_name_or_path,
@@ -988,9 +998,12 @@ def main(argv=None):
                     command=command,
                     title="Masked language modeling results",
                 )
+
+        if do_train:
+            save_final_outputs(accelerator, args.output_dir, write_final)
+        if accelerator.is_main_process:
             results["total_runtime"] = round(time.time() - start_time, 2)
-            with open(os.path.join(args.output_dir, "all_results.json"), "w") as f:
-                json.dump(results, f, indent=4)
+            atomic_write_json(os.path.join(args.output_dir, "all_results.json"), results)
             if args.push_to_hub and do_train:
                 from modeling_pkm_bert.conversion import push_folder_to_hub
 

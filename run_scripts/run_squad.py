@@ -49,15 +49,24 @@ from modeling_pkm_bert.memory_usage import (  # noqa: E402
 from modeling_pkm_bert.squad_metrics import squad_scores  # noqa: E402
 from modeling_pkm_bert.training import (  # noqa: E402
     add_pkm_arguments,
+    add_reliability_arguments,
+    atomic_write_json,
+    check_checkpoint,
+    check_data_files,
+    check_freeze_memory,
     create_memory_optimizer,
     freeze_memory,
     resolve_checkpoint,
     load_model,
-    memory_modules,
     optimizer_param_groups,
     pkm_kwargs_from_args,
+    prepare_output_dir,
     resume_position,
+    run_settings,
     save_checkpoint,
+    save_final_outputs,
+    tracker_config,
+    validate_training_arguments,
     write_results_model_card,
 )
 
@@ -185,9 +194,11 @@ def parse_args(argv=None):
         help="Allow code from the Hub for models and datasets (only for repositories you trust).",
     )
     add_pkm_arguments(parser)
+    add_reliability_arguments(parser)
     args = parser.parse_args(argv)
 
     # Sanity checks
+    validate_training_arguments(parser, args)
     if args.dataset_name is None and args.train_file is None and args.validation_file is None:
         parser.error("Need either a dataset name or a training/validation file.")
     for name in ("train_file", "validation_file"):
@@ -206,6 +217,7 @@ def parse_args(argv=None):
         parser.error("Need an `output_dir` to create a repo when `--push_to_hub` is passed.")
     if (args.checkpointing_steps or args.resume_from_checkpoint == "latest") and args.output_dir is None:
         parser.error("--checkpointing_steps and --resume_from_checkpoint latest need an --output_dir")
+    check_data_files(parser, [(f"--{name}", getattr(args, name)) for name in ("train_file", "validation_file")])
     return args
 
 
@@ -306,8 +318,8 @@ def main(argv=None):
     if args.seed is not None:
         set_seed(args.seed)
 
-    if accelerator.is_main_process and args.output_dir is not None:
-        os.makedirs(args.output_dir, exist_ok=True)
+    if args.output_dir is not None:
+        prepare_output_dir(args.output_dir)  # before any data or step: a trained model must be savable
     accelerator.wait_for_everyone()
 
     # Get the datasets: a Hub dataset in the SQuAD layout, or json files in the official nested layout.
@@ -333,8 +345,7 @@ def main(argv=None):
         args.tokenizer_name or args.model_name_or_path, trust_remote_code=args.trust_remote_code
     )
     if args.freeze_memory:
-        if not memory_modules(model):
-            raise ValueError("--freeze_memory: the model has no product key memory")
+        check_freeze_memory(model)
         logger.info(f"Froze {freeze_memory(model)} memory parameters (--freeze_memory).")
 
     # Preprocessing the datasets.
@@ -521,12 +532,12 @@ def main(argv=None):
     checkpointing_steps = args.checkpointing_steps
     if checkpointing_steps is not None and checkpointing_steps.isdigit():
         checkpointing_steps = int(checkpointing_steps)
+    # what an exact resume depends on, saved in every checkpoint and compared on resume
+    settings = run_settings(args, accelerator, train_dataset) if do_train else None
 
     # We need to initialize the trackers we use, and also store our configuration.
     if args.with_tracking:
-        experiment_config = {k: (v.value if isinstance(v, SchedulerType) else v) for k, v in vars(args).items()}
-        experiment_config = {k: (str(v) if isinstance(v, list) else v) for k, v in experiment_config.items()}
-        accelerator.init_trackers("squad_no_trainer", experiment_config)
+        accelerator.init_trackers("squad_no_trainer", tracker_config(args))  # secrets removed
 
     # Train!
     completed_steps, starting_epoch, resume_batches, train_loss = 0, 0, 0, None
@@ -549,6 +560,7 @@ def main(argv=None):
         # Potentially load in the weights and states from a previous save
         if args.resume_from_checkpoint:
             checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+            check_checkpoint(checkpoint, settings, args.allow_inexact_resume, accelerator.process_index, logger)
             accelerator.print(f"Resumed from checkpoint: {checkpoint}")
             accelerator.load_state(checkpoint)
             starting_epoch, completed_steps, resume_batches = resume_position(
@@ -587,7 +599,7 @@ def main(argv=None):
                     progress_bar.update(1)
                     completed_steps += 1
                     if isinstance(checkpointing_steps, int) and completed_steps % checkpointing_steps == 0:
-                        save_checkpoint(accelerator, args.output_dir, f"step_{completed_steps}")
+                        save_checkpoint(accelerator, args.output_dir, f"step_{completed_steps}", settings)
 
                 if completed_steps >= args.max_train_steps:
                     break
@@ -596,7 +608,7 @@ def main(argv=None):
             if args.with_tracking:
                 accelerator.log({"train_loss": epoch_losses[-1], "epoch": epoch}, step=completed_steps)
             if args.checkpointing_steps == "epoch":
-                save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}")
+                save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", settings)
             if completed_steps >= args.max_train_steps:
                 break
         progress_bar.close()
@@ -661,19 +673,21 @@ def main(argv=None):
         accelerator.log({k: v for k, v in results.items() if isinstance(v, (int, float))}, step=completed_steps)
         accelerator.end_training()
 
-    if args.output_dir is not None:
-        accelerator.wait_for_everyone()
+    if args.output_dir is not None:  # staged, then renamed into place file by file (`save_final_outputs`)
         unwrapped_model = accelerator.unwrap_model(model)
-        if do_train:
+
+        def write_final(folder):
             unwrapped_model.save_pretrained(
-                args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save
+                folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save
             )
+            if accelerator.is_main_process:
+                tokenizer.save_pretrained(folder)
+
+        if do_train:
+            save_final_outputs(accelerator, args.output_dir, write_final)
         if accelerator.is_main_process:
-            if do_train:
-                tokenizer.save_pretrained(args.output_dir)
             results["total_runtime"] = round(time.time() - start_time, 2)
-            with open(os.path.join(args.output_dir, "all_results.json"), "w") as f:
-                json.dump(results, f, indent=4)
+            atomic_write_json(os.path.join(args.output_dir, "all_results.json"), results)
             logger.info(json.dumps(results, indent=4))
             if args.push_to_hub:
                 push_to_hub(args, results, command)

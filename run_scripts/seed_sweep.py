@@ -26,6 +26,14 @@ import sys
 import time
 
 
+try:
+    import modeling_pkm_bert  # noqa: F401
+except ImportError:  # run from a source checkout without `pip install -e .`
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+from modeling_pkm_bert.training import redact_command  # noqa: E402
+
+
 REPLACED_OPTIONS = ("--seed", "--output_dir")
 
 
@@ -114,7 +122,7 @@ def markdown_table(args, runs: dict, summary: dict) -> str:
         f"# Seed sweep: median of {len(args.seeds)} seeds",
         "",
         "```bash",
-        " ".join(args.command),
+        " ".join(redact_command(args.command)),  # a --hub_token never reaches the summary
         "```",
         "",
         "| seed | status | wall time (s) | " + " | ".join(f"`{m}`" for m in metrics) + " |",
@@ -138,7 +146,7 @@ def main(argv=None):
         run_dir = os.path.join(args.output_dir, f"seed_{seed}")
         results_file = os.path.join(run_dir, "all_results.json")
         command = seed_command(args.command, seed, run_dir)
-        print(f"[seed {seed}] {' '.join(command)}", flush=True)
+        print(f"[seed {seed}] {' '.join(redact_command(command))}", flush=True)
         if args.dry_run:
             continue
         if os.path.isfile(results_file) and not args.overwrite:
@@ -171,7 +179,7 @@ def main(argv=None):
 
     summary = summarize(runs)
     report = {
-        "command": args.command,
+        "command": redact_command(args.command),
         "seeds": args.seeds,
         "failed_seeds": failed,
         "runs": {str(seed): {k: v for k, v in run.items() if k != "results"} for seed, run in runs.items()},

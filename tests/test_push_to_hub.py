@@ -100,7 +100,7 @@ def test_push_folder_to_hub_makes_exactly_two_calls(hub, trained_dir):
                 "folder_path": str(trained_dir),
                 "repo_type": "model",
                 "commit_message": "m",
-                "ignore_patterns": conversion.PUSH_IGNORE_PATTERNS,
+                "allow_patterns": conversion.files_to_upload(trained_dir),  # the allow-list, name by name
             },
         ),
     ]
@@ -149,10 +149,14 @@ def test_push_script_writes_a_card_and_uploads_the_model_only(hub, trained_dir, 
     printed = capsys.readouterr().out
     assert hub.calls == []  # a dry run contacts nothing
     assert "Would upload 9 files to me/run" in printed and "step_10" not in printed
+    assert "README.md (a model card, written at upload)" in printed
+    assert not (trained_dir / "README.md").exists()  # and writes nothing (test_security.py hashes the whole tree)
+    script.main(["--model_dir", str(trained_dir), "--hub_model_id", "me/run", "--license", "mit"])
     card = ModelCard.load(trained_dir / "README.md")
     assert card.data.pipeline_tag == "fill-mask" and card.data.license == "mit" and "pkm" in card.data.tags
     assert f"| total | {BertPkmForMaskedLM(tiny_config()).num_parameters():,} |" in card.text
 
+    hub.calls.clear()
     script.main(["--model_dir", str(trained_dir), "--hub_model_id", "me/run", "--hub_token", "hf_t"])
     assert hub.calls[0] == ("HfApi", {"token": "hf_t"})
     assert hub.calls[1] == (
