@@ -69,6 +69,7 @@ from modeling_pkm_bert.glue_metrics import (  # noqa: E402
 from modeling_pkm_bert.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage  # noqa: E402
 from modeling_pkm_bert.training import (  # noqa: E402
     add_pkm_arguments,
+    clip_memory_gradients,
     create_memory_optimizer,
     freeze_memory,
     resolve_checkpoint,
@@ -696,6 +697,7 @@ def main(argv=None):
                     total_loss += loss.detach().float().item()
                     counted_batches += 1
                     accelerator.backward(loss)
+                    clip_memory_gradients(accelerator, model, memory_optimizer, args.memory_max_grad_norm)
                     for o in optimizers:
                         o.step()
                     lr_scheduler.step()

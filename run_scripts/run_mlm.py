@@ -92,6 +92,7 @@ from modeling_pkm_bert.memory_usage import flatten_memory_usage, format_memory_u
 from modeling_pkm_bert.staleness import StalenessTracker  # noqa: E402
 from modeling_pkm_bert.training import (  # noqa: E402
     add_pkm_arguments,
+    clip_memory_gradients,
     create_memory_optimizer,
     freeze_memory,
     resolve_checkpoint,
@@ -869,6 +870,7 @@ def main(argv=None):
                     running_loss += recent_losses[-1]
                     running_batches += 1
                     accelerator.backward(loss)
+                    clip_memory_gradients(accelerator, model, memory_optimizer, args.memory_max_grad_norm)
                     for o in optimizers:
                         o.step()
                     lr_scheduler.step()

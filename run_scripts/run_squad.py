@@ -49,6 +49,7 @@ from modeling_pkm_bert.memory_usage import (  # noqa: E402
 from modeling_pkm_bert.squad_metrics import squad_scores  # noqa: E402
 from modeling_pkm_bert.training import (  # noqa: E402
     add_pkm_arguments,
+    clip_memory_gradients,
     create_memory_optimizer,
     freeze_memory,
     resolve_checkpoint,
@@ -576,6 +577,7 @@ def main(argv=None):
                     total_loss += loss.detach().float().item()
                     counted_batches += 1
                     accelerator.backward(loss)
+                    clip_memory_gradients(accelerator, model, memory_optimizer, args.memory_max_grad_norm)
                     for o in optimizers:
                         o.step()
                     lr_scheduler.step()
