@@ -6,7 +6,7 @@ batches and seeds on the embedded public-domain text (`run_scripts/data/`); what
 Reports the held-out perplexity on the two embedded evaluation texts before and after training, and the memory usage
 of each memory layer (and of the shared table as a whole) on the first one, into `benchmarks/MEMORY_PLUS.md`.
 
-    OMP_NUM_THREADS=1 python benchmarks/memory_plus.py                   # 2 seeds x 2 arms, 250 steps each
+    OMP_NUM_THREADS=1 python benchmarks/memory_plus.py --arms 0 & OMP_NUM_THREADS=1 python benchmarks/memory_plus.py --arms 1
     python benchmarks/memory_plus.py --report_only                      # rewrite MEMORY_PLUS.md from the runs
 """
 
@@ -45,12 +45,14 @@ def parse_args():
     parser.add_argument("--output_dir", default=str(REPO_ROOT / "outputs" / "memory_plus"))
     parser.add_argument("--report", default=str(HERE / "MEMORY_PLUS.md"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--max_train_steps", type=int, default=250)
+    parser.add_argument("--max_train_steps", type=int, default=200)
     parser.add_argument("--max_seq_length", type=int, default=64)
     parser.add_argument("--per_device_train_batch_size", type=int, default=8)
     parser.add_argument("--learning_rate", type=float, default=3e-4)
-    parser.add_argument("--num_warmup_steps", type=int, default=25)
+    parser.add_argument("--num_warmup_steps", type=int, default=20)
     parser.add_argument("--memory_optimizer", default="sparse_row_adam", choices=["adam", "sparse_row_adam"])
+    parser.add_argument("--arms", nargs="+", choices=range(len(ARMS)), type=int, default=list(range(len(ARMS))),
+                        help="which arms this process runs (0: ResM, 1: Memory+ options); the report has all that finished")
     parser.add_argument("--report_only", action="store_true", help="only write the report from finished runs")
     return parser.parse_args()
 
@@ -181,7 +183,7 @@ def main():
     durations = {}
     if not args.report_only:
         for seed in args.seeds:  # seed-major: a first comparison exists even if time runs out
-            for arm in ARMS:
+            for arm in [list(ARMS)[i] for i in args.arms]:
                 if (run_dir(args, arm, seed) / "all_results.json").exists():
                     continue
                 words = command(args, model_path, arm, seed)

@@ -30,12 +30,18 @@ def _field_parser(field: dataclasses.Field):
     if "list" in annotation:
         return dict(type=int, nargs="*")
     if annotation.startswith("bool") or field.type is bool:
-        return dict(type=lambda text: {"true": True, "false": False}[text.lower()], metavar="{true,false}")
+        return dict(type=_boolean, metavar="{true,false}")
     if "float" in annotation:  # float, float | int, float | int | None: a number (None = leave the field unset)
         return dict(type=float)
     if "int" in annotation:
         return dict(type=int)
     return dict(type=str)
+
+
+def _boolean(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
 
 
 def add_pkm_arguments(parser: argparse.ArgumentParser, training_options: bool = True) -> argparse.ArgumentParser:
