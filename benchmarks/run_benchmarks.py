@@ -1000,7 +1000,14 @@ def section_options(args) -> list[str]:
 
         return step
 
-    pair = interleaved({"own": pair_step(own), "shared": pair_step(shared_pair)}, rounds=rounds, warmup=1)
+    def no_gradients(_name):  # only the running pair holds gradients
+        for memory in (*own, *shared_pair):
+            for p in memory.parameters():
+                p.grad = None
+
+    pair = interleaved(
+        {"own": pair_step(own), "shared": pair_step(shared_pair)}, rounds=rounds, warmup=1, before=no_gradients
+    )
     lines += [
         "",
         "Two memories on the same input, fwd + bwd of both: a value table each vs one shared table (`values=`; its "
