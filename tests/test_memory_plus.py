@@ -353,3 +353,23 @@ def test_flags_for_every_option():
         with pytest.raises(SystemExit):
             parser.parse_args(bad.split())
     assert (REPO_ROOT / "run_scripts" / "run_mlm.py").read_text().count("clip_memory_gradients(") == 1
+
+
+def test_staleness_of_a_shared_table_is_per_memory():
+    from modeling_pkm_bert.staleness import NEVER, StalenessTracker, top1_slots
+
+    model = BertPkmModel(tiny_config(pkm_layers=[0, 2], **ALL_CONFIG)).train()
+    tracker = StalenessTracker(model).attach()
+    tracker.step = 1
+    memories = {f"layer_{i}": model.encoder.layer[i].memory for i in (0, 2)}
+    active, reads = {}, {name: [] for name in memories}
+    for name, memory in memories.items():
+        memory.register_forward_pre_hook(lambda module, args, name=name: active.update(name=name))
+    memories["layer_0"].values.register_forward_hook(
+        lambda module, args, kwargs, out: reads[active["name"]].append((args[0], kwargs["per_sample_weights"])),
+        with_kwargs=True,
+    )
+    model(torch.randint(5, 99, (2, 6)))
+    for name, last in tracker.last_top1_step.items():
+        expected = torch.cat([top1_slots(indices, weights) for indices, weights in reads[name]]).unique()
+        assert torch.equal((last != NEVER).nonzero().squeeze(1), expected.sort().values)
