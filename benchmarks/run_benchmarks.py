@@ -1021,7 +1021,14 @@ def section_options(args) -> list[str]:
             f"| {label} | {fmt_ms(median(pair[name]))} | {', '.join(fmt_ms(t) for t in pair[name])} | "
             f"{paired_ratio(pair, name, 'own'):.2f}; {min_ratio(pair, name, 'own'):.2f} |"
         )
-    return lines
+    return lines + [
+        "",
+        "Where a shared table costs more: its dense gradient is the sum of the two memories' 768 MiB gradients, which "
+        "autograd adds out of place into a fresh buffer (page faults and one more pass over 768 MiB), and the second "
+        "memory's backward cannot reuse the cached gradient buffer that the first one's gradient still occupies. "
+        f"Load average at the end of this section: {loadavg()} (ratios are paired per round). Sparse value gradients "
+        "(`--memory_optimizer sparse_row_adam`) are not measured here.",
+    ]
 
 # ----------------------------------------------------------------------------------------------- main
 
