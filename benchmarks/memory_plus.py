@@ -45,11 +45,11 @@ def parse_args():
     parser.add_argument("--output_dir", default=str(REPO_ROOT / "outputs" / "memory_plus"))
     parser.add_argument("--report", default=str(HERE / "MEMORY_PLUS.md"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--max_train_steps", type=int, default=200)
+    parser.add_argument("--max_train_steps", type=int, default=150)
     parser.add_argument("--max_seq_length", type=int, default=64)
     parser.add_argument("--per_device_train_batch_size", type=int, default=8)
     parser.add_argument("--learning_rate", type=float, default=3e-4)
-    parser.add_argument("--num_warmup_steps", type=int, default=20)
+    parser.add_argument("--num_warmup_steps", type=int, default=15)
     parser.add_argument("--memory_optimizer", default="sparse_row_adam", choices=["adam", "sparse_row_adam"])
     parser.add_argument("--arms", nargs="+", choices=range(len(ARMS)), type=int, default=list(range(len(ARMS))),
                         help="which arms this process runs (0: ResM, 1: Memory+ options); the report has all that finished")
