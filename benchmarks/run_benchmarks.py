@@ -1024,8 +1024,9 @@ def section_options(args) -> list[str]:
     return lines + [
         "",
         "Where a shared table costs more: its dense gradient is the sum of the two memories' 768 MiB gradients, which "
-        "autograd adds out of place into a fresh buffer (in a torch profile of a 256^2-slot pair, `aten::add` took as long as the gradients' `addmm`), and the second "
-        "memory's backward cannot reuse the cached gradient buffer that the first one's gradient still occupies. "
+        "autograd adds out of place into a fresh buffer (in a torch profile of a 256^2-slot pair, `aten::add` took as "
+        "long as the gradients' `addmm`), and the second memory's backward cannot reuse the cached gradient buffer "
+        "that the first one's gradient still occupies. "
         f"Load average at the end of this section: {loadavg()} (ratios are paired per round). Sparse value gradients "
         "(`--memory_optimizer sparse_row_adam`) are not measured here.",
     ]
