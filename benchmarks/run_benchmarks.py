@@ -3,6 +3,7 @@
     python benchmarks/run_benchmarks.py            # everything (~15 min on 2 busy cores)
     python benchmarks/run_benchmarks.py --quick    # a smaller version of every section (~3-4 min)
     python benchmarks/run_benchmarks.py --sections layer update   # some sections only
+    python benchmarks/run_benchmarks.py --sections options --append   # Memory+ options, appended to RESULTS.md
 
 Sections:
 - layer: one PKM layer at the paper's size (768 in/out, 512^2 slots, 4 heads, knn 32, k_dim 256, query BN), 8x128
@@ -52,7 +53,7 @@ from modeling_pkm_bert.optimization import (  # noqa: E402
     set_sparse_values,
 )
 from modeling_pkm_bert.cpu_kernels import use_huge_pages  # noqa: E402
-from modeling_pkm_bert.product_key_memory import ProductKeyMemory  # noqa: E402
+from modeling_pkm_bert.product_key_memory import ProductKeyMemory, ProductKeyValues  # noqa: E402
 
 
 PAPER = dict(n_keys=512, heads=4, knn=32, k_dim=256)
@@ -935,6 +936,101 @@ def section_gpu(args) -> list[str]:
     return lines + table + ["", "Target ResM / BERT >= 0.9 on a GPU: " + "; ".join(verdicts) + "."]
 
 
+
+# ----------------------------------------------------------------------------------------------- Memory+ options
+
+
+OPTION_VARIANTS = {
+    "default": ("default layer (softmax, no norm, no gate, no scale)", {}),
+    "qk_norm": ("`qk_norm=True` (LayerNorm on query halves and sub-keys)", dict(qk_norm=True)),
+    "relu": ('`score_activation="relu"`', dict(score_activation="relu")),
+    "swilu": ('`output_gate="swilu"` (+ 2 Linear 768 x 768)', dict(output_gate="swilu")),
+    "scale": ("`memory_scale=0.01`", dict(memory_scale=0.01)),
+    "all": ("all four together", dict(qk_norm=True, score_activation="relu", output_gate="swilu", memory_scale=0.01)),
+}
+
+
+def section_options(args) -> list[str]:
+    """The layer cost of each Memory+ option at the paper's size, against the default layer in the same rounds; and
+    two memories sharing one table against two with their own (the shared table's gradient accumulates)."""
+    rounds = 3 if args.quick else 5
+    batch = (4, 128) if args.quick else (8, 128)
+    torch.manual_seed(1)
+    x = torch.randn(*batch, 768, requires_grad=True)
+    g = torch.randn(*batch, 768)
+    table = ProductKeyValues(PAPER["n_keys"] ** 2, 768)  # one table read by every single-memory variant (same work)
+    torch.nn.init.normal_(table.weight, std=768**-0.5)
+    modules = {
+        name: ProductKeyMemory(768, 768, **PAPER, values=table, **options).train()
+        for name, (_, options) in OPTION_VARIANTS.items()
+    }
+    samples = interleaved({name: layer_step_fn(m, x, g) for name, m in modules.items()}, rounds=rounds, warmup=1)
+    lines = [
+        "## Memory+ options: layer cost (forward + backward)",
+        "",
+        f"`python benchmarks/run_benchmarks.py --sections options --append{' --quick' if args.quick else ''}`. "
+        f"768 in/out, 512^2 slots, 4 heads, knn 32, k_dim 256, query BatchNorm, dense value gradient; input "
+        f"{batch[0]} x {batch[1]} x 768 fp32 with `requires_grad`; step = forward + `(out * g).sum().backward()`, grads "
+        f"set to None before each step; {rounds} interleaved rounds (+1 warm-up), torch threads {args.threads}. Every "
+        "variant reads the same value table (a memory's cost does not depend on who owns its table). Ratio = median "
+        "over rounds of (variant time / default time in the same round); < 1.00 is noise.",
+        "",
+        "| variant | median ms | all rounds (ms) | time / default (paired median; fastest rounds) |",
+        "|---|---|---|---|",
+    ]
+    for name, (label, _) in OPTION_VARIANTS.items():
+        lines.append(
+            f"| {label} | {fmt_ms(median(samples[name]))} | {', '.join(fmt_ms(t) for t in samples[name])} | "
+            f"{paired_ratio(samples, name, 'default'):.2f}; {min_ratio(samples, name, 'default'):.2f} |"
+        )
+    del modules, samples
+
+    # two memories: one shared table (Memory+) vs a table each; both step fwd+bwd of both memories
+    torch.manual_seed(2)
+    own = [ProductKeyMemory(768, 768, **PAPER).train() for _ in range(2)]
+    shared_pair = [ProductKeyMemory(768, 768, **PAPER, values=table).train() for _ in range(2)]
+
+    def pair_step(pair):
+        def step():
+            for memory in pair:
+                for p in memory.parameters():
+                    p.grad = None
+            x.grad = None
+            ((pair[0](x) + pair[1](x)) * g).sum().backward()
+
+        return step
+
+    def no_gradients(_name):  # only the running pair holds gradients
+        for memory in (*own, *shared_pair):
+            for p in memory.parameters():
+                p.grad = None
+
+    pair = interleaved(
+        {"own": pair_step(own), "shared": pair_step(shared_pair)}, rounds=rounds, warmup=1, before=no_gradients
+    )
+    lines += [
+        "",
+        "Two memories on the same input, fwd + bwd of both: a value table each vs one shared table (`values=`; its "
+        "dense gradient is accumulated from both memories):",
+        "",
+        "| two memories | median ms | all rounds (ms) | time / own tables (paired median; fastest rounds) |",
+        "|---|---|---|---|",
+    ]
+    for name, label in (("own", "a table each (2 x 768 MiB)"), ("shared", "one shared table (768 MiB)")):
+        lines.append(
+            f"| {label} | {fmt_ms(median(pair[name]))} | {', '.join(fmt_ms(t) for t in pair[name])} | "
+            f"{paired_ratio(pair, name, 'own'):.2f}; {min_ratio(pair, name, 'own'):.2f} |"
+        )
+    return lines + [
+        "",
+        "Where a shared table costs more: its dense gradient is the sum of the two memories' 768 MiB gradients, which "
+        "autograd adds out of place into a fresh buffer (in a torch profile of a 256^2-slot pair, `aten::add` took as "
+        "long as the gradients' `addmm`), and the second memory's backward cannot reuse the cached gradient buffer "
+        "that the first one's gradient still occupies. "
+        f"Load average at the end of this section: {loadavg()} (ratios are paired per round). Sparse value gradients "
+        "(`--memory_optimizer sparse_row_adam`) are not measured here.",
+    ]
+
 # ----------------------------------------------------------------------------------------------- main
 
 
@@ -1022,13 +1118,17 @@ SECTIONS = {
     "train": section_train,
     "table1": section_table1,
     "gpu": section_gpu,
+    "options": section_options,
 }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds (~3-4 min)")
-    parser.add_argument("--sections", nargs="*", default=list(SECTIONS), choices=list(SECTIONS))
+    parser.add_argument("--sections", nargs="*", default=[s for s in SECTIONS if s != "options"], choices=list(SECTIONS),
+                        help="default: all but options (the Memory+ options section, run with --append)")
+    parser.add_argument("--append", action="store_true", help="append the sections to --output (with the machine and "
+                        "date) instead of rewriting it: e.g. the options section below the others")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared 2-core machine, "
                         "2 threads make every parallel op wait on a descheduled peer thread)")
     parser.add_argument("--output", default=str(HERE / "RESULTS.md"))
@@ -1053,6 +1153,19 @@ def main():
         return
 
     started = time.perf_counter()
+    if args.append:  # each section: its title, then the machine and date it ran on, then its text
+        machine = [line for line in header(args)[2:] if line]
+        appended = []
+        for name in args.sections:
+            section_start = time.perf_counter()
+            section_lines = SECTIONS[name](args)
+            appended += ["", *section_lines[:2], *machine, *section_lines[2:]]
+            appended += ["", f"_(section took {time.perf_counter() - section_start:.0f} s)_", ""]
+        print("\n".join(appended), flush=True)
+        with open(args.output, "a", encoding="utf-8") as handle:
+            handle.write("\n".join(appended) + "\n")
+        print(f"appended to {args.output}")
+        return
     lines = header(args)
     for name in args.sections:
         section_start = time.perf_counter()

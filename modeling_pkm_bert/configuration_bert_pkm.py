@@ -1,5 +1,7 @@
 """BertPkm model configuration: BERT plus product key memory (PKM) layers."""
 
+import math
+
 from huggingface_hub.dataclasses import strict
 from transformers import BertConfig
 
@@ -9,6 +11,8 @@ PKM_VALUE_INITS = ("normal", "zeros")
 # the largest value table a config may ask for: 1 TiB in fp32 (the paper's 512 ** 2 x 768 table is 0.75 GiB); beyond it
 # no single machine holds one, and the allocator's error would come only when the model is built
 PKM_MAX_VALUE_TABLE_BYTES = 2**40
+PKM_OUTPUT_GATES = ("none", "swilu")
+PKM_SCORE_ACTIVATIONS = ("softmax", "relu")
 
 # Written into every saved config so that each saved folder loads through any Auto class as remote code.
 AUTO_MAP = {
@@ -54,6 +58,18 @@ class BertPkmConfig(BertConfig):
     pkm_weights_checksum (`dict`, *optional*):
         Written by `save_pretrained(..., checksum=True)`: the SHA-256 of the saved tensors, verified by
         `from_pretrained` (safetensors checks the file's layout, not the bytes inside the tensors). Not set by hand.
+    pkm_shared_values (`bool`, *optional*, defaults to `False`):
+        One value table for every memory layer (Memory+): `memory.values` is the same module in each, saved once; each
+        layer keeps its own keys, query network and output.
+    pkm_output_gate (`str`, *optional*, defaults to `"none"`):
+        `"swilu"`: the memory returns `W_out((sum_i s_i v_i) * silu(W_gate x))` (Memory+). With `pkm_mode="replace"`
+        it needs `pkm_value_init="normal"` (a replaced FFN cannot be kept, so no start is function-preserving there).
+    pkm_qk_norm (`bool`, *optional*, defaults to `False`):
+        LayerNorm on each query half and on the sub-keys before scoring (UltraMem, ByteDance's Memory+ port).
+    pkm_score_activation (`str`, *optional*, defaults to `"softmax"`):
+        `"relu"`: non-competitive weights `relu(score)` over the selected slots instead of their softmax.
+    pkm_memory_scale (`float`, *optional*):
+        A learned scalar on the memory output, initialised to this value (e.g. 0.01 beside a pretrained FFN); None: none.
     """
 
     model_type = "bert_pkm"
@@ -72,6 +88,11 @@ class BertPkmConfig(BertConfig):
     pkm_query_dropout: float | int = 0.0
     pkm_value_dropout: float | int = 0.0
     pkm_weights_checksum: dict | None = None
+    pkm_shared_values: bool = False
+    pkm_output_gate: str = "none"
+    pkm_qk_norm: bool = False
+    pkm_score_activation: str = "softmax"
+    pkm_memory_scale: float | int | None = None
 
     def __post_init__(self, **kwargs):
         if self.pkm_layers is None:
@@ -107,6 +128,7 @@ class BertPkmConfig(BertConfig):
             if not 0 <= getattr(self, field) < 1:
                 fail(field, "a dropout probability must be in [0, 1)")
         self._check_memory_size(fail)
+        self._check_memory_plus_fields(fail)
 
     def _check_memory_size(self, fail):
         # the value table must exist: refused here with its size rather than by the allocator when the model is built
@@ -129,6 +151,22 @@ class BertPkmConfig(BertConfig):
             )
         if self.pkm_weights_checksum is not None and not isinstance(self.pkm_weights_checksum.get("model"), str):
             fail("pkm_weights_checksum", "is written by save_pretrained(..., checksum=True): a dict of digests")
+
+    def _check_memory_plus_fields(self, fail):
+        if self.pkm_output_gate not in PKM_OUTPUT_GATES:
+            fail("pkm_output_gate", f"must be one of {PKM_OUTPUT_GATES}")
+        if self.pkm_score_activation not in PKM_SCORE_ACTIVATIONS:
+            fail("pkm_score_activation", f"must be one of {PKM_SCORE_ACTIVATIONS}")
+        scale = self.pkm_memory_scale
+        if scale is not None and (isinstance(scale, bool) or not math.isfinite(scale) or scale == 0):
+            fail("pkm_memory_scale", "must be a finite nonzero number (e.g. 0.01 for a near-zero start) or None")
+        if self.pkm_output_gate == "swilu" and self.pkm_mode == "replace" and self.pkm_value_init == "zeros":
+            fail(
+                "pkm_output_gate",
+                "'swilu' with pkm_mode='replace' and pkm_value_init='zeros' cannot be function-preserving: the replaced "
+                "FFN is gone, and zero values would only start the layer as LN(x) with a gated path that learns from "
+                "the values alone; use pkm_mode='resm' for a function-preserving start, or pkm_value_init='normal'",
+            )
 
     @property
     def pkm_mem_size(self) -> int:

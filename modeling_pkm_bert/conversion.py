@@ -169,7 +169,8 @@ def convert_to_pkm(
 
     `target_class` defaults to the BertPkm class of the source's head; `config_overrides` sets other config fields
     (e.g. `{"num_labels": 3}`); `pkm_kwargs` are `pkm_*` fields of [`BertPkmConfig`]. With `pkm_mode="resm"` and
-    `pkm_value_init="zeros"` the result computes exactly what the source computes. Returns the model (in eval mode)
+    `pkm_value_init="zeros"` the result computes exactly what the source computes, with any Memory+ option (shared
+    values, swilu: its output bias starts at zero, qk-norm, ReLU scores, memory scale): the memories then read zeros. Returns the model (in eval mode)
     and a [`ConversionReport`].
     """
     source_model, architecture, not_in_checkpoint, unread = _load_source(source)
@@ -246,11 +247,14 @@ def convert_to_pkm(
     report.carried_parameters = sum(p.numel() for p in params.values() if id(p) in carried_ids)
     report.new_parameters = report.target_parameters - report.carried_parameters
     report.dropped_parameters = sum(p.numel() for p in src_params.values() if id(p) not in carried_src_ids)
+    tables = set()  # a value table shared by the memories (pkm_shared_values) counts once
     for i, layer in enumerate(model.base_model.encoder.layer):
         if layer.memory is not None:
             values = layer.memory.values.weight.numel()
             report.memory_layers.append(i)
-            report.memory_value_parameters += values
+            if id(layer.memory.values.weight) not in tables:
+                tables.add(id(layer.memory.values.weight))
+                report.memory_value_parameters += values
             report.memory_other_parameters += sum(p.numel() for p in layer.memory.parameters()) - values
 
     if config.pkm_mode == "replace" and config.pkm_layers:

@@ -248,8 +248,12 @@ class MemoryUsageTracker:
 
     Attributes:
         accumulators: `{layer name: MemoryUsageAccumulator}` in model order; names are `layer_{i}` from module paths
-            such as `bert.encoder.layer.4.memory`, or the module paths when those would be ambiguous.
+            such as `bert.encoder.layer.4.memory`, or the module paths when those would be ambiguous. A value table
+            shared by several memories (`pkm_shared_values`) is counted per memory AND as a whole, under
+            `shared_values` (its tokens: those of all its memories together).
     """
+
+    SHARED_NAME = "shared_values"
 
     def __init__(self, model: nn.Module, eval_only: bool = False):
         found = list(memory_modules(model).items())
@@ -261,17 +265,41 @@ class MemoryUsageTracker:
             name: MemoryUsageAccumulator(memory.mem_size, memory.values.weight.device)
             for name, memory in self.memories.items()
         }
+        # the memories reading each value table: more than one when shared
+        self._readers = {}
+        for name, memory in self.memories.items():
+            self._readers.setdefault(id(memory.values), []).append(name)
+        shared = [names for names in self._readers.values() if len(names) > 1]
+        for i, names in enumerate(shared):
+            memory = self.memories[names[0]]
+            name = self.SHARED_NAME if len(shared) == 1 else f"{self.SHARED_NAME}_{i}"
+            self.accumulators[name] = MemoryUsageAccumulator(memory.mem_size, memory.values.weight.device)
+            self._readers[id(memory.values)] = [*names, name]
+        self._reading = {}  # id(values) -> the memory whose forward is running
         self.eval_only = eval_only
         self._hooks = []
 
     def attach(self) -> "MemoryUsageTracker":
         """Hooks the value lookup of every memory (once, however often called) and returns `self`."""
         if not self._hooks:
+            tables = {}
             for name, memory in self.memories.items():
-                accumulator = self.accumulators[name].to(memory.values.weight.device)  # the model may have moved
-                hook = self._counting_hook(accumulator)
-                self._hooks.append(memory.values.register_forward_hook(hook, with_kwargs=True))
+                for reader in self._readers[id(memory.values)]:  # the model may have moved
+                    self.accumulators[reader] = self.accumulators[reader].to(memory.values.weight.device)
+                tables[id(memory.values)] = memory.values
+                if len(self._readers[id(memory.values)]) > 1:  # a shared table: which memory reads it
+                    self._hooks.append(memory.register_forward_pre_hook(self._reading_hook(name, memory.values)))
+                    self._hooks.append(memory.register_forward_hook(self._reading_hook(None, memory.values)))
+            for key, values in tables.items():
+                hook = self._counting_hook(key)
+                self._hooks.append(values.register_forward_hook(hook, with_kwargs=True))
         return self
+
+    def _reading_hook(self, name: str | None, values: nn.Module):
+        def set_reader(module, *args):
+            self._reading[id(values)] = name
+
+        return set_reader
 
     def detach(self) -> None:
         """Removes the hooks: the model runs exactly as without a tracker. The counts stay."""
@@ -279,14 +307,26 @@ class MemoryUsageTracker:
             handle.remove()
         self._hooks = []
 
-    def _counting_hook(self, accumulator: MemoryUsageAccumulator):
+    def _counting_hook(self, table: int):
+        readers = self._readers[table]
+
         def count(values: nn.EmbeddingBag, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
             if self.eval_only and values.training:
                 return
             weights = kwargs.get("per_sample_weights", args[2] if len(args) > 2 else None)
             if weights is None:
                 raise ValueError("the memory values were read without per_sample_weights: no weights to count")
-            accumulator.update(args[0] if args else kwargs["input"], weights)
+            indices = args[0] if args else kwargs["input"]
+            if len(readers) == 1:
+                self.accumulators[readers[0]].update(indices, weights)
+                return
+            reader = self._reading.get(table)
+            if reader is None:
+                raise ValueError(
+                    "a shared value table was read outside the forward of one of its memories: cannot tell which"
+                )
+            self.accumulators[reader].update(indices, weights)
+            self.accumulators[readers[-1]].update(indices, weights)  # the table as a whole
 
         return count
 

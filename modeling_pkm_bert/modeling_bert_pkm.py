@@ -39,7 +39,7 @@ from transformers.utils.generic import can_return_tuple, merge_with_config_defau
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_bert_pkm import BertPkmConfig
-from .product_key_memory import ProductKeyMemory
+from .product_key_memory import ProductKeyMemory, ProductKeyValues
 
 
 logger = logging.get_logger(__name__)
@@ -59,7 +59,7 @@ class BertPkmMemoryOutput(nn.Module):
 class BertPkmLayer(GradientCheckpointingLayer):
     """A BERT layer; at `config.pkm_layers` with a memory beside (`resm`) or instead of (`replace`) the FFN."""
 
-    def __init__(self, config, layer_idx=None):
+    def __init__(self, config, layer_idx=None, shared_values: ProductKeyValues | None = None):
         super().__init__()
         self.chunk_size_feed_forward = config.chunk_size_feed_forward
         self.seq_len_dim = 1
@@ -86,6 +86,7 @@ class BertPkmLayer(GradientCheckpointingLayer):
                 input_dropout=config.pkm_input_dropout,
                 query_dropout=config.pkm_query_dropout,
                 value_dropout=config.pkm_value_dropout,
+                **memory_options(config, shared_values),
             )
             if has_memory
             else None
@@ -139,11 +140,36 @@ class BertPkmLayer(GradientCheckpointingLayer):
         return self.output(self.intermediate(attention_output), residual)
 
 
+def memory_options(config, shared_values: ProductKeyValues | None = None) -> dict:
+    """The Memory+ options of `config` as `ProductKeyMemory` arguments (only those switched on)."""
+    options = {"values": shared_values}
+    if config.pkm_qk_norm:
+        options["qk_norm"] = True
+    if config.pkm_score_activation != "softmax":
+        options["score_activation"] = config.pkm_score_activation
+    if config.pkm_output_gate != "none":
+        options["output_gate"] = config.pkm_output_gate
+    if config.pkm_memory_scale is not None:
+        options["memory_scale"] = config.pkm_memory_scale
+    return options
+
+
+def shared_values_names(config, prefix: str = "") -> list[str]:
+    """With `pkm_shared_values`, the names under which the one value table appears, the first memory's first."""
+    if not (getattr(config, "pkm_shared_values", False) and config.pkm_layers):
+        return []
+    return [f"{prefix}encoder.layer.{i}.memory.values.weight" for i in sorted(config.pkm_layers)]
+
+
 class BertPkmEncoder(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.layer = nn.ModuleList([BertPkmLayer(config, layer_idx=i) for i in range(config.num_hidden_layers)])
+        # pkm_shared_values: one table, the same module object in every memory layer (Memory+)
+        shared = ProductKeyValues(config.pkm_mem_size, config.hidden_size) if shared_values_names(config) else None
+        self.layer = nn.ModuleList(
+            [BertPkmLayer(config, layer_idx=i, shared_values=shared) for i in range(config.num_hidden_layers)]
+        )
 
     def forward(
         self,
@@ -371,13 +397,47 @@ class BertPkmPreTrainedModel(PreTrainedModel):
             init.copy_(module.position_ids, torch.arange(module.position_ids.shape[-1]).expand((1, -1)))
             init.zeros_(module.token_type_ids)
         elif isinstance(module, ProductKeyMemory):
-            # its query Linear and BatchNorm are initialised as BERT's; keys and values as XLM's
+            # its query Linear and BatchNorm are initialised as BERT's; keys and values as XLM's (a shared table: by
+            # every memory alike); the options' parameters as their papers'
             bound = (module.k_dim // 2) ** -0.5
             init.uniform_(module.keys, -bound, bound)
             if module.value_init == "zeros":
                 init.zeros_(module.values.weight)
             else:
                 init.normal_(module.values.weight, mean=0.0, std=module.v_dim**-0.5)
+            module.reset_option_parameters(init)
+            if module.memory_scale is not None:
+                init.constant_(module.memory_scale, self.config.pkm_memory_scale)
+
+    def mark_tied_weights_as_initialized(self, loading_info):
+        self._missing_on_load = set(loading_info.missing_keys)  # before tying removes the tied names from it
+        return super().mark_tied_weights_as_initialized(loading_info)
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+        """After `from_pretrained`: a checkpoint whose value tables do not match `pkm_shared_values` is an error, not
+        a silent re-initialisation (separate tables read into one, or one table missing from other memories)."""
+        missing = getattr(self, "_missing_on_load", None)
+        missing = set(loading_info.missing_keys) if missing is None else missing
+        self._missing_on_load = None
+        super()._adjust_missing_and_unexpected_keys(loading_info)
+        prefix = f"{self.base_model_prefix}." if self.base_model is not self else ""
+        memories = [n for n, m in self.named_modules() if isinstance(m, ProductKeyMemory)]
+        # a memory whose keys were read but whose values were not: its table was saved under another memory's name
+        orphans = [f"{n}.values.weight" for n in memories if f"{n}.values.weight" in missing and f"{n}.keys" not in missing]
+        shared = shared_values_names(self.config, prefix)
+        if shared:
+            separate = [k for k in shared[1:] if k not in missing or k not in self.all_tied_weights_keys]
+            if separate:
+                raise ValueError(
+                    f"the checkpoint holds a separate value table per memory ({separate} besides {shared[0]}) but "
+                    "the config has pkm_shared_values=True: load it with pkm_shared_values=False"
+                )
+        elif orphans:
+            raise ValueError(
+                f"the checkpoint has no value table for {orphans}: it was saved "
+                "with pkm_shared_values=True (one table, stored once); load it with pkm_shared_values=True (the "
+                "checkpoint's own config) instead of pkm_shared_values=False"
+            )
 
 
 @auto_docstring(custom_intro="The bare BertPkm model: BERT with product key memory layers at `config.pkm_layers`.")
@@ -399,8 +459,20 @@ class BertPkmModel(BertPkmPreTrainedModel):
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertPkmEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
+        # pkm_shared_values: the table is one module in every memory; transformers' tied weights save it once (under
+        # the first memory) and point the other names at it on load
+        shared = shared_values_names(config)
+        if shared:
+            self._tied_weights_keys = {name: shared[0] for name in shared[1:]}
 
         self.post_init()
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
+        # the shared value table is tied whatever `tie_word_embeddings` says (that flag is about the embeddings)
+        if all_submodels:
+            return super().get_expanded_tied_weights_keys(all_submodels=True)
+        shared = shared_values_names(self.config)
+        return {name: shared[0] for name in shared[1:]}
 
     def get_input_embeddings(self):
         return self.embeddings.word_embeddings

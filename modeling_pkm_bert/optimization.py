@@ -66,7 +66,8 @@ def memory_modules(model: nn.Module) -> dict[str, ProductKeyMemory]:
 
 
 def pkm_value_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The value tables (`values.weight`) of every `ProductKeyMemory` in `model`, each once, in module order."""
+    """The value tables (`values.weight`) of every `ProductKeyMemory` in `model`, each once, in module order (a table
+    shared by several memories, `pkm_shared_values`, appears once)."""
     seen, parameters = set(), []
     for module in memory_modules(model).values():
         if id(module.values.weight) not in seen:
@@ -86,8 +87,9 @@ def pkm_param_groups(
 
     Returns up to three groups, each with a `"name"`:
     - `"decay"`: every other trainable parameter at `lr` with `weight_decay`;
-    - `"no_decay"`: biases and the parameters of LayerNorm / BatchNorm modules (the memories' query BatchNorm
-      included) at `lr` without weight decay, as the transformers examples do;
+    - `"no_decay"`: biases, scalars (the memories' learned output scale) and the parameters of LayerNorm / BatchNorm
+      modules (the memories' query BatchNorm and qk-norms included) at `lr` without weight decay, as the transformers
+      examples do;
     - `"pkm_values"` (when `include_values`): the value tables at the constant `memory_lr` (1e-3), no weight decay.
       Keep it out of any warm-up/decay schedule: give it its own optimizer (`include_values=False` here, and
       `SparseRowAdam(pkm_value_parameters(model), lr=memory_lr)`), or use `pkm_lr_lambdas` with one `LambdaLR`.
@@ -104,7 +106,7 @@ def pkm_param_groups(
         seen.add(id(parameter))
         if id(parameter) in values:
             memory.append(parameter)
-        elif id(parameter) in no_decay_ids or name.endswith("bias"):
+        elif id(parameter) in no_decay_ids or name.endswith("bias") or parameter.ndim == 0:  # 0-d: memory scales
             no_decay.append(parameter)
         else:
             decay.append(parameter)

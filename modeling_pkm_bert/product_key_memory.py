@@ -1,10 +1,21 @@
 """Product key memory (Lample et al. 2019, XLM `pq_fast`), pure torch, all heads batched."""
 
+import math
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+SCORE_ACTIVATIONS = ("softmax", "relu")
+OUTPUT_GATES = ("none", "swilu")
+
+
+def check_memory_scale(name: str, value) -> None:
+    """A memory scale must be a finite nonzero number: 0 would cut every gradient of the memory but its own."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value == 0:
+        raise ValueError(f"{name}={value!r} must be a finite nonzero number (e.g. 0.01 for a near-zero start) or None")
 
 
 _CANDIDATE_PAIRS: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
@@ -363,6 +374,22 @@ class ProductKeyMemory(nn.Module):
     sparse tensor over the rows a step used, for a row-wise optimizer (`optimization.SparseRowAdam`); the default dense
     gradient suits DDP/NCCL, FSDP and any optimizer. Either way the values are read through `self.values(indices,
     per_sample_weights=weights)`, a [`ProductKeyValues`] (an `nn.EmbeddingBag`).
+
+    Options of Memory+ (Berges et al. 2024) and later memory layers, each off by default (written from the papers'
+    descriptions; see the README's "Memory+ and modern options"):
+    - `values`: an existing [`ProductKeyValues`] to read instead of a table of its own, e.g. ONE table shared by the
+      memories of every layer (Memory+); each memory keeps its own keys, query network and output. The memory does not
+      initialise a table it was given.
+    - `qk_norm`: LayerNorm (learned gain and bias, shared by heads and halves) on each query half and on every sub-key
+      before scoring, as UltraMem and ByteDance's Memory+ port do; the gains start at `(k_dim / 2) ** -1/4` so that a
+      half's score has unit scale at the start. The search stays exact over the normalised sub-keys.
+    - `score_activation="relu"`: the selected slots are weighted by `relu(score)` (non-competitive, Csordas et al.
+      2023) instead of the softmax over the `knn` scores of each head.
+    - `output_gate="swilu"`: `output_proj((sum_i w_i v_i) * silu(gate_proj(x)))` (Memory+), with `gate_proj: input_dim
+      -> v_dim` (no bias) and `output_proj: v_dim -> v_dim`, whose bias starts at zero so that zero values still give
+      a zero output.
+    - `memory_scale`: a learned scalar multiplying the output, initialised to the number given (e.g. 0.01 for a
+      near-zero start of a memory added beside a pretrained FFN); a finite nonzero number.
     """
 
     # only the (a + 1) * (b + 1) <= knn pairs of the halves' top-knn lists are scored (exact); False: all knn ** 2
@@ -393,7 +420,12 @@ class ProductKeyMemory(nn.Module):
         input_dropout: float = 0.0,
         query_dropout: float = 0.0,
         value_dropout: float = 0.0,
-        sparse: bool = False,
+        sparse: bool | None = None,
+        values: ProductKeyValues | None = None,
+        qk_norm: bool = False,
+        score_activation: str = "softmax",
+        output_gate: str = "none",
+        memory_scale: float | None = None,
     ):
         super().__init__()
         if k_dim % 2:
@@ -404,31 +436,80 @@ class ProductKeyMemory(nn.Module):
             raise ValueError(f"heads={heads} must be >= 1")
         if value_init not in ("normal", "zeros"):
             raise ValueError(f"value_init={value_init!r} must be 'normal' or 'zeros'")
+        if score_activation not in SCORE_ACTIVATIONS:
+            raise ValueError(f"score_activation={score_activation!r} must be one of {SCORE_ACTIVATIONS}")
+        if output_gate not in OUTPUT_GATES:
+            raise ValueError(f"output_gate={output_gate!r} must be one of {OUTPUT_GATES}")
+        if memory_scale is not None:
+            check_memory_scale("memory_scale", memory_scale)
         self.input_dim, self.v_dim = input_dim, v_dim or input_dim
         self.n_keys, self.heads, self.knn, self.k_dim = n_keys, heads, knn, k_dim
         self.value_init = value_init
+        self.qk_norm, self.score_activation, self.output_gate = bool(qk_norm), score_activation, output_gate
+        self.owns_values = values is None
 
         self.input_dropout = nn.Dropout(input_dropout)
         self.query_proj = nn.Linear(input_dim, heads * k_dim, bias=query_bias)
         self.query_batchnorm = nn.BatchNorm1d(heads * k_dim) if query_batchnorm else nn.Identity()
         self.query_dropout = nn.Dropout(query_dropout)
         self.keys = nn.Parameter(torch.empty(heads, 2, n_keys, k_dim // 2))
-        self.values = ProductKeyValues(n_keys**2, self.v_dim, sparse=sparse)
+        if values is None:
+            values = ProductKeyValues(n_keys**2, self.v_dim, sparse=bool(sparse))
+        else:
+            self._check_shared_values(values, sparse)
+        self.values = values
         self.value_dropout = nn.Dropout(value_dropout)
+        if self.qk_norm:  # one norm for the query halves, one for the sub-keys
+            self.query_norm = nn.LayerNorm(k_dim // 2)
+            self.key_norm = nn.LayerNorm(k_dim // 2)
+        if output_gate == "swilu":
+            self.gate_proj = nn.Linear(input_dim, self.v_dim, bias=False)
+            self.output_proj = nn.Linear(self.v_dim, self.v_dim)
+        if memory_scale is not None:
+            self.memory_scale = nn.Parameter(torch.tensor(float(memory_scale)))
+        else:
+            self.register_parameter("memory_scale", None)
         self.reset_parameters()
+
+    def _check_shared_values(self, values, sparse):
+        if not isinstance(values, nn.EmbeddingBag) or values.mode != "sum":
+            raise ValueError(f"values must be a ProductKeyValues (an nn.EmbeddingBag in 'sum' mode), got {type(values).__name__}")
+        if tuple(values.weight.shape) != (self.n_keys**2, self.v_dim):
+            raise ValueError(
+                f"values: a shared table of shape {tuple(values.weight.shape)} does not fit this memory, which needs "
+                f"(n_keys ** 2, v_dim) = ({self.n_keys**2}, {self.v_dim}) (n_keys={self.n_keys}, v_dim={self.v_dim}): "
+                "memories sharing one value table must have the same n_keys and v_dim"
+            )
+        if sparse is not None and bool(sparse) != values.sparse:
+            raise ValueError(f"sparse={sparse} differs from the shared table's sparse={values.sparse}: leave sparse=None")
 
     @torch.no_grad()
     def reset_parameters(self):
         # XLM's uniform keys: the bound of nn.Linear for fan-in k_dim / 2; values N(0, v_dim^-1/2) or zeros
         bound = (self.k_dim // 2) ** -0.5
         nn.init.uniform_(self.keys, -bound, bound)
-        if self.value_init == "zeros":
-            nn.init.zeros_(self.values.weight)
-        else:
-            nn.init.normal_(self.values.weight, mean=0.0, std=self.v_dim**-0.5)
+        if self.owns_values:  # a table given by the caller keeps its weights
+            if self.value_init == "zeros":
+                nn.init.zeros_(self.values.weight)
+            else:
+                nn.init.normal_(self.values.weight, mean=0.0, std=self.v_dim**-0.5)
         self.query_proj.reset_parameters()
         if isinstance(self.query_batchnorm, nn.BatchNorm1d):
             self.query_batchnorm.reset_parameters()
+        self.reset_option_parameters()
+
+    def reset_option_parameters(self, init=nn.init):
+        """Initialises the parameters of the options (qk-norm gains, swilu projections); `init`: a module with
+        `constant_`, `normal_` and `zeros_` (torch's, or transformers' `initialization`, which skips loaded weights)."""
+        if self.qk_norm:
+            gain = (self.k_dim // 2) ** -0.25  # a half's score sum_j (g q_j)(g k_j) then has unit scale at the start
+            for norm in (self.query_norm, self.key_norm):
+                init.constant_(norm.weight, gain)
+                init.zeros_(norm.bias)
+        if self.output_gate == "swilu":  # Memory+: N(0, fan_in^-1/2); the output bias at zero
+            init.normal_(self.gate_proj.weight, mean=0.0, std=self.input_dim**-0.5)
+            init.normal_(self.output_proj.weight, mean=0.0, std=self.v_dim**-0.5)
+            init.zeros_(self.output_proj.bias)
 
     @property
     def mem_size(self) -> int:
@@ -449,7 +530,9 @@ class ProductKeyMemory(nn.Module):
             raise ValueError(f"queries must end in (heads, k_dim) = {(self.heads, self.k_dim)}, got {tuple(queries.shape)}")
         batch_shape, knn, n_keys = queries.shape[:-2], self.knn, self.n_keys
         halves = queries.reshape(-1, self.heads * 2, self.k_dim // 2).transpose(0, 1)  # (heads * 2, tokens, half)
-        keys = self.keys.to(halves.dtype).flatten(0, 1)  # (heads * 2, n_keys, half)
+        keys = self.scoring_keys().to(halves.dtype).flatten(0, 1)  # (heads * 2, n_keys, half)
+        if self.qk_norm:
+            halves = self.query_norm(halves)
         # fp32 on CPU: the selection in a native kernel (cpu_kernels.py), the same as the torch ops below
         select = _native_selection(halves) if self.native_search and self.prune_candidates else None
         needs_grad = torch.is_grad_enabled() and (halves.requires_grad or keys.requires_grad)
@@ -470,6 +553,16 @@ class ProductKeyMemory(nn.Module):
             indices.transpose(0, 1).reshape(*batch_shape, self.heads, knn),
         )
 
+    def scoring_keys(self) -> torch.Tensor:
+        """The sub-keys the queries are scored against, `(heads, 2, n_keys, k_dim // 2)`: `keys`, with `qk_norm` normalised."""
+        return self.key_norm(self.keys) if self.qk_norm else self.keys
+
+    def score_weights(self, scores: torch.Tensor) -> torch.Tensor:
+        """The weights of the selected slots from their scores `(..., heads, knn)`, in fp32."""
+        if self.score_activation == "relu":
+            return F.relu(scores.float())
+        return F.softmax(scores.float(), dim=-1)
+
     def lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The memory on a flat batch of tokens: `(tokens, input_dim)` -> `(tokens, v_dim)`."""
         if torch.compiler.is_compiling() and not self.trace_training_lookup and torch.is_grad_enabled():
@@ -482,7 +575,8 @@ class ProductKeyMemory(nn.Module):
         return self._lookup(hidden_states)
 
     def _lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        queries = self.query_proj(self.input_dropout(hidden_states))
+        inputs = self.input_dropout(hidden_states)
+        queries = self.query_proj(inputs)
         batchnorm = self.query_batchnorm
         if self.training and isinstance(batchnorm, nn.BatchNorm1d) and not torch.compiler.is_compiling():
             if torch._C._current_graph_task_id() != -1:
@@ -497,11 +591,22 @@ class ProductKeyMemory(nn.Module):
             queries = batchnorm(queries)
         queries = self.query_dropout(queries)
         scores, indices = self.search(queries.unflatten(-1, (self.heads, self.k_dim)))
-        weights = F.softmax(scores.float(), dim=-1)
+        weights = self.score_weights(scores)
         output = self.values(
             indices.flatten(1), per_sample_weights=weights.flatten(1).to(self.values.weight.dtype)
         )  # the bag sums knn rows of every head: heads are summed
-        return self.value_dropout(output.to(hidden_states.dtype))
+        output = output.to(hidden_states.dtype)
+        if self.output_gate == "swilu" or self.memory_scale is not None:
+            output = self.memory_output(output, inputs)
+        return self.value_dropout(output)
+
+    def memory_output(self, read: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """The options applied to the weighted sum of values `read`: the swilu output and the learned scale."""
+        if self.output_gate == "swilu":
+            read = self.output_proj(read * F.silu(self.gate_proj(inputs)))
+        if self.memory_scale is not None:
+            read = read * self.memory_scale.to(read.dtype)
+        return read
 
     def _check_batch_statistics(self, hidden_states: torch.Tensor, queries: torch.Tensor):
         """In training the query BatchNorm normalises each token with statistics of the whole batch and keeps them in
@@ -566,7 +671,11 @@ class ProductKeyMemory(nn.Module):
         return (
             f"input_dim={self.input_dim}, v_dim={self.v_dim}, n_keys={self.n_keys} ({self.mem_size} slots), "
             f"heads={self.heads}, knn={self.knn}, k_dim={self.k_dim}"
+            + (", qk_norm=True" if self.qk_norm else "")
+            + (f", score_activation={self.score_activation!r}" if self.score_activation != "softmax" else "")
+            + (f", output_gate={self.output_gate!r}" if self.output_gate != "none" else "")
+            + (", shared values" if not self.owns_values else "")
         )
 
 
-__all__ = ["ProductKeyMemory"]
+__all__ = ["ProductKeyMemory", "ProductKeyValues"]

@@ -61,13 +61,23 @@ class StalenessTracker:
         }
         self.step = 0
         self._hooks = []
+        tables = [id(memory.values) for memory in self.memories.values()]
+        self._shared = {table for table in tables if tables.count(table) > 1}  # pkm_shared_values
+        self._reading = {}  # shared table -> the memory whose forward runs
 
     def attach(self) -> "StalenessTracker":
         """Hooks the value lookup of every memory (once) and returns `self`."""
         if not self._hooks:
             for name, memory in self.memories.items():
                 self._hooks.append(memory.values.register_forward_hook(self._hook(name), with_kwargs=True))
+                if id(memory.values) in self._shared:  # a shared table's lookups count for the memory reading it
+                    table = id(memory.values)
+                    self._hooks.append(memory.register_forward_pre_hook(lambda *_, t=table, n=name: self._read(t, n)))
+                    self._hooks.append(memory.register_forward_hook(lambda *_, t=table: self._read(t, None)))
         return self
+
+    def _read(self, table: int, name: str | None) -> None:
+        self._reading[table] = name
 
     def detach(self) -> None:
         for handle in self._hooks:
@@ -78,6 +88,8 @@ class StalenessTracker:
         def record(values: nn.EmbeddingBag, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
             if not values.training:
                 return
+            if id(values) in self._shared and self._reading.get(id(values)) != name:
+                return  # another memory reads the shared table
             indices = args[0] if args else kwargs["input"]
             weights = kwargs.get("per_sample_weights", args[2] if len(args) > 2 else None)
             if weights is None or indices.shape[0] == 0:

@@ -7,21 +7,39 @@ import re
 
 import torch
 
-from .configuration_bert_pkm import BertPkmConfig
-from .optimization import PKM_VALUES_GROUP, memory_modules, pkm_param_groups  # noqa: F401 (memory_modules: public here)
+from .configuration_bert_pkm import PKM_MODES, PKM_OUTPUT_GATES, PKM_SCORE_ACTIVATIONS, PKM_VALUE_INITS, BertPkmConfig
+from .optimization import (  # noqa: F401 (memory_modules: public here)
+    PKM_VALUES_GROUP,
+    clip_grad_norm_,
+    memory_modules,
+    pkm_param_groups,
+    pkm_value_parameters,
+)
 
 
-PKM_FIELDS = {f.name: f for f in dataclasses.fields(BertPkmConfig) if f.name.startswith("pkm_")}
+# the pkm_* fields a user sets (pkm_weights_checksum is written by save_pretrained)
+PKM_FIELDS = {
+    f.name: f for f in dataclasses.fields(BertPkmConfig) if f.name.startswith("pkm_") and f.name != "pkm_weights_checksum"
+}
+# the str fields take one of these values
+PKM_CHOICES = {
+    "pkm_mode": PKM_MODES,
+    "pkm_value_init": PKM_VALUE_INITS,
+    "pkm_output_gate": PKM_OUTPUT_GATES,
+    "pkm_score_activation": PKM_SCORE_ACTIVATIONS,
+}
 
 
 def _field_parser(field: dataclasses.Field):
     """argparse `type`/`nargs` for a pkm_* config field, from its annotation."""
     annotation = str(field.type)
+    if field.name in PKM_CHOICES:
+        return dict(type=str, choices=PKM_CHOICES[field.name])
     if "list" in annotation:
         return dict(type=int, nargs="*")
     if annotation.startswith("bool") or field.type is bool:
         return dict(type=_boolean, metavar="{true,false}")
-    if "float" in annotation:
+    if "float" in annotation:  # float, float | int, float | int | None: a number (None = leave the field unset)
         return dict(type=float)
     if "int" in annotation:
         return dict(type=int)
@@ -62,7 +80,33 @@ def add_pkm_arguments(parser: argparse.ArgumentParser, training_options: bool = 
         "has no sparse all-reduce. It pays off when a step reads a small part of the table "
         "(tokens per step * heads * knn well below pkm_n_keys ** 2).",
     )
+    group.add_argument(
+        "--memory_max_grad_norm",
+        type=_positive_float,
+        default=None,
+        help="Clip the gradient of the memory value tables to this norm, on its own (Memory+ clips the values "
+        "separately from the other parameters); dense and sparse gradients. Default: no clipping.",
+    )
     return parser
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def clip_memory_gradients(accelerator, model: torch.nn.Module, memory_optimizer, max_norm: float | None):
+    """`--memory_max_grad_norm`: clips the value tables' gradient to `max_norm` on its own (each shared table once),
+    after unscaling it under fp16 loss scaling; call it between `accelerator.backward` and the optimizer steps.
+    Returns the norm before clipping (None when there is nothing to clip)."""
+    if not max_norm or not accelerator.sync_gradients:
+        return None
+    if getattr(accelerator, "scaler", None) is not None and memory_optimizer is not None:
+        accelerator.unscale_gradients(optimizer=memory_optimizer)
+    parameters = [p for p in pkm_value_parameters(accelerator.unwrap_model(model)) if p.grad is not None]
+    return clip_grad_norm_(parameters, max_norm) if parameters else None
 
 
 def pkm_kwargs_from_args(args: argparse.Namespace) -> dict:

@@ -74,6 +74,7 @@ from modeling_pkm_bert.training import (  # noqa: E402
     check_checkpoint,
     check_data_files,
     check_freeze_memory,
+    clip_memory_gradients,
     create_memory_optimizer,
     freeze_memory,
     resolve_checkpoint,
@@ -710,6 +711,7 @@ def main(argv=None):
                     total_loss += loss.detach().float().item()
                     counted_batches += 1
                     accelerator.backward(loss)
+                    clip_memory_gradients(accelerator, model, memory_optimizer, args.memory_max_grad_norm)
                     for o in optimizers:
                         o.step()
                     lr_scheduler.step()

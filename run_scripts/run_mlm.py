@@ -97,6 +97,7 @@ from modeling_pkm_bert.training import (  # noqa: E402
     check_checkpoint,
     check_data_files,
     check_freeze_memory,
+    clip_memory_gradients,
     create_memory_optimizer,
     freeze_memory,
     resolve_checkpoint,
@@ -885,6 +886,7 @@ def main(argv=None):
                     running_loss += recent_losses[-1]
                     running_batches += 1
                     accelerator.backward(loss)
+                    clip_memory_gradients(accelerator, model, memory_optimizer, args.memory_max_grad_norm)
                     for o in optimizers:
                         o.step()
                     lr_scheduler.step()
