@@ -243,7 +243,8 @@ class MemoryUsageTracker:
     """Counts the usage of every product key memory of a model while attached (a context manager).
 
     Args:
-        model: Any module holding `ProductKeyMemory` layers (none: `results()` is empty).
+        model: Any module holding `ProductKeyMemory` layers (none: `results()` is empty; a config with `pkm_layers`
+            but no memory found raises, see `optimization.memory_modules`).
         eval_only: Count only the forwards run in eval mode; by default whatever runs while attached counts.
 
     Attributes:

@@ -17,6 +17,8 @@ def check_memory_scale(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value == 0:
         raise ValueError(f"{name}={value!r} must be a finite nonzero number (e.g. 0.01 for a near-zero start) or None")
 
+# torch.export sets it (torch >= 2.5; older versions: never exporting through this check)
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 _CANDIDATE_PAIRS: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
@@ -271,7 +273,7 @@ def _native_selection(halves: torch.Tensor):
 
     Never under `torch.export`: an exported program (and the ONNX made from it) holds standard ops only, so that it runs
     where this package is not installed."""
-    if halves.dtype != torch.float32 or halves.device.type != "cpu" or torch.compiler.is_exporting():
+    if halves.dtype != torch.float32 or halves.device.type != "cpu" or _is_exporting():
         return None
     return getattr(torch.ops.pkm_bert, "select_product_keys", None)
 
@@ -310,7 +312,7 @@ class ProductKeyValues(nn.EmbeddingBag):
 
     def forward(self, input, offsets=None, per_sample_weights=None):
         if torch.compiler.is_compiling():
-            if self.sparse and self.weight.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_exporting():
+            if self.sparse and self.weight.requires_grad and torch.is_grad_enabled() and not _is_exporting():
                 return self._eager_forward(input, offsets, per_sample_weights)
             return super().forward(input, offsets, per_sample_weights)
         return self._fused_forward(input, offsets, per_sample_weights)
@@ -645,7 +647,7 @@ class ProductKeyMemory(nn.Module):
             raise ValueError(
                 f"attention_mask of shape {tuple(attention_mask.shape)} does not match hidden_states {tuple(batch_shape)}"
             )
-        if torch.compiler.is_exporting():  # no data-dependent token selection in an exported graph
+        if _is_exporting():  # no data-dependent token selection in an exported graph
             return self._export_forward(flat, attention_mask).view(*batch_shape, self.v_dim)
         # padding is skipped: it must not shift the BatchNorm statistics nor cost lookups
         real = attention_mask.reshape(-1).nonzero().squeeze(1)

@@ -56,15 +56,19 @@ def assert_outputs_equal(actual, expected, atol=1e-5):
 
 
 @pytest.mark.parametrize("class_name", CLASSES)
-def test_dynamic_export_of_every_class_with_padding_equals_eager(class_name):
+def test_static_and_dynamic_export_of_every_class_with_padding_equals_eager(class_name):
     model = tiny_model(class_name)
-    program = export_program(model, batch(class_name, 2, 6, pad_from=4), dynamic=True)
+    example = batch(class_name, 2, 6, pad_from=4)
+    # the forward pass without a cache, as export_program exports it
+    no_cache = {"use_cache": False} if class_name == "BertPkmForCausalLM" else {}
+    static = export_program(model, example, dynamic=False)
+    with torch.no_grad():
+        assert_outputs_equal(static.module()(**example), model(**example, **no_cache))
+    program = export_program(model, example, dynamic=True)
     for size, length, pad_from in [(3, 9, 2), (2, 6, None), (4, 5, 1)]:  # other shapes, padded and not
         inputs = batch(class_name, size, length, pad_from)
-        if class_name == "BertPkmForCausalLM":  # the forward pass without a cache, as export_program exports it
-            inputs["use_cache"] = False
         with torch.no_grad():
-            expected = model(**inputs)
+            expected = model(**inputs, **no_cache)
             actual = program.module()(**inputs)
         assert_outputs_equal(actual, expected)
     if class_name == "BertPkmModel":  # the padding row's memory outputs are exactly zero, as in eager mode

@@ -6,11 +6,11 @@ runs in torch ops, never in the native selection op `torch.ops.pkm_bert.select_p
 its ONNX file hold standard ops only and run where this package is not installed.
 """
 
-import inspect
 import os
 import shutil
 import tempfile
 from collections.abc import Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -41,22 +41,26 @@ def _check_inputs(model: nn.Module, example_inputs: Mapping, dynamic: bool) -> d
     return inputs
 
 
-def _forward_kwargs(model: nn.Module, inputs: dict) -> dict:
-    # the forward pass alone, without a cache object among the outputs (a causal LM's `generate`: transformers'
-    # `exporters.DynamoExporter().export_for_generation`)
-    if "use_cache" in inspect.signature(model.forward).parameters:
-        return {**inputs, "use_cache": False}
-    return inputs
+@contextmanager
+def _without_cache(model: nn.Module):
+    """The forward pass alone, without a cache object among the outputs (a causal LM's `generate` exports with
+    transformers' `exporters.DynamoExporter().export_for_generation`)."""
+    config = getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    if use_cache:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if use_cache:
+            config.use_cache = use_cache
 
 
 def dynamic_shapes(example_inputs: Mapping[str, torch.Tensor]) -> dict:
     """Dynamic batch (first) and sequence (last) axes for every input, e.g. `input_ids` (batch, sequence) or a
     multiple-choice `(batch, choices, sequence)`."""
     return {
-        name: {0: torch.export.Dim.DYNAMIC, value.dim() - 1: torch.export.Dim.DYNAMIC}
-        if isinstance(value, torch.Tensor)
-        else None
-        for name, value in example_inputs.items()
+        name: {0: torch.export.Dim.DYNAMIC, value.dim() - 1: torch.export.Dim.DYNAMIC} for name, value in example_inputs.items()
     }
 
 
@@ -65,8 +69,8 @@ def export_program(
 ) -> torch.export.ExportedProgram:
     """`torch.export.export` of `model` (in eval mode) called with `**example_inputs`; with `dynamic`, the batch and
     sequence sizes may change from call to call (`program.module()(**inputs)`)."""
-    inputs = _forward_kwargs(model, _check_inputs(model, example_inputs, dynamic))
-    with torch.no_grad():
+    inputs = _check_inputs(model, example_inputs, dynamic)
+    with torch.no_grad(), _without_cache(model):
         return torch.export.export(model, (), inputs, dynamic_shapes=dynamic_shapes(inputs) if dynamic else None)
 
 
@@ -90,23 +94,22 @@ def export_onnx(
     if not atol > 0:
         raise ValueError(f"atol={atol} must be > 0")
     inputs = _check_inputs(model, example_inputs, dynamic)
-    kwargs = _forward_kwargs(model, inputs)
-    with torch.no_grad():
-        expected = model(**kwargs)
+    with torch.no_grad(), _without_cache(model):
+        expected = model(**inputs)
     output_names = [name for name, value in expected.items() if isinstance(value, torch.Tensor)]
     if len(output_names) != len(expected):
         raise ValueError(f"{type(model).__name__} returns outputs that are not tensors: {sorted(expected.keys())}")
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _without_cache(model):
             torch.onnx.export(
                 model,
                 (),
                 str(tmp / path.name),
-                kwargs=kwargs,
+                kwargs=inputs,
                 input_names=list(inputs),
                 output_names=output_names,
-                dynamic_shapes=dynamic_shapes(kwargs) if dynamic else None,
+                dynamic_shapes=dynamic_shapes(inputs) if dynamic else None,
                 dynamo=True,
                 # one file, unless the weights pass protobuf's 2 GiB limit (then `<name>.data` beside it)
                 external_data=sum(t.numel() * t.element_size() for t in model.state_dict().values()) >= 1.9 * 2**30,
