@@ -616,6 +616,7 @@ def _umask() -> int:
 
 
 FINAL_STAGING = ".final.tmp"
+WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
 
 
 def save_final_outputs(accelerator, output_dir: str, write) -> None:
@@ -639,6 +640,10 @@ def save_final_outputs(accelerator, output_dir: str, write) -> None:
                     shutil.rmtree(target)
             os.replace(os.path.join(staging, name), target)
         os.rmdir(staging)
+        if any(WEIGHT_FILE.match(name) for name in names):  # as save_pretrained does: drop an older save's shards
+            for name in os.listdir(output_dir):
+                if WEIGHT_FILE.match(name) and name not in names:
+                    os.remove(os.path.join(output_dir, name))
     accelerator.wait_for_everyone()
 
 

@@ -567,6 +567,7 @@ def test_final_outputs_are_published_whole_or_not_at_all(tmp_path):
     output_dir.mkdir()
     (output_dir / "model.safetensors").write_text("old weights")
     (output_dir / "config.json").write_text("old config")
+    (output_dir / "model-00002-of-00002.safetensors").write_text("an older sharded save")
 
     def broken(folder):
         os.makedirs(folder)
