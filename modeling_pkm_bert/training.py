@@ -473,8 +473,8 @@ _MINIMUMS = (
     ("gradient_accumulation_steps", 1, "batches per optimizer step"),
     ("per_device_train_batch_size", 1, "sequences per batch"),
     ("per_device_eval_batch_size", 1, "sequences per batch"),
-    ("max_train_steps", 0, "optimizer steps (0: no training)"),
-    ("num_train_epochs", 0, "epochs (0: no training)"),
+    ("max_train_steps", 0, "optimizer steps; 0 trains nothing"),
+    ("num_train_epochs", 0, "epochs; 0 trains nothing"),
     ("num_warmup_steps", 0, "steps"),
     ("max_train_samples", 1, "examples"),
     ("max_eval_samples", 1, "examples"),
@@ -655,6 +655,7 @@ def _umask() -> int:
 
 
 FINAL_STAGING = ".final.tmp"
+WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
 
 
 def save_final_outputs(accelerator, output_dir: str, write) -> None:
@@ -678,6 +679,10 @@ def save_final_outputs(accelerator, output_dir: str, write) -> None:
                     shutil.rmtree(target)
             os.replace(os.path.join(staging, name), target)
         os.rmdir(staging)
+        if any(WEIGHT_FILE.match(name) for name in names):  # as save_pretrained does: drop an older save's shards
+            for name in os.listdir(output_dir):
+                if WEIGHT_FILE.match(name) and name not in names:
+                    os.remove(os.path.join(output_dir, name))
     accelerator.wait_for_everyone()
 
 
