@@ -373,3 +373,49 @@ def test_staleness_of_a_shared_table_is_per_memory():
     for name, last in tracker.last_top1_step.items():
         expected = torch.cat([top1_slots(indices, weights) for indices, weights in reads[name]]).unique()
         assert torch.equal((last != NEVER).nonzero().squeeze(1), expected.sort().values)
+
+
+def test_run_mlm_trains_memory_plus_from_flags_and_clips_the_values(tmp_path, monkeypatch):
+    import collections
+    import importlib.util
+    import re
+
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import BertTokenizer
+
+    spec = importlib.util.spec_from_file_location("run_mlm", REPO_ROOT / "run_scripts" / "run_mlm.py")
+    run_mlm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_mlm)
+    text = (REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
+    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
+    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(tmp_path / "bert")
+    BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
+               max_position_embeddings=64).save_pretrained(tmp_path / "bert")
+    norms = []
+
+    def recording_clip(*args):
+        norm = clip_memory_gradients(*args)
+        norms.append((args[-1], norm))
+        return norm
+
+    monkeypatch.setattr(run_mlm, "clip_memory_gradients", recording_clip)
+    flags = (
+        "--pkm_layers 0 2 --pkm_n_keys 8 --pkm_knn 4 --pkm_heads 2 --pkm_k_dim 16 --pkm_shared_values true "
+        "--pkm_output_gate swilu --pkm_qk_norm true --pkm_score_activation relu --pkm_memory_scale 0.1 "
+        "--memory_max_grad_norm 1e-3 --memory_optimizer sparse_row_adam --max_train_steps 2 --max_train_samples 8 "
+        "--max_eval_samples 4 --max_seq_length 32 --per_device_train_batch_size 4 --seed 3"
+    )
+    args = ["--config_name", str(tmp_path / "bert"), "--tokenizer_name", str(tmp_path / "bert"),
+            "--output_dir", str(tmp_path / "out"), *flags.split()]
+    try:
+        results = run_mlm.main(args)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    assert len(norms) == 2 and all(max_norm == 1e-3 and norm > 0 for max_norm, norm in norms)
+    assert results["eval_memory/shared_values/tokens"] == 2 * results["eval_memory/layer_0/tokens"]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["pkm_shared_values"] and config["pkm_output_gate"] == "swilu" and config["pkm_memory_scale"] == 0.1
+    loaded = BertPkmForMaskedLM.from_pretrained(tmp_path / "out")
+    assert loaded.bert.encoder.layer[0].memory.values is loaded.bert.encoder.layer[2].memory.values
