@@ -419,3 +419,44 @@ def test_run_mlm_trains_memory_plus_from_flags_and_clips_the_values(tmp_path, mo
     assert config["pkm_shared_values"] and config["pkm_output_gate"] == "swilu" and config["pkm_memory_scale"] == 0.1
     loaded = BertPkmForMaskedLM.from_pretrained(tmp_path / "out")
     assert loaded.bert.encoder.layer[0].memory.values is loaded.bert.encoder.layer[2].memory.values
+
+
+def load_benchmark(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(name, None)
+    return module
+
+
+def test_options_benchmark_section_measures_every_variant_against_the_default(monkeypatch):
+    bench = load_benchmark("run_benchmarks")
+    monkeypatch.setattr(bench, "PAPER", dict(n_keys=16, heads=2, knn=4, k_dim=16))
+    lines = bench.section_options(argparse.Namespace(quick=True, threads=1, options_batch=(2, 8)))
+    rows = [line for line in lines if line.startswith("| ") and "ms" not in line and "---" not in line]
+    assert len(rows) == len(bench.OPTION_VARIANTS) + 2
+    assert rows[0].endswith("| 1.00; 1.00 |")  # the default against itself
+
+
+def test_memory_plus_report_lists_every_finished_run(tmp_path):
+    mp = load_benchmark("memory_plus")
+    args = argparse.Namespace(
+        output_dir=str(tmp_path), seeds=[0, 1], max_train_steps=5, max_seq_length=16, per_device_train_batch_size=2,
+        learning_rate=1e-4, num_warmup_steps=1, memory_optimizer="adam",
+    )
+    for arm, perplexity in zip(mp.ARMS, (10.0, 20.0)):
+        run = mp.run_dir(args, arm, 0)
+        run.mkdir(parents=True)
+        results = {f"eval_{name}_perplexity": perplexity for name in mp.SETS}
+        results |= {f"initial_eval_{name}_perplexity": 100.0 for name in mp.SETS}
+        results |= {f"eval_memory/layer_2/{k}": v for k, v in dict(tokens=8, mu=0.5, top1_mu=0.1, kl_u=1, kl_w=2).items()}
+        (run / "all_results.json").write_text(json.dumps(results))
+    report = mp.write_report(args, "/somewhere/minilm", {})
+    assert report.count("--seed 1") == 2 and "/somewhere" not in report and str(tmp_path) not in report
+    assert "| ResM | 0 | 100.0 | 10.0 | 100.0 | 10.0 |" in report
+    assert "| ResM + shared values + swilu + qk-norm | 1 | 20.0 | 20.0 |" in report  # one seed finished per arm
