@@ -1,11 +1,12 @@
 """Masked-LM comparison on the same budget: ResM vs ResM with Memory+ options (shared values + swilu + qk-norm).
 
-Both convert the real all-MiniLM-L6-v2 on load (+Init) with memories of the paper's size (512² slots, 4 heads, knn 32,
+Both arms convert the real all-MiniLM-L6-v2 on load (+Init) with memories of the paper's size (512² slots, 4 heads, knn 32,
 k_dim 256) beside the FFN of layers 2 and 4, then train through `run_scripts/run_mlm.py` with the same flags, steps,
 batches and seeds on the embedded public-domain text (`run_scripts/data/`); what differs is only the memory options.
 Reports the held-out perplexity on the two embedded evaluation texts before and after training, and the memory usage
 of each memory layer (and of the shared table as a whole) on the first one, into `benchmarks/MEMORY_PLUS.md`.
 
+    # the two arms in two processes side by side (each: seed 0, then seed 1)
     OMP_NUM_THREADS=1 python benchmarks/memory_plus.py --arms 0 & OMP_NUM_THREADS=1 python benchmarks/memory_plus.py --arms 1
     python benchmarks/memory_plus.py --report_only                      # rewrite MEMORY_PLUS.md from the runs
 """
@@ -116,9 +117,12 @@ def write_report(args, model_path: str, durations: dict) -> str:
         "memory usage on the first one.",
         "",
         f"Machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPU cores shared with other jobs, "
-        "`OMP_NUM_THREADS=1`, one process per run, runs one after the other. Seeds: "
-        f"{', '.join(map(str, args.seeds))}; a few hundred steps on ~50k tokens of text: a smoke-scale comparison, "
-        "not evidence about the paper's regime (500k steps).",
+        "`OMP_NUM_THREADS=1`, one process per run, the two arms side by side (`--arms 0` and `--arms 1` in two processes), "
+        "seed after seed. Seeds: "
+        f"{', '.join(map(str, args.seeds))} (the table lists the runs that finished); {args.max_train_steps} steps of "
+        f"{args.per_device_train_batch_size} x {args.max_seq_length} tokens (lr {args.learning_rate:g} with "
+        f"{args.num_warmup_steps} warm-up steps; values: {args.memory_optimizer} at lr 1e-3): a smoke-scale comparison, "
+        "not evidence about the paper's regime (500k steps of 1024 sequences).",
         "",
         "Commands:",
         "",

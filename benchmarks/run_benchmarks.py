@@ -954,7 +954,7 @@ def section_options(args) -> list[str]:
     """The layer cost of each Memory+ option at the paper's size, against the default layer in the same rounds; and
     two memories sharing one table against two with their own (the shared table's gradient accumulates)."""
     rounds = 3 if args.quick else 5
-    batch = (4, 128) if args.quick else (8, 128)
+    batch = getattr(args, "options_batch", None) or ((4, 128) if args.quick else (8, 128))
     torch.manual_seed(1)
     x = torch.randn(*batch, 768, requires_grad=True)
     g = torch.randn(*batch, 768)

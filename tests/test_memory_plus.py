@@ -373,3 +373,90 @@ def test_staleness_of_a_shared_table_is_per_memory():
     for name, last in tracker.last_top1_step.items():
         expected = torch.cat([top1_slots(indices, weights) for indices, weights in reads[name]]).unique()
         assert torch.equal((last != NEVER).nonzero().squeeze(1), expected.sort().values)
+
+
+def test_run_mlm_trains_memory_plus_from_flags_and_clips_the_values(tmp_path, monkeypatch):
+    import collections
+    import importlib.util
+    import re
+
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import BertTokenizer
+
+    spec = importlib.util.spec_from_file_location("run_mlm", REPO_ROOT / "run_scripts" / "run_mlm.py")
+    run_mlm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_mlm)
+    text = (REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
+    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
+    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(tmp_path / "bert")
+    BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
+               max_position_embeddings=64).save_pretrained(tmp_path / "bert")
+    norms = []
+
+    def recording_clip(*args):
+        norm = clip_memory_gradients(*args)
+        norms.append((args[-1], norm))
+        return norm
+
+    monkeypatch.setattr(run_mlm, "clip_memory_gradients", recording_clip)
+    flags = (
+        "--pkm_layers 0 2 --pkm_n_keys 8 --pkm_knn 4 --pkm_heads 2 --pkm_k_dim 16 --pkm_shared_values true "
+        "--pkm_output_gate swilu --pkm_qk_norm true --pkm_score_activation relu --pkm_memory_scale 0.1 "
+        "--memory_max_grad_norm 1e-3 --memory_optimizer sparse_row_adam --max_train_steps 2 --max_train_samples 8 "
+        "--max_eval_samples 4 --max_seq_length 32 --per_device_train_batch_size 4 --seed 3"
+    )
+    args = ["--config_name", str(tmp_path / "bert"), "--tokenizer_name", str(tmp_path / "bert"),
+            "--output_dir", str(tmp_path / "out"), *flags.split()]
+    try:
+        results = run_mlm.main(args)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    assert len(norms) == 2 and all(max_norm == 1e-3 and norm > 0 for max_norm, norm in norms)
+    assert results["eval_memory/shared_values/tokens"] == 2 * results["eval_memory/layer_0/tokens"]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["pkm_shared_values"] and config["pkm_output_gate"] == "swilu" and config["pkm_memory_scale"] == 0.1
+    loaded = BertPkmForMaskedLM.from_pretrained(tmp_path / "out")
+    assert loaded.bert.encoder.layer[0].memory.values is loaded.bert.encoder.layer[2].memory.values
+
+
+def load_benchmark(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(name, None)
+    return module
+
+
+def test_options_benchmark_section_measures_every_variant_against_the_default(monkeypatch):
+    bench = load_benchmark("run_benchmarks")
+    monkeypatch.setattr(bench, "PAPER", dict(n_keys=16, heads=2, knn=4, k_dim=16))
+    lines = bench.section_options(argparse.Namespace(quick=True, threads=1, options_batch=(2, 8)))
+    rows = [line for line in lines if line.startswith("| ") and "ms" not in line and "---" not in line]
+    assert len(rows) == len(bench.OPTION_VARIANTS) + 2
+    assert rows[0].endswith("| 1.00; 1.00 |")  # the default against itself
+
+
+def test_memory_plus_report_lists_every_finished_run(tmp_path):
+    mp = load_benchmark("memory_plus")
+    args = argparse.Namespace(
+        output_dir=str(tmp_path), seeds=[0, 1], max_train_steps=5, max_seq_length=16, per_device_train_batch_size=2,
+        learning_rate=1e-4, num_warmup_steps=1, memory_optimizer="adam",
+    )
+    for arm, perplexity in zip(mp.ARMS, (10.0, 20.0)):
+        run = mp.run_dir(args, arm, 0)
+        run.mkdir(parents=True)
+        results = {f"eval_{name}_perplexity": perplexity for name in mp.SETS}
+        results |= {f"initial_eval_{name}_perplexity": 100.0 for name in mp.SETS}
+        results |= {f"eval_memory/layer_2/{k}": v for k, v in dict(tokens=8, mu=0.5, top1_mu=0.1, kl_u=1, kl_w=2).items()}
+        (run / "all_results.json").write_text(json.dumps(results))
+    report = mp.write_report(args, "/somewhere/minilm", {})
+    assert report.count("--seed 1") == 2 and "/somewhere" not in report and str(tmp_path) not in report
+    assert "| ResM | 0 | 100.0 | 10.0 | 100.0 | 10.0 |" in report
+    assert "| ResM + shared values + swilu + qk-norm | 1 | 20.0 | 20.0 |" in report  # one seed finished per arm
