@@ -39,7 +39,7 @@ from transformers.utils.generic import can_return_tuple, merge_with_config_defau
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_bert_pkm import BertPkmConfig
-from .product_key_memory import ProductKeyMemory, ProductKeyValues
+from .product_key_memory import ProductKeyMemory, ProductKeyValues, _is_exporting
 
 
 logger = logging.get_logger(__name__)
@@ -248,7 +248,7 @@ def _real_tokens_of_4d_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
     allowed = mask if mask.dtype == torch.bool else mask > -5000  # masked: -inf, finfo.min, BERT's -10000
     current = allowed[..., -length:]  # (batch, heads, length, length): keys at the current positions
     real = current.diagonal(dim1=-2, dim2=-1).any(1)  # (batch, length)
-    if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+    if not (torch.compiler.is_compiling() or _is_exporting()):
         unclear = current.any(2).any(1) & ~real  # visible to some query, yet not to itself
         if unclear.any():
             sequence, position = (int(i) for i in unclear.nonzero()[0])
@@ -591,7 +591,7 @@ class BertPkmModel(BertPkmPreTrainedModel):
                 _refuse(argument, tensor.shape, f"must match {name}: {shape} (or (1, {length}))")
         if attention_mask is not None:
             _check_attention_mask(attention_mask, batch, length, past_length)
-        if not self.validate_input_values or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        if not self.validate_input_values or torch.compiler.is_compiling() or _is_exporting():
             return
         # out-of-range ids index the embedding tables: an IndexError on CPU, a device-side assert on GPU
         limits = [

@@ -616,7 +616,7 @@ class ProductKeyMemory(nn.Module):
         evaluation non-finite, so such a batch is refused (ValueError) before the BatchNorm, as is a batch of one token
         (no variance). One sum and one host sync per memory and step in eager mode; nothing in compiled/exported
         graphs."""
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        if torch.compiler.is_compiling() or _is_exporting():
             return
         if queries.shape[0] < 2:
             raise ValueError(
