@@ -7,63 +7,13 @@ import re
 
 import torch
 
+from .arguments import MEMORY_OPTIMIZERS, add_pkm_arguments  # noqa: F401  (the flags live in a torch-free module)
 from .configuration_bert_pkm import BertPkmConfig
 from .optimization import PKM_VALUES_GROUP, pkm_param_groups
 from .product_key_memory import ProductKeyMemory
 
 
 PKM_FIELDS = {f.name: f for f in dataclasses.fields(BertPkmConfig) if f.name.startswith("pkm_")}
-
-
-def _field_parser(field: dataclasses.Field):
-    """argparse `type`/`nargs` for a pkm_* config field, from its annotation."""
-    annotation = str(field.type)
-    if "list" in annotation:
-        return dict(type=int, nargs="*")
-    if annotation.startswith("bool") or field.type is bool:
-        return dict(type=lambda text: {"true": True, "false": False}[text.lower()], metavar="{true,false}")
-    if "float" in annotation:
-        return dict(type=float)
-    if "int" in annotation:
-        return dict(type=int)
-    return dict(type=str)
-
-
-def add_pkm_arguments(parser: argparse.ArgumentParser, training_options: bool = True) -> argparse.ArgumentParser:
-    """Adds `--pkm_<field>` for every pkm_* field of BertPkmConfig, and (for training scripts) the memory
-    optimisation options `--memory_learning_rate` and `--freeze_memory`."""
-    group = parser.add_argument_group(
-        "product key memory",
-        "Given any --pkm_* flag and a plain BERT/DistilBERT checkpoint, the model is converted on load (+Init); "
-        "on a BertPkm checkpoint the flags override its config (only where the weights still fit).",
-    )
-    for name, field in PKM_FIELDS.items():
-        default = field.default if field.default is not dataclasses.MISSING else None
-        group.add_argument(f"--{name}", default=None, help=f"BertPkmConfig.{name} (config default: {default})", **_field_parser(field))
-    if not training_options:
-        return parser
-    group.add_argument(
-        "--memory_learning_rate",
-        type=float,
-        default=1e-3,
-        help="Constant learning rate of the memory values, in their own Adam group without weight decay or warm-up "
-        "(XLM and the paper: 1e-3).",
-    )
-    group.add_argument(
-        "--freeze_memory", action="store_true", help="Keep all memory parameters fixed (the paper's Table 5 ablation)."
-    )
-    group.add_argument(
-        "--memory_optimizer",
-        choices=MEMORY_OPTIMIZERS,
-        default="adam",
-        help="adam: torch Adam on dense value gradients (XLM's published setting; works with every backend). "
-        "sparse_row_adam: optimization.SparseRowAdam, a lazy row-wise Adam that updates only the rows a step read "
-        "(the paper's 'sparse update' of the values; bf16 first moment and one second moment per row, 1.5x the table "
-        "instead of Adam's 4x), fed sparse value gradients on one process or gloo and dense ones under NCCL, which "
-        "has no sparse all-reduce. It pays off when a step reads a small part of the table "
-        "(tokens per step * heads * knn well below pkm_n_keys ** 2).",
-    )
-    return parser
 
 
 def pkm_kwargs_from_args(args: argparse.Namespace) -> dict:
@@ -98,9 +48,6 @@ def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> tuple
     main_groups = [group for group in groups if group["name"] != PKM_VALUES_GROUP]
     memory_groups = [group for group in groups if group["name"] == PKM_VALUES_GROUP]
     return main_groups, memory_groups
-
-
-MEMORY_OPTIMIZERS = ("adam", "sparse_row_adam")
 
 
 def sparse_gradients_supported() -> bool:
@@ -290,37 +237,35 @@ def write_results_model_card(
     *,
     repo_id: str | None = None,
     base_model: str | None = None,
+    license: str | None = None,
     dataset: str | None = None,
     task: str | None = None,
     command: str | None = None,
     title: str = "Fine-tuning results",
 ) -> str:
-    """Writes `folder/README.md` for a fine-tuned model: `conversion.write_model_card` for a BertPkm folder (a short
-    card for a plain BERT baseline), followed by a `title` section ("Fine-tuning results") with every scalar of
-    `results` and the command that produced them. Returns the card's text."""
+    """Writes `folder/README.md` for a trained model: `conversion.write_model_card` for a BertPkm folder (a short
+    card for a plain BERT baseline) with a `title` section ("Fine-tuning results") holding the curated results
+    (perplexities, task metrics, memory usage per layer; the rest stays in `all_results.json`) and the command that
+    produced them, without secrets or this machine's paths. `base_model` is named only when it is a Hub id
+    (`conversion.card_base_model` finds it); `license` defaults to apache-2.0. Returns the card's text."""
     import json
 
-    from .conversion import write_model_card
+    from .conversion import _card_metadata, hub_id_or_none, results_section, write_model_card
 
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as handle:
         config = json.load(handle)
+    details = dict(command=command, dataset=dataset, task=task)
     if config.get("model_type") == BertPkmConfig.model_type:
-        text = str(write_model_card(folder, repo_id=repo_id, base_model=base_model))
-    else:
-        architecture = (config.get("architectures") or ["a BERT model"])[0]
-        text = f"# {repo_id or os.path.basename(os.path.abspath(folder))}\n\n`{architecture}` without product key memory"
-        text += f" (the baseline), fine-tuned from `{base_model}`.\n" if base_model else " (the baseline).\n"
-    lines = ["", f"## {title}", ""]
-    if dataset or task:
-        lines += [f"Task: {task or '-'}; data: `{dataset or '-'}`.", ""]
-    lines += ["| metric | value |", "|---|---:|"]
-    for key, value in results.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        lines.append(f"| `{key}` | {value:.4f} |" if isinstance(value, float) else f"| `{key}` | {value} |")
-    if command:
-        lines += ["", "Produced by:", "", "```bash", command, "```"]
-    text = text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
+        card = write_model_card(
+            folder, repo_id=repo_id, base_model=base_model, license=license, results=results, results_title=title, **details
+        )
+        return str(card)
+    architecture = (config.get("architectures") or ["a BERT model"])[0]
+    base_model = hub_id_or_none(base_model)
+    name = repo_id or os.path.basename(os.path.abspath(folder))
+    text = _card_metadata(base_model, license, ["bert", "baseline"]) + f"# {name}\n\n`{architecture}` without product"
+    text += f" key memory (the baseline), trained from `{base_model}`.\n" if base_model else " key memory (the baseline).\n"
+    text += "\n" + "\n".join(results_section(results, title, output_dir=folder, **details)) + "\n"
     with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as handle:
         handle.write(text)
     return text
