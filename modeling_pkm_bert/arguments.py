@@ -116,12 +116,14 @@ def add_model_card_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
 
 # ---- the command line a model card shows ("Produced by") ----
 
-SECRET_WORDS = ("token", "password", "secret")
+SECRET_WORDS = ("token", "password", "passwd", "secret", "apikey", "api_key")
+_SECRET = re.compile(r"(?:^|[_-])(?:" + "|".join(SECRET_WORDS) + r")(?:[_-]|$)")
 
 
 def is_secret_option(option: str) -> bool:
-    """Whether a `--flag`'s value must never be written down (Hub tokens, passwords, API secrets)."""
-    return option.startswith("-") and any(word in option.lower() for word in SECRET_WORDS)
+    """Whether a `--flag`'s value must never be written down: a word of its name is a token, password or secret
+    (`--hub_token`, `--wandb_api_secret`; not `--tokenizer_name`)."""
+    return option.startswith("-") and _SECRET.search(option.lstrip("-").lower()) is not None
 
 
 def _shown_path(value: str, output_dir: Path | None, cwd: Path) -> str:
@@ -139,8 +141,13 @@ def _shown_path(value: str, output_dir: Path | None, cwd: Path) -> str:
 
 def _card_words(argv: list[str], output_dir: Path | None) -> list[str]:
     cwd = Path(os.getcwd()).resolve()
+    # a local copy of a Hub model (the bundled MiniLM) is shown as the Hub id that --base_model says it holds
+    base_model = next((argv[i + 1] for i, word in enumerate(argv[:-1]) if word == "--base_model"), None)
     words, skip_value = [], False
     for word in argv:
+        if base_model and words and words[-1] == "--model_name_or_path" and Path(word).is_absolute():
+            words.append(base_model)
+            continue
         if skip_value:
             skip_value = False
             if not word.startswith("-"):

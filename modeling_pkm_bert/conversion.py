@@ -529,6 +529,8 @@ def curated_results(results: dict) -> list[str]:
         if key.startswith(_BEFORE_PREFIXES):
             continue
         match = re.fullmatch(r"(?:eval_)?(?:(.+)_)?perplexity", key)
+        if match and not match.group(1) and any(re.fullmatch(r"eval_.+_perplexity", k) for k in results):
+            continue  # the first evaluation set's, shown under its name
         if match:
             name = f"perplexity, {match.group(1)}" if match.group(1) else "perplexity"
             add(key, f"{name} (`{key}`)", [p + key for p in _BEFORE_PREFIXES])
