@@ -134,7 +134,7 @@ def markdown_table(args, runs: dict, summary: dict) -> str:
         return "-" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
 
     def row(cells):
-        return "| " + " | ".join(cells) + " |"
+        return "|" + "|".join(f" {cell} " if cell else " " for cell in cells) + "|"
 
     lines = [
         f"# Seed sweep: median of {len(args.seeds)} seeds",
