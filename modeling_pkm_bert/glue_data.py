@@ -22,12 +22,12 @@ label1..label5) do not matter. Rows too short to hold the needed columns are ski
 processors of transformers skip malformed QQP rows the same way). GLUE's test files (no labels) are not read.
 """
 
+from __future__ import annotations  # `datasets` is imported where it is used: the scripts' --help reads GLUE_TASKS
+
 import csv
 import dataclasses
 import logging
 import os
-
-import datasets
 
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,8 @@ def get_glue_task(name: str) -> GlueTask:
 
 def glue_features(task: GlueTask) -> datasets.Features:
     """The Hub's features of a task (text columns, `label` as ClassLabel or float32, `idx`)."""
+    import datasets
+
     features = {key: datasets.Value("string") for key in task.sentence_keys if key is not None}
     features["label"] = (
         datasets.Value("float32") if task.is_regression else datasets.ClassLabel(names=list(task.label_names))
@@ -161,6 +163,8 @@ def read_glue_tsv(path: str | os.PathLike, task: GlueTask | str) -> dict[str, li
 
 def load_glue_tsv(path: str | os.PathLike, task: GlueTask | str) -> datasets.Dataset:
     """`read_glue_tsv` as a `datasets.Dataset` with the Hub's features (so `features["label"].names` works)."""
+    import datasets
+
     task = get_glue_task(task) if isinstance(task, str) else task
     return datasets.Dataset.from_dict(read_glue_tsv(path, task), features=glue_features(task))
 

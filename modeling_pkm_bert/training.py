@@ -7,7 +7,15 @@ import re
 
 import torch
 
-from .configuration_bert_pkm import PKM_MODES, PKM_OUTPUT_GATES, PKM_SCORE_ACTIVATIONS, PKM_VALUE_INITS, BertPkmConfig
+# the flags live in a torch-free module (a fast --help); imported here for the old import paths
+from .arguments import (  # noqa: F401
+    MEMORY_OPTIMIZERS,
+    add_pkm_arguments,
+    add_reliability_arguments,
+    redact_argv,
+    redact_secrets,
+)
+from .configuration_bert_pkm import BertPkmConfig
 from .optimization import (  # noqa: F401 (memory_modules: public here)
     PKM_VALUES_GROUP,
     clip_grad_norm_,
@@ -21,80 +29,6 @@ from .optimization import (  # noqa: F401 (memory_modules: public here)
 PKM_FIELDS = {
     f.name: f for f in dataclasses.fields(BertPkmConfig) if f.name.startswith("pkm_") and f.name != "pkm_weights_checksum"
 }
-# the str fields take one of these values
-PKM_CHOICES = {
-    "pkm_mode": PKM_MODES,
-    "pkm_value_init": PKM_VALUE_INITS,
-    "pkm_output_gate": PKM_OUTPUT_GATES,
-    "pkm_score_activation": PKM_SCORE_ACTIVATIONS,
-}
-
-
-def _field_parser(field: dataclasses.Field):
-    """argparse `type`/`nargs` for a pkm_* config field, from its annotation."""
-    annotation = str(field.type)
-    if field.name in PKM_CHOICES:
-        return dict(type=str, choices=PKM_CHOICES[field.name])
-    if "list" in annotation:
-        return dict(type=int, nargs="*")
-    if annotation.startswith("bool") or field.type is bool:
-        return dict(type=_boolean, metavar="{true,false}")
-    if "float" in annotation:  # float, float | int, float | int | None: a number (None = leave the field unset)
-        return dict(type=float)
-    if "int" in annotation:
-        return dict(type=int)
-    return dict(type=str)
-
-
-def add_pkm_arguments(parser: argparse.ArgumentParser, training_options: bool = True) -> argparse.ArgumentParser:
-    """Adds `--pkm_<field>` for every pkm_* field of BertPkmConfig, and (for training scripts) the memory
-    optimisation options `--memory_learning_rate` and `--freeze_memory`."""
-    group = parser.add_argument_group(
-        "product key memory",
-        "Given any --pkm_* flag and a plain BERT/DistilBERT checkpoint, the model is converted on load (+Init); "
-        "on a BertPkm checkpoint the flags override its config (only where the weights still fit).",
-    )
-    for name, field in PKM_FIELDS.items():
-        default = field.default if field.default is not dataclasses.MISSING else None
-        group.add_argument(f"--{name}", default=None, help=f"BertPkmConfig.{name} (config default: {default})", **_field_parser(field))
-    if not training_options:
-        return parser
-    group.add_argument(
-        "--memory_learning_rate",
-        type=float,
-        default=1e-3,
-        help="Constant learning rate of the memory values, in their own Adam group without weight decay or warm-up "
-        "(XLM and the paper: 1e-3).",
-    )
-    group.add_argument(
-        "--freeze_memory", action="store_true", help="Keep all memory parameters fixed (the paper's Table 5 ablation)."
-    )
-    group.add_argument(
-        "--memory_optimizer",
-        choices=MEMORY_OPTIMIZERS,
-        default="adam",
-        help="adam: torch Adam on dense value gradients (XLM's published setting; works with every backend). "
-        "sparse_row_adam: optimization.SparseRowAdam, a lazy row-wise Adam that updates only the rows a step read "
-        "(the paper's 'sparse update' of the values; bf16 first moment and one second moment per row, 1.5x the table "
-        "instead of Adam's 4x), fed sparse value gradients on one process or gloo and dense ones under NCCL, which "
-        "has no sparse all-reduce. It pays off when a step reads a small part of the table "
-        "(tokens per step * heads * knn well below pkm_n_keys ** 2).",
-    )
-    group.add_argument(
-        "--memory_max_grad_norm",
-        type=_positive_float,
-        default=None,
-        help="Clip the gradient of the memory value tables to this norm, on its own (Memory+ clips the values "
-        "separately from the other parameters); dense and sparse gradients. Default: no clipping.",
-    )
-    return parser
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
 
 
 def clip_memory_gradients(accelerator, model: torch.nn.Module, memory_optimizer, max_norm: float | None):
@@ -137,9 +71,6 @@ def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> tuple
     main_groups = [group for group in groups if group["name"] != PKM_VALUES_GROUP]
     memory_groups = [group for group in groups if group["name"] == PKM_VALUES_GROUP]
     return main_groups, memory_groups
-
-
-MEMORY_OPTIMIZERS = ("adam", "sparse_row_adam")
 
 
 def sparse_gradients_supported() -> bool:
@@ -359,37 +290,35 @@ def write_results_model_card(
     *,
     repo_id: str | None = None,
     base_model: str | None = None,
+    license: str | None = None,
     dataset: str | None = None,
     task: str | None = None,
     command: str | None = None,
     title: str = "Fine-tuning results",
 ) -> str:
-    """Writes `folder/README.md` for a fine-tuned model: `conversion.write_model_card` for a BertPkm folder (a short
-    card for a plain BERT baseline), followed by a `title` section ("Fine-tuning results") with every scalar of
-    `results` and the command that produced them. Returns the card's text."""
+    """Writes `folder/README.md` for a trained model: `conversion.write_model_card` for a BertPkm folder (a short
+    card for a plain BERT baseline) with a `title` section ("Fine-tuning results") holding the curated results
+    (perplexities, task metrics, memory usage per layer; the rest stays in `all_results.json`) and the command that
+    produced them, without secrets or this machine's paths. `base_model` is named only when it is a Hub id
+    (`conversion.card_base_model` finds it); `license` defaults to apache-2.0. Returns the card's text."""
     import json
 
-    from .conversion import write_model_card
+    from .conversion import _card_metadata, hub_id_or_none, results_section, write_model_card
 
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as handle:
         config = json.load(handle)
+    details = dict(command=command, dataset=dataset, task=task)
     if config.get("model_type") == BertPkmConfig.model_type:
-        text = str(write_model_card(folder, repo_id=repo_id, base_model=base_model))
-    else:
-        architecture = (config.get("architectures") or ["a BERT model"])[0]
-        text = f"# {repo_id or os.path.basename(os.path.abspath(folder))}\n\n`{architecture}` without product key memory"
-        text += f" (the baseline), fine-tuned from `{base_model}`.\n" if base_model else " (the baseline).\n"
-    lines = ["", f"## {title}", ""]
-    if dataset or task:
-        lines += [f"Task: {task or '-'}; data: `{dataset or '-'}`.", ""]
-    lines += ["| metric | value |", "|---|---:|"]
-    for key, value in results.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        lines.append(f"| `{key}` | {value:.4f} |" if isinstance(value, float) else f"| `{key}` | {value} |")
-    if command:
-        lines += ["", "Produced by:", "", "```bash", command, "```"]
-    text = text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
+        card = write_model_card(
+            folder, repo_id=repo_id, base_model=base_model, license=license, results=results, results_title=title, **details
+        )
+        return str(card)
+    architecture = (config.get("architectures") or ["a BERT model"])[0]
+    base_model = hub_id_or_none(base_model)
+    name = repo_id or os.path.basename(os.path.abspath(folder))
+    text = _card_metadata(base_model, license, ["bert", "baseline"]) + f"# {name}\n\n`{architecture}` without product"
+    text += f" key memory (the baseline), trained from `{base_model}`.\n" if base_model else " key memory (the baseline).\n"
+    text += "\n" + "\n".join(results_section(results, title, output_dir=folder, **details)) + "\n"
     with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as handle:
         handle.write(text)
     return text
@@ -399,47 +328,6 @@ def write_results_model_card(
 # work, atomic final outputs, resumes that are exact or stop ----
 
 # argument names that hold secrets (`hub_token`, `wandb_api_key`, ...): never sent to a tracker or saved in a checkpoint
-SECRET_NAME = re.compile(r"(^|_)(token|secret|password|passwd|api_key|apikey|credentials?|auth)($|_)", re.IGNORECASE)
-# values that look like access tokens whatever their argument's name (Hugging Face, GitHub, OpenAI-style, AWS keys)
-SECRET_VALUE = re.compile(
-    r"\b(hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16})\b"
-)
-REDACTED = "<redacted>"
-
-
-def redact_secrets(settings: dict) -> dict:
-    """`settings` without the entries whose name marks a secret (`hub_token`, ...), token-like values replaced by
-    `<redacted>` (also inside strings and lists)."""
-
-    def clean(value):
-        if isinstance(value, str):
-            return SECRET_VALUE.sub(REDACTED, value)
-        if isinstance(value, (list, tuple)):
-            return type(value)(clean(v) for v in value)
-        if isinstance(value, dict):
-            return redact_secrets(value)
-        return value
-
-    return {key: clean(value) for key, value in settings.items() if not SECRET_NAME.search(str(key))}
-
-
-def redact_command(argv: list[str]) -> list[str]:
-    """A command line fit to print or save: the value of every secret flag (`--hub_token X`, `--hub_token=X`) and
-    every token-like word replaced by `<redacted>`."""
-    redacted, hide_next = [], False
-    for word in argv:
-        flag, equals, _ = word.partition("=")
-        is_secret_flag = flag.startswith("--") and SECRET_NAME.search(flag[2:]) is not None
-        if hide_next:
-            redacted.append(REDACTED)
-        elif is_secret_flag and equals:
-            redacted.append(f"{flag}={REDACTED}")
-        else:
-            redacted.append(SECRET_VALUE.sub(REDACTED, word))
-        hide_next = is_secret_flag and not equals
-    return redacted
-
-
 def tracker_config(args: argparse.Namespace) -> dict:
     """The run's arguments for `accelerator.init_trackers`, secrets removed (`redact_secrets`), each value a type
     every tracker takes (enums by value; lists, dicts and paths as strings)."""
@@ -448,24 +336,6 @@ def tracker_config(args: argparse.Namespace) -> dict:
         value = getattr(value, "value", value)  # SchedulerType and other enums
         config[key] = value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
     return config
-
-
-def add_reliability_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument(
-        "--allow_inexact_resume",
-        action="store_true",
-        help="Resume even when this run's batch size, gradient accumulation, learning rates, seed, schedule or data "
-        "differ from the checkpoint's (default: such a resume stops and names what differs).",
-    )
-    return parser
-
-
-def _boolean(text: str) -> bool:
-    """argparse `type` of a true/false flag: a clear error, not a KeyError, for anything else."""
-    value = {"true": True, "false": False}.get(str(text).lower())
-    if value is None:
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return value
 
 
 # (argument, lowest allowed value, what it means); checked only where the script has the argument and it is given

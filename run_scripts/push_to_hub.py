@@ -10,24 +10,26 @@ symlinks are refused. `--dry_run` lists what would be sent and changes nothing i
 """
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
 from pathlib import Path
 
 
-try:
-    import modeling_pkm_bert  # noqa: F401
-except ImportError:  # run from a source checkout without `pip install -e .`
+# `--help` imports no module of the package: its __init__ loads torch and the native kernels
+HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
+if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-from modeling_pkm_bert.conversion import (  # noqa: E402
-    TOKENIZER_FILES,
-    check_hub_folder,
-    files_to_upload,
-    push_folder_to_hub,
-    write_model_card,
-)
+if not HELP:
+    from modeling_pkm_bert.conversion import (
+        TOKENIZER_FILES,
+        check_hub_folder,
+        files_to_upload,
+        push_folder_to_hub,
+        write_model_card,
+    )
 
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,10 @@ evaluation computed locally (no Hub metric), the memory usage after fine-tuning,
         --train_file train-v1.1.json --validation_file dev-v1.1.json --output_dir out/squad
 """
 
+from __future__ import annotations  # annotations name numpy/datasets types that `--help` does not import
+
 import argparse
+import importlib.util
 import json
 import logging
 import math
@@ -20,59 +23,72 @@ import random
 import sys
 import time
 
-import datasets
-import numpy as np
-import torch
-from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.logging import get_logger
-from accelerate.utils import gather_object, set_seed
-from datasets import Dataset, DatasetDict, load_dataset
-from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
-from utils_qa import SquadFormatError, check_answers, postprocess_qa_predictions, read_squad_json, squad_features
 
-import transformers
-from transformers import AutoTokenizer, DataCollatorWithPadding, SchedulerType, default_data_collator, get_scheduler
-
-
-try:
-    import modeling_pkm_bert  # noqa: F401
-except ImportError:  # run from a source checkout without `pip install -e .`
+# `--help` prints every flag in a fraction of a second: it imports the flag module only (standard library), not the
+# package's __init__ (torch, the native kernels) nor transformers, datasets, accelerate (~6 s of CPU together)
+HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
+if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+if HELP:
+    sys.modules["modeling_pkm_bert"] = importlib.util.module_from_spec(importlib.util.find_spec("modeling_pkm_bert"))
 
-from modeling_pkm_bert.memory_usage import (  # noqa: E402
-    flatten_memory_usage,
-    format_memory_usage,
-    gather,
-    track_memory_usage,
-)
-from modeling_pkm_bert.squad_metrics import squad_scores  # noqa: E402
-from modeling_pkm_bert.training import (  # noqa: E402
+from modeling_pkm_bert.arguments import (  # noqa: E402
+    add_model_card_arguments,
     add_pkm_arguments,
     add_reliability_arguments,
-    atomic_write_json,
-    check_checkpoint,
-    check_data_files,
-    check_freeze_memory,
-    clip_memory_gradients,
-    create_memory_optimizer,
-    freeze_memory,
-    resolve_checkpoint,
-    load_model,
-    optimizer_param_groups,
-    pkm_kwargs_from_args,
-    prepare_output_dir,
-    resume_position,
-    run_settings,
-    save_checkpoint,
-    save_final_outputs,
-    tracker_config,
-    validate_training_arguments,
-    write_results_model_card,
+    card_command,
 )
 
 
-logger = get_logger(__name__)
+if HELP:
+    SchedulerType = str  # parse_args() only prints the help
+else:
+    import datasets
+    import numpy as np
+    import torch
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.logging import get_logger
+    from accelerate.utils import gather_object, set_seed
+    from datasets import Dataset, DatasetDict, load_dataset
+    from torch.utils.data import DataLoader
+    from tqdm.auto import tqdm
+    from utils_qa import SquadFormatError, check_answers, postprocess_qa_predictions, read_squad_json, squad_features
+
+    import transformers
+    from transformers import AutoTokenizer, DataCollatorWithPadding, SchedulerType, default_data_collator, get_scheduler
+
+    from modeling_pkm_bert.conversion import card_base_model, card_license
+    from modeling_pkm_bert.memory_usage import (
+        flatten_memory_usage,
+        format_memory_usage,
+        gather,
+        track_memory_usage,
+    )
+    from modeling_pkm_bert.squad_metrics import squad_scores
+    from modeling_pkm_bert.training import (
+        atomic_write_json,
+        check_checkpoint,
+        check_data_files,
+        check_freeze_memory,
+        clip_memory_gradients,
+        create_memory_optimizer,
+        freeze_memory,
+        load_model,
+        memory_modules,
+        optimizer_param_groups,
+        pkm_kwargs_from_args,
+        prepare_output_dir,
+        resolve_checkpoint,
+        resume_position,
+        run_settings,
+        save_checkpoint,
+        save_final_outputs,
+        tracker_config,
+        validate_training_arguments,
+        write_results_model_card,
+    )
+
+    logger = get_logger(__name__)
 
 REQUIRED_COLUMNS = ("id", "question", "context", "answers")
 
@@ -196,6 +212,7 @@ def parse_args(argv=None):
     )
     add_pkm_arguments(parser)
     add_reliability_arguments(parser)
+    add_model_card_arguments(parser)
     args = parser.parse_args(argv)
 
     # Sanity checks
@@ -286,7 +303,7 @@ def predict_logits(args, accelerator, model, features, collate_fn) -> tuple[np.n
 
 def main(argv=None):
     args = parse_args(argv)
-    command = " ".join(["python", "run_squad.py", *(sys.argv[1:] if argv is None else argv)])
+    command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir)  # secrets, paths removed
     start_time = time.time()
 
     # Initialize the accelerator. The seedable sampler draws each epoch's order from (seed, epoch), so that a resumed
@@ -706,7 +723,8 @@ def push_to_hub(args, results, command=None):
         args.output_dir,
         results,
         repo_id=repo_id,
-        base_model=args.model_name_or_path,
+        base_model=card_base_model(args.model_name_or_path, args.base_model),
+        license=card_license(args.model_name_or_path, args.license),
         dataset=args.dataset_name or args.train_file or args.validation_file or default_dataset,
         task="question-answering",
         command=command,

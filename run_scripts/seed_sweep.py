@@ -17,32 +17,38 @@ after the other, each logging to `OUTPUT_DIR/seed_s/sweep.log`. The runs' `all_r
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import os
 import statistics
+import shutil
 import subprocess
 import sys
+import textwrap
 import time
 
 
-try:
-    import modeling_pkm_bert  # noqa: F401
-except ImportError:  # run from a source checkout without `pip install -e .`
+if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+# the sweep needs the flag module only (standard library): not the package's __init__ (torch, the native kernels)
+sys.modules.setdefault(
+    "modeling_pkm_bert", importlib.util.module_from_spec(importlib.util.find_spec("modeling_pkm_bert"))
+)
 
-from modeling_pkm_bert.training import redact_command  # noqa: E402
+from modeling_pkm_bert.arguments import redact_argv  # noqa: E402
 
 
 REPLACED_OPTIONS = ("--seed", "--output_dir")
+USAGE = "seed_sweep.py --seeds S [S ...] --output_dir DIR [options] -- COMMAND OF ONE RUN ..."
 
 
 def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--" not in argv:
-        sys.exit("usage: seed_sweep.py --seeds 1 2 3 --output_dir DIR [options] -- COMMAND OF ONE RUN ...")
-    split = argv.index("--")
-    parser = argparse.ArgumentParser(description="Run a fine-tuning command over several seeds and report medians")
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, usage=USAGE
+    )
     parser.add_argument("--seeds", type=int, nargs="+", required=True, help="The seeds, e.g. 1 2 3 4 5.")
     parser.add_argument("--output_dir", type=str, required=True, help="Holds seed_<s>/ per run and the summaries.")
     parser.add_argument(
@@ -55,14 +61,34 @@ def parse_args(argv=None):
     )
     parser.add_argument("--overwrite", action="store_true", help="Run again the seeds that already have results.")
     parser.add_argument("--stop_on_error", action="store_true", help="Stop at the first failing run.")
+    parser.add_argument(
+        "--fail_fast_seconds",
+        type=float,
+        default=120.0,
+        help="When the first run fails within this many seconds (it could not even start: a missing module, a wrong "
+        "flag, a missing file), stop with its error instead of running every seed into the same failure; 0: never.",
+    )
     parser.add_argument("--dry_run", action="store_true", help="Print the commands without running them.")
     args = parser.parse_args(argv[:split])
     args.command = argv[split + 1 :]
     if not args.command:
-        parser.error("no command after `--`")
+        parser.error("no command after `--` (the command of one run, e.g. -- python run_scripts/run_glue.py ...)")
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds repeats a seed: {args.seeds}")
+    if args.fail_fast_seconds < 0:
+        parser.error(f"--fail_fast_seconds must be >= 0, got {args.fail_fast_seconds}")
+    if shutil.which(args.command[0]) is None and not os.path.isfile(args.command[0]):
+        parser.error(f"the command's program {args.command[0]!r} is not found (not on PATH, not a file)")
     return args
+
+
+def log_tail(path: str, lines: int = 15) -> str:
+    """The last lines of a run's log: the child's error, shown where the sweep reports the failure."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-lines:]).rstrip()
+    except OSError:
+        return "(no log)"
 
 
 def seed_command(command: list[str], seed: int, output_dir: str) -> list[str]:
@@ -118,23 +144,27 @@ def markdown_table(args, runs: dict, summary: dict) -> str:
     def cell(value):
         return "-" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
 
+    def row(cells):
+        return "|" + "|".join(f" {cell} " if cell else " " for cell in cells) + "|"
+
     lines = [
         f"# Seed sweep: median of {len(args.seeds)} seeds",
         "",
         "```bash",
-        " ".join(redact_command(args.command)),  # a --hub_token never reaches the summary
+        " ".join(redact_argv(args.command)),  # a --hub_token never reaches the summary
         "```",
         "",
-        "| seed | status | wall time (s) | " + " | ".join(f"`{m}`" for m in metrics) + " |",
+        row(["seed", "status", "wall time (s)", *(f"`{m}`" for m in metrics)]),
         "|---|---|---:|" + "---:|" * len(metrics),
     ]
     for seed, run in runs.items():
         status = "ok" if run["returncode"] == 0 else f"failed ({run['returncode']})"
-        row = [str(seed), status, cell(run.get("wall_time"))]
-        row += [cell(summary[m]["values"].get(seed)) for m in metrics]
-        lines.append("| " + " | ".join(row) + " |")
-    lines.append("| **median** | | | " + " | ".join(f"**{cell(summary[m]['median'])}**" for m in metrics) + " |")
-    lines.append("| mean | | | " + " | ".join(cell(summary[m]["mean"]) for m in metrics) + " |")
+        lines.append(row([str(seed), status, cell(run.get("wall_time"))] + [cell(summary[m]["values"].get(seed)) for m in metrics]))
+    if metrics:
+        lines.append(row(["**median**", "", ""] + [f"**{cell(summary[m]['median'])}**" for m in metrics]))
+        lines.append(row(["mean", "", ""] + [cell(summary[m]["mean"]) for m in metrics]))
+    else:
+        lines += ["", "No run produced results: see each seed's `sweep.log`."]
     return "\n".join(lines) + "\n"
 
 
@@ -146,7 +176,7 @@ def main(argv=None):
         run_dir = os.path.join(args.output_dir, f"seed_{seed}")
         results_file = os.path.join(run_dir, "all_results.json")
         command = seed_command(args.command, seed, run_dir)
-        print(f"[seed {seed}] {' '.join(redact_command(command))}", flush=True)
+        print(f"[seed {seed}] {' '.join(redact_argv(command))}", flush=True)
         if args.dry_run:
             continue
         if os.path.isfile(results_file) and not args.overwrite:
@@ -169,7 +199,14 @@ def main(argv=None):
         runs[seed] = run
         if run["returncode"] != 0:
             failed.append(seed)
-            print(f"[seed {seed}] FAILED ({run['returncode']}); see {os.path.join(run_dir, 'sweep.log')}", flush=True)
+            log = os.path.join(run_dir, "sweep.log")
+            print(f"[seed {seed}] FAILED ({run['returncode']}) after {run['wall_time']} s; the end of {log}:", flush=True)
+            print(textwrap.indent(log_tail(log), "    "), flush=True)
+            if len(failed) == len(runs) == 1 and run["wall_time"] < args.fail_fast_seconds:
+                sys.exit(
+                    f"The first run failed after {run['wall_time']} s, before it could train: every seed would fail "
+                    f"the same way, so the sweep stops (its error is above; --fail_fast_seconds 0 runs every seed)."
+                )
             if args.stop_on_error:
                 break
         else:
@@ -179,7 +216,7 @@ def main(argv=None):
 
     summary = summarize(runs)
     report = {
-        "command": redact_command(args.command),
+        "command": redact_argv(args.command),
         "seeds": args.seeds,
         "failed_seeds": failed,
         "runs": {str(seed): {k: v for k, v in run.items() if k != "results"} for seed, run in runs.items()},

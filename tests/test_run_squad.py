@@ -244,7 +244,8 @@ def test_end_to_end_and_exact_resume(squad_slice, tmp_path, monkeypatch):
     (folder, repo_id), kwargs = pushed[0]
     assert len(pushed) == 1 and (folder, repo_id) == (str(out), "someone/tiny-squad")
     card = (out / "README.md").read_text()
-    assert f"| `eval_f1` | {saved['eval_f1']:.4f} |" in card and "python run_squad.py --model_name_or_path" in card
+    f1 = f"{saved['eval_f1']:,.2f}" if saved["eval_f1"] >= 100 else f"{saved['eval_f1']:.4f}"
+    assert f"| F1 (`eval_f1`) | {f1} |" in card and "python run_scripts/run_squad.py --model_name_or_path" in card
 
     # resume mid-epoch 0 (step 3: 6 batches skipped) and mid-epoch 1 (step 9: 3 steps into it, 6 batches skipped)
     final = load_file(out / "model.safetensors")

@@ -118,7 +118,7 @@ def test_hub_token_reaches_no_tracker_log_or_results(tiny, tmp_path, caplog, cap
 
 
 def test_redact_command():
-    from modeling_pkm_bert.training import redact_command
+    from modeling_pkm_bert.arguments import redact_argv as redact_command
 
     argv = ["--hub_token", TOKEN, "--hub_token=abc", "--tokenizer_name", "bert", "--note", f"x{TOKEN}", "--seed", "1"]
     assert redact_command(argv) == ["--hub_token", "<redacted>", "--hub_token=<redacted>", "--tokenizer_name", "bert",

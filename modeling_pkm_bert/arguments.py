@@ -1,0 +1,288 @@
+"""Command-line flags the scripts share, and the command line a model card shows.
+
+This module imports the standard library only, so that `python run_scripts/<script>.py --help` prints every flag in
+a fraction of a second: the scripts import it without the package's `__init__` (which loads torch, transformers and
+the native kernels) when `-h`/`--help` is given. It reads the pkm_* fields of `BertPkmConfig` from the source of
+`configuration_bert_pkm.py` rather than importing it (that imports transformers, and so torch);
+`tests/test_script_help.py` checks that both agree.
+"""
+
+import argparse
+import ast
+import os
+import re
+import shlex
+from pathlib import Path
+
+
+def _config_source() -> tuple[dict[str, tuple[str, object]], dict[str, str], dict[str, tuple]]:
+    """({pkm field: (annotation, default)}, AUTO_MAP, {module constant: tuple}) of configuration_bert_pkm.py, read
+    without importing it."""
+    tree = ast.parse(Path(__file__).with_name("configuration_bert_pkm.py").read_text(encoding="utf-8"))
+    fields, auto_map, constants = {}, {}, {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+            if name == "AUTO_MAP":
+                auto_map = ast.literal_eval(node.value)
+            elif isinstance(node.value, ast.Tuple):
+                constants[name] = ast.literal_eval(node.value)
+        if isinstance(node, ast.ClassDef) and node.name == "BertPkmConfig":
+            for item in node.body:
+                # pkm_weights_checksum is written by save_pretrained(..., checksum=True), not set by a user
+                if isinstance(item, ast.AnnAssign) and item.target.id.startswith("pkm_"):
+                    if item.target.id != "pkm_weights_checksum":
+                        default = ast.literal_eval(item.value) if item.value is not None else None
+                        fields[item.target.id] = (ast.unparse(item.annotation), default)
+    return fields, auto_map, constants
+
+
+PKM_FLAG_FIELDS, _AUTO_MAP, _CONFIG_CONSTANTS = _config_source()
+TARGET_CLASSES = [target.split(".")[-1] for auto, target in _AUTO_MAP.items() if auto != "AutoConfig"]
+MEMORY_OPTIMIZERS = ("adam", "sparse_row_adam")
+# the str fields take one of these values
+PKM_CHOICES = {
+    "pkm_mode": _CONFIG_CONSTANTS["PKM_MODES"],
+    "pkm_value_init": _CONFIG_CONSTANTS["PKM_VALUE_INITS"],
+    "pkm_output_gate": _CONFIG_CONSTANTS["PKM_OUTPUT_GATES"],
+    "pkm_score_activation": _CONFIG_CONSTANTS["PKM_SCORE_ACTIVATIONS"],
+}
+
+
+def _boolean(text: str) -> bool:
+    """argparse `type` of a true/false flag: a clear error, not a KeyError, for anything else."""
+    value = {"true": True, "false": False}.get(str(text).lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _field_parser(name: str, annotation: str) -> dict:
+    """argparse `type`/`nargs`/`choices` for a pkm_* config field, from its annotation."""
+    if name in PKM_CHOICES:
+        return dict(type=str, choices=PKM_CHOICES[name])
+    if "list" in annotation:
+        return dict(type=int, nargs="*")
+    if annotation.startswith("bool"):
+        return dict(type=_boolean, metavar="{true,false}")
+    if "float" in annotation:  # float, float | int, float | int | None: a number (None = leave the field unset)
+        return dict(type=float)
+    if "int" in annotation:
+        return dict(type=int)
+    return dict(type=str)
+
+
+def add_pkm_arguments(parser: argparse.ArgumentParser, training_options: bool = True) -> argparse.ArgumentParser:
+    """Adds `--pkm_<field>` for every pkm_* field of BertPkmConfig, and (for training scripts) the memory
+    optimisation options `--memory_learning_rate` and `--freeze_memory`."""
+    group = parser.add_argument_group(
+        "product key memory",
+        "Given any --pkm_* flag and a plain BERT/DistilBERT checkpoint, the model is converted on load (+Init); "
+        "on a BertPkm checkpoint the flags override its config (only where the weights still fit).",
+    )
+    for name, (annotation, default) in PKM_FLAG_FIELDS.items():
+        group.add_argument(f"--{name}", default=None, help=f"BertPkmConfig.{name} (config default: {default})", **_field_parser(name, annotation))
+    if not training_options:
+        return parser
+    group.add_argument(
+        "--memory_learning_rate",
+        type=float,
+        default=1e-3,
+        help="Constant learning rate of the memory values, in their own Adam group without weight decay or warm-up "
+        "(XLM and the paper: 1e-3).",
+    )
+    group.add_argument(
+        "--freeze_memory", action="store_true", help="Keep all memory parameters fixed (the paper's Table 5 ablation)."
+    )
+    group.add_argument(
+        "--memory_optimizer",
+        choices=MEMORY_OPTIMIZERS,
+        default="adam",
+        help="adam: torch Adam on dense value gradients (XLM's published setting; works with every backend). "
+        "sparse_row_adam: optimization.SparseRowAdam, a lazy row-wise Adam that updates only the rows a step read "
+        "(the paper's 'sparse update' of the values; bf16 first moment and one second moment per row, 1.5x the table "
+        "instead of Adam's 4x), fed sparse value gradients on one process or gloo and dense ones under NCCL, which "
+        "has no sparse all-reduce. It pays off when a step reads a small part of the table "
+        "(tokens per step * heads * knn well below pkm_n_keys ** 2).",
+    )
+    group.add_argument(
+        "--memory_max_grad_norm",
+        type=_positive_float,
+        default=None,
+        help="Clip the gradient of the memory value tables to this norm, on its own (Memory+ clips the values "
+        "separately from the other parameters); dense and sparse gradients. Default: no clipping.",
+    )
+    return parser
+
+
+def add_reliability_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument(
+        "--allow_inexact_resume",
+        action="store_true",
+        help="Resume even when this run's batch size, gradient accumulation, learning rates, seed, schedule or data "
+        "differ from the checkpoint's (default: such a resume stops and names what differs).",
+    )
+    return parser
+
+
+DEFAULT_LICENSE = "apache-2.0"
+_HUB_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]{1,96}")
+
+
+def hub_model_id(name: str) -> str:
+    """argparse type of `--base_model`: a Hub model id (`org/name` or `name`), not a local path."""
+    if not _HUB_ID.fullmatch(name) or ".." in name or "--" in name or name.startswith((".", "-")) or os.path.exists(name):
+        raise argparse.ArgumentTypeError(f"{name!r} is not a Hub model id such as google-bert/bert-base-uncased")
+    return name
+
+
+def add_model_card_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`--base_model` and `--license`: what the model card's metadata says when the source cannot tell."""
+    group = parser.add_argument_group("model card")
+    group.add_argument(
+        "--base_model",
+        type=hub_model_id,
+        default=None,
+        help="Hub id of the model this one derives from, for the model card's `base_model` (default: "
+        "--model_name_or_path when it is a Hub id, else the `base_model` of the source folder's own card).",
+    )
+    group.add_argument(
+        "--license",
+        type=str,
+        default=None,
+        help=f"License for the model card (default: the source model's, from its card or config, else {DEFAULT_LICENSE}).",
+    )
+    return parser
+
+
+# ---- the command line a model card shows ("Produced by") ----
+
+# an argument whose name has one of these words holds a secret; values shaped like access tokens are secrets whatever
+# their argument (Hugging Face, GitHub, OpenAI-style, AWS keys)
+SECRET_NAME = re.compile(r"(^|_)(token|secret|password|passwd|api_key|apikey|credentials?|auth)($|_)", re.IGNORECASE)
+SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16})\b")
+REDACTED = "<redacted>"
+
+
+def is_secret_option(option: str) -> bool:
+    """Whether a `--flag`'s value must never be written down: a word of its name is a token, password or secret
+    (`--hub_token`, `--wandb_api_key`; not `--tokenizer_name`)."""
+    return option.startswith("-") and SECRET_NAME.search(option.lstrip("-").replace("-", "_")) is not None
+
+
+def redact_secrets(settings: dict) -> dict:
+    """`settings` without the entries whose name marks a secret (`hub_token`, ...), token-like values replaced by
+    `<redacted>` (also inside strings and lists)."""
+
+    def clean(value):
+        if isinstance(value, str):
+            return SECRET_VALUE.sub(REDACTED, value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(clean(v) for v in value)
+        if isinstance(value, dict):
+            return redact_secrets(value)
+        return value
+
+    return {key: clean(value) for key, value in settings.items() if not SECRET_NAME.search(str(key))}
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """A command line fit to print or save: the value of every secret flag (`--hub_token X`, `--hub_token=X`) and
+    every token-like word replaced by `<redacted>`."""
+    redacted, hide_next = [], False
+    for word in argv:
+        flag, equals, _ = word.partition("=")
+        secret_flag = flag.startswith("--") and is_secret_option(flag)
+        if hide_next:
+            redacted.append(REDACTED)
+        elif secret_flag and equals:
+            redacted.append(f"{flag}={REDACTED}")
+        else:
+            redacted.append(SECRET_VALUE.sub(REDACTED, word))
+        hide_next = secret_flag and not equals
+    return redacted
+
+
+def _shown_path(value: str, output_dir: Path | None, cwd: Path) -> str:
+    """A path as a card shows it: relative when under the output folder or the working directory, else its name."""
+    path = Path(value).expanduser()
+    if not path.is_absolute() and ".." not in path.parts:
+        return value
+    path = Path(os.path.normpath(cwd / path))
+    if output_dir is not None and path.is_relative_to(output_dir):
+        return (Path(output_dir.name) / path.relative_to(output_dir)).as_posix()
+    if path.is_relative_to(cwd):
+        return path.relative_to(cwd).as_posix() or "."
+    return path.name or "<path>"
+
+
+def _card_words(argv: list[str], output_dir: Path | None) -> list[str]:
+    cwd = Path(os.getcwd()).resolve()
+    # a local copy of a Hub model (the bundled MiniLM) is shown as the Hub id that --base_model says it holds
+    base_model = next((argv[i + 1] for i, word in enumerate(argv[:-1]) if word == "--base_model"), None)
+    words, skip_value = [], False
+    for word in argv:
+        if base_model and words and words[-1] == "--model_name_or_path" and Path(word).is_absolute():
+            words.append(base_model)
+            continue
+        if skip_value:
+            skip_value = False
+            if not word.startswith("-"):
+                continue
+        option, equals, value = word.partition("=")
+        if is_secret_option(option) or (equals and not word.startswith("-") and is_secret_option("--" + option)):
+            skip_value = not equals  # `--hub_token X`, `--hub_token=X`, `HF_TOKEN=X`
+            continue
+        if equals and value and os.sep not in option:  # --flag=PATH, NAME=PATH (--validation_files)
+            words.append(f"{option}={_shown_path(value, output_dir, cwd)}")
+        else:
+            words.append(word if word.startswith("-") else _shown_path(word, output_dir, cwd))
+    return [SECRET_VALUE.sub(REDACTED, word) for word in words]
+
+
+def card_command(
+    script: str | os.PathLike, argv: list[str], output_dir: str | os.PathLike | None = None, launcher: str = "python"
+) -> str:
+    """The command line behind a result, fit for a public model card: `python run_scripts/<script> ...`, without
+    any secret (`--hub_token`, flags or variables naming a token, password or secret: dropped with their value) and
+    without this machine's paths (absolute paths under `output_dir` or the working directory become relative, other
+    absolute paths their file or folder name)."""
+    output_dir = Path(os.path.normpath(Path(output_dir).absolute())) if output_dir is not None else None
+    return shlex.join([*launcher.split(), f"run_scripts/{Path(script).name}", *_card_words(list(argv), output_dir)])
+
+
+def redact_command(command: str, output_dir: str | os.PathLike | None = None) -> str:
+    """A command line given as text, with the secrets and machine paths of `card_command` removed; a
+    `... some/dir/<script>.py ...` is shown as `... run_scripts/<script>.py ...`."""
+    output_dir = Path(os.path.normpath(Path(output_dir).absolute())) if output_dir is not None else None
+    words = shlex.split(command)
+    script = next((i for i, word in enumerate(words) if word.endswith(".py") and not word.startswith("-")), None)
+    launcher = [Path(word).name if Path(word).is_absolute() else word for word in words[:script or 0]]
+    if script is None:
+        return shlex.join(_card_words(words, output_dir))
+    shown = [*_card_words(launcher, output_dir), f"run_scripts/{Path(words[script]).name}"]
+    return shlex.join(shown + _card_words(words[script + 1 :], output_dir))
+
+
+__all__ = [
+    "DEFAULT_LICENSE",
+    "MEMORY_OPTIMIZERS",
+    "PKM_FLAG_FIELDS",
+    "TARGET_CLASSES",
+    "add_model_card_arguments",
+    "add_pkm_arguments",
+    "add_reliability_arguments",
+    "card_command",
+    "hub_model_id",
+    "is_secret_option",
+    "redact_argv",
+    "redact_command",
+    "redact_secrets",
+]
