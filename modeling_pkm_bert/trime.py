@@ -1,0 +1,321 @@
+"""TRIME's training objective with in-batch memory (Zhong, Lei & Chen 2022, "Training Language Models with Memory
+Augmentation"), for causal and masked language models.
+
+The probability of the target `w` of a scored position `t` is
+
+    p(w | t) = [exp(E_w . h_t + b_w) + sum_{j in M(t), y_j = w} exp(sim(h_t, h_j))]
+               / [sum_v exp(E_v . h_t + b_v) + sum_{j in M(t)} exp(sim(h_t, h_j))]
+
+where `h` is the representation fed to the output layer (its input), `E`, `b` the output layer's weight and bias,
+`y_j` the target of position `j`, and `M(t)` the memory of `t`: other scored positions of the same batch. Every memory
+entry counts in the normaliser, whatever its target; only those whose target is `w` add to its numerator.
+
+`sim(q, k) = q . k / sqrt(d)`, a dot product scaled by the square root of the hidden size `d`, as in the authors'
+code (princeton-nlp/TRIME, `fairseq/criterions/trime_loss.py`: `torch.mm(reps, reps.T) / math.sqrt(reps.shape[-1])`);
+`scale=` overrides the factor.
+
+Memories (`memory=`):
+- `"local"` (TRIME_local): the earlier scored positions of the same sequence (row);
+- `"long"` (TRIME_long): every earlier scored position of the batch in row-major order, i.e. the local memory plus
+  all positions of the previous rows, which must then be consecutive segments of one text;
+- `"batch"` (masked LM): every other scored position of the batch (a position never counts itself).
+
+With an empty memory the loss is the cross-entropy, exactly. The memory terms are computed in chunks of queries
+(a `chunk_size x keys` similarity block at a time): no `(tokens x tokens x vocab)` tensor is ever built.
+"""
+
+import contextlib
+import math
+
+import torch
+
+
+MEMORY_KINDS = ("local", "long", "batch")
+CAUSAL_MEMORY_KINDS = ("local", "long")
+
+
+def causal_targets(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """The next-token target of every position of a causal LM: `labels` shifted left by one, the last position of each
+    row ignored (what `ForCausalLMLoss` does inside the model)."""
+    return torch.nn.functional.pad(labels[..., 1:], (0, 1), value=ignore_index)
+
+
+def _read_output_layer(output_layer):
+    """(weight (vocab, d), bias (vocab,) or None) of an nn.Linear-like module or a (weight, bias) pair."""
+    if isinstance(output_layer, (tuple, list)):
+        weight, bias = output_layer
+    else:
+        weight, bias = getattr(output_layer, "weight", None), getattr(output_layer, "bias", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(
+            f"TRIME needs the output layer's vocabulary projection (a weight of shape (vocab, hidden)); got "
+            f"{type(output_layer).__name__} with weight {None if weight is None else tuple(weight.shape)}"
+        )
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]):
+        raise ValueError(f"output bias of shape {tuple(bias.shape)} does not match the weight {tuple(weight.shape)}")
+    return weight, bias
+
+
+def trime_loss(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    output_layer=None,
+    *,
+    logits: torch.Tensor | None = None,
+    memory: str = "local",
+    scale: float | None = None,
+    ignore_index: int = -100,
+    chunk_size: int = 1024,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """TRIME's negative log-likelihood of `targets` (see the module docstring).
+
+    Args:
+        hidden: (batch, seq, d) the representation fed to the output layer (for BERT heads: after the transform).
+        targets: (batch, seq) the target of each position (a causal LM: `causal_targets(labels)`), `ignore_index`
+            where a position is not scored; unscored positions are never memory entries either.
+        output_layer: the vocabulary projection, an nn.Linear-like module (`weight` (vocab, d), optional `bias`) or a
+            `(weight, bias)` pair; not needed when `logits` are given.
+        logits: (batch, seq, vocab) the output layer's logits `hidden @ weight.T + bias`, when already computed (the
+            model's forward): they are reused instead of computed again.
+        memory: "local", "long" or "batch" (see the module docstring).
+        scale: the factor of the similarity, default 1 / sqrt(d).
+        chunk_size: queries per block of the memory computation.
+        reduction: "mean" over scored positions, "sum", or "none" (a (batch, seq) tensor, 0 at unscored positions).
+    """
+    if memory not in MEMORY_KINDS:
+        raise ValueError(f"memory={memory!r}; expected one of {MEMORY_KINDS}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r}; expected 'mean', 'sum' or 'none'")
+    if hidden.dim() != 3 or targets.shape != hidden.shape[:2]:
+        raise ValueError(
+            f"hidden must be (batch, seq, d) and targets (batch, seq); got {tuple(hidden.shape)} and "
+            f"{tuple(targets.shape)}"
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    batch, length, d = hidden.shape
+    if logits is None:
+        if output_layer is None:
+            raise ValueError("give the output layer (or its (weight, bias)) or the logits")
+        weight, bias = _read_output_layer(output_layer)
+        if weight.shape[1] != d:
+            raise ValueError(f"output weight {tuple(weight.shape)} does not take hidden states of size {d}")
+    elif logits.shape[:2] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)}")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    dtype = torch.promote_types(hidden.dtype, torch.float32)  # at least fp32 (bf16/fp16 activations are upcast)
+
+    flat_targets = targets.reshape(-1)
+    scored = (flat_targets != ignore_index).nonzero().squeeze(1)  # flat positions, increasing
+    n = scored.numel()
+    token_losses = hidden.new_zeros(0, dtype=dtype)
+    if n:
+        queries = hidden.reshape(-1, d)[scored]
+        keys = queries * scale  # the memory entries: every scored position, in row-major order
+        y = flat_targets[scored]
+        rows = torch.div(scored, length, rounding_mode="floor")
+        # for "local", the first key of each query's row (keys of one row are contiguous)
+        row_start = torch.searchsorted(rows, rows, right=False) if memory == "local" else None
+        flat_logits = logits.reshape(-1, logits.shape[-1]) if logits is not None else None
+        chunks = []
+        for start in range(0, n, chunk_size):
+            stop = min(start + chunk_size, n)
+            q = queries[start:stop]
+            vocab_logits = flat_logits[scored[start:stop]] if flat_logits is not None else q @ weight.T
+            if flat_logits is None and bias is not None:
+                vocab_logits = vocab_logits + bias
+            vocab_logits = vocab_logits.to(dtype)
+            log_z_vocab = torch.logsumexp(vocab_logits, dim=-1)
+            # log p of the vocabulary part alone, computed as cross_entropy does (an empty memory gives CE exactly)
+            log_p_vocab = torch.log_softmax(vocab_logits, dim=-1).gather(1, y[start:stop, None]).squeeze(1)
+
+            # the keys any query of this chunk may see: a contiguous range of the scored positions
+            first = 0 if memory != "local" else int(row_start[start])
+            last = n if memory == "batch" else stop
+            index = torch.arange(start, stop, device=hidden.device)[:, None]
+            key_index = torch.arange(first, last, device=hidden.device)[None, :]
+            if memory == "batch":
+                allowed = key_index != index
+            else:
+                allowed = key_index < index
+                if memory == "local":
+                    allowed &= rows[first:last][None, :] == rows[start:stop, None]
+            if allowed.numel() == 0:
+                chunks.append(-log_p_vocab)
+                continue
+            sims = (q @ keys[first:last].T).to(dtype)
+            log_z_memory = torch.logsumexp(sims.masked_fill(~allowed, -math.inf), dim=-1)
+            positive = allowed & (y[first:last][None, :] == y[start:stop, None])
+            log_positive = torch.logsumexp(sims.masked_fill(~positive, -math.inf), dim=-1)
+            # log p = log(exp(x_y) + S_pos) - log(Z_vocab + S_memory), written relative to Z_vocab so that an empty
+            # memory (S = 0, log S = -inf) leaves log_p_vocab untouched: logaddexp(a, -inf) == a, softplus(-inf) == 0
+            log_p = torch.logaddexp(log_p_vocab, log_positive - log_z_vocab) - torch.nn.functional.softplus(
+                log_z_memory - log_z_vocab
+            )
+            chunks.append(-log_p)
+        token_losses = torch.cat(chunks)
+    if reduction != "none":
+        if not n:  # no scored position: 0, still connected to `hidden` (a DDP backward then all-reduces as usual)
+            return hidden.sum().to(dtype) * 0.0
+        # reduced by nll_loss's own kernel, in position order: with an empty memory, F.cross_entropy bit for bit
+        log_p = -token_losses[:, None]
+        return torch.nn.functional.nll_loss(log_p, y.new_zeros(n), reduction=reduction)
+    per_position = hidden.new_zeros(batch * length, dtype=dtype)
+    return per_position.index_put((scored,), token_losses).view(batch, length)
+
+
+# ---- models: the output layer and its input ----
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DistributedDataParallel / torch.compile wrapper."""
+    while True:
+        inner = getattr(model, "module", None) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+        inner = inner or getattr(model, "_orig_mod", None)
+        if inner is None:
+            return model
+        model = inner
+
+
+def output_layer(model: torch.nn.Module) -> torch.nn.Module:
+    """The model's vocabulary projection (`get_output_embeddings()`, e.g. `cls.predictions.decoder` of BERT heads, the
+    `lm_head` of GPT-2), checked to be readable: a clear ValueError otherwise."""
+    model = _unwrap(model)
+    get = getattr(model, "get_output_embeddings", None)
+    layer = get() if callable(get) else None
+    if layer is None:
+        raise ValueError(
+            f"--trime: {type(model).__name__} has no output embeddings (get_output_embeddings() is None): TRIME needs "
+            "the vocabulary projection of an LM head to score the vocabulary and the memory together"
+        )
+    _read_output_layer(layer)
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab_size is not None and layer.weight.shape[0] != vocab_size:
+        raise ValueError(
+            f"--trime: the output layer of {type(model).__name__} has {layer.weight.shape[0]} rows, not the "
+            f"vocabulary's {vocab_size}: it is not a vocabulary projection TRIME can read"
+        )
+    return layer
+
+
+@contextlib.contextmanager
+def capture_output_layer(model: torch.nn.Module):
+    """Within the block, every forward of the model's output layer stores its input (`h`) and output (the logits
+    before any post-processing) in the yielded dict under "hidden" and "logits"."""
+    captured = {}
+
+    def hook(module, inputs, output):
+        captured["hidden"], captured["logits"] = inputs[0], output
+
+    handle = output_layer(model).register_forward_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def check_logits_match(model_logits: torch.Tensor, captured: dict, model_name: str) -> None:
+    """A clear error when the model post-processes its output layer's logits (soft-capping, scaling): TRIME's
+    vocabulary scores would then not be the model's."""
+    if captured.get("logits") is model_logits:
+        return
+    if captured.get("logits") is None or not torch.allclose(
+        model_logits.float(), captured["logits"].float(), rtol=1e-4, atol=1e-4
+    ):
+        raise ValueError(
+            f"--trime: the logits of {model_name} are not its output layer's (the model transforms them after the "
+            "vocabulary projection); TRIME needs a plain linear output layer"
+        )
+
+
+@torch.no_grad()
+def check_trime_model(model: torch.nn.Module) -> None:
+    """Before training: a clear ValueError when TRIME cannot read the model's output layer (none, not a vocabulary
+    projection, or logits transformed after it), checked on one short forward in eval mode (no random draw)."""
+    layer = output_layer(model)
+    was_training = model.training
+    model.eval()
+    try:
+        tokens = torch.arange(2, device=layer.weight.device)[None] % layer.weight.shape[0]
+        with capture_output_layer(model) as captured:
+            logits = model(input_ids=tokens).logits
+        check_logits_match(logits, captured, type(_unwrap(model)).__name__)
+    finally:
+        model.train(was_training)
+
+
+def model_trime_losses(model, inputs: dict, targets: torch.Tensor, memory: str | None, **kwargs):
+    """One forward of `model` on `inputs` (no labels): (cross-entropy, TRIME loss or None), both means over the scored
+    positions of `targets` (aligned with the model's positions: `causal_targets(labels)` for a causal LM), the TRIME
+    loss with `memory` (None: not computed). The vocabulary logits of the forward are reused."""
+    with capture_output_layer(model) as captured:
+        outputs = model(**inputs)
+    logits = outputs.logits
+    check_logits_match(logits, captured, type(model).__name__)
+    ce = torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=kwargs.get("ignore_index", -100)
+    )
+    trime = None
+    if memory is not None:
+        trime = trime_loss(captured["hidden"], targets, logits=logits, memory=memory, **kwargs)
+    return ce, trime
+
+
+# ---- command-line options ----
+
+
+def add_trime_arguments(parser, causal: bool = True):
+    """`--trime` and `--trime_eval` for run_clm.py (causal: none/local/long) and run_mlm.py (masked: none/batch)."""
+    kinds = ("none", *CAUSAL_MEMORY_KINDS) if causal else ("none", "batch")
+    default_kind = "local" if causal else "batch"
+    group = parser.add_argument_group(
+        "TRIME (in-batch memory objective)",
+        "Zhong et al. 2022: the other positions of the batch act as a memory; p(w|t) ∝ exp(E_w·h_t + b_w) + "
+        "sum over memory entries j with target w of exp(h_t·h_j / sqrt(d)), normalised over the vocabulary and "
+        "every memory entry (modeling_pkm_bert/trime.py).",
+    )
+    help_kinds = (
+        "local: the earlier positions of the same block (TRIME_local); long: also every position of the previous "
+        "blocks of the batch, which are then consecutive blocks of the text (TRIME_long)"
+        if causal
+        else "batch: the other masked positions of the batch (never a position itself)"
+    )
+    group.add_argument(
+        "--trime",
+        nargs="?",
+        const=default_kind,
+        default="none",
+        choices=kinds,
+        help=f"Train with TRIME's loss and this memory (`--trime` alone: {default_kind}); {help_kinds}.",
+    )
+    group.add_argument(
+        "--trime_eval",
+        default=None,
+        choices=kinds,
+        help="The memory of the evaluation's second perplexity (`eval_<set>_trime_perplexity`, beside the ordinary "
+        "one); default: the --trime memory. Give it to a model trained without --trime to measure the test-time "
+        "memory alone.",
+    )
+    group.add_argument(
+        "--trime_chunk_size", type=int, default=1024, help="Queries per block of the memory computation."
+    )
+    return parser
+
+
+def resolve_trime_arguments(args) -> None:
+    """Normalises `args.trime` / `args.trime_eval` to a memory kind or None (after parsing)."""
+    args.trime = None if args.trime in (None, "none") else args.trime
+    if args.trime_eval is None:
+        args.trime_eval = args.trime
+    args.trime_eval = None if args.trime_eval == "none" else args.trime_eval
+    if args.trime_chunk_size < 1:
+        raise ValueError(f"--trime_chunk_size must be >= 1, got {args.trime_chunk_size}")
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf where it overflows."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return float("inf")
