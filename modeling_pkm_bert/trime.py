@@ -246,15 +246,18 @@ def check_trime_model(model: torch.nn.Module) -> None:
 
 
 def model_trime_losses(model, inputs: dict, targets: torch.Tensor, memory: str | None, **kwargs):
-    """One forward of `model` on `inputs` (no labels): (cross-entropy, TRIME loss or None), both means over the scored
-    positions of `targets` (aligned with the model's positions: `causal_targets(labels)` for a causal LM), the TRIME
+    """One forward of `model` on `inputs` (no labels): (cross-entropy, TRIME loss or None), both reduced over the scored
+    positions of `targets` (`reduction=`, default mean) (aligned with the model's positions: `causal_targets(labels)` for a causal LM), the TRIME
     loss with `memory` (None: not computed). The vocabulary logits of the forward are reused."""
     with capture_output_layer(model) as captured:
         outputs = model(**inputs)
     logits = outputs.logits
     check_logits_match(logits, captured, type(model).__name__)
     ce = torch.nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=kwargs.get("ignore_index", -100)
+        logits.float().reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        ignore_index=kwargs.get("ignore_index", -100),
+        reduction=kwargs.get("reduction", "mean"),
     )
     trime = None
     if memory is not None:
