@@ -83,10 +83,42 @@ def trime_loss(
         chunk_size: queries per block of the memory computation.
         reduction: "mean" over scored positions, "sum", or "none" (a (batch, seq) tensor, 0 at unscored positions).
     """
-    if memory not in MEMORY_KINDS:
-        raise ValueError(f"memory={memory!r}; expected one of {MEMORY_KINDS}")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r}; expected 'mean', 'sum' or 'none'")
+    scored, log_p, _ = trime_log_probs(
+        hidden, targets, output_layer, logits=logits, memory=memory, scale=scale, ignore_index=ignore_index,
+        chunk_size=chunk_size,
+    )
+    return _reduce(log_p, scored, hidden, targets, reduction)
+
+
+def _reduce(log_p, scored, hidden, targets, reduction):
+    """-log_p reduced like cross_entropy: nll_loss's own kernel, in position order (an empty memory then gives
+    F.cross_entropy bit for bit); "none": a (batch, seq) tensor with 0 at unscored positions."""
+    if reduction == "none":
+        per_position = log_p.new_zeros(targets.numel())
+        return per_position.index_put((scored,), -log_p).view(targets.shape)
+    if not scored.numel():  # no scored position: 0, still connected to `hidden` (a DDP backward all-reduces as usual)
+        return hidden.sum().to(log_p.dtype) * 0.0
+    return torch.nn.functional.nll_loss(log_p[:, None], scored.new_zeros(scored.numel()), reduction=reduction)
+
+
+def trime_log_probs(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    output_layer=None,
+    *,
+    logits: torch.Tensor | None = None,
+    memory: str | None = "local",
+    scale: float | None = None,
+    ignore_index: int = -100,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(flat indices of the scored positions, TRIME log p of their targets, log p of the vocabulary alone, i.e. the
+    model's ordinary log-softmax), in row-major order. `memory=None` skips the memory (the first two are then equal).
+    Arguments as `trime_loss`."""
+    if memory is not None and memory not in MEMORY_KINDS:
+        raise ValueError(f"memory={memory!r}; expected one of {MEMORY_KINDS}")
     if hidden.dim() != 3 or targets.shape != hidden.shape[:2]:
         raise ValueError(
             f"hidden must be (batch, seq, d) and targets (batch, seq); got {tuple(hidden.shape)} and "
@@ -109,60 +141,60 @@ def trime_loss(
     flat_targets = targets.reshape(-1)
     scored = (flat_targets != ignore_index).nonzero().squeeze(1)  # flat positions, increasing
     n = scored.numel()
-    token_losses = hidden.new_zeros(0, dtype=dtype)
-    if n:
-        queries = hidden.reshape(-1, d)[scored]
-        keys = queries * scale  # the memory entries: every scored position, in row-major order
-        y = flat_targets[scored]
-        rows = torch.div(scored, length, rounding_mode="floor")
-        # for "local", the first key of each query's row (keys of one row are contiguous)
-        row_start = torch.searchsorted(rows, rows, right=False) if memory == "local" else None
-        flat_logits = logits.reshape(-1, logits.shape[-1]) if logits is not None else None
-        chunks = []
-        for start in range(0, n, chunk_size):
-            stop = min(start + chunk_size, n)
-            q = queries[start:stop]
-            vocab_logits = flat_logits[scored[start:stop]] if flat_logits is not None else q @ weight.T
-            if flat_logits is None and bias is not None:
-                vocab_logits = vocab_logits + bias
-            vocab_logits = vocab_logits.to(dtype)
-            log_z_vocab = torch.logsumexp(vocab_logits, dim=-1)
-            # log p of the vocabulary part alone, computed as cross_entropy does (an empty memory gives CE exactly)
-            log_p_vocab = torch.log_softmax(vocab_logits, dim=-1).gather(1, y[start:stop, None]).squeeze(1)
+    if not n:
+        empty = hidden.new_zeros(0, dtype=dtype)
+        return scored, empty, empty
+    queries = hidden.reshape(-1, d)[scored]
+    keys = queries * scale  # the memory entries: every scored position, in row-major order
+    y = flat_targets[scored]
+    rows = torch.div(scored, length, rounding_mode="floor")
+    # for "local", the first key of each query's row (the keys of one row are contiguous)
+    row_start = torch.searchsorted(rows, rows) if memory == "local" else None
+    flat_logits = logits.reshape(-1, logits.shape[-1]) if logits is not None else None
+    log_ps, log_p_vocabs = [], []
+    for start in range(0, n, chunk_size):
+        stop = min(start + chunk_size, n)
+        q = queries[start:stop]
+        if flat_logits is None:
+            vocab_logits = q @ weight.T if bias is None else torch.addmm(bias, q, weight.T)
+        elif stop - start == int(scored[stop - 1] - scored[start]) + 1:  # contiguous positions: a view, no copy
+            vocab_logits = flat_logits[int(scored[start]) : int(scored[stop - 1]) + 1]
+        else:
+            vocab_logits = flat_logits[scored[start:stop]]
+        target = y[start:stop, None]
+        # the vocabulary part as cross_entropy computes it (an empty memory then gives CE exactly)
+        log_p_vocab = torch.log_softmax(vocab_logits.to(dtype), dim=-1).gather(1, target).squeeze(1)
+        log_p_vocabs.append(log_p_vocab)
+        if memory is None:
+            log_ps.append(log_p_vocab)
+            continue
 
-            # the keys any query of this chunk may see: a contiguous range of the scored positions
-            first = 0 if memory != "local" else int(row_start[start])
-            last = n if memory == "batch" else stop
-            index = torch.arange(start, stop, device=hidden.device)[:, None]
-            key_index = torch.arange(first, last, device=hidden.device)[None, :]
-            if memory == "batch":
-                allowed = key_index != index
-            else:
-                allowed = key_index < index
-                if memory == "local":
-                    allowed &= rows[first:last][None, :] == rows[start:stop, None]
-            if allowed.numel() == 0:
-                chunks.append(-log_p_vocab)
-                continue
-            sims = (q @ keys[first:last].T).to(dtype)
-            log_z_memory = torch.logsumexp(sims.masked_fill(~allowed, -math.inf), dim=-1)
-            positive = allowed & (y[first:last][None, :] == y[start:stop, None])
-            log_positive = torch.logsumexp(sims.masked_fill(~positive, -math.inf), dim=-1)
-            # log p = log(exp(x_y) + S_pos) - log(Z_vocab + S_memory), written relative to Z_vocab so that an empty
-            # memory (S = 0, log S = -inf) leaves log_p_vocab untouched: logaddexp(a, -inf) == a, softplus(-inf) == 0
-            log_p = torch.logaddexp(log_p_vocab, log_positive - log_z_vocab) - torch.nn.functional.softplus(
-                log_z_memory - log_z_vocab
-            )
-            chunks.append(-log_p)
-        token_losses = torch.cat(chunks)
-    if reduction != "none":
-        if not n:  # no scored position: 0, still connected to `hidden` (a DDP backward then all-reduces as usual)
-            return hidden.sum().to(dtype) * 0.0
-        # reduced by nll_loss's own kernel, in position order: with an empty memory, F.cross_entropy bit for bit
-        log_p = -token_losses[:, None]
-        return torch.nn.functional.nll_loss(log_p, y.new_zeros(n), reduction=reduction)
-    per_position = hidden.new_zeros(batch * length, dtype=dtype)
-    return per_position.index_put((scored,), token_losses).view(batch, length)
+        # the keys any query of this chunk may see: a contiguous range of the scored positions
+        first = 0 if memory != "local" else int(row_start[start])
+        last = n if memory == "batch" else stop
+        index = torch.arange(start, stop, device=hidden.device)[:, None]
+        key_index = torch.arange(first, last, device=hidden.device)[None, :]
+        if memory == "batch":
+            allowed = key_index != index
+        else:
+            allowed = key_index < index
+            if memory == "local":
+                allowed &= rows[first:last][None, :] == rows[start:stop, None]
+        if allowed.numel() == 0:
+            log_ps.append(log_p_vocab)
+            continue
+        log_z_vocab = vocab_logits.gather(1, target).squeeze(1).to(dtype) - log_p_vocab
+        sims = (q @ keys[first:last].T).to(dtype)
+        log_z_memory = torch.logsumexp(sims.masked_fill(~allowed, -math.inf), dim=-1)
+        positive = allowed & (y[first:last][None, :] == target)
+        log_positive = torch.logsumexp(sims.masked_fill(~positive, -math.inf), dim=-1)
+        # log p = log(exp(x_y) + S_pos) - log(Z_vocab + S_memory), written relative to Z_vocab so that an empty
+        # memory (S = 0, log S = -inf) leaves log_p_vocab untouched: logaddexp(a, -inf) == a, softplus(-inf) == 0
+        log_ps.append(
+            torch.logaddexp(log_p_vocab, log_positive - log_z_vocab)
+            - torch.nn.functional.softplus(log_z_memory - log_z_vocab)
+        )
+    return scored, torch.cat(log_ps), torch.cat(log_p_vocabs)
 
 
 # ---- models: the output layer and its input ----
@@ -245,24 +277,19 @@ def check_trime_model(model: torch.nn.Module) -> None:
         model.train(was_training)
 
 
-def model_trime_losses(model, inputs: dict, targets: torch.Tensor, memory: str | None, **kwargs):
-    """One forward of `model` on `inputs` (no labels): (cross-entropy, TRIME loss or None), both reduced over the scored
-    positions of `targets` (`reduction=`, default mean) (aligned with the model's positions: `causal_targets(labels)` for a causal LM), the TRIME
-    loss with `memory` (None: not computed). The vocabulary logits of the forward are reused."""
+def model_trime_losses(model, inputs: dict, targets: torch.Tensor, memory: str | None, reduction="mean", **kwargs):
+    """One forward of `model` on `inputs` (no labels): (cross-entropy, TRIME loss with `memory`), both reduced
+    (`reduction=`) over the scored positions of `targets`, which are aligned with the model's positions
+    (`causal_targets(labels)` for a causal LM). The forward's logits are reused; the cross-entropy is the
+    vocabulary part of the same computation (F.cross_entropy's value). `memory=None`: the TRIME loss is the CE."""
     with capture_output_layer(model) as captured:
         outputs = model(**inputs)
-    logits = outputs.logits
-    check_logits_match(logits, captured, type(model).__name__)
-    ce = torch.nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]),
-        targets.reshape(-1),
-        ignore_index=kwargs.get("ignore_index", -100),
-        reduction=kwargs.get("reduction", "mean"),
+    check_logits_match(outputs.logits, captured, type(_unwrap(model)).__name__)
+    scored, log_p, log_p_vocab = trime_log_probs(
+        captured["hidden"], targets, logits=outputs.logits, memory=memory, **kwargs
     )
-    trime = None
-    if memory is not None:
-        trime = trime_loss(captured["hidden"], targets, logits=logits, memory=memory, **kwargs)
-    return ce, trime
+    ce = _reduce(log_p_vocab, scored, captured["hidden"], targets, reduction)
+    return ce, (_reduce(log_p, scored, captured["hidden"], targets, reduction) if memory is not None else ce)
 
 
 # ---- command-line options ----

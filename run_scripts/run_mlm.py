@@ -87,11 +87,11 @@ from modeling_pkm_bert import register_auto_classes  # noqa: E402
 from modeling_pkm_bert.lm_data import check_data_file, load_raw_datasets, parse_validation_sets  # noqa: E402
 from modeling_pkm_bert.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage  # noqa: E402
 from modeling_pkm_bert.staleness import StalenessTracker  # noqa: E402
+from modeling_pkm_bert import trime  # noqa: E402
 from modeling_pkm_bert.trime import (  # noqa: E402
     add_trime_arguments,
     check_trime_model,
     model_trime_losses,
-    perplexity,
     resolve_trime_arguments,
 )
 from modeling_pkm_bert.training import (  # noqa: E402
@@ -434,7 +434,7 @@ def evaluate(args, accelerator, model, eval_datasets, collate_fn, measure_memory
             metrics[f"eval_{name}_perplexity"] = perplexity
             if args.trime_eval:  # the same positions scored with the other masked positions of the batch as memory
                 metrics[f"eval_{name}_trime_loss"] = (totals[2] / totals[1]).item()
-                metrics[f"eval_{name}_trime_perplexity"] = perplexity(metrics[f"eval_{name}_trime_loss"])
+                metrics[f"eval_{name}_trime_perplexity"] = trime.perplexity(metrics[f"eval_{name}_trime_loss"])
             if track:
                 gather(tracker, accelerator)
                 usage = tracker.results()
