@@ -155,15 +155,26 @@ def trime_log_probs(
     for start in range(0, n, chunk_size):
         stop = min(start + chunk_size, n)
         q = queries[start:stop]
+        target = y[start:stop, None]
         if flat_logits is None:
             vocab_logits = q @ weight.T if bias is None else torch.addmm(bias, q, weight.T)
-        elif stop - start == int(scored[stop - 1] - scored[start]) + 1:  # contiguous positions: a view, no copy
-            vocab_logits = flat_logits[int(scored[start]) : int(scored[stop - 1]) + 1]
+            target_logit = vocab_logits.gather(1, target).squeeze(1)
+            # the vocabulary part as cross_entropy computes it (an empty memory then gives CE exactly)
+            log_p_vocab = torch.log_softmax(vocab_logits.to(dtype), dim=-1).gather(1, target).squeeze(1)
         else:
-            vocab_logits = flat_logits[scored[start:stop]]
-        target = y[start:stop, None]
-        # the vocabulary part as cross_entropy computes it (an empty memory then gives CE exactly)
-        log_p_vocab = torch.log_softmax(vocab_logits.to(dtype), dim=-1).gather(1, target).squeeze(1)
+            span_start, span_stop = int(scored[start]), int(scored[stop - 1]) + 1
+            if span_stop - span_start <= 2 * (stop - start):
+                # mostly scored rows (a causal LM): a view of the logits' span, no copy of (rows x vocab) floats
+                rows_in_span = scored[start:stop] - span_start
+                span_targets = flat_targets.new_zeros(span_stop - span_start, 1).index_put_((rows_in_span,), target)
+                span = flat_logits[span_start:span_stop]
+                target_logit = span.gather(1, span_targets).squeeze(1)[rows_in_span]
+                log_p_vocab = torch.log_softmax(span.to(dtype), dim=-1).gather(1, span_targets).squeeze(1)
+                log_p_vocab = log_p_vocab[rows_in_span]
+            else:  # sparse rows (masked positions): copy just those
+                vocab_logits = flat_logits[scored[start:stop]]
+                target_logit = vocab_logits.gather(1, target).squeeze(1)
+                log_p_vocab = torch.log_softmax(vocab_logits.to(dtype), dim=-1).gather(1, target).squeeze(1)
         log_p_vocabs.append(log_p_vocab)
         if memory is None:
             log_ps.append(log_p_vocab)
@@ -183,7 +194,7 @@ def trime_log_probs(
         if allowed.numel() == 0:
             log_ps.append(log_p_vocab)
             continue
-        log_z_vocab = vocab_logits.gather(1, target).squeeze(1).to(dtype) - log_p_vocab
+        log_z_vocab = target_logit.to(dtype) - log_p_vocab
         sims = (q @ keys[first:last].T).to(dtype)
         log_z_memory = torch.logsumexp(sims.masked_fill(~allowed, -math.inf), dim=-1)
         positive = allowed & (y[first:last][None, :] == target)
