@@ -92,7 +92,7 @@ from modeling_pkm_bert.trime import (  # noqa: E402
 
 logger = get_logger(__name__)
 
-MODEL_TYPES = tuple(conf.model_type for conf in MODEL_FOR_CAUSAL_LM_MAPPING.keys())
+MODEL_TYPES = (*(conf.model_type for conf in MODEL_FOR_CAUSAL_LM_MAPPING.keys()), BertPkmConfig.model_type)
 # BERT-family configs are bidirectional unless made decoders
 DECODER_MODEL_TYPES = ("bert", BertPkmConfig.model_type)
 
@@ -458,6 +458,7 @@ def main(argv=None):
             )
     do_train = train_dataset is not None and args.max_train_steps != 0 and args.num_train_epochs > 0
     train_blocks = len(train_dataset) if train_dataset is not None else 0
+    sampled_blocks = train_blocks
 
     # TRIME_long trains on batches of consecutive blocks: each training example becomes a group of
     # per_device_train_batch_size consecutive blocks, the groups are shuffled, and a batch is one group.
@@ -475,9 +476,10 @@ def main(argv=None):
             drop_last_batch=True,
             desc="Grouping consecutive blocks (TRIME_long)",
         )
+        sampled_blocks = len(train_dataset) * args.per_device_train_batch_size  # the last partial group is dropped
 
     if do_train:
-        for index in random.Random(args.seed).sample(range(train_blocks), min(3, train_blocks)):
+        for index in random.Random(args.seed).sample(range(sampled_blocks), min(3, sampled_blocks)):
             block = train_dataset[index // args.per_device_train_batch_size]["input_ids"] if consecutive else None
             ids = block[index % args.per_device_train_batch_size] if consecutive else train_dataset[index]["input_ids"]
             logger.info(f"Sample {index} of the training set: {tokenizer.decode(ids)!r}.")
