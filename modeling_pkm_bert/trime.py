@@ -214,8 +214,10 @@ def trime_log_probs(
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside a DistributedDataParallel / torch.compile wrapper."""
     while True:
-        inner = getattr(model, "module", None) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
-        inner = inner or getattr(model, "_orig_mod", None)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            inner = model.module
+        else:
+            inner = getattr(model, "_orig_mod", None)
         if inner is None:
             return model
         model = inner

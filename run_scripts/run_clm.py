@@ -53,7 +53,14 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 import transformers
-from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer, SchedulerType, get_scheduler
+from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    SchedulerType,
+    get_scheduler,
+)
 
 
 try:
@@ -63,7 +70,12 @@ except ImportError:  # run from a source checkout without `pip install -e .`
 
 from modeling_pkm_bert import BertPkmConfig, register_auto_classes  # noqa: E402
 from modeling_pkm_bert.lm_data import check_data_file, load_raw_datasets, parse_validation_sets  # noqa: E402
-from modeling_pkm_bert.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage  # noqa: E402
+from modeling_pkm_bert.memory_usage import (  # noqa: E402
+    flatten_memory_usage,
+    format_memory_usage,
+    gather,
+    track_memory_usage,
+)
 from modeling_pkm_bert.staleness import StalenessTracker  # noqa: E402
 from modeling_pkm_bert.training import (  # noqa: E402
     add_pkm_arguments,
@@ -110,7 +122,9 @@ def parse_args(argv=None):
     parser.add_argument("--dataset_name", type=str, default=None, help="A dataset of the datasets library (Hub).")
     parser.add_argument("--dataset_config_name", type=str, default=None, help="The configuration of the dataset.")
     parser.add_argument("--train_file", type=str, default=None, help="Training data: a txt, csv or json file.")
-    parser.add_argument("--validation_file", type=str, default=None, help="An evaluation file; see --validation_files.")
+    parser.add_argument(
+        "--validation_file", type=str, default=None, help="An evaluation file; see --validation_files."
+    )
     parser.add_argument(
         "--validation_files",
         type=str,
@@ -403,7 +417,8 @@ def main(argv=None):
         check_trime_model(model)  # its output layer must be a vocabulary projection TRIME can read
 
     # Blocks: no longer than the model's positions.
-    max_positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    config = model.config
+    max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     block_size = args.block_size or min(1024, max_positions or 1024, tokenizer.model_max_length)
     if max_positions is not None and block_size > max_positions:
         raise ValueError(

@@ -417,7 +417,9 @@ def evaluate(args, accelerator, model, eval_datasets, collate_fn, measure_memory
                     with torch.no_grad(), accelerator.autocast():
                         if args.trime_eval:
                             labels = batch.pop("labels")
-                            loss, trime_loss = model_trime_losses(model, batch, labels, args.trime_eval)
+                            loss, trime_loss = model_trime_losses(
+                                model, batch, labels, args.trime_eval, chunk_size=args.trime_chunk_size
+                            )
                             batch["labels"] = labels
                         else:
                             loss = model(**batch).loss
@@ -753,7 +755,9 @@ def main(argv=None):
                     staleness.step = completed_steps + 1
                 with accelerator.accumulate(model):
                     if args.trime:  # TRIME: the other masked positions of the batch are a memory
-                        loss = model_trime_losses(model, batch, batch.pop("labels"), args.trime)[1]
+                        labels = batch.pop("labels")
+                        chunk_size = args.trime_chunk_size
+                        loss = model_trime_losses(model, batch, labels, args.trime, chunk_size=chunk_size)[1]
                     else:
                         loss = model(**batch).loss
                     recent_losses.append(loss.detach().float().item())

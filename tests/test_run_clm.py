@@ -1,5 +1,6 @@
 """run_clm.py on a tiny BertPkm causal LM and the embedded text: training with and without TRIME, both perplexities,
-consecutive blocks for TRIME_long, exact resume, 2 CPU processes, a plain BertLMHeadModel, clear errors on bad input."""
+consecutive blocks for TRIME_long, exact resume, 2 CPU processes, a plain BertLMHeadModel, clear errors on bad
+input."""
 
 import collections
 import importlib.util
@@ -88,7 +89,8 @@ def test_trime_long_trains_and_reports_both_perplexities(long_run):
         for prefix in ("", "initial_"):
             for kind in ("", "trime_"):
                 loss = results[f"{prefix}eval_{name}_{kind}loss"]
-                assert results[f"{prefix}eval_{name}_{kind}perplexity"] == pytest.approx(torch.tensor(loss).exp().item())
+                perplexity = results[f"{prefix}eval_{name}_{kind}perplexity"]
+                assert perplexity == pytest.approx(torch.tensor(loss).exp().item())
         assert results[f"eval_{name}_trime_loss"] != results[f"eval_{name}_loss"]
         assert results[f"eval_{name}_samples"] == 8
     assert results["perplexity"] == results["eval_pride_and_prejudice_perplexity"]
@@ -113,7 +115,8 @@ def test_resume_gives_the_weights_of_the_uninterrupted_run(long_run, tiny, tmp_p
     reference = long_run["output_dir"]
     options = f"{TRAINING} --trime long --track_staleness --resume_from_checkpoint {reference / 'step_4'}"
     results = run(clm_args(tiny, tmp_path / "resumed", options))
-    expected, resumed = load_file(reference / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
+    expected = load_file(reference / "model.safetensors")
+    resumed = load_file(tmp_path / "resumed" / "model.safetensors")
     assert expected.keys() == resumed.keys()
     assert [name for name in expected if not torch.equal(expected[name], resumed[name])] == []
     assert torch.equal(
@@ -136,8 +139,11 @@ def test_trime_long_batches_are_consecutive_blocks_of_the_text(tiny, tmp_path, m
     monkeypatch.setattr(run_clm, "model_trime_losses", spy)
     run(clm_args(tiny, tmp_path / "out", "--trime long --max_train_steps 4 --max_eval_samples 2"))
     tokenizer = BertTokenizer.from_pretrained(tiny)
-    lines = [line for line in (DATA / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").splitlines() if line.strip()]
-    stream = [t for line in lines for t in tokenizer(line, add_special_tokens=False)["input_ids"] + [tokenizer.sep_token_id]]
+    text = (DATA / "pride_and_prejudice_train.txt").read_text(encoding="utf-8")
+    lines = [line for line in text.splitlines() if line.strip()]
+    stream = []
+    for line in lines:
+        stream += tokenizer(line, add_special_tokens=False)["input_ids"] + [tokenizer.sep_token_id]
     starts = []
     for batch in seen:
         assert batch.shape == (4, 32)

@@ -89,7 +89,8 @@ def test_an_empty_memory_gives_cross_entropy_exactly():
         for reduction in ("mean", "sum"):
             loss = trime_loss(hidden, targets, logits=logits, memory=memory, reduction=reduction)
             assert torch.equal(loss, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction))
-        grad = torch.autograd.grad(trime_loss(hidden, targets, logits=logits, memory=memory), hidden, retain_graph=True)[0]
+        loss = trime_loss(hidden, targets, logits=logits, memory=memory)
+        grad = torch.autograd.grad(loss, hidden, retain_graph=True)[0]
         ce_grad = torch.autograd.grad(F.cross_entropy(logits.flatten(0, 1), targets.flatten()), hidden)[0]
         assert torch.isfinite(grad).all()
         torch.testing.assert_close(grad, ce_grad)
@@ -113,7 +114,8 @@ def test_entries_with_other_targets_still_count_in_the_normaliser():
     assert losses[0, 1] > F.cross_entropy(logits[None], targets[0, 1:])
     # the same entry with the same target raises the probability instead
     same = trime_loss(hidden, torch.tensor([[5, 5]]), (weight, bias), memory="local", reduction="none")[0, 1]
-    torch.testing.assert_close(same, -torch.log((torch.exp(logits[5]) + torch.exp(sim)) / (torch.exp(logits).sum() + torch.exp(sim))))
+    expected = -torch.log((torch.exp(logits[5]) + torch.exp(sim)) / (torch.exp(logits).sum() + torch.exp(sim)))
+    torch.testing.assert_close(same, expected)
 
 
 @pytest.mark.parametrize("memory", ["local", "long", "batch"])
@@ -270,7 +272,8 @@ def tiny_mlm_folder(tmp_path):
 def test_run_mlm_trains_with_trime_and_reports_both_perplexities(tiny_mlm_folder, tmp_path):
     run_mlm = _load_run_mlm()
     args = ["--config_name", str(tiny_mlm_folder), "--tokenizer_name", str(tiny_mlm_folder)]
-    args += "--max_seq_length 32 --per_device_train_batch_size 4 --max_train_steps 2 --max_eval_samples 4 --seed 1".split()
+    args += "--max_seq_length 32 --per_device_train_batch_size 4 --max_train_steps 2 --max_eval_samples 4".split()
+    args += ["--seed", "1"]
     try:
         results = run_mlm.main([*args, "--trime", "--output_dir", str(tmp_path / "trime")])
         AcceleratorState._reset_state(reset_partial_state=True)
