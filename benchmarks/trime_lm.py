@@ -164,7 +164,8 @@ def row(name: str, results: dict, sets: list[str]) -> str:
     for s in sets:
         plain, memory = results.get(f"eval_{s}_perplexity"), results.get(f"eval_{s}_trime_perplexity")
         cells.append(f"{plain:,.1f} / {memory:,.1f}" if plain is not None else "-")
-    return f"| {name} | " + " | ".join(cells) + f" | {results.get('train_loss', float('nan')):.3f} |"
+    cells += [f"{results.get('train_loss', float('nan')):.3f}", f"{results['wall_seconds'] / 60:.1f} min"]
+    return f"| {name} | " + " | ".join(cells) + " |"
 
 
 def main(argv=None):
@@ -177,8 +178,9 @@ def main(argv=None):
         "--runs",
         nargs="+",
         default=["clm_none", "clm_long", "mlm_none", "mlm_batch", "timing"],
-        choices=["clm_none", "clm_long", "mlm_none", "mlm_batch", "timing"],
-        help="the parts to run (default: all, one after the other); the report is written once all are in work_dir",
+        choices=["clm_none", "clm_long", "mlm_none", "mlm_batch", "timing", "report"],
+        help="the parts to run (default: all, one after the other); the report is written once all are in work_dir "
+        "(`--runs report`: only the report, from the parts already there)",
     )
     args = parser.parse_args(argv)
     budget = budgets(args.quick)
@@ -225,8 +227,9 @@ def write_report(path: Path, runs, costs, commands, budget, args, started) -> No
 
     sets = [s for s in ("pride", "moby", "wt2") if f"eval_{s}_perplexity" in runs["clm_none"]]
     names = {"pride": "Pride and Prejudice ch. 59-61", "moby": "Moby-Dick ch. 1-2", "wt2": "WikiText-2 test"}
-    header = "| model | " + " | ".join(f"{names[s]}: ppl / ppl with memory" for s in sets) + " | train loss |"
-    rule = "|---|" + "---:|" * (len(sets) + 1)
+    header = "| model | " + " | ".join(f"{names[s]}: ppl / ppl with memory" for s in sets)
+    header += " | final train loss (its own objective) | run time |"
+    rule = "|---|" + "---:|" * (len(sets) + 2)
 
     def short(command):  # the command as a user types it (no machine paths)
         text = " ".join(command[1:])
@@ -238,7 +241,7 @@ def write_report(path: Path, runs, costs, commands, budget, args, started) -> No
     lines = [
         "# TRIME against cross-entropy, same budget",
         "",
-        f"Written by `python benchmarks/trime_lm.py{' --quick' if args.quick else ''}` (seed {args.seed}), started "
+        f"Written by `python benchmarks/trime_lm.py{' --quick' if args.quick else ''}` (seed {args.seed}) on "
         f"{started:%Y-%m-%d %H:%M} UTC, on {platform.machine()} with {os.cpu_count()} cores shared with other jobs "
         f"(load average at the end {os.getloadavg()[0]:.1f}), 1 thread per process, torch {torch.__version__}, "
         f"transformers {transformers.__version__}.{' **Quick mode: tiny budgets, the numbers check the pipeline only.**' if args.quick else ''}",
