@@ -321,6 +321,13 @@ def verdicts(runs, costs, sets) -> list[str]:
             f"The memory at test time changes the {label} model's perplexity by x{', x'.join(f'{r:.3f}' for r in own)} "
             f"and the cross-entropy model's by x{', x'.join(f'{r:.3f}' for r in base_own)}."
         )
+        best = [t[f"eval_{s}_trime_perplexity"] / b[f"eval_{s}_perplexity"] for s in sets]
+        wins = [s for s, r in zip(sets, best) if r < 1]
+        out.append(
+            f"- {kind}, each model as it is meant to be used ({label} with its memory at test time, cross-entropy "
+            f"without): ratio {', '.join(f'{r:.3f}' for r in best)}; {label} is better on "
+            f"{', '.join(wins) if wins else 'none of the sets'} at this budget."
+        )
     out.append(
         f"- cost: a TRIME step takes {costs['clm']['ratio']:.2f}x (causal, 512 tokens, long memory) and "
         f"{costs['mlm']['ratio']:.2f}x (masked) the time of a cross-entropy step, with no new parameter."
