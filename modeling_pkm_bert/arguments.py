@@ -132,6 +132,49 @@ def add_reliability_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
     return parser
 
 
+# TRIME (modeling_pkm_bert/trime.py): the memories of a causal model
+CAUSAL_MEMORY_KINDS = ("local", "long")
+
+
+def add_trime_arguments(parser, causal: bool = True):
+    """`--trime` and `--trime_eval` for run_clm.py (causal: none/local/long) and run_mlm.py (masked: none/batch)."""
+    kinds = ("none", *CAUSAL_MEMORY_KINDS) if causal else ("none", "batch")
+    default_kind = "local" if causal else "batch"
+    group = parser.add_argument_group(
+        "TRIME (in-batch memory objective)",
+        "Zhong et al. 2022: the other positions of the batch act as a memory; p(w|t) ∝ exp(E_w·h_t + b_w) + "
+        "sum over memory entries j with target w of exp(h_t·h_j / sqrt(d)), normalised over the vocabulary and "
+        "every memory entry (modeling_pkm_bert/trime.py).",
+    )
+    help_kinds = (
+        "local: the earlier positions of the same block (TRIME_local); long: also every position of the previous "
+        "blocks of the batch, which are then consecutive blocks of the text (TRIME_long)"
+        if causal
+        else "batch: the other masked positions of the batch (never a position itself)"
+    )
+    group.add_argument(
+        "--trime",
+        nargs="?",
+        const=default_kind,
+        default="none",
+        choices=kinds,
+        help=f"Train with TRIME's loss and this memory (`--trime` alone: {default_kind}); {help_kinds}.",
+    )
+    group.add_argument(
+        "--trime_eval",
+        default=None,
+        choices=kinds,
+        help="The memory of the evaluation's second perplexity (`eval_<set>_trime_perplexity`, beside the ordinary "
+        "one); default: the --trime memory. Give it to a model trained without --trime to measure the test-time "
+        "memory alone.",
+    )
+    group.add_argument(
+        "--trime_chunk_size", type=int, default=1024, help="Queries per block of the memory computation."
+    )
+    return parser
+
+
+
 DEFAULT_LICENSE = "apache-2.0"
 _HUB_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]{1,96}")
 
@@ -279,6 +322,7 @@ __all__ = [
     "add_model_card_arguments",
     "add_pkm_arguments",
     "add_reliability_arguments",
+    "add_trime_arguments",
     "card_command",
     "hub_model_id",
     "is_secret_option",

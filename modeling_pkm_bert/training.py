@@ -654,3 +654,47 @@ def check_checkpoint(checkpoint: str, settings: dict, allow_inexact: bool, proce
         raise ValueError(message + ". Resume with the checkpoint's settings, or pass --allow_inexact_resume.")
     if logger is not None:
         logger.warning(message + " (--allow_inexact_resume: continuing)")
+# ---- shared by the language-modeling scripts (run_mlm, run_clm) ----
+
+
+def config_from_scratch(args: argparse.Namespace, pkm_kwargs: dict, extra_fields: dict | None = None, logger=None):
+    """The config of a model trained from scratch: `--config_name` or `--model_type`, then `--config_overrides`
+    ("num_hidden_layers=4,hidden_size=256", where the script has that flag) and `extra_fields` (e.g. `is_decoder`),
+    turned into a BertPkm config when --pkm_* flags are given (the paper's rows without +Init). A BertPkm config is
+    rebuilt, so its fields are validated after the overrides."""
+    import transformers
+
+    if args.config_name:
+        config = transformers.AutoConfig.from_pretrained(args.config_name, trust_remote_code=args.trust_remote_code)
+    else:
+        config = transformers.CONFIG_MAPPING[args.model_type]()
+        if logger is not None:
+            logger.warning("You are instantiating a new config instance from scratch.")
+    overrides = getattr(args, "config_overrides", None)
+    if overrides:
+        try:
+            config.update_from_string(overrides)
+        except ValueError as error:
+            raise ValueError(f"--config_overrides {overrides!r}: {error}") from error
+    config.update(dict(extra_fields or {}))
+    if not pkm_kwargs and config.model_type != BertPkmConfig.model_type:
+        return config
+    if config.model_type not in ("bert", BertPkmConfig.model_type):
+        raise ValueError(f"--pkm_* flags need a BERT or BertPkm config, got model_type {config.model_type!r}")
+    fields = {
+        k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")
+    }
+    return BertPkmConfig(**{**fields, **pkm_kwargs})
+
+
+def peak_memory_mb(device: torch.device) -> float | None:
+    """Peak memory of this process so far: the GPU's allocated peak on CUDA, else the peak resident set size."""
+    import sys
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)

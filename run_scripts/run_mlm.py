@@ -54,7 +54,6 @@ import logging
 import math
 import os
 import random
-import re
 import sys
 import time
 from itertools import chain
@@ -73,6 +72,7 @@ from modeling_pkm_bert.arguments import (  # noqa: E402
     add_model_card_arguments,
     add_pkm_arguments,
     add_reliability_arguments,
+    add_trime_arguments,
     card_command,
 )
 
@@ -86,15 +86,12 @@ else:
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.logging import get_logger
     from accelerate.utils import broadcast_object_list, set_seed
-    from datasets import load_dataset
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
     import transformers
     from transformers import (
-        CONFIG_MAPPING,
         MODEL_MAPPING,
-        AutoConfig,
         AutoModelForMaskedLM,
         AutoTokenizer,
         DataCollatorForLanguageModeling,
@@ -104,21 +101,26 @@ else:
         get_scheduler,
     )
 
-    from modeling_pkm_bert import BertPkmConfig, register_auto_classes
+    from modeling_pkm_bert import register_auto_classes
     from modeling_pkm_bert.conversion import card_base_model, card_license
     from modeling_pkm_bert.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
     from modeling_pkm_bert.staleness import STALENESS_FILE, StalenessTracker
+    from modeling_pkm_bert import trime
+    from modeling_pkm_bert.lm_data import check_data_file, load_raw_datasets, parse_validation_sets
+    from modeling_pkm_bert.trime import check_trime_model, model_trime_losses, resolve_trime_arguments
     from modeling_pkm_bert.training import (
         atomic_write_json,
         check_checkpoint,
         check_data_files,
         check_freeze_memory,
         clip_memory_gradients,
+        config_from_scratch,
         create_memory_optimizer,
         freeze_memory,
         load_model,
         memory_modules,
         optimizer_param_groups,
+        peak_memory_mb,
         pkm_kwargs_from_args,
         prepare_output_dir,
         resolve_checkpoint,
@@ -143,8 +145,6 @@ EMBEDDED_VALIDATION_FILES = {
     "pride_and_prejudice": EMBEDDED_DATA / "pride_and_prejudice_validation.txt",  # held-out chapters of the book
     "moby_dick": EMBEDDED_DATA / "moby_dick_validation.txt",  # another author: the "PG-19" of the demo
 }
-TEXT_EXTENSIONS = ("txt", "text", "raw", "tokens")
-DATA_EXTENSIONS = (*TEXT_EXTENSIONS, "csv", "json", "jsonl")
 # the validation masks depend on this and on each example's index only: comparable across runs and seeds
 EVAL_MASK_SEED = 0
 
@@ -357,7 +357,9 @@ def parse_args(argv=None):
     add_pkm_arguments(parser)
     add_reliability_arguments(parser)
     add_model_card_arguments(parser)
+    add_trime_arguments(parser, causal=False)
     args = parser.parse_args(argv)
+    resolve_trime_arguments(args)
 
     # Sanity checks
     validate_training_arguments(parser, args)
@@ -400,124 +402,6 @@ def parse_args(argv=None):
     return args
 
 
-def parse_validation_sets(parser, args) -> dict[str, str]:
-    """{name: path} of the evaluation files: `NAME=FILE` or `FILE` (named after the file, e.g. `wiki_test`)."""
-    specs = args.validation_files or ([args.validation_file] if args.validation_file else [])
-    sets = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or os.path.exists(spec):
-            name, path = Path(spec).name.rsplit(".", 1)[0] if "." in Path(spec).name else Path(spec).name, spec
-        name = re.sub(r"\W+", "_", name).strip("_") or "validation"
-        if name in sets:
-            parser.error(f"two evaluation sets are named {name!r}: name them with NAME=FILE")
-        sets[name] = path
-    return sets
-
-
-def check_data_file(parser, option: str, path: str) -> None:
-    """A clear error, before any training, for a data file that is missing, empty or of an unknown kind."""
-    extension = path.rsplit(".", 1)[-1].lower() if "." in os.path.basename(path) else ""
-    if extension not in DATA_EXTENSIONS:
-        parser.error(f"{option} {path!r}: expected a {', '.join(DATA_EXTENSIONS)} file")
-    if not os.path.isfile(path):
-        parser.error(f"{option} {path!r} does not exist")
-    with open(path, "rb") as handle:
-        if not handle.read(1 << 16).strip():
-            parser.error(f"{option} {path!r} is empty")
-
-
-def load_text_file(path: str, split: str, text_column_name: str | None) -> datasets.Dataset:
-    """One data file as a dataset with a single `text` column; empty lines dropped."""
-    extension = path.rsplit(".", 1)[-1].lower()
-    if extension in TEXT_EXTENSIONS:
-        dataset = load_dataset("text", data_files={split: path}, split=split)
-        column = "text"
-    else:
-        builder = "json" if extension in ("json", "jsonl") else extension
-        dataset = load_dataset(builder, data_files={split: path}, split=split)
-        column = text_column(dataset.column_names, text_column_name, path)
-    dataset = dataset.select_columns([column]).rename_columns({column: "text"} if column != "text" else {})
-    dataset = dataset.filter(
-        lambda texts: [bool(t and t.strip()) for t in texts],
-        batched=True,
-        input_columns="text",
-        desc=f"Dropping empty lines of {split}",
-    )
-    if len(dataset) == 0:
-        raise ValueError(f"{path} holds no text (every line of column {column!r} is empty)")
-    return dataset
-
-
-def text_column(column_names: list[str], requested: str | None, where: str) -> str:
-    """The text column: `requested` (which must exist), else `text`, else the only column; else a clear error."""
-    if requested is not None:
-        if requested not in column_names:
-            raise ValueError(f"{where} has no column {requested!r} (--text_column_name); its columns: {column_names}")
-        return requested
-    if "text" in column_names:
-        return "text"
-    if len(column_names) == 1:
-        return column_names[0]
-    raise ValueError(
-        f"{where} has no 'text' column; name the text column with --text_column_name (columns: {column_names})"
-    )
-
-
-def load_raw_datasets(args) -> tuple[datasets.Dataset | None, dict[str, datasets.Dataset]]:
-    """(training set or None, {name: evaluation set}), each with one `text` column."""
-    train, validation = None, {}
-    if args.dataset_name is not None:
-        # Downloading and loading a dataset from the hub.
-        try:
-            raw = load_dataset(args.dataset_name, args.dataset_config_name, trust_remote_code=args.trust_remote_code)
-        except Exception as error:  # offline: ConnectionError / LocalEntryNotFoundError / OfflineModeIsEnabled
-            raise RuntimeError(
-                f"could not load {args.dataset_name!r} from the Hub: {type(error).__name__}: {error}. Offline, give "
-                "local files instead: --train_file and --validation_files (txt, csv or json)."
-            ) from error
-        if "train" not in raw:
-            raise ValueError(f"{args.dataset_name} has no 'train' split (splits: {list(raw)})")
-        column = text_column(raw["train"].column_names, args.text_column_name, args.dataset_name)
-        train = raw["train"]
-        if not args.validation_sets:
-            if "validation" in raw:
-                validation["validation"] = raw["validation"]
-            else:
-                cut = args.validation_split_percentage
-                validation["validation"] = load_dataset(
-                    args.dataset_name,
-                    args.dataset_config_name,
-                    split=f"train[:{cut}%]",
-                    trust_remote_code=args.trust_remote_code,
-                )
-                train = load_dataset(
-                    args.dataset_name,
-                    args.dataset_config_name,
-                    split=f"train[{cut}%:]",
-                    trust_remote_code=args.trust_remote_code,
-                )
-        train = train.select_columns([column]).rename_columns({column: "text"} if column != "text" else {})
-        validation = {
-            name: dataset.select_columns([column]).rename_columns({column: "text"} if column != "text" else {})
-            for name, dataset in validation.items()
-        }
-    elif args.train_file is not None:
-        train = load_text_file(args.train_file, "train", args.text_column_name)
-        if not args.validation_sets:
-            cut = len(train) * args.validation_split_percentage // 100
-            if cut == 0:
-                raise ValueError(
-                    f"{args.train_file} has too few lines ({len(train)}) to hold out "
-                    f"{args.validation_split_percentage}% for validation: give --validation_files"
-                )
-            validation["validation"] = train.select(range(cut))
-            train = train.select(range(cut, len(train)))
-    for name, path in args.validation_sets.items():
-        validation[name] = load_text_file(path, name, args.text_column_name)
-    return train, validation
-
-
 def mask_seed(*numbers: int) -> int:
     """A 32-bit seed mixed from non-negative integers (seed, process, epoch, batch...) by numpy's SeedSequence."""
     return int(np.random.SeedSequence([int(n) for n in numbers]).generate_state(1)[0])
@@ -550,15 +434,24 @@ def evaluate(args, accelerator, model, eval_datasets, collate_fn, measure_memory
             )
             dataloader = DataLoader(shard, collate_fn=collate_fn, batch_size=args.per_device_eval_batch_size)
             track = measure_memory_usage and index == 0 and memory_modules(model)
-            totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # (summed loss, masked tokens)
+            # (summed loss, masked tokens, summed TRIME loss with the in-batch memory)
+            totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
             with track_memory_usage(model) if track else contextlib.nullcontext() as tracker:
                 for batch in dataloader:
                     batch = {key: value.to(accelerator.device) for key, value in batch.items()}
+                    trime_loss = torch.zeros((), device=accelerator.device)
                     with torch.no_grad(), accelerator.autocast():
-                        loss = model(**batch).loss
+                        if args.trime_eval:
+                            labels = batch.pop("labels")
+                            loss, trime_loss = model_trime_losses(
+                                model, batch, labels, args.trime_eval, chunk_size=args.trime_chunk_size
+                            )
+                            batch["labels"] = labels
+                        else:
+                            loss = model(**batch).loss
                     masked = (batch["labels"] != -100).sum()
                     if masked > 0:
-                        totals += torch.stack([loss.double() * masked, masked.double()])
+                        totals += torch.stack([loss.double() * masked, masked.double(), trime_loss.double() * masked])
             totals = accelerator.reduce(totals, reduction="sum")
             eval_loss = (totals[0] / totals[1]).item()
             try:
@@ -567,23 +460,15 @@ def evaluate(args, accelerator, model, eval_datasets, collate_fn, measure_memory
                 perplexity = float("inf")
             metrics[f"eval_{name}_loss"] = eval_loss
             metrics[f"eval_{name}_perplexity"] = perplexity
+            if args.trime_eval:  # the same positions scored with the other masked positions of the batch as memory
+                metrics[f"eval_{name}_trime_loss"] = (totals[2] / totals[1]).item()
+                metrics[f"eval_{name}_trime_perplexity"] = trime.perplexity(metrics[f"eval_{name}_trime_loss"])
             if track:
                 gather(tracker, accelerator)
                 usage = tracker.results()
     if was_training:
         model.train()
     return metrics, usage
-
-
-def peak_memory_mb(device: torch.device) -> float | None:
-    """Peak memory of this process so far: the GPU's allocated peak on CUDA, else the peak resident set size."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
 
 
 def main(argv=None):
@@ -652,13 +537,15 @@ def main(argv=None):
     else:
         logger.info("Training new model from scratch")
         model = AutoModelForMaskedLM.from_config(
-            config_from_scratch(args, pkm_kwargs), trust_remote_code=args.trust_remote_code
+            config_from_scratch(args, pkm_kwargs, logger=logger), trust_remote_code=args.trust_remote_code
         ).float()
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer))
     if args.freeze_memory:
         check_freeze_memory(model)
         logger.info(f"--freeze_memory: {freeze_memory(model):,} memory parameters are kept fixed")
+    if args.trime or args.trime_eval:
+        check_trime_model(model)  # its output layer must be a vocabulary projection TRIME can read
 
     # Preprocessing the datasets: tokenize, then concatenate the texts and cut them into blocks of max_seq_length
     # (or one sequence per line with --line_by_line).
@@ -899,8 +786,12 @@ def main(argv=None):
                 if staleness is not None:
                     staleness.step = completed_steps + 1
                 with accelerator.accumulate(model):
-                    outputs = model(**batch)
-                    loss = outputs.loss
+                    if args.trime:  # TRIME: the other masked positions of the batch are a memory
+                        labels = batch.pop("labels")
+                        chunk_size = args.trime_chunk_size
+                        loss = model_trime_losses(model, batch, labels, args.trime, chunk_size=chunk_size)[1]
+                    else:
+                        loss = model(**batch).loss
                     recent_losses.append(loss.detach().float().item())
                     running_loss += recent_losses[-1]
                     running_batches += 1
@@ -1039,24 +930,6 @@ def main(argv=None):
                 )
     logger.info(json.dumps(results, indent=4))
     return results
-
-
-def config_from_scratch(args, pkm_kwargs):
-    """The config of a model trained from scratch: --config_name or --model_type, turned into a BertPkm config when
-    --pkm_* flags are given (the paper's rows without +Init)."""
-    if args.config_name:
-        config = AutoConfig.from_pretrained(args.config_name, trust_remote_code=args.trust_remote_code)
-    else:
-        config = CONFIG_MAPPING[args.model_type]()
-        logger.warning("You are instantiating a new config instance from scratch.")
-    if not pkm_kwargs:
-        return config
-    if config.model_type not in ("bert", BertPkmConfig.model_type):
-        raise ValueError(f"--pkm_* flags need a BERT or BertPkm config, got model_type {config.model_type!r}")
-    fields = {
-        k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")
-    }
-    return BertPkmConfig(**{**fields, **pkm_kwargs})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,131 @@
+"""The text data of the language-modeling scripts (run_mlm.py, run_clm.py): data files checked before anything runs,
+`--dataset_name` / `--train_file` / `--validation_files` loaded as datasets with one `text` column."""
+
+import os
+import re
+from pathlib import Path
+
+import datasets
+from datasets import load_dataset
+
+
+TEXT_EXTENSIONS = ("txt", "text", "raw", "tokens")
+DATA_EXTENSIONS = (*TEXT_EXTENSIONS, "csv", "json", "jsonl")
+
+
+def parse_validation_sets(parser, args) -> dict[str, str]:
+    """{name: path} of the evaluation files: `NAME=FILE` or `FILE` (named after the file, e.g. `wiki_test`)."""
+    specs = args.validation_files or ([args.validation_file] if args.validation_file else [])
+    sets = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or os.path.exists(spec):
+            name, path = Path(spec).name.rsplit(".", 1)[0] if "." in Path(spec).name else Path(spec).name, spec
+        name = re.sub(r"\W+", "_", name).strip("_") or "validation"
+        if name in sets:
+            parser.error(f"two evaluation sets are named {name!r}: name them with NAME=FILE")
+        sets[name] = path
+    return sets
+
+
+def check_data_file(parser, option: str, path: str) -> None:
+    """A clear error, before any training, for a data file that is missing, empty or of an unknown kind."""
+    extension = path.rsplit(".", 1)[-1].lower() if "." in os.path.basename(path) else ""
+    if extension not in DATA_EXTENSIONS:
+        parser.error(f"{option} {path!r}: expected a {', '.join(DATA_EXTENSIONS)} file")
+    if not os.path.isfile(path):
+        parser.error(f"{option} {path!r} does not exist")
+    with open(path, "rb") as handle:
+        if not handle.read(1 << 16).strip():
+            parser.error(f"{option} {path!r} is empty")
+
+
+def load_text_file(path: str, split: str, text_column_name: str | None) -> datasets.Dataset:
+    """One data file as a dataset with a single `text` column; empty lines dropped."""
+    extension = path.rsplit(".", 1)[-1].lower()
+    if extension in TEXT_EXTENSIONS:
+        dataset = load_dataset("text", data_files={split: path}, split=split)
+        column = "text"
+    else:
+        builder = "json" if extension in ("json", "jsonl") else extension
+        dataset = load_dataset(builder, data_files={split: path}, split=split)
+        column = text_column(dataset.column_names, text_column_name, path)
+    dataset = dataset.select_columns([column]).rename_columns({column: "text"} if column != "text" else {})
+    dataset = dataset.filter(
+        lambda texts: [bool(t and t.strip()) for t in texts],
+        batched=True,
+        input_columns="text",
+        desc=f"Dropping empty lines of {split}",
+    )
+    if len(dataset) == 0:
+        raise ValueError(f"{path} holds no text (every line of column {column!r} is empty)")
+    return dataset
+
+
+def text_column(column_names: list[str], requested: str | None, where: str) -> str:
+    """The text column: `requested` (which must exist), else `text`, else the only column; else a clear error."""
+    if requested is not None:
+        if requested not in column_names:
+            raise ValueError(f"{where} has no column {requested!r} (--text_column_name); its columns: {column_names}")
+        return requested
+    if "text" in column_names:
+        return "text"
+    if len(column_names) == 1:
+        return column_names[0]
+    raise ValueError(
+        f"{where} has no 'text' column; name the text column with --text_column_name (columns: {column_names})"
+    )
+
+
+def load_raw_datasets(args) -> tuple[datasets.Dataset | None, dict[str, datasets.Dataset]]:
+    """(training set or None, {name: evaluation set}), each with one `text` column."""
+    train, validation = None, {}
+    if args.dataset_name is not None:
+        # Downloading and loading a dataset from the hub.
+        try:
+            raw = load_dataset(args.dataset_name, args.dataset_config_name, trust_remote_code=args.trust_remote_code)
+        except Exception as error:  # offline: ConnectionError / LocalEntryNotFoundError / OfflineModeIsEnabled
+            raise RuntimeError(
+                f"could not load {args.dataset_name!r} from the Hub: {type(error).__name__}: {error}. Offline, give "
+                "local files instead: --train_file and --validation_files (txt, csv or json)."
+            ) from error
+        if "train" not in raw:
+            raise ValueError(f"{args.dataset_name} has no 'train' split (splits: {list(raw)})")
+        column = text_column(raw["train"].column_names, args.text_column_name, args.dataset_name)
+        train = raw["train"]
+        if not args.validation_sets:
+            if "validation" in raw:
+                validation["validation"] = raw["validation"]
+            else:
+                cut = args.validation_split_percentage
+                validation["validation"] = load_dataset(
+                    args.dataset_name,
+                    args.dataset_config_name,
+                    split=f"train[:{cut}%]",
+                    trust_remote_code=args.trust_remote_code,
+                )
+                train = load_dataset(
+                    args.dataset_name,
+                    args.dataset_config_name,
+                    split=f"train[{cut}%:]",
+                    trust_remote_code=args.trust_remote_code,
+                )
+        train = train.select_columns([column]).rename_columns({column: "text"} if column != "text" else {})
+        validation = {
+            name: dataset.select_columns([column]).rename_columns({column: "text"} if column != "text" else {})
+            for name, dataset in validation.items()
+        }
+    elif args.train_file is not None:
+        train = load_text_file(args.train_file, "train", args.text_column_name)
+        if not args.validation_sets:
+            cut = len(train) * args.validation_split_percentage // 100
+            if cut == 0:
+                raise ValueError(
+                    f"{args.train_file} has too few lines ({len(train)}) to hold out "
+                    f"{args.validation_split_percentage}% for validation: give --validation_files"
+                )
+            validation["validation"] = train.select(range(cut))
+            train = train.select(range(cut, len(train)))
+    for name, path in args.validation_sets.items():
+        validation[name] = load_text_file(path, name, args.text_column_name)
+    return train, validation

@@ -1,0 +1,241 @@
+"""run_clm.py on a tiny BertPkm causal LM and the embedded text: training with and without TRIME, both perplexities,
+consecutive blocks for TRIME_long, exact resume, 2 CPU processes, a plain BertLMHeadModel, clear errors on bad
+input."""
+
+import collections
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from conftest import REPO_ROOT, tiny_config
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, BertTokenizer
+
+from modeling_pkm_bert import BertPkmForCausalLM, register_auto_classes
+
+
+SCRIPTS = REPO_ROOT / "run_scripts"
+DATA = SCRIPTS / "data"
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+run_clm = load_script("run_clm")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny BertPkm config (not yet a decoder: the script makes it one; dropout on) and a word-level tokenizer."""
+    folder = tmp_path_factory.mktemp("tiny")
+    text = (DATA / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
+    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
+    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(folder)
+    tiny_config(vocab_size=200, max_position_embeddings=64, hidden_dropout_prob=0.1).save_pretrained(folder)
+    return str(folder)
+
+
+def clm_args(tiny, output_dir, options=""):
+    return [
+        *("--config_name", tiny, "--tokenizer_name", tiny, "--output_dir", str(output_dir)),
+        *"--block_size 32 --per_device_train_batch_size 4 --per_device_eval_batch_size 4 --seed 3".split(),
+        *options.split(),
+    ]
+
+
+def run(args):
+    try:
+        return run_clm.main(args)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+TRAINING = "--max_train_samples 24 --gradient_accumulation_steps 2 --max_train_steps 6 --max_eval_samples 8"
+
+
+@pytest.fixture(scope="module")
+def long_run(tiny, tmp_path_factory):
+    """TRIME_long, 6 optimizer steps over epochs of 3 groups of 4 consecutive blocks with accumulation 2 (epochs end
+    on a short accumulation), a checkpoint every 2 steps, staleness tracking, evaluation before training."""
+    output_dir = tmp_path_factory.mktemp("long") / "out"
+    options = f"{TRAINING} --trime long --checkpointing_steps 2 --track_staleness --evaluate_before_training"
+    return {"results": run(clm_args(tiny, output_dir, options)), "output_dir": output_dir}
+
+
+def test_trime_long_trains_and_reports_both_perplexities(long_run):
+    results, output_dir = long_run["results"], long_run["output_dir"]
+    assert json.loads((output_dir / "all_results.json").read_text()) == pytest.approx(results)
+    assert (results["step"], results["train_samples"], results["train_tokens_per_step"]) == (6, 24, 2 * 4 * 32)
+    for name in ("pride_and_prejudice", "moby_dick"):
+        for prefix in ("", "initial_"):
+            for kind in ("", "trime_"):
+                loss = results[f"{prefix}eval_{name}_{kind}loss"]
+                perplexity = results[f"{prefix}eval_{name}_{kind}perplexity"]
+                assert perplexity == pytest.approx(torch.tensor(loss).exp().item())
+        assert results[f"eval_{name}_trime_loss"] != results[f"eval_{name}_loss"]
+        assert results[f"eval_{name}_samples"] == 8
+    assert results["perplexity"] == results["eval_pride_and_prejudice_perplexity"]
+    assert results["eval_memory/layer_1/tokens"] == 8 * 32
+    assert sum(v for k, v in results.items() if k.startswith("staleness/layer_1/")) == pytest.approx(1.0)
+    assert sorted(p.name for p in output_dir.iterdir() if p.name.startswith("step_")) == ["step_2", "step_4", "step_6"]
+    assert "## Causal language modeling results" in (output_dir / "README.md").read_text()
+    register_auto_classes()
+    model = AutoModelForCausalLM.from_pretrained(output_dir).eval()
+    assert isinstance(model, BertPkmForCausalLM) and model.config.is_decoder
+    # a decoder: a position's logits do not depend on later tokens
+    input_ids = torch.randint(5, 200, (1, 12))
+    changed = input_ids.clone()
+    changed[0, 8:] = 7
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=input_ids).logits[0, :8], model(input_ids=changed).logits[0, :8])
+
+
+def test_resume_gives_the_weights_of_the_uninterrupted_run(long_run, tiny, tmp_path):
+    """step_4 sits in the middle of epoch 1 (after its first update): the resumed run skips the right groups of
+    consecutive blocks, restores dropout, both optimizers, the scheduler and the staleness state."""
+    reference = long_run["output_dir"]
+    options = f"{TRAINING} --trime long --track_staleness --resume_from_checkpoint {reference / 'step_4'}"
+    results = run(clm_args(tiny, tmp_path / "resumed", options))
+    expected = load_file(reference / "model.safetensors")
+    resumed = load_file(tmp_path / "resumed" / "model.safetensors")
+    assert expected.keys() == resumed.keys()
+    assert [name for name in expected if not torch.equal(expected[name], resumed[name])] == []
+    assert torch.equal(
+        load_file(tmp_path / "resumed" / "staleness.safetensors")["layer_1"],
+        load_file(reference / "staleness.safetensors")["layer_1"],
+    )
+    assert results["eval_moby_dick_trime_loss"] == long_run["results"]["eval_moby_dick_trime_loss"]
+
+
+def test_trime_long_batches_are_consecutive_blocks_of_the_text(tiny, tmp_path, monkeypatch):
+    """Every training batch of --trime long is 4 consecutive blocks of the tokenized text; the groups are shuffled."""
+    seen = []
+    original = run_clm.model_trime_losses
+
+    def spy(model, inputs, *args, **kwargs):
+        if model.training:
+            seen.append(inputs["input_ids"].clone())
+        return original(model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(run_clm, "model_trime_losses", spy)
+    run(clm_args(tiny, tmp_path / "out", "--trime long --max_train_steps 4 --max_eval_samples 2"))
+    tokenizer = BertTokenizer.from_pretrained(tiny)
+    text = (DATA / "pride_and_prejudice_train.txt").read_text(encoding="utf-8")
+    lines = [line for line in text.splitlines() if line.strip()]
+    stream = []
+    for line in lines:
+        stream += tokenizer(line, add_special_tokens=False)["input_ids"] + [tokenizer.sep_token_id]
+    starts = []
+    for batch in seen:
+        assert batch.shape == (4, 32)
+        flat = batch.flatten().tolist()
+        start = next(s for s in range(0, len(stream), 32) if stream[s : s + 128] == flat)
+        assert start % 128 == 0  # groups of 4 blocks
+        starts.append(start)
+    assert len(seen) == 4 and starts != sorted(starts)  # shuffled groups
+
+
+def test_local_memory_and_plain_bert_lm_head_model(tiny, tmp_path):
+    """A plain BERT config without --pkm_* flags trains a BertLMHeadModel (made a decoder) with TRIME_local."""
+    from transformers import BertConfig, BertLMHeadModel
+
+    BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+               max_position_embeddings=64).save_pretrained(tmp_path / "bert")
+    args = clm_args(tiny, tmp_path / "out", "--trime --max_train_steps 2 --max_eval_samples 4")
+    results = run(["--config_name", str(tmp_path / "bert"), *args[2:]])
+    assert results["step"] == 2 and "eval_moby_dick_trime_perplexity" in results
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert isinstance(model, BertLMHeadModel) and model.config.is_decoder
+
+
+def test_config_overrides_and_pkm_flags_build_the_model(tiny, tmp_path):
+    options = "--config_overrides num_hidden_layers=4,intermediate_size=48 --pkm_layers 3 --pkm_n_keys 4"
+    options += " --max_train_steps 1 --max_eval_samples 2"
+    results = run(clm_args(tiny, tmp_path / "out", options))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["intermediate_size"], config["pkm_layers"]) == (4, 48, [3])
+    assert config["is_decoder"] and "eval_memory/layer_3/mu" in results and "eval_moby_dick_trime_loss" not in results
+
+
+def test_two_cpu_processes_match_one(long_run, tiny, tmp_path):
+    """torchrun, 2 processes, gloo: TRIME_long trains; every evaluation block counts once, so the model as loaded gets
+    the 1-process perplexities (with and without the memory)."""
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    options = "--max_train_samples 24 --max_train_steps 2 --max_eval_samples 8 --trime long --evaluate_before_training"
+    options += " --per_device_train_batch_size 2 --memory_optimizer sparse_row_adam"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SCRIPTS / "run_clm.py")]
+    done = subprocess.run(
+        command + clm_args(tiny, tmp_path / "ddp", options), env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "MULTI_CPU" in done.stderr and "[RANK 1]" in done.stderr
+    results = json.loads((tmp_path / "ddp" / "all_results.json").read_text())
+    assert results["step"] == 2
+    one = long_run["results"]
+    for name in ("pride_and_prejudice", "moby_dick"):
+        # 8 blocks in 2 shards of 4 = the 1-process batches of 4 consecutive blocks: the same memories
+        for kind in ("", "trime_"):
+            key = f"initial_eval_{name}_{kind}loss"
+            assert results[key] == pytest.approx(one[key], rel=1e-6), key
+
+
+def test_push_to_hub_uploads_the_folder_with_its_card(tiny, tmp_path, monkeypatch):
+    pushed = []
+    monkeypatch.setattr("modeling_pkm_bert.conversion.push_folder_to_hub", lambda *a, **k: pushed.append((a, k)))
+    options = "--max_train_steps 1 --max_eval_samples 2 --push_to_hub --hub_model_id someone/tiny-clm"
+    run(clm_args(tiny, tmp_path / "out", options))
+    ((args, kwargs),) = pushed
+    assert args == (str(tmp_path / "out"), "someone/tiny-clm")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "someone/tiny-clm" in card and "`eval_moby_dick_perplexity`" in card and "run_clm.py" in card
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ("--train_file {tmp}/empty.txt", "is empty"),
+        ("--train_file {tmp}/missing.txt", "does not exist"),
+        ("--block_size 1", "--block_size must be at least 2"),
+        ("--model_name_or_path x --config_overrides hidden_size=8", "--config_overrides applies to a model trained"),
+        ("--trime global", "invalid choice: 'global'"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_runs(tiny, tmp_path, capsys, options, message):
+    (tmp_path / "empty.txt").write_text("\n \n")
+    with pytest.raises(SystemExit):
+        run_clm.parse_args(clm_args(tiny, tmp_path / "out", options.format(tmp=tmp_path)))
+    assert message in capsys.readouterr().err
+
+
+def test_bad_model_or_text_is_a_clear_error_before_training(tiny, tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"--block_size 128 is longer than the model's 64 positions"):
+        run(clm_args(tiny, tmp_path / "out", "--block_size 128"))
+    (tmp_path / "short.txt").write_text("far too short a text\n")
+    with pytest.raises(ValueError, match=r"short yields no block of 32 tokens"):
+        run(clm_args(tiny, tmp_path / "out", f"--validation_files {tmp_path / 'short.txt'}"))
+    with pytest.raises(ValueError, match=r"--trime long: the training set has 2 blocks of 32 tokens, fewer than one"):
+        run(clm_args(tiny, tmp_path / "out", "--trime long --max_train_samples 2"))
+    monkeypatch.setattr(BertPkmForCausalLM, "get_output_embeddings", lambda self: None)
+    with pytest.raises(ValueError, match=r"--trime: BertPkmForCausalLM has no output embeddings"):
+        run(clm_args(tiny, tmp_path / "out", "--trime local"))
+    assert not (tmp_path / "out" / "model.safetensors").exists()
