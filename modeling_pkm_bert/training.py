@@ -61,7 +61,9 @@ def add_pkm_arguments(parser: argparse.ArgumentParser, training_options: bool = 
         "(the paper's 'sparse update' of the values; bf16 first moment and one second moment per row, 1.5x the table "
         "instead of Adam's 4x), fed sparse value gradients on one process or gloo and dense ones under NCCL, which "
         "has no sparse all-reduce. It pays off when a step reads a small part of the table "
-        "(tokens per step * heads * knn well below pkm_n_keys ** 2).",
+        "(tokens per step * heads * knn well below pkm_n_keys ** 2). "
+        "sgd: plain SGD without momentum or weight decay (sparse memory finetuning's choice, Lin et al. 2025, with "
+        "--memory_learning_rate up to ~2): a row without gradient does not move.",
     )
     return parser
 
@@ -100,7 +102,7 @@ def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> tuple
     return main_groups, memory_groups
 
 
-MEMORY_OPTIMIZERS = ("adam", "sparse_row_adam")
+MEMORY_OPTIMIZERS = ("adam", "sparse_row_adam", "sgd")
 
 
 def sparse_gradients_supported() -> bool:
@@ -112,12 +114,14 @@ def sparse_gradients_supported() -> bool:
 def create_memory_optimizer(
     memory_groups: list[dict], args: argparse.Namespace, model: torch.nn.Module | None = None
 ) -> torch.optim.Optimizer | None:
-    """The values' own optimizer at a constant `--memory_learning_rate` (no scheduler is attached to it): Adam, or
-    with `--memory_optimizer sparse_row_adam` the row-wise lazy `SparseRowAdam`. For the latter, pass `model` (before
+    """The values' own optimizer at a constant `--memory_learning_rate` (no scheduler is attached to it): Adam, plain
+    SGD with `--memory_optimizer sgd`, or with `--memory_optimizer sparse_row_adam` the row-wise lazy `SparseRowAdam`. For the latter, pass `model` (before
     `accelerator.prepare`: DDP reads the flag when it wraps the model) to switch its value gradients to sparse where
     the process group can all-reduce them; without it, or under NCCL, the gradients stay dense (same update)."""
     if not memory_groups:
         return None
+    if getattr(args, "memory_optimizer", "adam") == "sgd":
+        return torch.optim.SGD(memory_groups, lr=args.memory_learning_rate)
     if getattr(args, "memory_optimizer", "adam") == "sparse_row_adam":
         from .optimization import SparseRowAdam, set_sparse_values
 

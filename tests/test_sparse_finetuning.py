@@ -1,0 +1,252 @@
+"""Sparse memory finetuning: rankers against hand-computed examples, only the chosen value rows change (each value
+optimizer, dense and sparse gradients, shared tables), background statistics (padding, merge, reload, errors), the
+transformers.Trainer callback, run_mlm.py (exact resume, 2 processes) and the benchmark's --quick mode."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO_ROOT, tiny_config
+
+from modeling_pkm_bert import BertPkmForMaskedLM
+from modeling_pkm_bert.optimization import SparseRowAdam, pkm_value_parameters, set_sparse_values
+from modeling_pkm_bert.sparse_finetuning import (
+    STATISTICS_NAME,
+    BackgroundStatistics,
+    ReadCounter,
+    SparseMemoryFinetuning,
+    SparseMemoryFinetuningCallback,
+    choose_slots,
+    compute_background_statistics,
+    freeze_all_but_values,
+    kl_scores,
+    rank_slots,
+    tfidf_scores,
+)
+
+
+# ---- rankers ----
+
+
+def test_tfidf_against_hand_computed_scores_ties_and_unread_slots():
+    counts = torch.tensor([2, 0, 1, 1, 4])
+    df = torch.tensor([0, 0, 3, 3, 9])
+    n = 9
+    scores = tfidf_scores(counts, df, n)
+    expected = [2 / 8 * math.log(10 / 1), -math.inf, 1 / 8 * math.log(10 / 4), 1 / 8 * math.log(10 / 4), 0.0]
+    assert scores.tolist() == pytest.approx(expected)
+    # slot 4 is read most but in every background batch: idf 0; slots 2 and 3 tie: the lower index goes first
+    assert choose_slots(scores, 2).tolist() == [0, 2]
+    assert choose_slots(scores, 3).tolist() == [0, 2, 3]
+    # t above the number of read slots: every read slot, never the unread slot 1 (even with score 0 for slot 4)
+    assert choose_slots(scores, 5).tolist() == [0, 2, 3, 4]
+
+
+def test_kl_against_hand_computed_scores():
+    counts = torch.tensor([3, 1, 0, 0])
+    background = torch.tensor([0, 5, 2, 1])
+    scores = kl_scores(counts, background)
+    q = [1 / 12, 6 / 12, 3 / 12, 2 / 12]
+    p = [3 / 4, 1 / 4]
+    assert scores.tolist()[:2] == pytest.approx([p[0] * math.log(p[0] / q[0]), p[1] * math.log(p[1] / q[1])])
+    assert scores[2:].tolist() == [-math.inf, -math.inf]
+    # a negative score (read less than in the background) is still eligible; unread slots never
+    assert scores[1] < 0 and choose_slots(scores, 3).tolist() == [0, 1]
+    statistics = BackgroundStatistics({"layer_0": 4})
+    statistics.reads["layer_0"] = background
+    assert rank_slots(counts, statistics, "layer_0", 1, "kl").tolist() == [0]
+
+
+def test_ties_are_broken_by_the_lower_slot_index():
+    scores = torch.tensor([1.0, 2.0, 2.0, 1.0, 2.0], dtype=torch.float64)
+    assert choose_slots(scores, 2).tolist() == [1, 2]
+    assert choose_slots(scores, 4).tolist() == [0, 1, 2, 4]
+
+
+# ---- background statistics ----
+
+
+def tiny_model(**overrides):
+    torch.manual_seed(0)
+    return BertPkmForMaskedLM(tiny_config(**overrides))
+
+
+def batches(count, seed=1, batch=3, length=10, pad=0):
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(5, 99, (batch, length), generator=generator)
+        mask = torch.ones_like(ids)
+        if pad:
+            mask[:, -pad:] = 0
+            ids[:, -pad:] = 0
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids})
+    return out
+
+
+def test_statistics_count_reads_without_padding_and_reload_exactly(tmp_path):
+    model = tiny_model()
+    config = model.config
+    statistics = compute_background_statistics(model, batches(4, pad=3))
+    reads = statistics.reads["layer_1"]
+    assert statistics.num_batches == 4 and reads.shape == (64,)
+    # padding excluded: 4 batches x 3 sequences x 7 real tokens x heads x knn reads
+    assert reads.sum() == 4 * 3 * 7 * config.pkm_heads * config.pkm_knn
+    df = statistics.document_frequency["layer_1"]
+    assert df.max() <= 4 and torch.equal(df > 0, reads > 0)
+    assert model.training  # the mode is restored
+    path = statistics.save(tmp_path)
+    assert os.path.basename(path) == STATISTICS_NAME
+    assert BackgroundStatistics.load(tmp_path) == statistics
+    # the padded positions change nothing: same counts as the unpadded 7-token batches
+    short = [{k: v[:, :7] for k, v in b.items()} for b in batches(4, pad=3)]
+    assert compute_background_statistics(model, short) == statistics
+
+
+def test_statistics_merge_equals_one_pass_over_all_batches():
+    model = tiny_model()
+    data = batches(5)
+    whole = compute_background_statistics(model, data)
+    merged = compute_background_statistics(model, data[0::2]).merge(compute_background_statistics(model, data[1::2]))
+    assert merged == whole and merged.num_batches == 5
+
+
+def test_bad_statistics_and_arguments_are_clear_errors(tmp_path):
+    model = tiny_model()
+    with pytest.raises(ValueError, match="no background batch|max_batches"):
+        compute_background_statistics(model, batches(2), max_batches=0)
+    other = compute_background_statistics(tiny_model(pkm_n_keys=6), batches(1))
+    with pytest.raises(ValueError, match=r"'layer_1': 36.*'layer_1': 64"):
+        SparseMemoryFinetuning(model, other, top_t=4)
+    empty = BackgroundStatistics.for_model(model)
+    empty.save(tmp_path / "empty.safetensors")
+    with pytest.raises(ValueError, match="counts no background batch"):
+        BackgroundStatistics.load(tmp_path / "empty.safetensors")
+    statistics = compute_background_statistics(model, batches(1))
+    for bad in (0, -1, 65, 2.5):
+        with pytest.raises(ValueError, match=r"top_t=.* must be an integer in \[1, 64\]"):
+            SparseMemoryFinetuning(model, statistics, top_t=bad)
+    with pytest.raises(ValueError, match="ranker"):
+        SparseMemoryFinetuning(model, statistics, top_t=4, ranker="bm25")
+    with pytest.raises(ValueError, match="does not exist"):
+        BackgroundStatistics.load(tmp_path / "missing.safetensors")
+
+
+# ---- the update ----
+
+
+def value_optimizer(name, model):
+    values = pkm_value_parameters(model)
+    if name == "sgd":
+        return torch.optim.SGD(values, lr=1.0)
+    if name == "adam":
+        return torch.optim.Adam(values, lr=1e-2)
+    return SparseRowAdam(values, lr=1e-2)
+
+
+@pytest.mark.parametrize("ranker", ["tfidf", "kl"])
+@pytest.mark.parametrize(
+    "optimizer_name,sparse", [("sgd", False), ("sgd", True), ("adam", False), ("sparse_row_adam", False), ("sparse_row_adam", True)]
+)
+def test_only_chosen_rows_change_and_nothing_else_when_frozen(optimizer_name, sparse, ranker):
+    model = tiny_model(pkm_layers=[0, 2])
+    statistics = compute_background_statistics(model, batches(6, seed=2))
+    freeze_all_but_values(model)
+    set_sparse_values(model, sparse)
+    optimizer = value_optimizer(optimizer_name, model)
+    smf = SparseMemoryFinetuning(model, statistics, top_t=5, ranker=ranker).attach(optimizer)
+    model.train()
+    for batch in batches(4, seed=3, pad=2):
+        before = {name: p.detach().clone() for name, p in model.state_dict().items()}
+        with ReadCounter(model, training_only=True) as counter:
+            model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        after = model.state_dict()
+        for layer, memory in smf.memories.items():
+            expected = rank_slots(counter.counts[layer], statistics, layer, 5, ranker)
+            assert torch.equal(smf.chosen[layer], expected) and expected.numel() == 5
+            name = next(n for n, p in model.state_dict(keep_vars=True).items() if p is memory.values.weight)
+            changed = (after[name] != before[name]).any(1).nonzero().squeeze(1)
+            assert set(changed.tolist()) <= set(expected.tolist()) and changed.numel() > 0, layer
+        weights = {n for n, p in model.state_dict(keep_vars=True).items() if any(p is v for v in pkm_value_parameters(model))}
+        # num_batches_tracked counts forwards; with momentum 0 it weighs nothing: the running statistics stay fixed
+        moved = [n for n in after if n not in weights and not torch.equal(after[n], before[n])]
+        assert [n for n in moved if not n.endswith("num_batches_tracked")] == []
+    assert smf.steps == 4
+
+
+def test_shared_table_takes_the_union_of_its_layers_choices():
+    model = tiny_model(pkm_layers=[0, 2])
+    memories = list(model.modules())
+    first, second = [m for m in memories if type(m).__name__ == "ProductKeyMemory"]
+    second.values = first.values  # one value table read by two layers (pkm_shared_values)
+    statistics = compute_background_statistics(model, batches(4))
+    freeze_all_but_values(model)
+    optimizer = torch.optim.Adam(pkm_value_parameters(model), lr=1e-2)
+    assert len(pkm_value_parameters(model)) == 1
+    smf = SparseMemoryFinetuning(model, statistics, top_t=3).attach(optimizer)
+    before = first.values.weight.detach().clone()
+    model.train()
+    model(**batches(1, seed=5)[0]).loss.backward()
+    optimizer.step()
+    union = set(smf.chosen["layer_0"].tolist()) | set(smf.chosen["layer_2"].tolist())
+    assert len(smf.chosen["layer_0"]) == len(smf.chosen["layer_2"]) == 3
+    changed = set((first.values.weight != before).any(1).nonzero().squeeze(1).tolist())
+    assert changed and changed <= union
+
+
+def test_train_rest_keeps_other_parameters_learning():
+    model = tiny_model()
+    statistics = compute_background_statistics(model, batches(3))
+    values = pkm_value_parameters(model)
+    rest = [p for p in model.parameters() if all(p is not v for v in values)]
+    optimizer = torch.optim.SGD(values, lr=1.0)
+    main = torch.optim.SGD(rest, lr=0.1)
+    smf = SparseMemoryFinetuning(model, statistics, top_t=2).attach(optimizer)
+    before = [p.detach().clone() for p in rest]
+    model.train()
+    model(**batches(1, seed=4)[0]).loss.backward()
+    optimizer.step()
+    main.step()
+    assert any(not torch.equal(b, p) for b, p in zip(before, rest))
+    assert smf.chosen["layer_1"].numel() == 2
+
+
+def test_trainer_callback_changes_only_chosen_rows(tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_model()
+    statistics = compute_background_statistics(model, batches(4))
+    freeze_all_but_values(model)
+    data = batches(4, seed=7, batch=1)
+    dataset = Dataset.from_list([{k: v[0].tolist() for k, v in b.items()} for b in data])
+    callback = SparseMemoryFinetuningCallback(statistics, top_t=3)
+    table = model.bert.encoder.layer[1].memory.values.weight
+    before, state = table.detach().clone(), {n: p.detach().clone() for n, p in model.state_dict().items()}
+    chosen = []
+    original = SparseMemoryFinetuning.after_step
+
+    def record(self):
+        chosen.append(set(self.chosen["layer_1"].tolist()))
+        original(self)
+
+    SparseMemoryFinetuning.after_step = record
+    try:
+        arguments = TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, learning_rate=1e-2,
+            report_to=[], save_strategy="no", use_cpu=True, logging_strategy="no",
+        )
+        Trainer(model=model, args=arguments, train_dataset=dataset, callbacks=[callback]).train()
+    finally:
+        SparseMemoryFinetuning.after_step = original
+    assert len(chosen) == 2 and all(len(c) == 3 for c in chosen)
+    changed = set((table != before).any(1).nonzero().squeeze(1).tolist())
+    assert changed and changed <= chosen[0] | chosen[1]
+    after = model.state_dict()
+    moved = [n for n in after if not torch.equal(after[n], state[n]) and "memory.values" not in n]
+    assert [n for n in moved if not n.endswith("num_batches_tracked")] == []
