@@ -649,13 +649,15 @@ def background_batches(
     tokenizer, texts: list[str], max_seq_length: int, batch_size: int, max_batches: int | None = None
 ) -> list[dict[str, torch.Tensor]]:
     """Background batches: the texts tokenized, concatenated and cut into blocks of `max_seq_length` tokens (as
-    `run_mlm.py` does), `batch_size` blocks a batch (the last one may be short)."""
+    `run_mlm.py` does), each between [CLS] and [SEP], `batch_size` blocks a batch (the last one may be short)."""
+    if not texts:
+        return []
     ids = [token for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] for token in ids]
     inner = max_seq_length - 2  # [CLS] ... [SEP]
     if inner < 1:
         raise ValueError(f"max_seq_length={max_seq_length} is too short for a background block")
     blocks = [
-        tokenizer.build_inputs_with_special_tokens(ids[start : start + inner])
+        [tokenizer.cls_token_id, *ids[start : start + inner], tokenizer.sep_token_id]
         for start in range(0, len(ids) - inner + 1, inner)
     ]
     batches = []
@@ -671,7 +673,7 @@ def statistics_from_args(args, accelerator, model, tokenizer, max_seq_length: in
     """The background statistics a script trains with: from the checkpoint being resumed, a statistics file
     (`--smf_background_file x.safetensors`, or the one beside the model), or computed from background text with the
     frozen model (each process its share of the batches, then summed). Checked against the model."""
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = accelerator.unwrap_model(model).to(accelerator.device)  # prepare() would move it there anyway
     source = None
     if checkpoint and os.path.isfile(os.path.join(checkpoint, STATISTICS_NAME)):
         source = os.path.join(checkpoint, STATISTICS_NAME)

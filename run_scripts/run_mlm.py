@@ -14,6 +14,9 @@ Follows the transformers `run_mlm_no_trainer.py` example and adds:
   layer on the first one (MU, top-1 MU, KL_u, KL_w, ...: section 3.2) in the log, the trackers and `all_results.json`;
 * `--track_staleness`: for every memory slot, the last training step at which it was a top-1 pick (section 3.1,
   Figure 2), kept in checkpoints and written to `staleness.safetensors`;
+* `--sparse_memory_finetuning` (Lin et al. 2025): only the memory value rows that each step reads much more than
+  background text does are trained (`--smf_background_file`, `--smf_top_t`, `--smf_ranker tfidf|kl`, with
+  `--memory_optimizer sgd`), the background statistics kept in checkpoints and beside the trained model;
 * exact resume: `--checkpointing_steps` saves the complete state atomically, and a resumed run ends with the weights
   of the uninterrupted one (same `--seed`): the masks of a batch are drawn from (seed, process, epoch, batch), each
   epoch's order from (seed, epoch), evaluation never touches the training random streams;
@@ -89,6 +92,8 @@ except ImportError:  # run from a source checkout without `pip install -e .`
 
 from modeling_pkm_bert import BertPkmConfig, register_auto_classes  # noqa: E402
 from modeling_pkm_bert.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage  # noqa: E402
+from modeling_pkm_bert.sparse_finetuning import add_smf_arguments, check_smf_arguments  # noqa: E402
+from modeling_pkm_bert.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning  # noqa: E402
 from modeling_pkm_bert.staleness import StalenessTracker  # noqa: E402
 from modeling_pkm_bert.training import (  # noqa: E402
     add_pkm_arguments,
@@ -329,6 +334,7 @@ def parse_args(argv=None):
         '"all". Only applicable when `--with_tracking` is passed.',
     )
     add_pkm_arguments(parser)
+    add_smf_arguments(parser)
     args = parser.parse_args(argv)
 
     # Sanity checks
@@ -367,6 +373,10 @@ def parse_args(argv=None):
         parser.error(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
     if args.eval_steps is not None and args.eval_steps < 1:
         parser.error("--eval_steps must be >= 1")
+    try:
+        check_smf_arguments(args)
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
@@ -738,10 +748,17 @@ def main(argv=None):
             generator=torch.Generator().manual_seed(args.seed),
         )
 
+    # Sparse memory finetuning: background statistics (from the resumed checkpoint, a file, or computed now with the
+    # frozen model), everything but the memory values frozen unless --smf_train_rest.
+    smf = None
+    if args.sparse_memory_finetuning and do_train:
+        checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir) if args.resume_from_checkpoint else None
+        smf = setup_sparse_memory_finetuning(args, accelerator, model, tokenizer, max_seq_length, checkpoint, logger)
+
     # Optimizer: the main AdamW with a warm-up + decay schedule; the memory values in their own Adam at a constant
     # learning rate without weight decay (XLM and the paper; --memory_optimizer sparse_row_adam: row-wise updates).
     main_groups, memory_groups = optimizer_param_groups(model, args.weight_decay)
-    optimizer = torch.optim.AdamW(main_groups, lr=args.learning_rate)
+    optimizer = torch.optim.AdamW(main_groups or [{"params": []}], lr=args.learning_rate)  # empty: all frozen (SMF)
     memory_optimizer = create_memory_optimizer(memory_groups, args, model) if do_train else None
 
     # Staleness (Figure 2): the last step each memory slot was a top-1 pick, kept in checkpoints.
@@ -757,6 +774,9 @@ def main(argv=None):
     memory_optimizer = rest.pop(0) if memory_optimizer is not None else None
     train_dataloader = rest.pop(0) if do_train else None
     optimizers = [o for o in (optimizer, memory_optimizer) if o is not None]
+    if smf is not None:  # each value step trains only the chosen rows; the statistics go into every checkpoint
+        smf.attach(memory_optimizer)
+        smf.register_for_checkpointing(accelerator)
 
     # Scheduler and math around the number of training steps, from the prepared (per-process) dataloader. The
     # prepared scheduler advances once per process at each optimizer step, hence the factor num_processes.

@@ -250,3 +250,128 @@ def test_trainer_callback_changes_only_chosen_rows(tmp_path):
     after = model.state_dict()
     moved = [n for n in after if not torch.equal(after[n], state[n]) and "memory.values" not in n]
     assert [n for n in moved if not n.endswith("num_batches_tracked")] == []
+
+
+# ---- run_mlm.py: exact resume, two processes, errors ----
+
+SCRIPTS = REPO_ROOT / "run_scripts"
+BACKGROUND = SCRIPTS / "data" / "pride_and_prejudice_validation.txt"
+
+
+@pytest.fixture(scope="module")
+def run_mlm():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_mlm_smf", SCRIPTS / "run_mlm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(module, argv):
+    from accelerate.state import AcceleratorState, GradientState
+
+    try:
+        return module.main(argv)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny BertPkm masked LM (dropout on) with a word-level tokenizer of the embedded text, saved in one folder."""
+    import collections
+    import re
+
+    from transformers import BertTokenizer
+
+    folder = tmp_path_factory.mktemp("smf_tiny")
+    text = (SCRIPTS / "data" / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
+    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
+    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(folder)
+    torch.manual_seed(0)
+    BertPkmForMaskedLM(tiny_config(vocab_size=200, hidden_dropout_prob=0.1)).save_pretrained(folder)
+    return folder
+
+
+def smf_args(checkpoint, output_dir, options=""):
+    return [
+        *("--model_name_or_path", str(checkpoint), "--output_dir", str(output_dir)),
+        *"--max_seq_length 32 --per_device_train_batch_size 4 --per_device_eval_batch_size 8 --seed 3".split(),
+        *"--max_train_samples 12 --max_eval_samples 8 --gradient_accumulation_steps 2 --max_train_steps 6".split(),
+        *f"--sparse_memory_finetuning --smf_background_file {BACKGROUND} --smf_background_batches 5".split(),
+        *"--smf_top_t 6 --memory_optimizer sgd --memory_learning_rate 1.0".split(),
+        *options.split(),
+    ]
+
+
+def test_run_mlm_trains_only_value_rows_and_resumes_exactly(run_mlm, tiny_checkpoint, tmp_path):
+    from safetensors.torch import load_file
+
+    straight = tmp_path / "straight"
+    run_script(run_mlm, smf_args(tiny_checkpoint, straight, "--checkpointing_steps 3"))
+    initial, trained = load_file(tiny_checkpoint / "model.safetensors"), load_file(straight / "model.safetensors")
+    moved = [n for n in trained if not torch.equal(trained[n], initial[n]) and not n.endswith("num_batches_tracked")]
+    assert moved == ["bert.encoder.layer.1.memory.values.weight"]
+    rows = (trained[moved[0]] != initial[moved[0]]).any(1).sum()
+    assert 0 < rows <= 6 * 6  # at most t rows a step
+    statistics = BackgroundStatistics.load(straight / STATISTICS_NAME)
+    assert statistics.num_batches == 5
+    assert BackgroundStatistics.load(straight / "step_3" / STATISTICS_NAME) == statistics
+    # the resumed run takes the statistics from the checkpoint and ends with the weights of the straight run
+    resumed = tmp_path / "resumed"
+    run_script(run_mlm, smf_args(tiny_checkpoint, resumed, f"--resume_from_checkpoint {straight / 'step_3'}"))
+    expected, got = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert [n for n in expected if not torch.equal(expected[n], got[n])] == []
+
+
+def test_run_mlm_two_processes_merge_the_statistics_exactly(run_mlm, tiny_checkpoint, tmp_path):
+    one = tmp_path / "one"
+    run_script(run_mlm, smf_args(tiny_checkpoint, one, "--max_train_steps 1"))
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SCRIPTS / "run_mlm.py")]
+    options = "--max_train_steps 2 --memory_optimizer sparse_row_adam --memory_learning_rate 0.01"
+    done = subprocess.run(
+        command + smf_args(tiny_checkpoint, tmp_path / "ddp", options), env=env, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "MULTI_CPU" in done.stderr and "sparse gradients" in done.stderr
+    # 5 background batches, 3 on process 0 and 2 on process 1, summed: the statistics of one process
+    assert BackgroundStatistics.load(tmp_path / "ddp" / STATISTICS_NAME) == BackgroundStatistics.load(one / STATISTICS_NAME)
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ("--smf_top_t 0", "--smf_top_t 0 must be >= 1"),
+        ("--smf_top_t 65", r"top_t=65 must be an integer in \[1, 64\]"),
+        ("--smf_background_batches 0", "--smf_background_batches 0 must be >= 1"),
+        ("--freeze_memory", "cannot be combined with --freeze_memory"),
+    ],
+)
+def test_run_mlm_bad_smf_options_fail_before_training(run_mlm, tiny_checkpoint, tmp_path, capsys, options, message):
+    with pytest.raises((SystemExit, ValueError)) as error:
+        run_script(run_mlm, smf_args(tiny_checkpoint, tmp_path / "out", options))
+    text = str(error.value) + capsys.readouterr().err
+    assert re_search(message, text)
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_run_mlm_empty_background_and_foreign_statistics_are_refused(run_mlm, tiny_checkpoint, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="yields no block of 32 tokens"):
+        run_script(run_mlm, smf_args(tiny_checkpoint, tmp_path / "a", f"--smf_background_file {empty}"))
+    foreign = compute_background_statistics(tiny_model(pkm_n_keys=6), batches(1)).save(tmp_path / "other.safetensors")
+    with pytest.raises(ValueError, match=r"other.safetensors are for memory layers \{'layer_1': 36\}"):
+        run_script(run_mlm, smf_args(tiny_checkpoint, tmp_path / "b", f"--smf_background_file {foreign}"))
+
+
+def re_search(pattern, text):
+    import re
+
+    return re.search(pattern, text) is not None
