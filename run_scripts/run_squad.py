@@ -47,6 +47,8 @@ from modeling_pkm_bert.memory_usage import (  # noqa: E402
     track_memory_usage,
 )
 from modeling_pkm_bert.squad_metrics import squad_scores  # noqa: E402
+from modeling_pkm_bert.sparse_finetuning import add_smf_arguments, check_smf_arguments  # noqa: E402
+from modeling_pkm_bert.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning  # noqa: E402
 from modeling_pkm_bert.training import (  # noqa: E402
     add_pkm_arguments,
     create_memory_optimizer,
@@ -185,6 +187,7 @@ def parse_args(argv=None):
         help="Allow code from the Hub for models and datasets (only for repositories you trust).",
     )
     add_pkm_arguments(parser)
+    add_smf_arguments(parser)
     args = parser.parse_args(argv)
 
     # Sanity checks
@@ -206,6 +209,10 @@ def parse_args(argv=None):
         parser.error("Need an `output_dir` to create a repo when `--push_to_hub` is passed.")
     if (args.checkpointing_steps or args.resume_from_checkpoint == "latest") and args.output_dir is None:
         parser.error("--checkpointing_steps and --resume_from_checkpoint latest need an --output_dir")
+    try:
+        check_smf_arguments(args)
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
@@ -476,10 +483,14 @@ def main(argv=None):
             generator=torch.Generator().manual_seed(args.seed if args.seed is not None else 0),
         )
     if do_train:
+        # Sparse memory finetuning: background statistics, everything but the memory values frozen (--smf_*).
+        checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir) if args.resume_from_checkpoint else None
+        smf = setup_sparse_memory_finetuning(args, accelerator, model, tokenizer, args.max_seq_length, checkpoint, logger)
+
         # Optimizer: the main AdamW on a warm-up + decay schedule; the memory values in their own Adam at a constant
         # learning rate without weight decay (XLM and the paper).
         main_groups, memory_groups = optimizer_param_groups(model, args.weight_decay)
-        optimizer = torch.optim.AdamW(main_groups, lr=args.learning_rate)
+        optimizer = torch.optim.AdamW(main_groups or [{"params": []}], lr=args.learning_rate)  # empty: all frozen (SMF)
         memory_optimizer = create_memory_optimizer(memory_groups, args, model)
 
         # Scheduler and math around the number of training steps.
@@ -508,6 +519,9 @@ def main(argv=None):
         if memory_optimizer is not None:
             memory_optimizer = accelerator.prepare(memory_optimizer)
         optimizers = [o for o in (optimizer, memory_optimizer) if o is not None]
+        if smf is not None:  # each value step trains only the chosen rows; the statistics go into every checkpoint
+            smf.attach(memory_optimizer)
+            smf.register_for_checkpointing(accelerator)
 
         # We need to recalculate our total training steps as the size of the training dataloader may have changed.
         num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)

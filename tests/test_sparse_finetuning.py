@@ -375,3 +375,79 @@ def re_search(pattern, text):
     import re
 
     return re.search(pattern, text) is not None
+
+
+# ---- run_glue.py and run_squad.py ----
+
+
+def test_run_glue_and_run_squad_train_only_value_rows(tiny_checkpoint, tmp_path, shared_data, monkeypatch):
+    """A BertPkm checkpoint with its task head: with SMF only the memory value rows change, and the statistics are
+    written beside the trained model."""
+    import importlib.util
+    import json as json_module
+
+    from safetensors.torch import load_file
+    from transformers import BertTokenizer
+
+    from modeling_pkm_bert import BertPkmForQuestionAnswering, BertPkmForSequenceClassification
+
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # run_squad imports utils_qa beside it
+    tokenizer = BertTokenizer.from_pretrained(tiny_checkpoint)
+    smf = f"--sparse_memory_finetuning --smf_background_file {BACKGROUND} --smf_background_batches 3 --smf_top_t 4"
+    smf += " --memory_optimizer sgd --memory_learning_rate 1.0 --max_train_steps 2 --seed 1"
+    rows = (shared_data / "glue" / "SST-2" / "train.tsv").read_text().splitlines(keepends=True)[:17]
+    (tmp_path / "sst2.tsv").write_text("".join(rows))
+    squad = json_module.loads((shared_data / "squad_v1.1" / "dev-v1.1.json").read_text())
+    squad["data"] = [dict(squad["data"][0], paragraphs=squad["data"][0]["paragraphs"][:1])]
+    (tmp_path / "squad.json").write_text(json_module.dumps(squad))
+    cases = {
+        "run_glue": (
+            BertPkmForSequenceClassification,
+            f"--task_name sst2 --train_file {tmp_path / 'sst2.tsv'} --validation_file {tmp_path / 'sst2.tsv'} "
+            "--max_length 32 --per_device_train_batch_size 8",
+        ),
+        "run_squad": (
+            BertPkmForQuestionAnswering,
+            f"--train_file {tmp_path / 'squad.json'} --validation_file {tmp_path / 'squad.json'} --max_seq_length 64 "
+            "--doc_stride 16 --per_device_train_batch_size 4 --max_train_samples 8 --max_eval_samples 4",
+        ),
+    }
+    for script, (model_class, options) in cases.items():
+        start = tmp_path / f"{script}_start"
+        torch.manual_seed(0)
+        model_class(tiny_config(vocab_size=200, num_labels=2)).save_pretrained(start)
+        tokenizer.save_pretrained(start)
+        spec = importlib.util.spec_from_file_location(f"{script}_smf", SCRIPTS / f"{script}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        out = tmp_path / script
+        run_script(module, ["--model_name_or_path", str(start), "--output_dir", str(out), *options.split(), *smf.split()])
+        initial, trained = load_file(start / "model.safetensors"), load_file(out / "model.safetensors")
+        moved = [n for n in trained if not torch.equal(trained[n], initial[n]) and not n.endswith("num_batches_tracked")]
+        assert moved == ["bert.encoder.layer.1.memory.values.weight"], script
+        assert BackgroundStatistics.load(out / STATISTICS_NAME).num_batches == 3
+
+
+# ---- the benchmark ----
+
+
+def test_continual_learning_benchmark_quick(tmp_path):
+    import importlib.util
+    import json as json_module
+
+    spec = importlib.util.spec_from_file_location("continual_learning", REPO_ROOT / "benchmarks" / "continual_learning.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = module.main(["--quick", "--output_dir", str(tmp_path)])
+    methods = ["full", "lora", "smf_tfidf_t4", "smf_tfidf_t16", "smf_kl_t4", "smf_kl_t16"]
+    assert list(results["curves"]) == methods
+    report = (tmp_path / "CONTINUAL_LEARNING_QUICK.md").read_text()
+    assert all(f"| {method} |" in report for method in methods)
+    assert (tmp_path / "continual_learning_quick.png").stat().st_size > 0
+    assert json_module.loads((tmp_path / "continual_learning_quick.json").read_text())["target_new_loss"] == results["target_new_loss"]
+    # the target is the lowest loss every method reached, so each method has a matched point
+    for method in methods:
+        assert min(p["new_loss"] for p in results["curves"][method]) <= results["target_new_loss"]
+        assert results["matched"][method]["heldout_ppl"] is not None
+    # SMF learned something of the new text
+    assert results["curves"]["smf_kl_t16"][-1]["new_loss"] < results["base"]["new_loss"]
