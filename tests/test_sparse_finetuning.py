@@ -147,9 +147,16 @@ def value_optimizer(name, model):
     return SparseRowAdam(values, lr=1e-2)
 
 
-@pytest.mark.parametrize("ranker", ["tfidf", "kl"])
 @pytest.mark.parametrize(
-    "optimizer_name,sparse", [("sgd", False), ("sgd", True), ("adam", False), ("sparse_row_adam", False), ("sparse_row_adam", True)]
+    "optimizer_name,sparse,ranker",
+    [
+        ("sgd", False, "tfidf"),
+        ("sgd", False, "kl"),
+        ("sgd", True, "tfidf"),
+        ("adam", False, "kl"),  # momentum would move rows chosen earlier: they are put back
+        ("sparse_row_adam", False, "tfidf"),
+        ("sparse_row_adam", True, "kl"),
+    ],
 )
 def test_only_chosen_rows_change_and_nothing_else_when_frozen(optimizer_name, sparse, ranker):
     model = tiny_model(pkm_layers=[0, 2])
@@ -451,3 +458,26 @@ def test_continual_learning_benchmark_quick(tmp_path):
         assert results["matched"][method]["heldout_ppl"] is not None
     # SMF learned something of the new text
     assert results["curves"]["smf_kl_t16"][-1]["new_loss"] < results["base"]["new_loss"]
+
+
+def test_adam_momentum_would_move_unchosen_rows_without_the_restore():
+    """Why rows are put back for Adam: a row chosen at step 1 but not at step 2 still moves at step 2 (momentum)."""
+    moved_outside = {}
+    for restore in (False, True):
+        model = tiny_model()
+        statistics = compute_background_statistics(model, batches(4))
+        freeze_all_but_values(model)
+        optimizer = torch.optim.Adam(pkm_value_parameters(model), lr=1e-2)
+        smf = SparseMemoryFinetuning(model, statistics, top_t=3).attach(optimizer, restore_unchosen=restore)
+        table = model.bert.encoder.layer[1].memory.values.weight
+        model.train()
+        outside = 0
+        for batch in batches(3, seed=11):
+            before = table.detach().clone()
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            changed = set((table != before).any(1).nonzero().squeeze(1).tolist())
+            outside += len(changed - set(smf.chosen["layer_1"].tolist()))
+        moved_outside[restore] = outside
+    assert moved_outside[False] > 0 and moved_outside[True] == 0
