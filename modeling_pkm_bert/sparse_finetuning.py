@@ -160,8 +160,8 @@ class BackgroundStatistics:
         return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        tensors = {f"{name}.document_frequency": counts.contiguous() for name, counts in self.document_frequency.items()}
-        tensors.update({f"{name}.reads": counts.contiguous() for name, counts in self.reads.items()})
+        tensors = {f"{name}.document_frequency": df.contiguous() for name, df in self.document_frequency.items()}
+        tensors.update({f"{name}.reads": reads.contiguous() for name, reads in self.reads.items()})
         return tensors
 
     def save(self, path: str | os.PathLike) -> str:
@@ -462,7 +462,7 @@ class SparseMemoryFinetuning:
     # -- the step --
 
     def select(self) -> dict[int, torch.Tensor]:
-        """Ranks this step's reads (summed over processes) and returns `{id(table): boolean row mask}`; sets `chosen`."""
+        """Ranks this step's reads (summed over processes); returns `{id(table): boolean row mask}`, sets `chosen`."""
         counts = self.counter.counts
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             names = list(counts)
@@ -524,7 +524,9 @@ class SparseMemoryFinetuning:
         def load(models, input_dir):
             path = os.path.join(input_dir, STATISTICS_NAME)
             if not os.path.isfile(path):
-                raise ValueError(f"{input_dir} holds no {STATISTICS_NAME}: resume it without --sparse_memory_finetuning")
+                raise ValueError(
+                    f"{input_dir} holds no {STATISTICS_NAME}: resume it without --sparse_memory_finetuning"
+                )
             statistics = BackgroundStatistics.load(path)
             statistics.check_model(accelerator.unwrap_model(models[0]) if models else None, path)
             self.statistics = statistics
@@ -638,7 +640,9 @@ def _background_texts(args) -> list[str]:
                 return [line for line in handle.read().splitlines() if line.strip()]
         builder = {"csv": "csv", "json": "json", "jsonl": "json"}.get(extension)
         if builder is None:
-            raise ValueError(f"--smf_background_file {args.smf_background_file!r}: expected .txt/.csv/.json/.jsonl/.safetensors")
+            raise ValueError(
+                f"--smf_background_file {args.smf_background_file!r}: expected .txt/.csv/.json/.jsonl/.safetensors"
+            )
         dataset = datasets.load_dataset(builder, data_files=args.smf_background_file, split="train")
     if "text" not in dataset.column_names:
         raise ValueError(f"the background data has no 'text' column (columns: {dataset.column_names})")
@@ -669,7 +673,9 @@ def background_batches(
     return batches
 
 
-def statistics_from_args(args, accelerator, model, tokenizer, max_seq_length: int, checkpoint: str | None = None, logger=None):
+def statistics_from_args(
+    args, accelerator, model, tokenizer, max_seq_length: int, checkpoint: str | None = None, logger=None
+) -> BackgroundStatistics:
     """The background statistics a script trains with: from the checkpoint being resumed, a statistics file
     (`--smf_background_file x.safetensors`, or the one beside the model), or computed from background text with the
     frozen model (each process its share of the batches, then summed). Checked against the model."""
@@ -715,7 +721,9 @@ def statistics_from_args(args, accelerator, model, tokenizer, max_seq_length: in
     return statistics
 
 
-def setup_from_args(args, accelerator, model, tokenizer, max_seq_length: int, checkpoint: str | None = None, logger=None):
+def setup_from_args(
+    args, accelerator, model, tokenizer, max_seq_length: int, checkpoint: str | None = None, logger=None
+) -> "SparseMemoryFinetuning | None":
     """For the scripts, before the optimizers are made: checks the flags, gets the background statistics, freezes
     everything but the values (unless `--smf_train_rest`), and returns the `SparseMemoryFinetuning` (call `.attach(
     memory_optimizer)` and `.register_for_checkpointing(accelerator)` after `accelerator.prepare`), or None when

@@ -752,8 +752,12 @@ def main(argv=None):
     # frozen model), everything but the memory values frozen unless --smf_train_rest.
     smf = None
     if args.sparse_memory_finetuning and do_train:
-        checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir) if args.resume_from_checkpoint else None
-        smf = setup_sparse_memory_finetuning(args, accelerator, model, tokenizer, max_seq_length, checkpoint, logger)
+        checkpoint = None
+        if args.resume_from_checkpoint:
+            checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+        smf = setup_sparse_memory_finetuning(
+            args, accelerator, model, tokenizer, max_seq_length, checkpoint, logger
+        )
 
     # Optimizer: the main AdamW with a warm-up + decay schedule; the memory values in their own Adam at a constant
     # learning rate without weight decay (XLM and the paper; --memory_optimizer sparse_row_adam: row-wise updates).

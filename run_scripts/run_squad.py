@@ -484,8 +484,12 @@ def main(argv=None):
         )
     if do_train:
         # Sparse memory finetuning: background statistics, everything but the memory values frozen (--smf_*).
-        checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir) if args.resume_from_checkpoint else None
-        smf = setup_sparse_memory_finetuning(args, accelerator, model, tokenizer, args.max_seq_length, checkpoint, logger)
+        checkpoint = None
+        if args.resume_from_checkpoint:
+            checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+        smf = setup_sparse_memory_finetuning(
+            args, accelerator, model, tokenizer, args.max_seq_length, checkpoint, logger
+        )
 
         # Optimizer: the main AdamW on a warm-up + decay schedule; the memory values in their own Adam at a constant
         # learning rate without weight decay (XLM and the paper).
