@@ -315,6 +315,8 @@ def compute_background_statistics(
                 statistics.add_batch(counter.counts)
     finally:
         model.train(was_training)
+    if statistics.num_batches == 0:
+        raise ValueError("the background set is empty: give at least one background batch")
     return statistics
 
 
