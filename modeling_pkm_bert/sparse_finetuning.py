@@ -608,7 +608,8 @@ def add_smf_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument(
         "--smf_train_rest",
         action="store_true",
-        help="Keep every other parameter trainable (by default only the chosen value rows change).",
+        help="Keep every other parameter trainable (by default only the chosen value rows change); needed when the "
+        "task head is new, e.g. run_glue/run_squad from a masked-LM checkpoint.",
     )
     return parser
 
