@@ -68,6 +68,9 @@ def parse_args(argv=None):
     parser.add_argument("--smf_lr", type=float, default=2.0, help="SGD learning rate of SMF (the paper: up to ~2).")
     parser.add_argument("--full_lr", type=float, default=1e-4)
     parser.add_argument("--lora_lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--report_from", type=Path, default=None, help="Only rewrite the report and figure from a run's json."
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.n_keys, args.seq_len, args.batch_size, args.heal_steps = 8, 32, 4, 4
@@ -238,6 +241,11 @@ def at_loss(curve: list[dict], target: float, key: str) -> float | None:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.report_from is not None:
+        results = json.loads(args.report_from.read_text(encoding="utf-8"))
+        args.quick = results["args"]["quick"]
+        write_report(args, results)
+        return results
     torch.manual_seed(args.seed)
     start = time.time()
     model, tokenizer, description = build_model(args)
@@ -361,7 +369,7 @@ def write_report(args, results):
         for method, curve in results["curves"].items():
             axis.plot([p["new_loss"] for p in curve], [p[key] for p in curve], marker="o", markersize=3, label=method)
         axis.axvline(results["target_new_loss"], color="gray", linestyle="--", linewidth=1, label="matched loss")
-        axis.set_xlabel("new-text (Moby-Dick) masked-LM loss (nats/token), lower = learned more")
+        axis.set_xlabel("Moby-Dick masked-LM loss (nats/token; right = learned more)")
         axis.set_ylabel(label)
         axis.invert_xaxis()
         axis.grid(alpha=0.3)
