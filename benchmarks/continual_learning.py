@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from modeling_pkm_bert.optimization import pkm_value_parameters  # noqa: E402
+from modeling_pkm_bert.optimization import SparseRowAdam, pkm_value_parameters  # noqa: E402
 from modeling_pkm_bert.sparse_finetuning import (  # noqa: E402
     SparseMemoryFinetuning,
     background_batches,
@@ -66,10 +66,22 @@ def parse_args(argv=None):
     parser.add_argument("--sst2_dev", type=int, default=200, help="SST-2 dev sentences (872: all).")
     parser.add_argument("--top_t", type=int, nargs=2, default=[100, 1000], help="The two values of t for SMF.")
     parser.add_argument("--smf_lr", type=float, default=2.0, help="SGD learning rate of SMF (the paper: up to ~2).")
+    parser.add_argument(
+        "--smf_row_adam_lr",
+        type=float,
+        default=None,
+        help="Also run SMF with SparseRowAdam at this learning rate (methods smf_<ranker>_t<t>_rowadam).",
+    )
+    parser.add_argument("--methods", nargs="*", default=None, help="Run only these methods (default: all).")
     parser.add_argument("--full_lr", type=float, default=1e-4)
     parser.add_argument("--lora_lr", type=float, default=1e-3)
     parser.add_argument(
-        "--report_from", type=Path, default=None, help="Only rewrite the report and figure from a run's json."
+        "--report_from",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="Only rewrite the report and figure from runs' json files (several: their curves are merged; the runs "
+        "must start from the identical healed model).",
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -211,9 +223,13 @@ def method_setup(name, healed, args, statistics):
         peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets))
         trainable = [p for p in peft_model.parameters() if p.requires_grad]
         return peft_model, [torch.optim.AdamW(trainable, lr=args.lora_lr, weight_decay=0.0)], peft_model.get_base_model()
-    ranker, top_t = name.split("_")[1], int(name.split("_t")[-1])
+    _, ranker, top_t, *row_adam = name.split("_")
     freeze_all_but_values(model)
-    optimizer = torch.optim.SGD(pkm_value_parameters(model), lr=args.smf_lr)
+    if row_adam:  # only the rows with a gradient (the chosen ones) move, momentum included
+        optimizer = SparseRowAdam(pkm_value_parameters(model), lr=args.smf_row_adam_lr)
+    else:
+        optimizer = torch.optim.SGD(pkm_value_parameters(model), lr=args.smf_lr)
+    top_t = int(top_t[1:])
     SparseMemoryFinetuning(model, statistics, top_t=top_t, ranker=ranker).attach(optimizer)
     return model, [optimizer], model
 
@@ -242,7 +258,7 @@ def at_loss(curve: list[dict], target: float, key: str) -> float | None:
 def main(argv=None):
     args = parse_args(argv)
     if args.report_from is not None:
-        results = json.loads(args.report_from.read_text(encoding="utf-8"))
+        results = merge_runs([json.loads(path.read_text(encoding="utf-8")) for path in args.report_from])
         args.quick = results["args"]["quick"]
         write_report(args, results)
         return results
@@ -317,6 +333,13 @@ def main(argv=None):
 
     # 4. each method learns the new text
     methods = ["full", "lora"] + [f"smf_{r}_t{t}" for r in ("tfidf", "kl") for t in args.top_t]
+    if args.smf_row_adam_lr is not None:
+        methods += [f"smf_{r}_t{t}_rowadam" for r in ("tfidf", "kl") for t in args.top_t]
+    if args.methods:
+        unknown = sorted(set(args.methods) - set(methods))
+        if unknown:
+            raise ValueError(f"--methods {unknown}: expected some of {methods}")
+        methods = [m for m in methods if m in args.methods]
     curves, times = {}, {}
     for name in methods:
         method_start = time.time()
@@ -334,21 +357,40 @@ def main(argv=None):
         )
         curves[name], times[name] = curve, time.time() - method_start
 
-    # 5. matched learning
-    target = max(min(point["new_loss"] for point in curve) for curve in curves.values())
-    matched = {
-        name: {key: at_loss(curve, target, key) for key in ("step", "heldout_ppl", "sst2_acc") if key in curve[0]}
-        for name, curve in curves.items()
-    }
     results = {
-        "description": description, "base": base, "target_new_loss": target, "matched": matched, "curves": curves,
+        "description": description, "base": base, "curves": curves,
         "argv": sys.argv[1:] if argv is None else list(argv), "heldout": heldout_name, "sst2": sst2_note, "times_s": times, "heal_time_s": heal_time,
         "statistics_time_s": stats_time, "background_batches": statistics.num_batches, "args": {
             k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
         }, "total_time_s": time.time() - start,
     }
+    results.update(matched_learning(curves))
     write_report(args, results)
     return results
+
+
+def matched_learning(curves: dict) -> dict:
+    """5. The target (the lowest new-text loss every method reached) and each method's metrics there."""
+    target = max(min(point["new_loss"] for point in curve) for curve in curves.values())
+    matched = {
+        name: {key: at_loss(curve, target, key) for key in ("step", "heldout_ppl", "sst2_acc") if key in curve[0]}
+        for name, curve in curves.items()
+    }
+    return {"target_new_loss": target, "matched": matched}
+
+
+def merge_runs(runs: list[dict]) -> dict:
+    """One result from runs that healed the identical model (same base metrics) and ran different methods."""
+    merged = dict(runs[0], curves=dict(runs[0]["curves"]), times_s=dict(runs[0]["times_s"]))
+    merged["argv_parts"] = [run["argv"] for run in runs]
+    for run in runs[1:]:
+        if run["base"] != merged["base"]:
+            raise ValueError(f"the runs did not start from the same healed model: {run['base']} != {merged['base']}")
+        merged["curves"].update(run["curves"])
+        merged["times_s"].update(run["times_s"])
+        merged["args"]["smf_row_adam_lr"] = merged["args"].get("smf_row_adam_lr") or run["args"].get("smf_row_adam_lr")
+    merged.update(matched_learning(merged["curves"]))
+    return merged
 
 
 def write_report(args, results):
@@ -381,16 +423,23 @@ def write_report(args, results):
 
     a = results["args"]
     base = results["base"]
-    argv = list(results["argv"])
-    if "--output_dir" in argv:  # a machine path: not in the report
-        del argv[argv.index("--output_dir") : argv.index("--output_dir") + 2]
-    command = " ".join(["python benchmarks/continual_learning.py", *argv])
+    commands = []
+    for argv in results.get("argv_parts", [results["argv"]]):
+        argv = list(argv)
+        if "--output_dir" in argv:  # a machine path: not in the report
+            del argv[argv.index("--output_dir") : argv.index("--output_dir") + 2]
+        commands.append("`" + " ".join(["python benchmarks/continual_learning.py", *argv]) + "`")
+    if len(commands) > 1:
+        commands[-1] = (
+            f"{commands[-1]} (same seed and settings, so the identical healed model: checked, its metrics are equal), "
+            "merged by `--report_from` with the runs' json files"
+        )
     lines = [
         "# Continual learning: sparse memory finetuning vs full finetuning and LoRA",
         "",
-        f"Produced by `{command}` on {datetime.date.today()} ({platform.machine()}, {os.cpu_count()} CPU cores shared "
+        f"Produced by {' and '.join(commands)} on {datetime.date.today()} ({platform.machine()}, {os.cpu_count()} CPU cores shared "
         f"with other jobs, torch {torch.__version__}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}); "
-        f"seed {a['seed']}, one run (no spread measured); total {results['total_time_s'] / 60:.1f} min.",
+        f"seed {a['seed']}, one seed (no spread measured); {results['total_time_s'] / 60:.1f} min for the first run.",
         "",
         f"- Model: {results['description']}; healed by {a['heal_steps']} masked-LM steps (batch {a['batch_size']} x "
         f"{a['seq_len']} tokens, AdamW 2e-4 for the network, Adam 1e-3 for the values) on the background text "
@@ -403,7 +452,14 @@ def write_report(args, results):
         f"and SST-2: {results['sst2']}.",
         f"- Methods: full finetuning (AdamW {a['full_lr']}, every parameter); LoRA (peft, r 16, alpha 32, on query/key/"
         f"value/dense, AdamW {a['lora_lr']}); SMF (only the chosen value rows, plain SGD lr {a['smf_lr']}, everything "
-        f"else frozen) with the TF-IDF and KL rankers and t = {a['top_t'][0]} and {a['top_t'][1]} rows per layer and step.",
+        f"else frozen) with the TF-IDF and KL rankers and t = {a['top_t'][0]} and {a['top_t'][1]} rows per layer and "
+        "step"
+        + (
+            f"; `_rowadam`: the same with SparseRowAdam lr {a['smf_row_adam_lr']} instead of SGD (only rows with a "
+            "gradient move)."
+            if a.get("smf_row_adam_lr")
+            else "."
+        ),
         "",
         f"The healed model: new-text loss {base['new_loss']:.3f}, held-out pseudo-perplexity {base['heldout_ppl']:.2f}"
         + (f", SST-2 accuracy {base['sst2_acc']:.3f}." if "sst2_acc" in base else "."),
