@@ -483,3 +483,24 @@ def test_adam_momentum_would_move_unchosen_rows_without_the_restore():
             outside += len(changed - set(smf.chosen["layer_1"].tolist()))
         moved_outside[restore] = outside
     assert moved_outside[False] > 0 and moved_outside[True] == 0
+
+
+def test_benchmark_matched_learning_arithmetic_and_merge():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("continual_learning", REPO_ROOT / "benchmarks" / "continual_learning.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    base = {"new_loss": 5.0, "heldout_ppl": 100.0}
+    fast = [{"step": 0, **base}, {"step": 10, "new_loss": 3.0, "heldout_ppl": 140.0}]
+    slow = [{"step": 0, **base}, {"step": 10, "new_loss": 4.5, "heldout_ppl": 101.0}, {"step": 20, "new_loss": 4.0, "heldout_ppl": 102.0}]
+    result = bench.matched_learning({"fast": fast, "slow": slow})
+    # the target is the lowest loss both reached (4.0): fast crosses it half-way to step 10
+    assert result["target_new_loss"] == 4.0
+    assert result["matched"]["fast"] == {"step": 5.0, "heldout_ppl": 120.0}
+    assert result["matched"]["slow"] == {"step": 20.0, "heldout_ppl": 102.0}
+    run = {"base": base, "curves": {"fast": fast}, "times_s": {"fast": 1.0}, "argv": [], "args": {}}
+    merged = bench.merge_runs([run, dict(run, curves={"slow": slow}, times_s={"slow": 2.0}, argv=["--methods", "slow"])])
+    assert list(merged["curves"]) == ["fast", "slow"] and merged["target_new_loss"] == 4.0
+    with pytest.raises(ValueError, match="same healed model"):
+        bench.merge_runs([run, dict(run, base={"new_loss": 5.1, "heldout_ppl": 100.0})])
