@@ -115,7 +115,8 @@ def create_memory_optimizer(
     memory_groups: list[dict], args: argparse.Namespace, model: torch.nn.Module | None = None
 ) -> torch.optim.Optimizer | None:
     """The values' own optimizer at a constant `--memory_learning_rate` (no scheduler is attached to it): Adam, plain
-    SGD with `--memory_optimizer sgd`, or with `--memory_optimizer sparse_row_adam` the row-wise lazy `SparseRowAdam`. For the latter, pass `model` (before
+    SGD with `--memory_optimizer sgd`, or with `--memory_optimizer sparse_row_adam` the row-wise lazy `SparseRowAdam`.
+    For the latter, pass `model` (before
     `accelerator.prepare`: DDP reads the flag when it wraps the model) to switch its value gradients to sparse where
     the process group can all-reduce them; without it, or under NCCL, the gradients stay dense (same update)."""
     if not memory_groups:
