@@ -369,14 +369,18 @@ def main(argv=None):
     return results
 
 
-def matched_learning(curves: dict) -> dict:
-    """5. The target (the lowest new-text loss every method reached) and each method's metrics there."""
-    target = max(min(point["new_loss"] for point in curve) for curve in curves.values())
+def matched_learning(curves: dict, min_share: float = 0.2) -> dict:
+    """5. The target (the lowest new-text loss that every method which learned reached) and each method's metrics
+    there. A method whose loss fell by less than `min_share` of the largest fall did not learn the text: it does not
+    set the target (else the target would be the starting loss) and has no matched point."""
+    drops = {name: curve[0]["new_loss"] - min(point["new_loss"] for point in curve) for name, curve in curves.items()}
+    learned = [name for name, drop in drops.items() if drop >= min_share * max(drops.values())]
+    target = max(min(point["new_loss"] for point in curves[name]) for name in learned)
     matched = {
         name: {key: at_loss(curve, target, key) for key in ("step", "heldout_ppl", "sst2_acc") if key in curve[0]}
         for name, curve in curves.items()
     }
-    return {"target_new_loss": target, "matched": matched}
+    return {"target_new_loss": target, "matched": matched, "learned": learned, "min_share": min_share}
 
 
 def merge_runs(runs: list[dict]) -> dict:
@@ -464,7 +468,13 @@ def write_report(args, results):
         f"The healed model: new-text loss {base['new_loss']:.3f}, held-out pseudo-perplexity {base['heldout_ppl']:.2f}"
         + (f", SST-2 accuracy {base['sst2_acc']:.3f}." if "sst2_acc" in base else "."),
         "",
-        f"## At matched learning: new-text loss {results['target_new_loss']:.3f} (the lowest loss every method reached)",
+        f"## At matched learning: new-text loss {results['target_new_loss']:.3f}",
+        "",
+        "The target is the lowest new-text loss that every method which learned the text reached; methods whose loss "
+        f"fell by less than {results.get('min_share', 0):.0%} of the largest fall did not learn it (their row reads "
+        "n/a): "
+        + (", ".join(sorted(set(results["curves"]) - set(results.get("learned", results["curves"])))) or "none")
+        + ".",
         "",
         "| method | steps to reach it | held-out ppl | change | SST-2 acc | change | final new-text loss | time (s) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -472,11 +482,11 @@ def write_report(args, results):
     for method, matched in results["matched"].items():
         curve = results["curves"][method]
         ppl, acc = matched.get("heldout_ppl"), matched.get("sst2_acc")
-        fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
+        fmt = lambda v, spec: "n/a" if v is None else format(v, spec.split()[0]) + spec[len(spec.split()[0]) :]  # noqa: E731
         lines.append(
             f"| {method} | {fmt(matched.get('step'), '.1f')} | {fmt(ppl, '.2f')} | "
-            f"{fmt(None if ppl is None else 100 * (ppl / base['heldout_ppl'] - 1), '+.1f')} % | {fmt(acc, '.3f')} | "
-            f"{fmt(None if acc is None else 100 * (acc - base['sst2_acc']), '+.1f')} pt | {curve[-1]['new_loss']:.3f} | "
+            f"{fmt(None if ppl is None else 100 * (ppl / base['heldout_ppl'] - 1), '+.1f %')} | {fmt(acc, '.3f')} | "
+            f"{fmt(None if acc is None else 100 * (acc - base['sst2_acc']), '+.1f pt')} | {curve[-1]['new_loss']:.3f} | "
             f"{results['times_s'][method]:.0f} |"
         )
     lines += [

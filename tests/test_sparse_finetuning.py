@@ -502,5 +502,10 @@ def test_benchmark_matched_learning_arithmetic_and_merge():
     run = {"base": base, "curves": {"fast": fast}, "times_s": {"fast": 1.0}, "argv": [], "args": {}}
     merged = bench.merge_runs([run, dict(run, curves={"slow": slow}, times_s={"slow": 2.0}, argv=["--methods", "slow"])])
     assert list(merged["curves"]) == ["fast", "slow"] and merged["target_new_loss"] == 4.0
+    # a method that barely learned (a fall under 20 % of the largest) neither sets the target nor gets a matched point
+    flat = [{"step": 0, **base}, {"step": 10, "new_loss": 4.9, "heldout_ppl": 100.0}]
+    result = bench.matched_learning({"fast": fast, "slow": slow, "flat": flat})
+    assert result["learned"] == ["fast", "slow"] and result["target_new_loss"] == 4.0
+    assert result["matched"]["flat"] == {"step": None, "heldout_ppl": None}
     with pytest.raises(ValueError, match="same healed model"):
         bench.merge_runs([run, dict(run, base={"new_loss": 5.1, "heldout_ppl": 100.0})])
