@@ -73,6 +73,7 @@ def parse_args(argv=None):
         help="Also run SMF with SparseRowAdam at this learning rate (methods smf_<ranker>_t<t>_rowadam).",
     )
     parser.add_argument("--methods", nargs="*", default=None, help="Run only these methods (default: all).")
+    parser.add_argument("--tag", default="", help="Appended to the method names of this run (runs to be merged).")
     parser.add_argument("--full_lr", type=float, default=1e-4)
     parser.add_argument("--lora_lr", type=float, default=1e-3)
     parser.add_argument(
@@ -344,6 +345,7 @@ def main(argv=None):
     for name in methods:
         method_start = time.time()
         trained, optimizers, evaluated = method_setup(name, healed, args, statistics)
+        name += args.tag
         curve = [{"step": 0, **base}]
 
         def after_step(step, loss, curve=curve, evaluated=evaluated):
@@ -459,8 +461,8 @@ def write_report(args, results):
         f"else frozen) with the TF-IDF and KL rankers and t = {a['top_t'][0]} and {a['top_t'][1]} rows per layer and "
         "step"
         + (
-            f"; `_rowadam`: the same with SparseRowAdam lr {a['smf_row_adam_lr']} instead of SGD (only rows with a "
-            "gradient move)."
+            f"; `_rowadam`: the same with SparseRowAdam (only rows with a gradient move) instead of SGD, at lr "
+            f"{a['smf_row_adam_lr']} (`_lr<x>`: at lr x, `--smf_row_adam_lr` of its run)."
             if a.get("smf_row_adam_lr")
             else "."
         ),
