@@ -454,10 +454,12 @@ def test_continual_learning_benchmark_quick(tmp_path):
     assert all(f"| {method} |" in report for method in methods)
     assert (tmp_path / "continual_learning_quick.png").stat().st_size > 0
     assert json_module.loads((tmp_path / "continual_learning_quick.json").read_text())["target_new_loss"] == results["target_new_loss"]
-    # the target is the lowest loss every method reached, so each method has a matched point
+    # the target is the lowest loss every method that learned reached: those have a matched point, the others none
+    assert "full" in results["learned"]
     for method in methods:
-        assert min(p["new_loss"] for p in results["curves"][method]) <= results["target_new_loss"]
-        assert results["matched"][method]["heldout_ppl"] is not None
+        reached = min(p["new_loss"] for p in results["curves"][method]) <= results["target_new_loss"]
+        assert reached == (results["matched"][method]["heldout_ppl"] is not None)
+        assert reached or method not in results["learned"]
     # SMF learned something of the new text
     assert results["curves"]["smf_kl_t16"][-1]["new_loss"] < results["base"]["new_loss"]
 
