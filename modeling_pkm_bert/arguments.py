@@ -39,7 +39,7 @@ def _config_source() -> tuple[dict[str, tuple[str, object]], dict[str, str], dic
 
 PKM_FLAG_FIELDS, _AUTO_MAP, _CONFIG_CONSTANTS = _config_source()
 TARGET_CLASSES = [target.split(".")[-1] for auto, target in _AUTO_MAP.items() if auto != "AutoConfig"]
-MEMORY_OPTIMIZERS = ("adam", "sparse_row_adam")
+MEMORY_OPTIMIZERS = ("adam", "sparse_row_adam", "sgd")
 # the str fields take one of these values
 PKM_CHOICES = {
     "pkm_mode": _CONFIG_CONSTANTS["PKM_MODES"],
@@ -110,7 +110,9 @@ def add_pkm_arguments(parser: argparse.ArgumentParser, training_options: bool = 
         "(the paper's 'sparse update' of the values; bf16 first moment and one second moment per row, 1.5x the table "
         "instead of Adam's 4x), fed sparse value gradients on one process or gloo and dense ones under NCCL, which "
         "has no sparse all-reduce. It pays off when a step reads a small part of the table "
-        "(tokens per step * heads * knn well below pkm_n_keys ** 2).",
+        "(tokens per step * heads * knn well below pkm_n_keys ** 2). "
+        "sgd: plain SGD without momentum or weight decay (sparse memory finetuning's choice, Lin et al. 2025, with "
+        "--memory_learning_rate up to ~2): a row without gradient does not move.",
     )
     group.add_argument(
         "--memory_max_grad_norm",
@@ -173,6 +175,52 @@ def add_trime_arguments(parser, causal: bool = True):
     )
     return parser
 
+
+
+# sparse memory finetuning (modeling_pkm_bert/sparse_finetuning.py)
+STATISTICS_NAME = "smf_background_statistics.safetensors"
+SMF_RANKERS = ("tfidf", "kl")
+
+
+def add_smf_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`--sparse_memory_finetuning` and its `--smf_*` options (the value optimizer is `--memory_optimizer`)."""
+    group = parser.add_argument_group(
+        "sparse memory finetuning",
+        "Lin et al. 2025: train only the memory value rows that each step reads much more than background text "
+        "does (everything else frozen unless --smf_train_rest). Use with --memory_optimizer sgd and "
+        "--memory_learning_rate (the paper: plain SGD, lr up to ~2) or adam / sparse_row_adam.",
+    )
+    group.add_argument("--sparse_memory_finetuning", action="store_true", help="Turn sparse memory finetuning on.")
+    group.add_argument(
+        "--smf_background_file",
+        type=str,
+        default=None,
+        help="Background text (.txt/.raw: one text per line; .csv/.json/.jsonl with a 'text' column) whose statistics "
+        f"are computed before training, or a statistics file (.safetensors, e.g. {STATISTICS_NAME} written by an "
+        f"earlier run). Default: {STATISTICS_NAME} beside the model, if there is one.",
+    )
+    group.add_argument(
+        "--smf_background_dataset",
+        type=str,
+        default=None,
+        help="A datasets name (`name` or `name:config`, its train split, column 'text') as background text.",
+    )
+    group.add_argument(
+        "--smf_background_batches",
+        type=int,
+        default=1000,
+        help="Number N of background batches (of --per_device_train_batch_size sequences of --max_seq_length tokens), "
+        "over all processes (the re-implementations: 1000).",
+    )
+    group.add_argument("--smf_top_t", type=int, default=500, help="Value rows trained per memory layer and step.")
+    group.add_argument("--smf_ranker", choices=SMF_RANKERS, default="tfidf", help="tfidf (Lin et al.) or kl.")
+    group.add_argument(
+        "--smf_train_rest",
+        action="store_true",
+        help="Keep every other parameter trainable (by default only the chosen value rows change); needed when the "
+        "task head is new, e.g. run_glue/run_squad from a masked-LM checkpoint.",
+    )
+    return parser
 
 
 DEFAULT_LICENSE = "apache-2.0"
@@ -322,6 +370,7 @@ __all__ = [
     "add_model_card_arguments",
     "add_pkm_arguments",
     "add_reliability_arguments",
+    "add_smf_arguments",
     "add_trime_arguments",
     "card_command",
     "hub_model_id",

@@ -82,12 +82,15 @@ def sparse_gradients_supported() -> bool:
 def create_memory_optimizer(
     memory_groups: list[dict], args: argparse.Namespace, model: torch.nn.Module | None = None
 ) -> torch.optim.Optimizer | None:
-    """The values' own optimizer at a constant `--memory_learning_rate` (no scheduler is attached to it): Adam, or
-    with `--memory_optimizer sparse_row_adam` the row-wise lazy `SparseRowAdam`. For the latter, pass `model` (before
+    """The values' own optimizer at a constant `--memory_learning_rate` (no scheduler is attached to it): Adam, plain
+    SGD with `--memory_optimizer sgd`, or with `--memory_optimizer sparse_row_adam` the row-wise lazy `SparseRowAdam`.
+    For the latter, pass `model` (before
     `accelerator.prepare`: DDP reads the flag when it wraps the model) to switch its value gradients to sparse where
     the process group can all-reduce them; without it, or under NCCL, the gradients stay dense (same update)."""
     if not memory_groups:
         return None
+    if getattr(args, "memory_optimizer", "adam") == "sgd":
+        return torch.optim.SGD(memory_groups, lr=args.memory_learning_rate)
     if getattr(args, "memory_optimizer", "adam") == "sparse_row_adam":
         from .optimization import SparseRowAdam, set_sparse_values
 

@@ -56,6 +56,7 @@ from modeling_pkm_bert.arguments import (  # noqa: E402
     add_model_card_arguments,
     add_pkm_arguments,
     add_reliability_arguments,
+    add_smf_arguments,
     card_command,
 )
 from modeling_pkm_bert.glue_data import GLUE_TASKS  # noqa: E402  (standard library only until its loaders run)
@@ -86,6 +87,8 @@ else:
         glue_compute_metrics,
     )
     from modeling_pkm_bert.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
+    from modeling_pkm_bert.sparse_finetuning import check_smf_arguments
+    from modeling_pkm_bert.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
     from modeling_pkm_bert.training import (
         atomic_write_json,
         check_checkpoint,
@@ -232,6 +235,7 @@ def parse_args(argv=None):
     add_pkm_arguments(parser)
     add_reliability_arguments(parser)
     add_model_card_arguments(parser)
+    add_smf_arguments(parser)
     args = parser.parse_args(argv)
 
     # Sanity checks
@@ -262,6 +266,10 @@ def parse_args(argv=None):
         parser.error("--checkpointing_steps and --resume_from_checkpoint latest need an --output_dir")
     data_files = ("train_file", "validation_file", "validation_mismatched_file")
     check_data_files(parser, [(f"--{name}", getattr(args, name)) for name in data_files])
+    try:
+        check_smf_arguments(args)
+    except ValueError as error:
+        parser.error(str(error))
     if args.push_to_hub and args.output_dir is None:
         parser.error("Need an `output_dir` to create a repo when `--push_to_hub` is passed.")
     return args
@@ -604,10 +612,20 @@ def main(argv=None):
             generator=torch.Generator().manual_seed(args.seed if args.seed is not None else 0),
         )
 
+    # Sparse memory finetuning: background statistics, everything but the memory values frozen (--smf_*).
+    smf = None
+    if do_train:
+        checkpoint = None
+        if args.resume_from_checkpoint:
+            checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+        smf = setup_sparse_memory_finetuning(
+            args, accelerator, model, tokenizer, args.max_length, checkpoint, logger
+        )
+
     # Optimizer: the main AdamW on a warm-up + decay schedule; the memory values in their own Adam at a constant
     # learning rate without weight decay (XLM and the paper).
     main_groups, memory_groups = optimizer_param_groups(model, args.weight_decay)
-    optimizer = torch.optim.AdamW(main_groups, lr=args.learning_rate)
+    optimizer = torch.optim.AdamW(main_groups or [{"params": []}], lr=args.learning_rate)  # empty: all frozen (SMF)
     memory_optimizer = create_memory_optimizer(memory_groups, args, model)  # before prepare: DDP reads sparse flags
 
     # Prepare everything with our `accelerator`.
@@ -617,6 +635,9 @@ def main(argv=None):
     memory_optimizer = rest.pop(0) if memory_optimizer is not None else None
     train_dataloader = rest.pop(0) if do_train else None
     optimizers = [o for o in (optimizer, memory_optimizer) if o is not None]
+    if smf is not None:  # each value step trains only the chosen rows; the statistics go into every checkpoint
+        smf.attach(memory_optimizer)
+        smf.register_for_checkpointing(accelerator)
 
     # Scheduler and math around the number of training steps, from the prepared (per-process) dataloader. The
     # prepared scheduler advances once per process at each optimizer step, hence the factor num_processes.

@@ -14,6 +14,9 @@ Follows the transformers `run_mlm_no_trainer.py` example and adds:
   layer on the first one (MU, top-1 MU, KL_u, KL_w, ...: section 3.2) in the log, the trackers and `all_results.json`;
 * `--track_staleness`: for every memory slot, the last training step at which it was a top-1 pick (section 3.1,
   Figure 2), kept in checkpoints and written to `staleness.safetensors`;
+* `--sparse_memory_finetuning` (Lin et al. 2025): only the memory value rows that each step reads much more than
+  background text does are trained (`--smf_background_file`, `--smf_top_t`, `--smf_ranker tfidf|kl`, with
+  `--memory_optimizer sgd`), the background statistics kept in checkpoints and beside the trained model;
 * exact resume: `--checkpointing_steps` saves the complete state atomically, and a resumed run ends with the weights
   of the uninterrupted one (same `--seed`): the masks of a batch are drawn from (seed, process, epoch, batch), each
   epoch's order from (seed, epoch), evaluation never touches the training random streams;
@@ -72,6 +75,7 @@ from modeling_pkm_bert.arguments import (  # noqa: E402
     add_model_card_arguments,
     add_pkm_arguments,
     add_reliability_arguments,
+    add_smf_arguments,
     add_trime_arguments,
     card_command,
 )
@@ -108,6 +112,8 @@ else:
     from modeling_pkm_bert import trime
     from modeling_pkm_bert.lm_data import check_data_file, load_raw_datasets, parse_validation_sets
     from modeling_pkm_bert.trime import check_trime_model, model_trime_losses, resolve_trime_arguments
+    from modeling_pkm_bert.sparse_finetuning import check_smf_arguments
+    from modeling_pkm_bert.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
     from modeling_pkm_bert.training import (
         atomic_write_json,
         check_checkpoint,
@@ -358,6 +364,7 @@ def parse_args(argv=None):
     add_reliability_arguments(parser)
     add_model_card_arguments(parser)
     add_trime_arguments(parser, causal=False)
+    add_smf_arguments(parser)
     args = parser.parse_args(argv)
     resolve_trime_arguments(args)
 
@@ -399,6 +406,10 @@ def parse_args(argv=None):
         parser.error(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
     if args.eval_steps is not None and args.eval_steps < 1:
         parser.error("--eval_steps must be >= 1")
+    try:
+        check_smf_arguments(args)
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
@@ -659,10 +670,21 @@ def main(argv=None):
             generator=torch.Generator().manual_seed(args.seed),
         )
 
+    # Sparse memory finetuning: background statistics (from the resumed checkpoint, a file, or computed now with the
+    # frozen model), everything but the memory values frozen unless --smf_train_rest.
+    smf = None
+    if args.sparse_memory_finetuning and do_train:
+        checkpoint = None
+        if args.resume_from_checkpoint:
+            checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+        smf = setup_sparse_memory_finetuning(
+            args, accelerator, model, tokenizer, max_seq_length, checkpoint, logger
+        )
+
     # Optimizer: the main AdamW with a warm-up + decay schedule; the memory values in their own Adam at a constant
     # learning rate without weight decay (XLM and the paper; --memory_optimizer sparse_row_adam: row-wise updates).
     main_groups, memory_groups = optimizer_param_groups(model, args.weight_decay)
-    optimizer = torch.optim.AdamW(main_groups, lr=args.learning_rate)
+    optimizer = torch.optim.AdamW(main_groups or [{"params": []}], lr=args.learning_rate)  # empty: all frozen (SMF)
     memory_optimizer = create_memory_optimizer(memory_groups, args, model) if do_train else None
 
     # Staleness (Figure 2): the last step each memory slot was a top-1 pick, kept in checkpoints (as safetensors).
@@ -677,6 +699,9 @@ def main(argv=None):
     memory_optimizer = rest.pop(0) if memory_optimizer is not None else None
     train_dataloader = rest.pop(0) if do_train else None
     optimizers = [o for o in (optimizer, memory_optimizer) if o is not None]
+    if smf is not None:  # each value step trains only the chosen rows; the statistics go into every checkpoint
+        smf.attach(memory_optimizer)
+        smf.register_for_checkpointing(accelerator)
 
     # Scheduler and math around the number of training steps, from the prepared (per-process) dataloader. The
     # prepared scheduler advances once per process at each optimizer step, hence the factor num_processes.

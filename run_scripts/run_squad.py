@@ -36,6 +36,7 @@ from modeling_pkm_bert.arguments import (  # noqa: E402
     add_model_card_arguments,
     add_pkm_arguments,
     add_reliability_arguments,
+    add_smf_arguments,
     card_command,
 )
 
@@ -65,6 +66,8 @@ else:
         track_memory_usage,
     )
     from modeling_pkm_bert.squad_metrics import squad_scores
+    from modeling_pkm_bert.sparse_finetuning import check_smf_arguments
+    from modeling_pkm_bert.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
     from modeling_pkm_bert.training import (
         atomic_write_json,
         check_checkpoint,
@@ -74,7 +77,6 @@ else:
         create_memory_optimizer,
         freeze_memory,
         load_model,
-        memory_modules,
         optimizer_param_groups,
         pkm_kwargs_from_args,
         prepare_output_dir,
@@ -213,6 +215,7 @@ def parse_args(argv=None):
     add_pkm_arguments(parser)
     add_reliability_arguments(parser)
     add_model_card_arguments(parser)
+    add_smf_arguments(parser)
     args = parser.parse_args(argv)
 
     # Sanity checks
@@ -236,6 +239,10 @@ def parse_args(argv=None):
     if (args.checkpointing_steps or args.resume_from_checkpoint == "latest") and args.output_dir is None:
         parser.error("--checkpointing_steps and --resume_from_checkpoint latest need an --output_dir")
     check_data_files(parser, [(f"--{name}", getattr(args, name)) for name in ("train_file", "validation_file")])
+    try:
+        check_smf_arguments(args)
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
@@ -505,10 +512,18 @@ def main(argv=None):
             generator=torch.Generator().manual_seed(args.seed if args.seed is not None else 0),
         )
     if do_train:
+        # Sparse memory finetuning: background statistics, everything but the memory values frozen (--smf_*).
+        checkpoint = None
+        if args.resume_from_checkpoint:
+            checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+        smf = setup_sparse_memory_finetuning(
+            args, accelerator, model, tokenizer, args.max_seq_length, checkpoint, logger
+        )
+
         # Optimizer: the main AdamW on a warm-up + decay schedule; the memory values in their own Adam at a constant
         # learning rate without weight decay (XLM and the paper).
         main_groups, memory_groups = optimizer_param_groups(model, args.weight_decay)
-        optimizer = torch.optim.AdamW(main_groups, lr=args.learning_rate)
+        optimizer = torch.optim.AdamW(main_groups or [{"params": []}], lr=args.learning_rate)  # empty: all frozen (SMF)
         memory_optimizer = create_memory_optimizer(memory_groups, args, model)
 
         # Scheduler and math around the number of training steps.
@@ -537,6 +552,9 @@ def main(argv=None):
         if memory_optimizer is not None:
             memory_optimizer = accelerator.prepare(memory_optimizer)
         optimizers = [o for o in (optimizer, memory_optimizer) if o is not None]
+        if smf is not None:  # each value step trains only the chosen rows; the statistics go into every checkpoint
+            smf.attach(memory_optimizer)
+            smf.register_for_checkpointing(accelerator)
 
         # We need to recalculate our total training steps as the size of the training dataloader may have changed.
         num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
