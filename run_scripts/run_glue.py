@@ -59,6 +59,7 @@ except ImportError:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 from modeling_pkm_bert import register_auto_classes  # noqa: E402
+from modeling_pkm_bert.analysis import ClassData, MetricsLog, add_memory_report_arguments, write_run_memory_report  # noqa: E402
 from modeling_pkm_bert.glue_data import GLUE_TASKS, get_glue_task, load_glue_tsv  # noqa: E402
 from modeling_pkm_bert.glue_metrics import (  # noqa: E402
     PerClassMemoryUsage,
@@ -203,6 +204,7 @@ def parse_args(argv=None):
         help="Allow code from the Hub for models and datasets (only for repositories you trust).",
     )
     add_pkm_arguments(parser)
+    add_memory_report_arguments(parser)
     args = parser.parse_args(argv)
 
     # Sanity checks
@@ -232,6 +234,8 @@ def parse_args(argv=None):
         parser.error("--checkpointing_steps and --resume_from_checkpoint latest need an --output_dir")
     if args.push_to_hub and args.output_dir is None:
         parser.error("Need an `output_dir` to create a repo when `--push_to_hub` is passed.")
+    if args.memory_report and args.output_dir is None:
+        parser.error("--memory_report writes into <output_dir>/memory_report: give an --output_dir")
     return args
 
 
@@ -628,6 +632,7 @@ def main(argv=None):
 
     results = {}
     eval_dataset = processed_datasets[eval_splits[0]] if eval_splits else None
+    metrics_log = MetricsLog(args.output_dir, accelerator.is_main_process, resume=bool(args.resume_from_checkpoint))
 
     # The memory usage of the model as loaded (the "pretrained" side of Figure 4), before any update.
     if args.memory_usage_before_training and eval_dataset is not None and not args.resume_from_checkpoint:
@@ -706,6 +711,7 @@ def main(argv=None):
                 if accelerator.sync_gradients:
                     progress_bar.update(1)
                     completed_steps += 1
+                    metrics_log.log({"loss": loss.item()}, step=completed_steps)
                     if isinstance(checkpointing_steps, int) and completed_steps % checkpointing_steps == 0:
                         save_checkpoint(accelerator, args.output_dir, f"step_{completed_steps}")
 
@@ -721,6 +727,7 @@ def main(argv=None):
                 )
                 logger.info(f"epoch {epoch}: {eval_metric}")
                 log.update({f"eval_{k}": v for k, v in eval_metric.items()})
+            metrics_log.log(log, step=completed_steps)
             if args.with_tracking:
                 accelerator.log(log, step=completed_steps)
             if args.checkpointing_steps == "epoch":
@@ -773,6 +780,7 @@ def main(argv=None):
         results[f"eval_samples{suffix}"] = len(processed_datasets[split])
         results[f"eval_runtime{suffix}"] = round(time.time() - eval_start, 2)
 
+    metrics_log.log({k: v for k, v in results.items() if k.startswith("eval_") and "memory" not in k}, completed_steps)
     if args.with_tracking:
         accelerator.log({k: v for k, v in results.items() if isinstance(v, (int, float))}, step=completed_steps)
         accelerator.end_training()
@@ -791,6 +799,10 @@ def main(argv=None):
             with open(os.path.join(args.output_dir, "all_results.json"), "w") as f:
                 json.dump(results, f, indent=4)
             logger.info(json.dumps(results, indent=4))
+            if args.memory_report:  # usage on the evaluation set, per class (Figure 4)
+                names = None if is_regression else [str(name) for name in label_list]
+                classes = ClassData(eval_dataset, names) if eval_dataset is not None else None
+                write_run_memory_report(args, unwrapped_model, tokenizer, class_data=classes)
             if args.push_to_hub:
                 push_to_hub(args, results, command)
     return results

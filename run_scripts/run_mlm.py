@@ -88,6 +88,7 @@ except ImportError:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 from modeling_pkm_bert import BertPkmConfig, register_auto_classes  # noqa: E402
+from modeling_pkm_bert.analysis import MetricsLog, add_memory_report_arguments, write_run_memory_report  # noqa: E402
 from modeling_pkm_bert.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage  # noqa: E402
 from modeling_pkm_bert.staleness import StalenessTracker  # noqa: E402
 from modeling_pkm_bert.training import (  # noqa: E402
@@ -329,6 +330,7 @@ def parse_args(argv=None):
         '"all". Only applicable when `--with_tracking` is passed.',
     )
     add_pkm_arguments(parser)
+    add_memory_report_arguments(parser)
     args = parser.parse_args(argv)
 
     # Sanity checks
@@ -363,6 +365,8 @@ def parse_args(argv=None):
         parser.error("--checkpointing_steps and --resume_from_checkpoint latest need an --output_dir")
     if args.push_to_hub and args.output_dir is None:
         parser.error("Need an `output_dir` to create a repo when `--push_to_hub` is passed.")
+    if args.memory_report and args.output_dir is None:
+        parser.error("--memory_report writes into <output_dir>/memory_report: give an --output_dir")
     if not 0 < args.mlm_probability < 1:
         parser.error(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
     if args.eval_steps is not None and args.eval_steps < 1:
@@ -792,6 +796,7 @@ def main(argv=None):
             logger.info(f"Memory usage on {next(iter(eval_datasets))} ({when}):\n{format_memory_usage(usage)}")
 
     results = {}
+    metrics_log = MetricsLog(args.output_dir, accelerator.is_main_process, resume=bool(args.resume_from_checkpoint))
 
     # The model as loaded, before any update (Figure 3 starts here; a converted MiniLM has a new MLM head, so its
     # perplexity is very high before training).
@@ -800,6 +805,7 @@ def main(argv=None):
         report_evaluation(metrics, usage, "before training")
         results.update({f"initial_{k}": v for k, v in metrics.items()})
         results.update(flatten_memory_usage(usage, prefix="initial_eval_memory"))
+        metrics_log.log(metrics, step=0)
         if args.with_tracking:
             accelerator.log({**metrics, **flatten_memory_usage(usage, prefix="eval_memory")}, step=0)
 
@@ -883,6 +889,7 @@ def main(argv=None):
                     completed_steps += 1
                     train_loss = running_loss / running_batches
                     progress_bar.set_postfix(loss=f"{sum(recent_losses) / len(recent_losses):.3f}", refresh=False)
+                    metrics_log.log({"loss": recent_losses[-1]}, step=completed_steps)
                     if isinstance(checkpointing_steps, int) and completed_steps % checkpointing_steps == 0:
                         if staleness is not None:
                             staleness.synchronize()
@@ -894,6 +901,7 @@ def main(argv=None):
                     ):
                         metrics, _ = evaluate(args, accelerator, model, eval_datasets, eval_collator)
                         report_evaluation(metrics, None, f"step {completed_steps}")
+                        metrics_log.log({**metrics, "train_loss": train_loss}, step=completed_steps)
                         if args.with_tracking:
                             accelerator.log(
                                 {**metrics, "train_loss": train_loss, "epoch": epoch}, step=completed_steps
@@ -908,6 +916,7 @@ def main(argv=None):
             if not args.eval_steps and not last_epoch and eval_datasets:  # the last one is evaluated below
                 metrics, _ = evaluate(args, accelerator, model, eval_datasets, eval_collator)
                 report_evaluation(metrics, None, f"epoch {epoch}")
+                metrics_log.log({**metrics, "train_loss": train_loss}, step=completed_steps)
                 if args.with_tracking:
                     accelerator.log({**metrics, "train_loss": train_loss, "epoch": epoch}, step=completed_steps)
                 running_loss, running_batches = 0.0, 0
@@ -939,6 +948,7 @@ def main(argv=None):
         report_evaluation(metrics, usage, "after training" if do_train else "evaluation")
         first = next(iter(eval_datasets))
         results["perplexity"] = metrics[f"eval_{first}_perplexity"]  # the official script's key
+        metrics_log.log({**metrics, "train_loss": train_loss}, step=completed_steps)
         results.update(metrics)
         results.update(flatten_memory_usage(usage, prefix="eval_memory"))
         for name, dataset in eval_datasets.items():
@@ -991,6 +1001,9 @@ def main(argv=None):
             results["total_runtime"] = round(time.time() - start_time, 2)
             with open(os.path.join(args.output_dir, "all_results.json"), "w") as f:
                 json.dump(results, f, indent=4)
+            if args.memory_report:
+                first_set = next(iter(args.validation_sets.values()), None)
+                write_run_memory_report(args, accelerator.unwrap_model(model), tokenizer, validation_file=first_set)
             if args.push_to_hub and do_train:
                 from modeling_pkm_bert.conversion import push_folder_to_hub
 

@@ -40,6 +40,7 @@ try:
 except ImportError:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
+from modeling_pkm_bert.analysis import MetricsLog, add_memory_report_arguments, write_run_memory_report  # noqa: E402
 from modeling_pkm_bert.memory_usage import (  # noqa: E402
     flatten_memory_usage,
     format_memory_usage,
@@ -185,6 +186,7 @@ def parse_args(argv=None):
         help="Allow code from the Hub for models and datasets (only for repositories you trust).",
     )
     add_pkm_arguments(parser)
+    add_memory_report_arguments(parser)
     args = parser.parse_args(argv)
 
     # Sanity checks
@@ -204,6 +206,8 @@ def parse_args(argv=None):
         parser.error(f"--checkpointing_steps must be an integer or 'epoch', got {args.checkpointing_steps!r}")
     if args.push_to_hub and args.output_dir is None:
         parser.error("Need an `output_dir` to create a repo when `--push_to_hub` is passed.")
+    if args.memory_report and args.output_dir is None:
+        parser.error("--memory_report writes into <output_dir>/memory_report: give an --output_dir")
     if (args.checkpointing_steps or args.resume_from_checkpoint == "latest") and args.output_dir is None:
         parser.error("--checkpointing_steps and --resume_from_checkpoint latest need an --output_dir")
     return args
@@ -555,6 +559,7 @@ def main(argv=None):
                 checkpoint, num_update_steps_per_epoch, args.gradient_accumulation_steps
             )
 
+        metrics_log = MetricsLog(args.output_dir, accelerator.is_main_process, resume=bool(args.resume_from_checkpoint))
         # Only show the progress bar once on each machine.
         progress_bar = tqdm(range(args.max_train_steps), disable=not accelerator.is_local_main_process)
         progress_bar.update(completed_steps)
@@ -586,6 +591,7 @@ def main(argv=None):
                 if accelerator.sync_gradients:
                     progress_bar.update(1)
                     completed_steps += 1
+                    metrics_log.log({"loss": loss.item()}, step=completed_steps)
                     if isinstance(checkpointing_steps, int) and completed_steps % checkpointing_steps == 0:
                         save_checkpoint(accelerator, args.output_dir, f"step_{completed_steps}")
 
@@ -593,6 +599,7 @@ def main(argv=None):
                     break
 
             epoch_losses.append(total_loss / max(counted_batches, 1))
+            metrics_log.log({"train_loss": epoch_losses[-1], "epoch": epoch}, step=completed_steps)
             if args.with_tracking:
                 accelerator.log({"train_loss": epoch_losses[-1], "epoch": epoch}, step=completed_steps)
             if args.checkpointing_steps == "epoch":
@@ -675,6 +682,9 @@ def main(argv=None):
             with open(os.path.join(args.output_dir, "all_results.json"), "w") as f:
                 json.dump(results, f, indent=4)
             logger.info(json.dumps(results, indent=4))
+            if args.memory_report:  # the memory usage over the evaluation contexts (or the training ones)
+                examples = eval_examples if do_eval else train_examples
+                write_run_memory_report(args, unwrapped_model, tokenizer, texts=list(dict.fromkeys(examples["context"])))
             if args.push_to_hub:
                 push_to_hub(args, results, command)
     return results
