@@ -92,7 +92,7 @@ def read_texts(path: str) -> list[str]:
     builder = "csv" if extension in ("csv", "tsv") else "json"
     dataset = datasets.load_dataset(builder, data_files={"validation": path}, split="validation", **kwargs)
     columns = [c for c in dataset.column_names if c in ("text", "sentence", "context")] or [
-        c for c in dataset.column_names if dataset.features[c].dtype == "string"
+        c for c in dataset.column_names if dataset.features[c].dtype in ("string", "large_string")
     ]
     if not columns:
         raise MemoryReportError(f"validation file {path!r} has no text column (columns: {dataset.column_names})")
@@ -147,7 +147,7 @@ def class_data_from_files(
                 f"{train_file} has no 'label' column (columns: {dataset.column_names}): the per-class usage needs "
                 "labelled examples"
             )
-        texts = [c for c in dataset.column_names if c not in ("label", "idx") and dataset.features[c].dtype == "string"]
+        texts = [c for c in dataset.column_names if c not in ("label", "idx") and dataset.features[c].dtype in ("string", "large_string")]
         if not texts:
             raise MemoryReportError(f"{train_file} has no text column beside 'label' ({dataset.column_names})")
         keys = (texts[0], texts[1] if len(texts) > 1 else None)
@@ -318,6 +318,7 @@ def _save(fig, path: str) -> str:
 def plot_slot_heatmaps(accumulator, n_keys: int, layer: str, path: str) -> str:
     """Top-1 counts and weight sums of every slot on the `n_keys x n_keys` product-key grid, log colour scale."""
     plt = _pyplot()
+    import numpy as np
     from matplotlib.colors import LogNorm
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.4))
@@ -329,9 +330,8 @@ def plot_slot_heatmaps(accumulator, n_keys: int, layer: str, path: str) -> str:
     for ax, (counts, unit) in zip(axes, panels):
         grid = counts.cpu().reshape(n_keys, n_keys).numpy()
         positive = grid[grid > 0]
-        masked = __import__("numpy").ma.masked_less_equal(grid, 0)
-        cmap = plt.get_cmap("viridis").copy()
-        cmap.set_bad("white")
+        masked = np.ma.masked_less_equal(grid, 0)
+        cmap = plt.get_cmap("viridis").with_extremes(bad="white")
         vmin = positive.min() if positive.size else 1e-3
         vmax = max(positive.max() if positive.size else 1.0, vmin * 1.0001)
         image = ax.imshow(masked, cmap=cmap, norm=LogNorm(vmin=vmin, vmax=vmax), interpolation="nearest", origin="lower")
@@ -367,7 +367,6 @@ def plot_usage_curve(accumulator, metrics: dict, layer: str, path: str) -> str:
     ax.plot([], [], " ", label=summary)
     ax.set_xlabel("most-used slots (% of all slots)")
     ax.set_ylabel("share of lookups they receive (%)")
-    ax.set_xscale("symlog", linthresh=1)
     ax.set_xlim(0, 100)
     ax.set_ylim(0, 101)
     ax.legend(loc="lower right", fontsize=8)
