@@ -98,7 +98,7 @@ def parse_args(argv=None):
     parser.add_argument("--report", default=str(HERE / "REPRODUCTION.md"), help="The markdown report to write.")
     parser.add_argument("--figures_dir", default=None, help="Its figures (default: reproduction/ beside the report).")
     parser.add_argument("--in_process", action="store_true", help="Run the scripts in this process (tests: faster).")
-    parser.add_argument("--jobs", type=int, default=1, help="Fine-tuning runs at a time (subprocesses).")
+    parser.add_argument("--jobs", type=int, default=1, help="Runs at a time (subprocesses; rows, then fine-tuning).")
     args = parser.parse_args(argv)
     if args.quick:
         args.budget = "quick"
@@ -276,7 +276,7 @@ def pretrain_rows(args, stage0: Path) -> dict[str, dict]:
         "--eval_steps", str(max(1, steps // c["mlm_evals"])), "--evaluate_before_training", "--track_staleness",
         "--seed", "0", "--memory_report", "--memory_report_max_sequences", str(c["eval_sequences"]),
     ]
-    results = {}
+    results, pending = {}, []
     for row, (_, flags) in ROWS.items():
         out = args.mlm_dir / row
         results[row] = done_results(out)
@@ -288,17 +288,31 @@ def pretrain_rows(args, stage0: Path) -> dict[str, dict]:
             model_flags = ["--model_name_or_path", str(source)]
         else:
             model_flags = ["--model_name_or_path", str(stage0), *(memory_flags(args) + flags if row != "plain" else [])]
-        if row == "plain":
-            common_row = [f for f in common if f not in ("--memory_report",)]
-            common_row = _drop_option(common_row, "--memory_report_max_sequences")
-            common_row = [f for f in common_row if f != "--track_staleness"]
+        if row == "plain":  # no memory: nothing to track or report
+            common_row = _drop_option(common, "--memory_report_max_sequences")
+            common_row = [f for f in common_row if f not in ("--memory_report", "--track_staleness")]
         else:
             common_row = common
         out.parent.mkdir(parents=True, exist_ok=True)
+        pending.append((row, [*model_flags, *common_row, "--output_dir", str(out)], out.parent / f"{row}.log"))
+
+    def run_one(job):
+        row, argv, log = job
         print(f"Table 2 row {row}", flush=True)
-        results[row] = run_script(args, "run_mlm", [*model_flags, *common_row, "--output_dir", str(out)],
-                                  out.parent / f"{row}.log")
+        return row, run_script(args, "run_mlm", argv, log)
+
+    results.update(_map_jobs(args, run_one, pending))
     return results
+
+
+def _map_jobs(args, function, jobs):
+    """`function` over `jobs`, `--jobs` at a time (each job runs a subprocess), in order."""
+    if args.jobs > 1 and not args.in_process:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(args.jobs) as pool:
+            return list(pool.map(function, jobs))
+    return list(map(function, jobs))
 
 
 def _drop_option(argv: list[str], option: str) -> list[str]:
@@ -348,13 +362,7 @@ def finetune(args) -> dict:
             (out / "model.safetensors").unlink()  # the fine-tuned weights are not needed again: save disk
         return key, result
 
-    if args.jobs > 1 and not args.in_process:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(args.jobs) as pool:
-            runs.update(pool.map(run_one, pending))
-    else:
-        runs.update(map(run_one, pending))
+    runs.update(_map_jobs(args, run_one, pending))
     return runs
 
 

@@ -454,8 +454,11 @@ def plot_training_curves(runs: dict[str, list[dict]], path: str, title: str, max
     axes[0].legend(fontsize=8)
     for ax, name in zip(axes[1:], sets):
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel("masked-LM perplexity (log scale)")
-        ax.set_yscale("log")
+        low, high = ax.get_ylim()
+        wide = low > 0 and high / low > 20  # a log scale only where the values span orders of magnitude
+        ax.set_ylabel("masked-LM perplexity" + (" (log scale)" if wide else ""))
+        if wide:
+            ax.set_yscale("log")
         if max_perplexity is not None:
             ax.set_ylim(top=max_perplexity)
         ax.set_title(f"held-out perplexity: {name}", fontsize=10)
