@@ -451,7 +451,7 @@ def plot_training_curves(runs: dict[str, list[dict]], path: str, title: str, max
     axes[0].set_xlabel("optimizer step")
     axes[0].set_ylabel("training loss (nats/token, moving average)")
     axes[0].set_title("training loss", fontsize=10)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(*_handles(axes), fontsize=8)  # one legend: the runs have the same colour in every panel
     for ax, name in zip(axes[1:], sets):
         ax.set_xlabel("optimizer step")
         low, high = ax.get_ylim()
@@ -462,10 +462,17 @@ def plot_training_curves(runs: dict[str, list[dict]], path: str, title: str, max
         if max_perplexity is not None:
             ax.set_ylim(top=max_perplexity)
         ax.set_title(f"held-out perplexity: {name}", fontsize=10)
-        ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def _handles(axes):
+    handles, labels = {}, {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    return list(handles.values()), list(handles)
 
 
 def _is_perplexity(key: str, record: dict) -> bool:
