@@ -193,3 +193,66 @@ def test_cli_on_a_saved_folder_and_its_errors(model, tokenizer, tmp_path):
         cli.main(["--model_name_or_path", str(folder), "--run_dir", str(tmp_path / "empty_run"),
                   "--output_dir", str(tmp_path / "none")])
     assert not (tmp_path / "none").exists()
+
+
+def _load_script(name):
+    import importlib.util
+    import sys
+
+    if str(REPO_ROOT / "run_scripts") not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT / "run_scripts"))  # run_squad.py imports utils_qa beside it
+
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "run_scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def test_scripts_write_metrics_log_and_memory_report(tokenizer, tmp_path):
+    """run_glue.py and run_squad.py with --memory_report: metrics.jsonl, and the report of the final model with the
+    per-class usage (GLUE) and the training curves."""
+    folder = tmp_path / "model"
+    from modeling_pkm_bert import BertPkmForQuestionAnswering, BertPkmForSequenceClassification
+
+    BertPkmForSequenceClassification(tiny_config(vocab_size=200, num_labels=2)).save_pretrained(folder / "glue")
+    BertPkmForQuestionAnswering(tiny_config(vocab_size=200)).save_pretrained(folder / "squad")
+    for name in ("glue", "squad"):
+        tokenizer.save_pretrained(folder / name)
+    dev = sst2_file(tmp_path / "dev.tsv")
+    try:
+        _load_script("run_glue").main([
+            "--model_name_or_path", str(folder / "glue"), "--task_name", "sst2", "--train_file", str(dev),
+            "--validation_file", str(dev), "--max_train_steps", "3", "--per_device_train_batch_size", "8",
+            "--max_length", "32", "--output_dir", str(tmp_path / "glue"), "--memory_report", "--seed", "1",
+        ])  # fmt: skip
+    finally:
+        _reset_accelerate()
+    records = [json.loads(line) for line in (tmp_path / "glue" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3] and "eval_accuracy" in records[-1]
+    text = (tmp_path / "glue" / "memory_report" / "memory_report.md").read_text()
+    assert "## Per-class usage" in text and "training_curves.png" in text
+
+    context = " ".join(TEXT.split()[:60])
+    answer = TEXT.split()[10]
+    qas = [{"id": str(i), "question": f"what is word {i}", "answers": [{"text": answer, "answer_start": context.index(answer)}]}
+           for i in range(4)]
+    squad = {"version": "1.1", "data": [{"title": "t", "paragraphs": [{"context": context, "qas": qas}]}]}
+    (tmp_path / "squad.json").write_text(json.dumps(squad))
+    try:
+        _load_script("run_squad").main([
+            "--model_name_or_path", str(folder / "squad"), "--train_file", str(tmp_path / "squad.json"),
+            "--validation_file", str(tmp_path / "squad.json"), "--max_seq_length", "64", "--doc_stride", "16",
+            "--max_train_steps", "2", "--output_dir", str(tmp_path / "squad"), "--memory_report", "--seed", "1",
+        ])  # fmt: skip
+    finally:
+        _reset_accelerate()
+    assert (tmp_path / "squad" / "metrics.jsonl").is_file()
+    report = json.loads((tmp_path / "squad" / "memory_report" / "memory_report.json").read_text())
+    assert report["usage"]["layer_1"]["tokens"] > 0
