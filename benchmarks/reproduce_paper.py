@@ -432,7 +432,11 @@ def write_report(args, stage0_summary, mlm, glue, elapsed) -> None:
         cells += [pair("top1_mu", 100), pair("mu", 100), pair("kl_u", 1, 3), pair("kl_w", 1, 3), never]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     initial = {s: mlm["plain"].get(f"initial_eval_{s}_perplexity") for s in sets}
-    lines += ["", "Before the extra steps (stage 0 only): " + ", ".join(f"{s} {fmt(v)}" for s, v in initial.items()) + ".", ""]
+    lines += ["", "Perplexity: run_mlm.py's final evaluation (15% of the tokens masked, the same masks for every row). "
+              "MU, top-1 MU, KL: its memory usage on the masked `pride` set; 'never picked': slots that were no "
+              "token's top-1 pick in any training step (`--track_staleness`). Each memory row's own report (heat "
+              "maps, usage curves on the unmasked `pride` text) is in its run folder's `memory_report/`.", "",
+              "Before the extra steps (stage 0 only): " + ", ".join(f"{s} {fmt(v)}" for s, v in initial.items()) + ".", ""]
 
     runs = {ROWS[row][0]: read_metrics_log(str(args.mlm_dir / row)) for row in ROWS}
     curves = plot_training_curves(runs, str(figures / "figure3_training_curves.png"),

@@ -433,15 +433,21 @@ def plot_training_curves(runs: dict[str, list[dict]], path: str, title: str, max
     one colour per run."""
     plt = _pyplot()
     sets = sorted({key[5:-11] for records in runs.values() for r in records for key in r if _is_perplexity(key, r)})
-    fig, axes = plt.subplots(1, 1 + len(sets), figsize=(5 * (1 + len(sets)), 3.8), squeeze=False)
-    axes = axes[0]
+    panels = 1 + len(sets)
+    columns = min(panels, 2)
+    rows = math.ceil(panels / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 3.6 * rows), squeeze=False)
+    axes = axes.flatten()
+    for ax in axes[panels:]:
+        ax.axis("off")
+    axes = axes[:panels]
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for index, (run, records) in enumerate(runs.items()):
         colour = colours[index % len(colours)]
         steps = [r["step"] for r in records if is_finite(r.get("loss"))]
         losses = [r["loss"] for r in records if is_finite(r.get("loss"))]
         if losses:
-            window = max(1, len(losses) // 20)
+            window = max(1, len(losses) // 8)
             smooth = [sum(losses[max(0, i - window + 1) : i + 1]) / len(losses[max(0, i - window + 1) : i + 1]) for i in range(len(losses))]
             axes[0].plot(steps, smooth, color=colour, label=run)
         for ax, name in zip(axes[1:], sets):
