@@ -98,6 +98,9 @@ def parse_args(argv=None):
     parser.add_argument("--report", default=str(HERE / "REPRODUCTION.md"), help="The markdown report to write.")
     parser.add_argument("--figures_dir", default=None, help="Its figures (default: reproduction/ beside the report).")
     parser.add_argument("--in_process", action="store_true", help="Run the scripts in this process (tests: faster).")
+    parser.add_argument(
+        "--report_only", action="store_true", help="Run no fine-tuning: report the runs that exist (marked as partial)."
+    )
     parser.add_argument("--jobs", type=int, default=1, help="Runs at a time (subprocesses; rows, then fine-tuning).")
     args = parser.parse_args(argv)
     if args.quick:
@@ -365,7 +368,13 @@ def finetune(args) -> dict:
             (out / "model.safetensors").unlink()  # the fine-tuned weights are not needed again: save disk
         return key, result
 
-    runs.update(_map_jobs(args, run_one, pending))
+    # the first seed of everything first, then the other seeds task by task: an interrupted study has whole tables
+    first = c["seeds"][0]
+    pending.sort(key=lambda job: (job[0][2] != first, args.tasks.index(job[0][1]), job[0][2]))
+    if args.report_only:
+        print(f"--report_only: {len(pending)} fine-tuning runs missing, reported as missing", flush=True)
+    else:
+        runs.update(_map_jobs(args, run_one, pending))
     return runs
 
 
@@ -377,7 +386,7 @@ def fmt(value, digits=2, scale=1.0):
 
 
 def spread(values: list[float]) -> str:
-    return f"{min(values):.3f}-{max(values):.3f}" if len(values) > 1 else "1 seed"
+    return f"{min(values):.3f}-{max(values):.3f}, n={len(values)}" if len(values) > 1 else "n=1"
 
 
 def write_report(args, stage0_summary, mlm, glue, elapsed) -> None:
@@ -460,8 +469,9 @@ def write_report(args, stage0_summary, mlm, glue, elapsed) -> None:
             lines += [f"Slot usage of {ROWS[row][0]}, layer 2, on the held-out `pride` text:", "", f"![{row} heat map]({rel(target)})", ""]
 
     # Tables 4-5
+    missing = sum(result is None for result in glue.values())
     def medians(row, task, fixed):
-        values = [glue[(row, task, s, fixed)].get(f"eval_{TASKS[task][1]}") for s in c["seeds"] if (row, task, s, fixed) in glue]
+        values = [(glue.get((row, task, s, fixed)) or {}).get(f"eval_{TASKS[task][1]}") for s in c["seeds"]]
         values = [v for v in values if v is not None]
         return (statistics.median(values), values) if values else (None, [])
 
@@ -471,7 +481,9 @@ def write_report(args, stage0_summary, mlm, glue, elapsed) -> None:
         f"run_glue.py, {c['glue_steps']} steps of {c['glue_batch']} examples (lr {c['glue_lr']}, warm-up 6%, weight decay 0.1, "
         f"memory values Adam 1e-3), max length {GLUE_MAX_LENGTH}; the first {c['glue_train']} training examples and "
         f"the first {c['glue_eval']} dev examples of each task; median over seeds {c['seeds']} (min-max in brackets). "
-        "SST-2: accuracy; CoLA: Matthews correlation. 'fixed' = `--freeze_memory` (Table 5).",
+        "SST-2: accuracy; CoLA: Matthews correlation. 'fixed' = `--freeze_memory` (Table 5). A cell with fewer seeds "
+        "says how many finished."
+        + (f" **Partial: {missing} of {len(glue)} fine-tuning runs did not finish in time.**" if missing else ""),
         "",
         "| row | " + " | ".join(f"{t} | {t} fixed" for t in args.tasks) + " |",
         "|---|" + "---:|---:|" * len(args.tasks),
@@ -483,7 +495,8 @@ def write_report(args, stage0_summary, mlm, glue, elapsed) -> None:
             for fixed in (False, True):
                 median, values = medians(row, task, fixed)
                 table[(row, task, fixed)] = (median, values)
-                cells.append("-" if median is None else f"{100 * median:.1f} [{100 * min(values):.1f}-{100 * max(values):.1f}]")
+                cells.append("-" if median is None else f"{100 * median:.1f} [{100 * min(values):.1f}-{100 * max(values):.1f}]"
+                             + ("" if len(values) == len(c["seeds"]) else f" ({len(values)} seed{'s' * (len(values) > 1)})"))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("")
 
