@@ -687,7 +687,7 @@ def main(argv=None):
     mlm = pretrain_rows(args, stage0)
     glue = finetune(args)
     # the compute of the study: every run it uses (some may come from an earlier, resumed call)
-    elapsed = stage0_summary["seconds"] + sum(r.get("total_runtime", 0) for r in [*mlm.values(), *glue.values()])
+    elapsed = stage0_summary["seconds"] + sum((r or {}).get("total_runtime", 0) for r in [*mlm.values(), *glue.values()])
     print(f"runs: {elapsed / 60:.1f} min in all; this call {(time.time() - started) / 60:.1f} min", flush=True)
     write_report(args, stage0_summary, mlm, glue, elapsed)
     return args.report
