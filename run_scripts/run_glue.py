@@ -59,7 +59,12 @@ except ImportError:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 from modeling_pkm_bert import register_auto_classes  # noqa: E402
-from modeling_pkm_bert.analysis import ClassData, MetricsLog, add_memory_report_arguments, write_run_memory_report  # noqa: E402
+from modeling_pkm_bert.analysis import (  # noqa: E402
+    ClassData,
+    MetricsLog,
+    add_memory_report_arguments,
+    write_run_memory_report,
+)
 from modeling_pkm_bert.glue_data import GLUE_TASKS, get_glue_task, load_glue_tsv  # noqa: E402
 from modeling_pkm_bert.glue_metrics import (  # noqa: E402
     PerClassMemoryUsage,

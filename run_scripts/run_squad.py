@@ -684,7 +684,8 @@ def main(argv=None):
             logger.info(json.dumps(results, indent=4))
             if args.memory_report:  # the memory usage over the evaluation contexts (or the training ones)
                 examples = eval_examples if do_eval else train_examples
-                write_run_memory_report(args, unwrapped_model, tokenizer, texts=list(dict.fromkeys(examples["context"])))
+                contexts = list(dict.fromkeys(examples["context"]))
+                write_run_memory_report(args, unwrapped_model, tokenizer, texts=contexts)
             if args.push_to_hub:
                 push_to_hub(args, results, command)
     return results

@@ -474,7 +474,7 @@ def plot_training_curves(runs: dict[str, list[dict]], path: str, title: str, max
 
 
 def _handles(axes):
-    handles, labels = {}, {}
+    handles = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
