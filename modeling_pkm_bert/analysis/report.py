@@ -132,7 +132,9 @@ def class_data_from_files(
         if task.is_regression:
             raise MemoryReportError(f"task {task_name!r} is a regression task: it has no classes to compare")
         if not train_file.endswith(".tsv"):
-            raise MemoryReportError(f"--task_name {task_name}: --train_file must be the task's GLUE TSV, got {train_file}")
+            raise MemoryReportError(
+                f"--task_name {task_name}: --train_file must be the task's GLUE TSV, got {train_file}"
+            )
         dataset = load_glue_tsv(train_file, task)
         keys, label_names = task.sentence_keys, list(task.label_names)
     else:
@@ -147,7 +149,11 @@ def class_data_from_files(
                 f"{train_file} has no 'label' column (columns: {dataset.column_names}): the per-class usage needs "
                 "labelled examples"
             )
-        texts = [c for c in dataset.column_names if c not in ("label", "idx") and dataset.features[c].dtype in ("string", "large_string")]
+        texts = [
+            c
+            for c in dataset.column_names
+            if c not in ("label", "idx") and dataset.features[c].dtype in ("string", "large_string")
+        ]
         if not texts:
             raise MemoryReportError(f"{train_file} has no text column beside 'label' ({dataset.column_names})")
         keys = (texts[0], texts[1] if len(texts) > 1 else None)
@@ -176,7 +182,8 @@ def _batches(tokenizer, rows: Sequence[dict], batch_size: int, device):
             rows.select(range(start, min(start + batch_size, len(rows))))
         )
         labels = [row.pop("labels", None) for row in chunk]
-        features = [{k: v for k, v in row.items() if k in ("input_ids", "attention_mask", "token_type_ids")} for row in chunk]
+        keys = ("input_ids", "attention_mask", "token_type_ids")
+        features = [{k: v for k, v in row.items() if k in keys} for row in chunk]
         batch = tokenizer.pad(features, return_tensors="pt")
         labels = torch.tensor(labels) if labels[0] is not None else None
         yield {k: v.to(device) for k, v in batch.items()}, labels
@@ -386,7 +393,8 @@ def plot_staleness(histograms: dict[str, dict[str, dict[str, int]]], labels: lis
     for i, (run, layer, counts) in enumerate(series):
         total = sum(counts.values())
         heights = [100 * counts.get(c, 0) / total for c in columns]
-        ax.bar(np.arange(len(columns)) + (i - (len(series) - 1) / 2) * width, heights, width, label=f"{run} {layer}".strip())
+        offset = (i - (len(series) - 1) / 2) * width
+        ax.bar(np.arange(len(columns)) + offset, heights, width, label=f"{run} {layer}".strip())
     ax.set_xticks(range(len(columns)), ["never"] + [f"steps {c}" for c in labels], rotation=20, ha="right")
     ax.set_xlabel("training steps of the slot's last top-1 pick")
     ax.set_ylabel("memory slots (%)")
@@ -448,10 +456,12 @@ def plot_training_curves(runs: dict[str, list[dict]], path: str, title: str, max
         losses = [r["loss"] for r in records if is_finite(r.get("loss"))]
         if losses:
             window = max(1, len(losses) // 8)
-            smooth = [sum(losses[max(0, i - window + 1) : i + 1]) / len(losses[max(0, i - window + 1) : i + 1]) for i in range(len(losses))]
+            windows = [losses[max(0, i - window + 1) : i + 1] for i in range(len(losses))]
+            smooth = [sum(w) / len(w) for w in windows]
             axes[0].plot(steps, smooth, color=colour, label=run)
         for ax, name in zip(axes[1:], sets):
-            points = [(r["step"], r[f"eval_{name}_perplexity"]) for r in records if _is_perplexity(f"eval_{name}_perplexity", r)]
+            key = f"eval_{name}_perplexity"
+            points = [(r["step"], r[key]) for r in records if _is_perplexity(key, r)]
             if points:
                 ax.plot(*zip(*points), "o-", color=colour, markersize=3, label=run)
     axes[0].set_xlabel("optimizer step")
@@ -571,7 +581,9 @@ def _replace_dir(new: str, target: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_report_files(folder, tracker, usage, per_class, class_results, class_data, run, sequences, max_seq_length, title):
+def _write_report_files(
+    folder, tracker, usage, per_class, class_results, class_data, run, sequences, max_seq_length, title
+):
     lines = [f"# {title}", ""]
     if sequences is not None:
         lines.append(
