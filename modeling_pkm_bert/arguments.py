@@ -223,6 +223,25 @@ def add_smf_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
+# the memory report (modeling_pkm_bert/analysis)
+def add_memory_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("memory report")
+    group.add_argument(
+        "--memory_report",
+        action="store_true",
+        help="After training, write the memory report of the final model into <output_dir>/memory_report/: usage "
+        "heat maps and curves per memory layer on the evaluation data, per-class usage (classification), "
+        "staleness (with --track_staleness) and training curves (modeling_pkm_bert.analysis).",
+    )
+    group.add_argument(
+        "--memory_report_max_sequences",
+        type=int,
+        default=64,
+        help="At most this many evaluation sequences are run for the memory report.",
+    )
+    return parser
+
+
 DEFAULT_LICENSE = "apache-2.0"
 _HUB_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]{1,96}")
 
@@ -367,6 +386,7 @@ __all__ = [
     "MEMORY_OPTIMIZERS",
     "PKM_FLAG_FIELDS",
     "TARGET_CLASSES",
+    "add_memory_report_arguments",
     "add_model_card_arguments",
     "add_pkm_arguments",
     "add_reliability_arguments",

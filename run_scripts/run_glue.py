@@ -53,6 +53,7 @@ if HELP:
     sys.modules["modeling_pkm_bert"] = importlib.util.module_from_spec(importlib.util.find_spec("modeling_pkm_bert"))
 
 from modeling_pkm_bert.arguments import (  # noqa: E402
+    add_memory_report_arguments,
     add_model_card_arguments,
     add_pkm_arguments,
     add_reliability_arguments,
@@ -89,6 +90,7 @@ else:
     from modeling_pkm_bert.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
     from modeling_pkm_bert.sparse_finetuning import check_smf_arguments
     from modeling_pkm_bert.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
+    from modeling_pkm_bert.analysis import ClassData, MetricsLog, write_run_memory_report
     from modeling_pkm_bert.training import (
         atomic_write_json,
         check_checkpoint,
@@ -236,6 +238,7 @@ def parse_args(argv=None):
     add_reliability_arguments(parser)
     add_model_card_arguments(parser)
     add_smf_arguments(parser)
+    add_memory_report_arguments(parser)
     args = parser.parse_args(argv)
 
     # Sanity checks
@@ -272,6 +275,8 @@ def parse_args(argv=None):
         parser.error(str(error))
     if args.push_to_hub and args.output_dir is None:
         parser.error("Need an `output_dir` to create a repo when `--push_to_hub` is passed.")
+    if args.memory_report and args.output_dir is None:
+        parser.error("--memory_report writes into <output_dir>/memory_report: give an --output_dir")
     return args
 
 
@@ -680,6 +685,7 @@ def main(argv=None):
 
     results = {}
     eval_dataset = processed_datasets[eval_splits[0]] if eval_splits else None
+    metrics_log = MetricsLog(args.output_dir, accelerator.is_main_process, resume=bool(args.resume_from_checkpoint))
 
     # The memory usage of the model as loaded (the "pretrained" side of Figure 4), before any update.
     if args.memory_usage_before_training and eval_dataset is not None and not args.resume_from_checkpoint:
@@ -760,6 +766,7 @@ def main(argv=None):
                 if accelerator.sync_gradients:
                     progress_bar.update(1)
                     completed_steps += 1
+                    metrics_log.log({"loss": loss.item()}, step=completed_steps)
                     if isinstance(checkpointing_steps, int) and completed_steps % checkpointing_steps == 0:
                         save_checkpoint(accelerator, args.output_dir, f"step_{completed_steps}", settings)
 
@@ -775,6 +782,7 @@ def main(argv=None):
                 )
                 logger.info(f"epoch {epoch}: {eval_metric}")
                 log.update({f"eval_{k}": v for k, v in eval_metric.items()})
+            metrics_log.log(log, step=completed_steps)
             if args.with_tracking:
                 accelerator.log(log, step=completed_steps)
             if args.checkpointing_steps == "epoch":
@@ -827,6 +835,7 @@ def main(argv=None):
         results[f"eval_samples{suffix}"] = len(processed_datasets[split])
         results[f"eval_runtime{suffix}"] = round(time.time() - eval_start, 2)
 
+    metrics_log.log({k: v for k, v in results.items() if k.startswith("eval_") and "memory" not in k}, completed_steps)
     if args.with_tracking:
         accelerator.log({k: v for k, v in results.items() if isinstance(v, (int, float))}, step=completed_steps)
         accelerator.end_training()
@@ -847,6 +856,10 @@ def main(argv=None):
             results["total_runtime"] = round(time.time() - start_time, 2)
             atomic_write_json(os.path.join(args.output_dir, "all_results.json"), results)
             logger.info(json.dumps(results, indent=4))
+            if args.memory_report:  # usage on the evaluation set, per class (Figure 4)
+                names = None if is_regression else [str(name) for name in label_list]
+                classes = ClassData(eval_dataset, names) if eval_dataset is not None else None
+                write_run_memory_report(args, unwrapped_model, tokenizer, class_data=classes)
             if args.push_to_hub:
                 push_to_hub(args, results, command)
     return results

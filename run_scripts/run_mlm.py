@@ -72,6 +72,7 @@ if HELP:
     sys.modules["modeling_pkm_bert"] = importlib.util.module_from_spec(importlib.util.find_spec("modeling_pkm_bert"))
 
 from modeling_pkm_bert.arguments import (  # noqa: E402
+    add_memory_report_arguments,
     add_model_card_arguments,
     add_pkm_arguments,
     add_reliability_arguments,
@@ -114,6 +115,7 @@ else:
     from modeling_pkm_bert.trime import check_trime_model, model_trime_losses, resolve_trime_arguments
     from modeling_pkm_bert.sparse_finetuning import check_smf_arguments
     from modeling_pkm_bert.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
+    from modeling_pkm_bert.analysis import MetricsLog, write_run_memory_report
     from modeling_pkm_bert.training import (
         atomic_write_json,
         check_checkpoint,
@@ -365,6 +367,7 @@ def parse_args(argv=None):
     add_model_card_arguments(parser)
     add_trime_arguments(parser, causal=False)
     add_smf_arguments(parser)
+    add_memory_report_arguments(parser)
     args = parser.parse_args(argv)
     resolve_trime_arguments(args)
 
@@ -402,6 +405,8 @@ def parse_args(argv=None):
         parser.error("--checkpointing_steps and --resume_from_checkpoint latest need an --output_dir")
     if args.push_to_hub and args.output_dir is None:
         parser.error("Need an `output_dir` to create a repo when `--push_to_hub` is passed.")
+    if args.memory_report and args.output_dir is None:
+        parser.error("--memory_report writes into <output_dir>/memory_report: give an --output_dir")
     if not 0 < args.mlm_probability < 1:
         parser.error(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
     if args.eval_steps is not None and args.eval_steps < 1:
@@ -737,6 +742,7 @@ def main(argv=None):
             logger.info(f"Memory usage on {next(iter(eval_datasets))} ({when}):\n{format_memory_usage(usage)}")
 
     results = {}
+    metrics_log = MetricsLog(args.output_dir, accelerator.is_main_process, resume=bool(args.resume_from_checkpoint))
 
     # The model as loaded, before any update (Figure 3 starts here; a converted MiniLM has a new MLM head, so its
     # perplexity is very high before training).
@@ -745,6 +751,7 @@ def main(argv=None):
         report_evaluation(metrics, usage, "before training")
         results.update({f"initial_{k}": v for k, v in metrics.items()})
         results.update(flatten_memory_usage(usage, prefix="initial_eval_memory"))
+        metrics_log.log(metrics, step=0)
         if args.with_tracking:
             accelerator.log({**metrics, **flatten_memory_usage(usage, prefix="eval_memory")}, step=0)
 
@@ -836,6 +843,7 @@ def main(argv=None):
                     completed_steps += 1
                     train_loss = running_loss / running_batches
                     progress_bar.set_postfix(loss=f"{sum(recent_losses) / len(recent_losses):.3f}", refresh=False)
+                    metrics_log.log({"loss": recent_losses[-1]}, step=completed_steps)
                     if isinstance(checkpointing_steps, int) and completed_steps % checkpointing_steps == 0:
                         if staleness is not None:
                             staleness.synchronize()
@@ -847,6 +855,7 @@ def main(argv=None):
                     ):
                         metrics, _ = evaluate(args, accelerator, model, eval_datasets, eval_collator)
                         report_evaluation(metrics, None, f"step {completed_steps}")
+                        metrics_log.log({**metrics, "train_loss": train_loss}, step=completed_steps)
                         if args.with_tracking:
                             accelerator.log(
                                 {**metrics, "train_loss": train_loss, "epoch": epoch}, step=completed_steps
@@ -861,6 +870,7 @@ def main(argv=None):
             if not args.eval_steps and not last_epoch and eval_datasets:  # the last one is evaluated below
                 metrics, _ = evaluate(args, accelerator, model, eval_datasets, eval_collator)
                 report_evaluation(metrics, None, f"epoch {epoch}")
+                metrics_log.log({**metrics, "train_loss": train_loss}, step=completed_steps)
                 if args.with_tracking:
                     accelerator.log({**metrics, "train_loss": train_loss, "epoch": epoch}, step=completed_steps)
                 running_loss, running_batches = 0.0, 0
@@ -892,6 +902,7 @@ def main(argv=None):
         report_evaluation(metrics, usage, "after training" if do_train else "evaluation")
         first = next(iter(eval_datasets))
         results["perplexity"] = metrics[f"eval_{first}_perplexity"]  # the official script's key
+        metrics_log.log({**metrics, "train_loss": train_loss}, step=completed_steps)
         results.update(metrics)
         results.update(flatten_memory_usage(usage, prefix="eval_memory"))
         for name, dataset in eval_datasets.items():
@@ -942,6 +953,9 @@ def main(argv=None):
         if accelerator.is_main_process:
             results["total_runtime"] = round(time.time() - start_time, 2)
             atomic_write_json(os.path.join(args.output_dir, "all_results.json"), results)
+            if args.memory_report:
+                first_set = next(iter(args.validation_sets.values()), None)
+                write_run_memory_report(args, accelerator.unwrap_model(model), tokenizer, validation_file=first_set)
             if args.push_to_hub and do_train:
                 from modeling_pkm_bert.conversion import push_folder_to_hub
 

@@ -33,6 +33,7 @@ if HELP:
     sys.modules["modeling_pkm_bert"] = importlib.util.module_from_spec(importlib.util.find_spec("modeling_pkm_bert"))
 
 from modeling_pkm_bert.arguments import (  # noqa: E402
+    add_memory_report_arguments,
     add_model_card_arguments,
     add_pkm_arguments,
     add_reliability_arguments,
@@ -68,6 +69,7 @@ else:
     from modeling_pkm_bert.squad_metrics import squad_scores
     from modeling_pkm_bert.sparse_finetuning import check_smf_arguments
     from modeling_pkm_bert.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
+    from modeling_pkm_bert.analysis import MetricsLog, write_run_memory_report
     from modeling_pkm_bert.training import (
         atomic_write_json,
         check_checkpoint,
@@ -216,6 +218,7 @@ def parse_args(argv=None):
     add_reliability_arguments(parser)
     add_model_card_arguments(parser)
     add_smf_arguments(parser)
+    add_memory_report_arguments(parser)
     args = parser.parse_args(argv)
 
     # Sanity checks
@@ -236,6 +239,8 @@ def parse_args(argv=None):
         parser.error(f"--checkpointing_steps must be an integer or 'epoch', got {args.checkpointing_steps!r}")
     if args.push_to_hub and args.output_dir is None:
         parser.error("Need an `output_dir` to create a repo when `--push_to_hub` is passed.")
+    if args.memory_report and args.output_dir is None:
+        parser.error("--memory_report writes into <output_dir>/memory_report: give an --output_dir")
     if (args.checkpointing_steps or args.resume_from_checkpoint == "latest") and args.output_dir is None:
         parser.error("--checkpointing_steps and --resume_from_checkpoint latest need an --output_dir")
     check_data_files(parser, [(f"--{name}", getattr(args, name)) for name in ("train_file", "validation_file")])
@@ -603,6 +608,7 @@ def main(argv=None):
                 checkpoint, num_update_steps_per_epoch, args.gradient_accumulation_steps
             )
 
+        metrics_log = MetricsLog(args.output_dir, accelerator.is_main_process, resume=bool(args.resume_from_checkpoint))
         # Only show the progress bar once on each machine.
         progress_bar = tqdm(range(args.max_train_steps), disable=not accelerator.is_local_main_process)
         progress_bar.update(completed_steps)
@@ -635,6 +641,7 @@ def main(argv=None):
                 if accelerator.sync_gradients:
                     progress_bar.update(1)
                     completed_steps += 1
+                    metrics_log.log({"loss": loss.item()}, step=completed_steps)
                     if isinstance(checkpointing_steps, int) and completed_steps % checkpointing_steps == 0:
                         save_checkpoint(accelerator, args.output_dir, f"step_{completed_steps}", settings)
 
@@ -642,6 +649,7 @@ def main(argv=None):
                     break
 
             epoch_losses.append(total_loss / max(counted_batches, 1))
+            metrics_log.log({"train_loss": epoch_losses[-1], "epoch": epoch}, step=completed_steps)
             if args.with_tracking:
                 accelerator.log({"train_loss": epoch_losses[-1], "epoch": epoch}, step=completed_steps)
             if args.checkpointing_steps == "epoch":
@@ -726,6 +734,10 @@ def main(argv=None):
             results["total_runtime"] = round(time.time() - start_time, 2)
             atomic_write_json(os.path.join(args.output_dir, "all_results.json"), results)
             logger.info(json.dumps(results, indent=4))
+            if args.memory_report:  # the memory usage over the evaluation contexts (or the training ones)
+                examples = eval_examples if do_eval else train_examples
+                contexts = list(dict.fromkeys(examples["context"]))
+                write_run_memory_report(args, unwrapped_model, tokenizer, texts=contexts)
             if args.push_to_hub:
                 push_to_hub(args, results, command)
     return results

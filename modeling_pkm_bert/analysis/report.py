@@ -1,0 +1,664 @@
+"""The memory report: what a model's product key memories do, in figures and one markdown file.
+
+Per memory layer, on held-out text (and, for a classification task, its labelled examples):
+
+* slot usage as heat maps over the `n_keys x n_keys` grid of product keys (log colour scale), top-1 and weighted;
+* the sorted usage curve (share of slots vs share of lookups) with MU, top-1 MU, KL_u, KL_w and Gini in the legend;
+* per-class top-1 usage and the IOU / KL between the two classes (Kim & Jung 2020, Figure 4);
+
+and from a training run's output directory:
+
+* the staleness histogram (Figure 2: slots by the step range of their last top-1 pick), from `staleness.safetensors`
+  or the newest `step_N` / `epoch_N` checkpoint;
+* the training curves (Figure 3: loss, and perplexity per validation set) from `metrics.jsonl`.
+
+Every number is computed by `memory_usage.MemoryUsageTracker` / `glue_metrics.PerClassMemoryUsage` (the metrics the
+scripts log); this module only counts through them and draws. The report is written into a temporary folder beside
+`output_dir` and renamed into place when complete, so a failure leaves no half-written report.
+"""
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..arguments import add_memory_report_arguments  # noqa: F401 (the flags live in a torch-free module)
+from ..glue_metrics import PerClassMemoryUsage
+from ..memory_usage import MemoryUsageTracker
+from .metrics_log import METRICS_LOG_NAME, is_finite, read_metrics_log
+
+
+REPORT_NAME = "memory_report.md"
+STALENESS_FILE = "staleness.safetensors"
+CHECKPOINT_DIR = re.compile(r"^(step|epoch)_(\d+)$")
+DPI = 80
+
+
+class MemoryReportError(ValueError):
+    """Input the memory report cannot use: it names what is missing."""
+
+
+@dataclass
+class ClassData:
+    """Labelled, tokenized examples for the per-class usage: rows with `input_ids`, `labels` (class ids) and optionally
+    `attention_mask` / `token_type_ids` (e.g. run_glue.py's processed evaluation set); `label_names` in id order, None
+    for a regression task (then the examples only count towards the overall usage)."""
+
+    dataset: Sequence
+    label_names: list[str] | None = None
+
+
+# ---- data ----
+
+
+def read_texts(path: str) -> list[str]:
+    """The text of a .txt/.raw/.tokens file (one string), or the text column of a csv/tsv/json(l) file."""
+    if not os.path.isfile(path):
+        raise MemoryReportError(f"validation file {path!r} does not exist")
+    extension = path.rsplit(".", 1)[-1].lower()
+    if extension in ("txt", "text", "raw", "tokens"):
+        with open(path, encoding="utf-8") as handle:
+            return [handle.read()]
+    if extension not in ("csv", "tsv", "json", "jsonl"):
+        raise MemoryReportError(f"validation file {path!r}: expected txt, raw, tokens, csv, tsv, json or jsonl")
+    import datasets
+
+    kwargs = {"delimiter": "\t"} if extension == "tsv" else {}
+    builder = "csv" if extension in ("csv", "tsv") else "json"
+    dataset = datasets.load_dataset(builder, data_files={"validation": path}, split="validation", **kwargs)
+    columns = [c for c in dataset.column_names if c in ("text", "sentence", "context")] or [
+        c for c in dataset.column_names if dataset.features[c].dtype in ("string", "large_string")
+    ]
+    if not columns:
+        raise MemoryReportError(f"validation file {path!r} has no text column (columns: {dataset.column_names})")
+    return [text for text in dataset[columns[0]] if text]
+
+
+def text_sequences(tokenizer, texts: Sequence[str], max_seq_length: int, max_sequences: int | None) -> list[dict]:
+    """The texts tokenized, concatenated and cut into full sequences of `max_seq_length` tokens ([CLS] ... [SEP])."""
+    if max_seq_length < 3:
+        raise MemoryReportError(f"max_seq_length={max_seq_length} must be >= 3")
+    special = tokenizer("", add_special_tokens=True)["input_ids"]  # BERT: [CLS] [SEP]
+    prefix, suffix = special[:1], special[1:]
+    body = max_seq_length - len(special)
+    ids = [i for text in texts for i in tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]]
+    if len(ids) < body:
+        raise MemoryReportError(
+            f"the validation text has {len(ids)} tokens, too short for one sequence of {max_seq_length} tokens "
+            f"({body} without special tokens): give a longer text or a smaller max_seq_length"
+        )
+    count = len(ids) // body if max_sequences is None else min(len(ids) // body, max_sequences)
+    return [
+        {"input_ids": prefix + ids[i * body : (i + 1) * body] + suffix} for i in range(count)
+    ]
+
+
+def class_data_from_files(
+    tokenizer, train_file: str, task_name: str | None = None, max_seq_length: int = 128, max_examples: int = 512
+) -> ClassData:
+    """Labelled examples for the per-class usage: a GLUE TSV of `task_name`, or a csv/tsv/json(l) with a `label`
+    column and one or two text columns."""
+    if not os.path.isfile(train_file):
+        raise MemoryReportError(f"--train_file {train_file!r} does not exist")
+    if task_name is not None:
+        from ..glue_data import get_glue_task, load_glue_tsv
+
+        task = get_glue_task(task_name)
+        if task.is_regression:
+            raise MemoryReportError(f"task {task_name!r} is a regression task: it has no classes to compare")
+        if not train_file.endswith(".tsv"):
+            raise MemoryReportError(
+                f"--task_name {task_name}: --train_file must be the task's GLUE TSV, got {train_file}"
+            )
+        dataset = load_glue_tsv(train_file, task)
+        keys, label_names = task.sentence_keys, list(task.label_names)
+    else:
+        import datasets
+
+        extension = train_file.rsplit(".", 1)[-1].lower()
+        kwargs = {"delimiter": "\t"} if extension == "tsv" else {}
+        builder = "csv" if extension in ("csv", "tsv") else "json"
+        dataset = datasets.load_dataset(builder, data_files={"train": train_file}, split="train", **kwargs)
+        if "label" not in dataset.column_names:
+            raise MemoryReportError(
+                f"{train_file} has no 'label' column (columns: {dataset.column_names}): the per-class usage needs "
+                "labelled examples"
+            )
+        texts = [
+            c
+            for c in dataset.column_names
+            if c not in ("label", "idx") and dataset.features[c].dtype in ("string", "large_string")
+        ]
+        if not texts:
+            raise MemoryReportError(f"{train_file} has no text column beside 'label' ({dataset.column_names})")
+        keys = (texts[0], texts[1] if len(texts) > 1 else None)
+        label_names = sorted({str(label) for label in dataset["label"] if label is not None})
+        ids = {name: i for i, name in enumerate(label_names)}
+        dataset = dataset.map(lambda row: {"label": ids.get(str(row["label"]), -1)})
+    dataset = dataset.select(range(min(max_examples, len(dataset))))
+    present = sorted({label for label in dataset["label"] if label is not None and label >= 0})
+    if len(present) < 2:
+        raise MemoryReportError(
+            f"{train_file}: the per-class usage needs labelled examples of at least two classes, found labels "
+            f"{[label_names[i] for i in present]} in the first {len(dataset)} examples"
+        )
+    first, second = keys
+    rows = []
+    for example in dataset:
+        pair = (example[first],) if second is None else (example[first], example[second])
+        encoded = tokenizer(*pair, truncation=True, max_length=max_seq_length)
+        rows.append({**encoded, "labels": example["label"]})
+    return ClassData(rows, label_names)
+
+
+def _batches(tokenizer, rows: Sequence[dict], batch_size: int, device):
+    for start in range(0, len(rows), batch_size):
+        chunk = [dict(row) for row in rows[start : start + batch_size]] if not hasattr(rows, "select") else list(
+            rows.select(range(start, min(start + batch_size, len(rows))))
+        )
+        labels = [row.pop("labels", None) for row in chunk]
+        keys = ("input_ids", "attention_mask", "token_type_ids")
+        features = [{k: v for k, v in row.items() if k in keys} for row in chunk]
+        batch = tokenizer.pad(features, return_tensors="pt")
+        labels = torch.tensor(labels) if labels[0] is not None else None
+        yield {k: v.to(device) for k, v in batch.items()}, labels
+
+
+@torch.no_grad()
+def measure_usage(
+    model: nn.Module, tokenizer, sequences: Sequence[dict] | None, class_data: ClassData | None, batch_size: int = 8
+):
+    """Runs the model (eval mode) over `sequences` and `class_data`; returns (MemoryUsageTracker, PerClassMemoryUsage
+    or None). The overall usage counts `sequences` when given, else the class examples."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    tracker = MemoryUsageTracker(model)
+    per_class = None
+    try:
+        if sequences is not None:
+            with tracker:
+                for batch, _ in _batches(tokenizer, sequences, batch_size, device):
+                    model(**batch)
+        if class_data is not None:
+            classes = class_data.label_names
+            per_class = PerClassMemoryUsage(model, len(classes)) if classes else None
+            if sequences is None:
+                tracker.attach()
+            if per_class is not None:
+                per_class.attach()
+            try:
+                for batch, labels in _batches(tokenizer, class_data.dataset, batch_size, device):
+                    if per_class is not None:
+                        if labels is None:
+                            raise MemoryReportError("the class examples have no 'labels': per-class usage needs them")
+                        per_class.set_batch(labels, batch.get("attention_mask"), batch["input_ids"].shape[-1])
+                    model(**batch)
+            finally:
+                tracker.detach()
+                if per_class is not None:
+                    per_class.detach()
+    finally:
+        model.train(was_training)
+    return tracker, per_class
+
+
+# ---- run directory: staleness and metrics log ----
+
+
+def _checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    found = []
+    for name in os.listdir(run_dir):
+        match = CHECKPOINT_DIR.match(name)
+        if match and os.path.isdir(os.path.join(run_dir, name)):
+            found.append((int(match.group(2)), name))
+    return sorted(found)
+
+
+def load_staleness(run_dir: str) -> tuple[dict[str, torch.Tensor], int, list[int]] | None:
+    """`({layer: last top-1 step per slot}, final step, checkpoint steps)` of a run, or None when it has none.
+
+    From `staleness.safetensors` (run_mlm.py --track_staleness) or else the newest `step_N` checkpoint that holds the
+    tracker's state (`custom_checkpoint_0.pkl`, read with `weights_only=True`). The checkpoint steps are the bin edges
+    of Figure 2 (the paper: 5 checkpoints)."""
+    checkpoints = _checkpoints(run_dir)
+    steps = [step for step, name in checkpoints if name.startswith("step_")]
+    path = os.path.join(run_dir, STALENESS_FILE)
+    if os.path.isfile(path):
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        with safe_open(path, "pt") as handle:
+            metadata = handle.metadata() or {}
+        state = load_file(path)
+        final = int(metadata.get("step", max((int(t.max()) for t in state.values()), default=0)))
+        return state, final, steps
+    for step, name in reversed(checkpoints):
+        pickle_path = os.path.join(run_dir, name, "custom_checkpoint_0.pkl")
+        if name.startswith("step_") and os.path.isfile(pickle_path):
+            state = torch.load(pickle_path, weights_only=True, map_location="cpu")
+            if isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values()):
+                return state, step, [s for s in steps if s <= step]
+    return None
+
+
+def staleness_histogram(state: dict[str, torch.Tensor], final_step: int, checkpoint_steps: Sequence[int], bins: int = 5):
+    """Per layer, the number of slots whose last top-1 pick falls in each step range (edges: the checkpoint steps
+    when the run saved any, else `bins` equal ranges of 1..final_step), and `never`; plus the range labels."""
+    edges = sorted({s for s in checkpoint_steps if 0 < s < final_step} | {final_step})
+    if len(edges) < 2:
+        bins = max(1, min(bins, final_step)) if final_step > 0 else 1
+        edges = [round(final_step * i / bins) for i in range(1, bins + 1)]
+    bounds = list(zip([0, *edges[:-1]], edges))
+    labels = [f"{low + 1}-{high}" for low, high in bounds]
+    counts = {}
+    for layer, last in state.items():
+        last = last.cpu()
+        counts[layer] = {"never": int((last < 0).sum())}
+        for label, (low, high) in zip(labels, bounds):
+            counts[layer][label] = int(((last > low) & (last <= high)).sum())
+    return counts, labels
+
+
+def check_run_dir(run_dir: str) -> dict:
+    """What a run directory offers the report: `{"records": [...] or None, "staleness": (...) or None}`.
+
+    Raises:
+        MemoryReportError: When it does not exist or holds neither a metrics log nor staleness state.
+    """
+    if not os.path.isdir(run_dir):
+        raise MemoryReportError(f"--run_dir {run_dir!r} is not a directory")
+    records = read_metrics_log(run_dir) if os.path.isfile(os.path.join(run_dir, METRICS_LOG_NAME)) else None
+    staleness = load_staleness(run_dir)
+    if records is None and staleness is None:
+        raise MemoryReportError(
+            f"--run_dir {run_dir!r} holds neither a metrics log ({METRICS_LOG_NAME}, written by run_mlm.py / "
+            f"run_glue.py / run_squad.py) nor staleness state ({STALENESS_FILE} or a step_N checkpoint of a run with "
+            "--track_staleness): nothing to draw from it"
+        )
+    return {"records": records, "staleness": staleness}
+
+
+# ---- figures ----
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str) -> str:
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    _pyplot().close(fig)
+    return path
+
+
+def plot_slot_heatmaps(accumulator, n_keys: int, layer: str, path: str) -> str:
+    """Top-1 counts and weight sums of every slot on the `n_keys x n_keys` product-key grid, log colour scale."""
+    plt = _pyplot()
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.4))
+    tokens = int(accumulator.tokens)
+    panels = (
+        (accumulator.top1_counts.double(), "top-1 picks (tokens)"),
+        (accumulator.weight_sums.double(), "summed weight (tokens)"),
+    )
+    for ax, (counts, unit) in zip(axes, panels):
+        grid = counts.cpu().reshape(n_keys, n_keys).numpy()
+        positive = grid[grid > 0]
+        masked = np.ma.masked_less_equal(grid, 0)
+        cmap = plt.get_cmap("viridis").with_extremes(bad="white")
+        vmin = positive.min() if positive.size else 1e-3
+        vmax = max(positive.max() if positive.size else 1.0, vmin * 1.0001)
+        image = ax.imshow(masked, cmap=cmap, norm=LogNorm(vmin=vmin, vmax=vmax), interpolation="nearest", origin="lower")
+        ax.set_xlabel("sub-key index, 2nd half of the query")
+        ax.set_ylabel("sub-key index, 1st half of the query")
+        unused = 100 * (grid <= 0).mean()
+        ax.set_title(f"{unit.split(' (')[0]}; white = never ({unused:.1f}% of slots)", fontsize=10)
+        fig.colorbar(image, ax=ax, label=f"{unit}, log scale", shrink=0.85)
+    fig.suptitle(f"{layer}: usage of the {n_keys}x{n_keys} memory slots over {tokens:,} tokens", fontsize=11)
+    return _save(fig, path)
+
+
+def plot_usage_curve(accumulator, metrics: dict, layer: str, path: str) -> str:
+    """Share of lookups held by the most-used share of slots (a Lorenz-style curve), for u, w and top-1 counts."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4.4))
+    size = accumulator.mem_size
+    curves = (
+        (accumulator.used_counts.double(), "selected in top-k (u)", "-"),
+        (accumulator.weight_sums.double(), "weight (w)", "--"),
+        (accumulator.top1_counts.double(), "top-1 picks (t)", ":"),
+    )
+    x = torch.arange(0, size + 1, dtype=torch.float64) / size * 100
+    for counts, label, style in curves:
+        held = torch.cat([torch.zeros(1, dtype=torch.float64), counts.cpu().sort(descending=True).values.cumsum(0)])
+        ax.plot(x.numpy(), (100 * held / held[-1]).numpy(), style, label=label)
+    ax.plot([0, 100], [0, 100], color="grey", linewidth=0.8, label="uniform use")
+    summary = (
+        f"MU {100 * metrics['mu']:.2f}%, top-1 MU {100 * metrics['top1_mu']:.2f}%\n"
+        f"KL_u {metrics['kl_u']:.4f}, KL_w {metrics['kl_w']:.4f}\n"
+        f"Gini_u {metrics['gini_u']:.4f}, Gini_w {metrics['gini_w']:.4f}"
+    )
+    ax.plot([], [], " ", label=summary)
+    ax.set_xlabel("most-used slots (% of all slots)")
+    ax.set_ylabel("share of lookups they receive (%)")
+    ax.set_xlim(0, 100)
+    ax.set_ylim(0, 101)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(f"{layer}: sorted slot usage ({size:,} slots, {int(accumulator.tokens):,} tokens)", fontsize=10)
+    return _save(fig, path)
+
+
+def plot_staleness(histograms: dict[str, dict[str, dict[str, int]]], labels: list[str], path: str, title: str) -> str:
+    """Figure 2: per run and layer, the share of slots by the step range of their last top-1 pick (and never)."""
+    plt = _pyplot()
+    import numpy as np
+
+    series = [(run, layer, counts) for run, layers in histograms.items() for layer, counts in layers.items()]
+    columns = ["never", *labels]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(columns) + 2), 4.4))
+    width = 0.8 / max(len(series), 1)
+    for i, (run, layer, counts) in enumerate(series):
+        total = sum(counts.values())
+        heights = [100 * counts.get(c, 0) / total for c in columns]
+        offset = (i - (len(series) - 1) / 2) * width
+        ax.bar(np.arange(len(columns)) + offset, heights, width, label=f"{run} {layer}".strip())
+    ax.set_xticks(range(len(columns)), ["never"] + [f"steps {c}" for c in labels], rotation=20, ha="right")
+    ax.set_xlabel("training steps of the slot's last top-1 pick")
+    ax.set_ylabel("memory slots (%)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, ncol=2 if len(series) > 4 else 1)
+    return _save(fig, path)
+
+
+def plot_class_usage(results: dict[str, dict], label_names: list[str], path: str, title: str) -> str:
+    """Figure 4: per layer, each class's top-1 MU, and the top-1 KL and IOU between the two classes."""
+    plt = _pyplot()
+    import numpy as np
+
+    layers = list(results)
+    two = all("top1_kl" in results[layer] for layer in layers)
+    fig, axes = plt.subplots(1, 3 if two else 1, figsize=(12 if two else 5, 3.8), squeeze=False)
+    axes = axes[0]
+    x = np.arange(len(layers))
+    width = 0.8 / len(label_names)
+    for i, name in enumerate(label_names):
+        heights = [100 * results[layer].get(f"top1_mu_{name}", float("nan")) for layer in layers]
+        axes[0].bar(x + (i - (len(label_names) - 1) / 2) * width, heights, width, label=f"class {name}")
+    axes[0].set_ylabel("top-1 memory usage (% of slots)")
+    axes[0].set_title("top-1 MU per class", fontsize=10)
+    axes[0].legend(fontsize=8)
+    if two:
+        axes[1].bar(x, [results[layer]["top1_kl"] for layer in layers], color="tab:red")
+        axes[1].set_ylabel("KL(class 1 || class 0) of top-1 usage (nats)")
+        axes[1].set_title("KL between the classes (higher: more distinct)", fontsize=10)
+        axes[2].bar(x, [results[layer]["top1_iou"] for layer in layers], color="tab:green")
+        axes[2].set_ylabel("IOU of top-1 usage (0-1)")
+        axes[2].set_ylim(0, 1)
+        axes[2].set_title("IOU between the classes (lower: more distinct)", fontsize=10)
+    for ax in axes:
+        ax.set_xticks(x, layers)
+        ax.set_xlabel("memory layer")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_training_curves(runs: dict[str, list[dict]], path: str, title: str, max_perplexity: float | None = None) -> str:
+    """Figure 3: training loss per step (smoothed) and the perplexity of every validation set at each evaluation,
+    one colour per run."""
+    plt = _pyplot()
+    sets = sorted({key[5:-11] for records in runs.values() for r in records for key in r if _is_perplexity(key, r)})
+    panels = 1 + len(sets)
+    columns = min(panels, 2)
+    rows = math.ceil(panels / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 3.6 * rows), squeeze=False)
+    axes = axes.flatten()
+    for ax in axes[panels:]:
+        ax.axis("off")
+    axes = axes[:panels]
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, (run, records) in enumerate(runs.items()):
+        colour = colours[index % len(colours)]
+        steps = [r["step"] for r in records if is_finite(r.get("loss"))]
+        losses = [r["loss"] for r in records if is_finite(r.get("loss"))]
+        if losses:
+            window = max(1, len(losses) // 8)
+            windows = [losses[max(0, i - window + 1) : i + 1] for i in range(len(losses))]
+            smooth = [sum(w) / len(w) for w in windows]
+            axes[0].plot(steps, smooth, color=colour, label=run)
+        for ax, name in zip(axes[1:], sets):
+            key = f"eval_{name}_perplexity"
+            points = [(r["step"], r[key]) for r in records if _is_perplexity(key, r)]
+            if points:
+                ax.plot(*zip(*points), "o-", color=colour, markersize=3, label=run)
+    axes[0].set_xlabel("optimizer step")
+    axes[0].set_ylabel("training loss (nats/token, moving average)")
+    axes[0].set_title("training loss", fontsize=10)
+    axes[0].legend(*_handles(axes), fontsize=8)  # one legend: the runs have the same colour in every panel
+    for ax, name in zip(axes[1:], sets):
+        ax.set_xlabel("optimizer step")
+        low, high = ax.get_ylim()
+        wide = low > 0 and high / low > 20  # a log scale only where the values span orders of magnitude
+        ax.set_ylabel("masked-LM perplexity" + (" (log scale)" if wide else ""))
+        if wide:
+            ax.set_yscale("log")
+        if max_perplexity is not None:
+            ax.set_ylim(top=max_perplexity)
+        ax.set_title(f"held-out perplexity: {name}", fontsize=10)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _handles(axes):
+    handles = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    return list(handles.values()), list(handles)
+
+
+def _is_perplexity(key: str, record: dict) -> bool:
+    return key.startswith("eval_") and key.endswith("_perplexity") and is_finite(record.get(key))
+
+
+# ---- the report ----
+
+
+def _layer_table(results: dict[str, dict]) -> list[str]:
+    lines = [
+        "| layer | tokens | MU (%) | top-1 MU (%) | KL_u | KL_w | Gini_u | Gini_w | top50_w | top90_w |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for layer, m in results.items():
+        lines.append(
+            f"| {layer} | {int(m['tokens'])} | {100 * m['mu']:.2f} | {100 * m['top1_mu']:.2f} | {m['kl_u']:.4f} | "
+            f"{m['kl_w']:.4f} | {m['gini_u']:.4f} | {m['gini_w']:.4f} | {int(m['top50_w'])} | {int(m['top90_w'])} |"
+        )
+    return lines
+
+
+def write_memory_report(
+    model: nn.Module,
+    tokenizer,
+    output_dir: str,
+    *,
+    texts: Sequence[str] | None = None,
+    class_data: ClassData | None = None,
+    run_dir: str | None = None,
+    max_seq_length: int = 128,
+    max_sequences: int | None = 64,
+    batch_size: int = 8,
+    title: str | None = None,
+) -> dict:
+    """Writes `output_dir/memory_report.md`, its PNG figures and `memory_report.json` (every number); returns that
+    json's content.
+
+    Args:
+        model: Any model holding product key memories (BertPkm or loaded with `trust_remote_code=True`).
+        tokenizer: Its tokenizer.
+        texts: Held-out text: cut into `max_sequences` sequences of `max_seq_length` tokens for the usage figures.
+        class_data: Labelled examples: the per-class usage (Figure 4); also the overall usage when `texts` is None.
+        run_dir: A training output folder: staleness (Figure 2) and training curves (Figure 3).
+
+    Raises:
+        MemoryReportError: The model has no memory; no data was given; the text is shorter than one sequence; the
+            examples have no labels; the run directory has neither a metrics log nor staleness state.
+    """
+    from ..training import memory_modules
+
+    if not memory_modules(model) and not MemoryUsageTracker(model).memories:
+        raise MemoryReportError(
+            f"the model ({type(model).__name__}) has no product key memory layer: nothing to report (a plain BERT, "
+            "or a BertPkm config with pkm_layers=[])"
+        )
+    if texts is None and class_data is None:
+        raise MemoryReportError("the memory report needs data: a validation text or labelled class examples")
+    run = check_run_dir(run_dir) if run_dir is not None else None
+    sequences = text_sequences(tokenizer, texts, max_seq_length, max_sequences) if texts is not None else None
+    if class_data is not None and len(class_data.dataset) == 0:
+        raise MemoryReportError("the class examples are empty")
+
+    tracker, per_class = measure_usage(model, tokenizer, sequences, class_data, batch_size)
+    usage = tracker.results()
+    class_results = per_class.results(class_data.label_names) if per_class is not None else None
+
+    output_dir = os.path.abspath(output_dir)
+    parent = os.path.dirname(output_dir)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}.", dir=parent)
+    try:
+        report = _write_report_files(staging, tracker, usage, per_class, class_results, class_data, run, sequences,
+                                     max_seq_length, title or "Memory report")
+        _replace_dir(staging, output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return report
+
+
+def _replace_dir(new: str, target: str) -> None:
+    old = None
+    if os.path.exists(target):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old.", dir=os.path.dirname(target))
+        os.rmdir(old)
+        os.replace(target, old)
+    os.replace(new, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_report_files(
+    folder, tracker, usage, per_class, class_results, class_data, run, sequences, max_seq_length, title
+):
+    lines = [f"# {title}", ""]
+    if sequences is not None:
+        lines.append(
+            f"Usage measured on {len(sequences)} held-out sequences of {max_seq_length} tokens "
+            "(every real token counts; the model in eval mode). Metrics as in `modeling_pkm_bert.memory_usage`: "
+            "MU = share of slots selected at least once in a top-k, top-1 MU = share that were some token's top-1 "
+            "pick, KL_u / KL_w = KL divergence from uniform use of the selection counts / weights (nats), Gini of them."
+        )
+    else:
+        lines.append(f"Usage measured on {len(class_data.dataset)} labelled examples (the model in eval mode).")
+    lines += ["", "## Usage per memory layer", "", *_layer_table(usage), ""]
+    report = {"usage": usage}
+    for layer, accumulator in tracker.accumulators.items():
+        memory = tracker.memories[layer]
+        n_keys = getattr(memory, "n_keys", None) or math.isqrt(accumulator.mem_size)
+        heat = plot_slot_heatmaps(accumulator, n_keys, layer, os.path.join(folder, f"{layer}_heatmap.png"))
+        curve = plot_usage_curve(accumulator, usage[layer], layer, os.path.join(folder, f"{layer}_usage_curve.png"))
+        lines += [
+            f"### {layer}",
+            "",
+            f"![{layer}: slot usage heat maps]({os.path.basename(heat)})",
+            "",
+            f"![{layer}: sorted usage curve]({os.path.basename(curve)})",
+            "",
+        ]
+    if per_class is not None:
+        names = class_data.label_names
+        report["class_usage"] = class_results
+        lines += ["## Per-class usage (Figure 4)", ""]
+        lines += [
+            f"{len(class_data.dataset)} labelled examples; classes {', '.join(f'{i}={n}' for i, n in enumerate(names))}."
+            " IOU and KL compare the top-1 usage of class 1 with class 0 (`glue_metrics.class_usage_divergence`; "
+            "KL on add-1/|K| smoothed distributions).",
+            "",
+        ]
+        header = ["layer", *[f"top-1 MU {n} (%)" for n in names]]
+        two = all("top1_kl" in m for m in class_results.values())
+        if two:
+            header += ["top-1 KL", "top-1 IOU", "weight KL", "weight IOU"]
+        lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+        for layer, m in class_results.items():
+            cells = [f"{100 * m[f'top1_mu_{n}']:.2f}" if f"top1_mu_{n}" in m else "-" for n in names]
+            if two:
+                cells += [f"{m['top1_kl']:.4f}", f"{m['top1_iou']:.4f}", f"{m['weight_kl']:.4f}", f"{m['weight_iou']:.4f}"]
+            lines.append(f"| {layer} | " + " | ".join(cells) + " |")
+        figure = plot_class_usage(class_results, names, os.path.join(folder, "class_usage.png"),
+                                  "Per-class top-1 memory usage (Figure 4)")
+        lines += ["", f"![per-class usage]({os.path.basename(figure)})", ""]
+    if run is not None:
+        lines += ["## Training run", ""]
+        if run["staleness"] is not None:
+            state, final, steps = run["staleness"]
+            histogram, labels = staleness_histogram(state, final, steps)
+            report["staleness"] = {"final_step": final, "histogram": histogram}
+            figure = plot_staleness(
+                {"": histogram}, labels, os.path.join(folder, "staleness.png"),
+                f"Staleness (Figure 2): slots by their last top-1 pick, {final} training steps",
+            )
+            lines += ["### Staleness (Figure 2)", "", "| layer | never | " + " | ".join(f"steps {l}" for l in labels) + " |",
+                      "|---|" + "---:|" * (len(labels) + 1)]
+            for layer, counts in histogram.items():
+                lines.append(f"| {layer} | {counts['never']} | " + " | ".join(str(counts[l]) for l in labels) + " |")
+            lines += ["", f"![staleness]({os.path.basename(figure)})", ""]
+        else:
+            lines += ["No staleness state in the run directory (train with `--track_staleness`).", ""]
+        if run["records"] is not None:
+            figure = plot_training_curves({"run": run["records"]}, os.path.join(folder, "training_curves.png"),
+                                          "Training curves (Figure 3)")
+            report["training_log_records"] = len(run["records"])
+            lines += ["### Training curves (Figure 3)", "", f"![training curves]({os.path.basename(figure)})", ""]
+        else:
+            lines += [f"No {METRICS_LOG_NAME} in the run directory: no training curves.", ""]
+    with open(os.path.join(folder, "memory_report.json"), "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=2)
+    with open(os.path.join(folder, REPORT_NAME), "w", encoding="utf-8") as handle:
+        handle.write("\n".join(lines))
+    return report
+
+
+def write_run_memory_report(args, model, tokenizer, validation_file=None, texts=None, class_data=None) -> dict:
+    """The scripts' `--memory_report`: the report of the final model into `<output_dir>/memory_report`, with the run's
+    staleness and training curves."""
+    if texts is None and validation_file is not None:
+        texts = read_texts(validation_file)
+    max_length = getattr(args, "max_seq_length", None) or getattr(args, "max_length", None) or 128
+    return write_memory_report(
+        model,
+        tokenizer,
+        os.path.join(args.output_dir, "memory_report"),
+        texts=texts,
+        class_data=class_data,
+        run_dir=args.output_dir,
+        max_seq_length=max_length,
+        max_sequences=args.memory_report_max_sequences,
+        title=f"Memory report of {os.path.basename(os.path.abspath(args.output_dir))}",
+    )
