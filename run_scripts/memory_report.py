@@ -16,23 +16,25 @@ held-out text (two chapters of Pride and Prejudice).
 """
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
 
 
-try:
-    import modeling_pkm_bert  # noqa: F401
-except ImportError:  # run from a source checkout without `pip install -e .`
+# `--help` prints every flag at once: the package (torch, transformers) is imported only for a report
+HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
+if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-from modeling_pkm_bert.analysis import (  # noqa: E402
-    MemoryReportError,
-    check_run_dir,
-    class_data_from_files,
-    read_texts,
-    write_memory_report,
-)
+if not HELP:
+    from modeling_pkm_bert.analysis import (
+        MemoryReportError,
+        check_run_dir,
+        class_data_from_files,
+        read_texts,
+        write_memory_report,
+    )
 
 
 EMBEDDED_VALIDATION_FILE = Path(__file__).resolve().parent / "data" / "pride_and_prejudice_validation.txt"
