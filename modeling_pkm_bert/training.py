@@ -570,6 +570,7 @@ RESUME_SETTINGS = (
     "learning_rate",
     "memory_learning_rate",
     "memory_optimizer",
+    "memory_max_grad_norm",
     "weight_decay",
     "lr_scheduler_type",
     "num_warmup_steps",
@@ -578,7 +579,9 @@ RESUME_SETTINGS = (
     "seed",
     "max_seq_length",
     "max_length",
+    "block_size",
     "mlm_probability",
+    "trime",
     "train_data",
 )
 

@@ -10,8 +10,10 @@ Follows the transformers `run_clm_no_trainer.py` example and shares with `run_ml
   in their own optimizer at a constant `--memory_learning_rate`, `--memory_optimizer`, `--freeze_memory`;
 * several evaluation sets (`--validation_files wt2=wiki.test.raw pg19=book.txt`), each with its loss and perplexity,
   the memory usage of every memory layer on the first one, `--track_staleness`;
-* exact resume (`--checkpointing_steps`, `--resume_from_checkpoint`), two or more processes, `all_results.json`, a
-  model card, `--push_to_hub`;
+* exact resume (`--checkpointing_steps`, `--resume_from_checkpoint`; a resume with other settings or data stops
+  unless `--allow_inexact_resume`), two or more processes, `all_results.json` and the model folder written
+  atomically, a model card (`--base_model`, `--license`; its command without secrets or local paths),
+  `--push_to_hub`; `--memory_max_grad_norm`;
 * with no data arguments, the public-domain excerpt shipped with the project (`run_scripts/data/`).
 
 TRIME (`--trime local|long`, `modeling_pkm_bert/trime.py`): the training loss scores each next token against the
@@ -32,9 +34,12 @@ A BERT config or checkpoint is made a decoder (`is_decoder=True`: causal self-at
 `accelerate launch`, or `ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 run_clm.py ...` on CPU processes.
 """
 
+from __future__ import annotations  # annotations name torch types that `--help` does not import
+
 import argparse
 import collections
 import contextlib
+import importlib.util
 import json
 import logging
 import math
@@ -44,69 +49,87 @@ import sys
 import time
 from pathlib import Path
 
-import datasets
-import torch
-from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.logging import get_logger
-from accelerate.utils import broadcast_object_list, set_seed
-from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
-import transformers
-from transformers import (
-    MODEL_FOR_CAUSAL_LM_MAPPING,
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    SchedulerType,
-    get_scheduler,
-)
-
-
-try:
-    import modeling_pkm_bert  # noqa: F401
-except ImportError:  # run from a source checkout without `pip install -e .`
+# `--help` prints every flag in a fraction of a second: it imports the flag module only (standard library), not the
+# package's __init__ (torch, the native kernels) nor transformers, datasets, accelerate (as run_mlm.py does)
+HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
+if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+if HELP:
+    sys.modules["modeling_pkm_bert"] = importlib.util.module_from_spec(importlib.util.find_spec("modeling_pkm_bert"))
 
-from modeling_pkm_bert import BertPkmConfig, register_auto_classes  # noqa: E402
-from modeling_pkm_bert.lm_data import check_data_file, load_raw_datasets, parse_validation_sets  # noqa: E402
-from modeling_pkm_bert.memory_usage import (  # noqa: E402
-    flatten_memory_usage,
-    format_memory_usage,
-    gather,
-    track_memory_usage,
-)
-from modeling_pkm_bert.staleness import StalenessTracker  # noqa: E402
-from modeling_pkm_bert.training import (  # noqa: E402
+from modeling_pkm_bert.arguments import (  # noqa: E402
+    add_model_card_arguments,
     add_pkm_arguments,
-    config_from_scratch,
-    create_memory_optimizer,
-    freeze_memory,
-    load_model,
-    memory_modules,
-    optimizer_param_groups,
-    peak_memory_mb,
-    pkm_kwargs_from_args,
-    resolve_checkpoint,
-    resume_position,
-    save_checkpoint,
-    write_results_model_card,
-)
-from modeling_pkm_bert.trime import (  # noqa: E402
+    add_reliability_arguments,
     add_trime_arguments,
-    causal_targets,
-    check_trime_model,
-    model_trime_losses,
-    perplexity,
-    resolve_trime_arguments,
+    card_command,
 )
 
 
-logger = get_logger(__name__)
+if HELP:
+    SchedulerType = str  # parse_args() only prints the help
+else:
+    import datasets
+    import torch
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.logging import get_logger
+    from accelerate.utils import broadcast_object_list, set_seed
+    from torch.utils.data import DataLoader
+    from tqdm.auto import tqdm
 
-MODEL_TYPES = (*(conf.model_type for conf in MODEL_FOR_CAUSAL_LM_MAPPING.keys()), BertPkmConfig.model_type)
-# BERT-family configs are bidirectional unless made decoders
-DECODER_MODEL_TYPES = ("bert", BertPkmConfig.model_type)
+    import transformers
+    from transformers import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        SchedulerType,
+        get_scheduler,
+    )
+
+    from modeling_pkm_bert import BertPkmConfig, register_auto_classes
+    from modeling_pkm_bert.conversion import card_base_model, card_license
+    from modeling_pkm_bert.lm_data import check_data_file, load_raw_datasets, parse_validation_sets
+    from modeling_pkm_bert.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
+    from modeling_pkm_bert.staleness import STALENESS_FILE, StalenessTracker
+    from modeling_pkm_bert.training import (
+        atomic_write_json,
+        check_checkpoint,
+        check_data_files,
+        check_freeze_memory,
+        clip_memory_gradients,
+        config_from_scratch,
+        create_memory_optimizer,
+        freeze_memory,
+        load_model,
+        memory_modules,
+        optimizer_param_groups,
+        peak_memory_mb,
+        pkm_kwargs_from_args,
+        prepare_output_dir,
+        resolve_checkpoint,
+        resume_position,
+        run_settings,
+        save_checkpoint,
+        save_final_outputs,
+        tracker_config,
+        validate_training_arguments,
+        write_results_model_card,
+    )
+    from modeling_pkm_bert.trime import (
+        causal_targets,
+        check_trime_model,
+        model_trime_losses,
+        perplexity,
+        resolve_trime_arguments,
+    )
+
+    logger = get_logger(__name__)
+
+    MODEL_TYPES = (*(conf.model_type for conf in MODEL_FOR_CAUSAL_LM_MAPPING.keys()), BertPkmConfig.model_type)
+    # BERT-family configs are bidirectional unless made decoders
+    DECODER_MODEL_TYPES = ("bert", BertPkmConfig.model_type)
 
 # The embedded default data: public-domain excerpts (see run_scripts/data/README.md).
 EMBEDDED_DATA = Path(__file__).resolve().parent / "data"
@@ -237,10 +260,14 @@ def parse_args(argv=None):
         "--report_to", type=str, default="all", help="The trackers of --with_tracking (tensorboard, wandb, ... all)."
     )
     add_pkm_arguments(parser)
+    add_reliability_arguments(parser)
+    add_model_card_arguments(parser)
     add_trime_arguments(parser, causal=True)
     args = parser.parse_args(argv)
     resolve_trime_arguments(args)
 
+    # Sanity checks
+    validate_training_arguments(parser, args)
     args.embedded_data = args.dataset_name is None and not any(
         (args.train_file, args.validation_file, args.validation_files)
     )
@@ -258,6 +285,7 @@ def parse_args(argv=None):
     for option, path in files:
         if path is not None:
             check_data_file(parser, option, path)
+    check_data_files(parser, files)  # UTF-8, well-formed json / csv, before any work
     if args.model_type is not None and args.model_type not in MODEL_TYPES:
         parser.error(f"unknown --model_type {args.model_type!r} (a causal LM type, e.g. bert or gpt2)")
     if args.model_name_or_path is None and args.config_name is None and args.model_type is None:
@@ -338,7 +366,7 @@ def evaluate(args, accelerator, model, eval_datasets, collate_fn, measure_memory
 
 def main(argv=None):
     args = parse_args(argv)
-    command = " ".join(["python", "run_clm.py", *(sys.argv[1:] if argv is None else argv)])
+    command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir)  # secrets, paths removed
     start_time = time.time()
 
     # The seedable sampler draws each epoch's order from (seed, epoch): a resumed run sees the batches of the
@@ -371,8 +399,8 @@ def main(argv=None):
         logger.info(f"No --seed given: using seed {args.seed}")
     set_seed(args.seed)
 
-    if accelerator.is_main_process and args.output_dir is not None:
-        os.makedirs(args.output_dir, exist_ok=True)
+    if args.output_dir is not None:
+        prepare_output_dir(args.output_dir)  # before any data or step: a trained model must be savable
     accelerator.wait_for_everyone()
 
     # Get the datasets: a dataset from the Hub, your own txt/csv/json files, or the embedded public-domain excerpt.
@@ -412,6 +440,7 @@ def main(argv=None):
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer))
     if args.freeze_memory:
+        check_freeze_memory(model)
         logger.info(f"--freeze_memory: {freeze_memory(model):,} memory parameters are kept fixed")
     if args.trime or args.trime_eval:
         check_trime_model(model)  # its output layer must be a vocabulary projection TRIME can read
@@ -523,10 +552,10 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(main_groups, lr=args.learning_rate)
     memory_optimizer = create_memory_optimizer(memory_groups, args, model) if do_train else None
 
+    # Staleness: the last step each memory slot was a top-1 pick, kept in checkpoints (as safetensors).
     staleness = None
     if args.track_staleness and memory_modules(model) and do_train:
         staleness = StalenessTracker(model).attach()
-        accelerator.register_for_checkpointing(staleness)
 
     model, optimizer, *rest = accelerator.prepare(
         model, optimizer, *(x for x in (memory_optimizer, train_dataloader) if x is not None)
@@ -551,11 +580,13 @@ def main(argv=None):
     checkpointing_steps = args.checkpointing_steps
     if checkpointing_steps is not None and checkpointing_steps.isdigit():
         checkpointing_steps = int(checkpointing_steps)
+    # what an exact resume depends on (the blocks as sampled: TRIME_long's groups), saved in every checkpoint and
+    # compared on resume
+    settings = run_settings(args, accelerator, train_dataset) if do_train else None
 
+    # We need to initialize the trackers we use, and also store our configuration (secrets removed).
     if args.with_tracking:
-        experiment_config = {k: (v.value if isinstance(v, SchedulerType) else v) for k, v in vars(args).items()}
-        experiment_config = {k: (str(v) if isinstance(v, (list, dict)) else v) for k, v in experiment_config.items()}
-        accelerator.init_trackers("clm_no_trainer", experiment_config)
+        accelerator.init_trackers("clm_no_trainer", tracker_config(args))
 
     def report_evaluation(metrics, usage, when):
         parts = []
@@ -601,10 +632,13 @@ def main(argv=None):
 
         if args.resume_from_checkpoint:
             checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
-            if staleness is not None and not os.path.isfile(os.path.join(checkpoint, "custom_checkpoint_0.pkl")):
+            if staleness is not None and not os.path.isfile(os.path.join(checkpoint, STALENESS_FILE)):
                 raise ValueError(f"{checkpoint} holds no staleness state: resume it without --track_staleness")
+            check_checkpoint(checkpoint, settings, args.allow_inexact_resume, accelerator.process_index, logger)
             accelerator.print(f"Resumed from checkpoint: {checkpoint}")
             accelerator.load_state(checkpoint)
+            if staleness is not None:
+                staleness.load(os.path.join(checkpoint, STALENESS_FILE))
             starting_epoch, completed_steps, resume_batches = resume_position(
                 checkpoint, num_update_steps_per_epoch, args.gradient_accumulation_steps
             )
@@ -640,6 +674,7 @@ def main(argv=None):
                     running_loss += recent_losses[-1]
                     running_batches += 1
                     accelerator.backward(loss)
+                    clip_memory_gradients(accelerator, model, memory_optimizer, args.memory_max_grad_norm)
                     for o in optimizers:
                         o.step()
                     lr_scheduler.step()
@@ -656,7 +691,7 @@ def main(argv=None):
                     if isinstance(checkpointing_steps, int) and completed_steps % checkpointing_steps == 0:
                         if staleness is not None:
                             staleness.synchronize()
-                        save_checkpoint(accelerator, args.output_dir, f"step_{completed_steps}")
+                        save_checkpoint(accelerator, args.output_dir, f"step_{completed_steps}", settings, staleness)
                     if (
                         args.eval_steps
                         and completed_steps % args.eval_steps == 0
@@ -684,7 +719,7 @@ def main(argv=None):
             if args.checkpointing_steps == "epoch":
                 if staleness is not None:
                     staleness.synchronize()
-                save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}")
+                save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", settings, staleness)
             if last_epoch:
                 break
         progress_bar.close()
@@ -730,40 +765,36 @@ def main(argv=None):
         accelerator.log({k: v for k, v in results.items() if isinstance(v, (int, float))}, step=completed_steps)
         accelerator.end_training()
 
-    # Save the model (a BertPkm folder is a complete Hub repository: code files, auto_map, tokenizer, model card).
+    # Save the model (a BertPkm folder is a complete Hub repository: code files, auto_map, tokenizer, model card),
+    # staged in output_dir/.final.tmp and renamed into place file by file: a crash never leaves a torn file.
     if args.output_dir is not None:
-        accelerator.wait_for_everyone()
         unwrapped_model = accelerator.unwrap_model(model)
-        if do_train:
-            unwrapped_model.save_pretrained(
-                args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save
-            )
-        if accelerator.is_main_process:
-            if do_train:
-                tokenizer.save_pretrained(args.output_dir)
-                if staleness is not None:
-                    from safetensors.torch import save_file
 
-                    save_file(
-                        {name: last.contiguous() for name, last in staleness.state_dict().items()},
-                        os.path.join(args.output_dir, "staleness.safetensors"),
-                        metadata={"step": str(completed_steps), "never": "-1"},
-                    )
+        def write_final(folder):
+            unwrapped_model.save_pretrained(
+                folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save
+            )
+            if accelerator.is_main_process:
+                tokenizer.save_pretrained(folder)
+                if staleness is not None:
+                    staleness.save(os.path.join(folder, STALENESS_FILE), step=completed_steps)
                 write_results_model_card(
-                    args.output_dir,
+                    folder,
                     results,
                     repo_id=args.hub_model_id,
-                    base_model=args.model_name_or_path,
-                    dataset=args.dataset_name or args.train_file,
+                    base_model=card_base_model(args.model_name_or_path, args.base_model),
+                    license=card_license(args.model_name_or_path, args.license),
+                    dataset=args.dataset_name or args.train_file or "run_scripts/data/pride_and_prejudice_train.txt",
                     task="text-generation",
                     command=command,
                     title="Causal language modeling results",
                 )
+
+        if do_train:
+            save_final_outputs(accelerator, args.output_dir, write_final)
+        if accelerator.is_main_process:
             results["total_runtime"] = round(time.time() - start_time, 2)
-            path = os.path.join(args.output_dir, "all_results.json")
-            with open(f"{path}.tmp", "w") as f:
-                json.dump(results, f, indent=4)
-            os.replace(f"{path}.tmp", path)
+            atomic_write_json(os.path.join(args.output_dir, "all_results.json"), results)
             if args.push_to_hub and do_train:
                 from modeling_pkm_bert.conversion import push_folder_to_hub
 

@@ -97,6 +97,12 @@ def test_trime_long_trains_and_reports_both_perplexities(long_run):
     assert results["eval_memory/layer_1/tokens"] == 8 * 32
     assert sum(v for k, v in results.items() if k.startswith("staleness/layer_1/")) == pytest.approx(1.0)
     assert sorted(p.name for p in output_dir.iterdir() if p.name.startswith("step_")) == ["step_2", "step_4", "step_6"]
+    # a checkpoint holds the run's settings and the staleness state as json / safetensors, never a pickle
+    settings = json.loads((output_dir / "step_4" / "run_settings.json").read_text())
+    assert (settings["trime"], settings["block_size"], settings["per_device_train_batch_size"]) == ("long", 32, 4)
+    assert settings["train_data"]["rows"] == 6  # 24 blocks in groups of 4 consecutive ones
+    assert load_file(output_dir / "step_4" / "staleness.safetensors")["layer_1"].max() == 4
+    assert list(output_dir.glob("step_*/custom_checkpoint_*")) == [] and not (output_dir / ".final.tmp").exists()
     assert "## Causal language modeling results" in (output_dir / "README.md").read_text()
     register_auto_classes()
     model = AutoModelForCausalLM.from_pretrained(output_dir).eval()
@@ -124,6 +130,18 @@ def test_resume_gives_the_weights_of_the_uninterrupted_run(long_run, tiny, tmp_p
         load_file(reference / "staleness.safetensors")["layer_1"],
     )
     assert results["eval_moby_dick_trime_loss"] == long_run["results"]["eval_moby_dick_trime_loss"]
+
+
+def test_resume_with_other_settings_stops_before_loading(long_run, tiny, tmp_path):
+    """Another memory or learning rate than the checkpoint's would not continue the same run: a clear error naming
+    each difference, before any state is loaded."""
+    checkpoint = long_run["output_dir"] / "step_4"
+    options = f"{TRAINING} --trime local --learning_rate 1e-4 --track_staleness --resume_from_checkpoint {checkpoint}"
+    with pytest.raises(ValueError, match="was saved by a run with other settings") as raised:
+        run(clm_args(tiny, tmp_path / "resumed", options))
+    message = str(raised.value)
+    assert "trime: checkpoint 'long', now 'local'" in message and "learning_rate: checkpoint 5e-05, now 0.0001" in message
+    assert "--allow_inexact_resume" in message and not (tmp_path / "resumed" / "model.safetensors").exists()
 
 
 def test_trime_long_batches_are_consecutive_blocks_of_the_text(tiny, tmp_path, monkeypatch):
@@ -167,10 +185,25 @@ def test_local_memory_and_plain_bert_lm_head_model(tiny, tmp_path):
     assert isinstance(model, BertLMHeadModel) and model.config.is_decoder
 
 
-def test_config_overrides_and_pkm_flags_build_the_model(tiny, tmp_path):
+def test_config_overrides_and_pkm_flags_build_the_model(tiny, tmp_path, monkeypatch):
+    """--config_overrides and --pkm_* build the model; --memory_max_grad_norm clips the value table's gradient."""
+    from modeling_pkm_bert.training import pkm_value_parameters
+
+    norms = []
+    original = run_clm.clip_memory_gradients
+
+    def clip_and_measure(accelerator, model, *args):
+        before = original(accelerator, model, *args)
+        (values,) = pkm_value_parameters(accelerator.unwrap_model(model))
+        grad = values.grad.to_dense() if values.grad.is_sparse else values.grad
+        norms.append((before.item(), grad.norm().item()))
+
+    monkeypatch.setattr(run_clm, "clip_memory_gradients", clip_and_measure)
     options = "--config_overrides num_hidden_layers=4,intermediate_size=48 --pkm_layers 3 --pkm_n_keys 4"
-    options += " --max_train_steps 1 --max_eval_samples 2"
+    options += " --max_train_steps 1 --max_eval_samples 2 --memory_max_grad_norm 1e-4"
     results = run(clm_args(tiny, tmp_path / "out", options))
+    ((before, after),) = norms
+    assert before > 1e-3 and after == pytest.approx(1e-4, rel=1e-3)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["num_hidden_layers"], config["intermediate_size"], config["pkm_layers"]) == (4, 48, [3])
     assert config["is_decoder"] and "eval_memory/layer_3/mu" in results and "eval_moby_dick_trime_loss" not in results
@@ -200,14 +233,29 @@ def test_two_cpu_processes_match_one(long_run, tiny, tmp_path):
 
 
 def test_push_to_hub_uploads_the_folder_with_its_card(tiny, tmp_path, monkeypatch):
+    """The card names the license and base model given, and the command without the token or this machine's paths;
+    the token reaches no file of the run (a real tensorboard tracker included)."""
+    pytest.importorskip("tensorboard", reason="pip install tensorboard (the real tracker this test runs)")
+    from huggingface_hub import ModelCard
+
+    token = "hf_" + "Zq8wLx3TnVb5Rk2Jm7Yc9Pd4Hs6Gf1Ae"  # token-shaped, not a real one
     pushed = []
     monkeypatch.setattr("modeling_pkm_bert.conversion.push_folder_to_hub", lambda *a, **k: pushed.append((a, k)))
     options = "--max_train_steps 1 --max_eval_samples 2 --push_to_hub --hub_model_id someone/tiny-clm"
+    options += f" --hub_token {token} --license mit --base_model org/tiny-bert --with_tracking --report_to tensorboard"
     run(clm_args(tiny, tmp_path / "out", options))
     ((args, kwargs),) = pushed
-    assert args == (str(tmp_path / "out"), "someone/tiny-clm")
-    card = (tmp_path / "out" / "README.md").read_text()
-    assert "someone/tiny-clm" in card and "`eval_moby_dick_perplexity`" in card and "run_clm.py" in card
+    assert args == (str(tmp_path / "out"), "someone/tiny-clm") and kwargs["token"] == token
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    assert (card.data.license, card.data.base_model) == ("mit", "org/tiny-bert")
+    assert "someone/tiny-clm" in card.text and "`eval_moby_dick_perplexity`" in card.text
+    produced_by = card.text.split("Produced by:")[1]
+    # local paths shown by their name (or relative to the output folder), never in full
+    assert f"python run_scripts/run_clm.py --config_name {os.path.basename(tiny)} " in produced_by
+    assert "--output_dir out " in produced_by and tiny not in card.text and str(tmp_path) not in card.text
+    written = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+    assert any(p.name == "hparams.yml" for p in written)  # the tracker ran
+    assert [p.name for p in written if token.encode() in p.read_bytes()] == []
 
 
 @pytest.mark.parametrize(
@@ -218,13 +266,23 @@ def test_push_to_hub_uploads_the_folder_with_its_card(tiny, tmp_path, monkeypatc
         ("--block_size 1", "--block_size must be at least 2"),
         ("--model_name_or_path x --config_overrides hidden_size=8", "--config_overrides applies to a model trained"),
         ("--trime global", "invalid choice: 'global'"),
+        ("--gradient_accumulation_steps 0", "--gradient_accumulation_steps must be >= 1 (batches per optimizer step)"),
+        ("--train_file {tmp}/latin1.txt", "--train_file '{tmp}/latin1.txt' is not UTF-8 text: byte 3 (line 1)"),
+        ("--output_dir {tmp}/a_file", "--output_dir '{tmp}/a_file': exists and is not a folder"),
+        ("--memory_max_grad_norm 0", "--memory_max_grad_norm: must be a finite number > 0, got 0"),
+        ("--base_model {tmp}", "is not a Hub model id"),
+        ("--resume_from_checkpoint {tmp}/nowhere/step_2", "is not a folder (a step_<N>/epoch_<E> folder, or 'latest')"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(tiny, tmp_path, capsys, options, message):
     (tmp_path / "empty.txt").write_text("\n \n")
-    with pytest.raises(SystemExit):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(SystemExit) as raised:
         run_clm.parse_args(clm_args(tiny, tmp_path / "out", options.format(tmp=tmp_path)))
-    assert message in capsys.readouterr().err
+    assert raised.value.code == 2  # argparse's usage error
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing was created
 
 
 def test_bad_model_or_text_is_a_clear_error_before_training(tiny, tmp_path, monkeypatch):
@@ -235,6 +293,12 @@ def test_bad_model_or_text_is_a_clear_error_before_training(tiny, tmp_path, monk
         run(clm_args(tiny, tmp_path / "out", f"--validation_files {tmp_path / 'short.txt'}"))
     with pytest.raises(ValueError, match=r"--trime long: the training set has 2 blocks of 32 tokens, fewer than one"):
         run(clm_args(tiny, tmp_path / "out", "--trime long --max_train_samples 2"))
+    from transformers import BertConfig
+
+    BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37,
+               max_position_embeddings=64).save_pretrained(tmp_path / "bert")  # fmt: skip
+    with pytest.raises(ValueError, match=r"--freeze_memory: the model \(BertLMHeadModel\) has no product key memory"):
+        run(["--config_name", str(tmp_path / "bert"), *clm_args(tiny, tmp_path / "out", "--freeze_memory")[2:]])
     monkeypatch.setattr(BertPkmForCausalLM, "get_output_embeddings", lambda self: None)
     with pytest.raises(ValueError, match=r"--trime: BertPkmForCausalLM has no output embeddings"):
         run(clm_args(tiny, tmp_path / "out", "--trime local"))

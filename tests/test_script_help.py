@@ -74,10 +74,14 @@ def test_help_is_complete_and_imports_nothing_heavy(script, monkeypatch):
 
 def test_pkm_flags_follow_the_config():
     """The flag module reads the pkm_* fields from configuration_bert_pkm.py's source: they match the class."""
-    fields = {f.name: f.default for f in dataclasses.fields(BertPkmConfig) if f.name.startswith("pkm_")}
-    del fields["pkm_weights_checksum"]  # written by save_pretrained(..., checksum=True): no flag
-    assert {name: default for name, (_, default) in PKM_FLAG_FIELDS.items()} == fields
     from modeling_pkm_bert import conversion, training
+
+    # every pkm_* field a user sets (pkm_weights_checksum is written by save_pretrained: no flag)
+    fields = {f.name: f.default for f in dataclasses.fields(BertPkmConfig) if f.name.startswith("pkm_")}
+    fields.pop("pkm_weights_checksum")
+    assert {name: default for name, (_, default) in PKM_FLAG_FIELDS.items()} == fields == {
+        name: field.default for name, field in training.PKM_FIELDS.items()
+    }
 
     assert TARGET_CLASSES == conversion.TARGET_CLASSES
     assert training.MEMORY_OPTIMIZERS is MEMORY_OPTIMIZERS and training.add_pkm_arguments.__module__.endswith("arguments")
