@@ -364,6 +364,7 @@ def main(argv=None):
         "argv": sys.argv[1:] if argv is None else list(argv), "heldout": heldout_name, "sst2": sst2_note, "times_s": times, "heal_time_s": heal_time,
         "statistics_time_s": stats_time, "background_batches": statistics.num_batches, "args": {
             k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+            if k not in ("output_dir", "report_from")  # machine paths
         }, "total_time_s": time.time() - start,
     }
     results.update(matched_learning(curves))
@@ -448,7 +449,7 @@ def write_report(args, results):
     if len(commands) > 1:
         commands[-1] = (
             f"{commands[-1]} (same seed and settings, so the identical healed model: checked, its metrics are equal), "
-            "merged by `--report_from` with the runs' json files"
+            "merged by `python benchmarks/continual_learning.py --report_from <their json files>` (kept in benchmarks/)"
         )
     lines = [
         "# Continual learning: sparse memory finetuning vs full finetuning and LoRA",
