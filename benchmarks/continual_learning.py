@@ -364,6 +364,7 @@ def main(argv=None):
         "argv": sys.argv[1:] if argv is None else list(argv), "heldout": heldout_name, "sst2": sst2_note, "times_s": times, "heal_time_s": heal_time,
         "statistics_time_s": stats_time, "background_batches": statistics.num_batches, "args": {
             k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+            if k not in ("output_dir", "report_from")  # machine paths
         }, "total_time_s": time.time() - start,
     }
     results.update(matched_learning(curves))
@@ -414,8 +415,18 @@ def write_report(args, results):
     if has_sst2:
         panels.append(("sst2_acc", "SST-2 dev accuracy (fixed classifier)"))
     for axis, (key, label) in zip(axes[0], panels):
-        for method, curve in results["curves"].items():
-            axis.plot([p["new_loss"] for p in curve], [p[key] for p in curve], marker="o", markersize=3, label=method)
+        colors = plt.get_cmap("tab20").colors
+        for index, (method, curve) in enumerate(results["curves"].items()):
+            axis.plot(
+                [p["new_loss"] for p in curve],
+                [p[key] for p in curve],
+                marker="o",
+                markersize=3,
+                color=colors[(2 * index) % 20 + (index >= 10)],
+                linestyle="--" if method.startswith("smf") else "-",
+                linewidth=1.2 if method.startswith("smf") else 2.0,
+                label=method,
+            )
         axis.axvline(results["target_new_loss"], color="gray", linestyle="--", linewidth=1, label="matched loss")
         axis.set_xlabel("Moby-Dick masked-LM loss (nats/token; right = learned more)")
         axis.set_ylabel(label)
@@ -438,7 +449,7 @@ def write_report(args, results):
     if len(commands) > 1:
         commands[-1] = (
             f"{commands[-1]} (same seed and settings, so the identical healed model: checked, its metrics are equal), "
-            "merged by `--report_from` with the runs' json files"
+            "merged by `python benchmarks/continual_learning.py --report_from <their json files>` (kept in benchmarks/)"
         )
     lines = [
         "# Continual learning: sparse memory finetuning vs full finetuning and LoRA",
@@ -512,7 +523,8 @@ def write_report(args, results):
     (out / f"{name.upper()}.md".replace("CONTINUAL_LEARNING_QUICK", "CONTINUAL_LEARNING_QUICK")).write_text(
         "\n".join(lines) + "\n", encoding="utf-8"
     )
-    (out / f"{name}.json").write_text(json.dumps(results, indent=1, default=str), encoding="utf-8")
+    if "argv_parts" not in results:  # a run's own data (a merged report keeps its parts' files)
+        (out / f"{name}.json").write_text(json.dumps(results, indent=1, default=str), encoding="utf-8")
 
 
 if __name__ == "__main__":
