@@ -152,6 +152,29 @@ def write_report(args, model_path: str, durations: dict) -> str:
                 + " | ".join(mean_spread([r[f"eval_{name}_perplexity"] for r in runs]) for name in SETS)
                 + " |"
             )
+    means = {
+        arm: {name: statistics.mean(r[f"eval_{name}_perplexity"] for (a, _), r in results.items() if a == arm)
+              for name in SETS}
+        for arm in ARMS if any(a == arm for a, _ in results)
+    }
+    if len(means) == 2 and len(args.seeds) > 1:
+        first, second = means.values()
+        verdicts = []
+        for name, label in SETS.items():
+            spread = max(max(v) - min(v) for v in (
+                [r[f"eval_{name}_perplexity"] for (a, _), r in results.items() if a == arm] for arm in means))
+            gap = second[name] - first[name]
+            verdicts.append(
+                f"{label}: the arms differ by {gap:+.1f} (second minus first), the seeds of one arm by up to "
+                f"{spread:.1f} — " + ("within the seed spread: no difference shown" if abs(gap) <= spread
+                                      else "beyond the seed spread of these runs")
+            )
+        lines += ["", "Verdict at this budget: " + "; ".join(verdicts) + "."]
+    lines += [
+        "",
+        "The 'before' perplexities differ between arms and seeds: the new MLM head (MiniLM ships without one) and the "
+        "memories are initialised from the seed, and the two arms draw different numbers of random values.",
+    ]
     lines += ["", "## Memory usage after training (first evaluation text)", ""]
     lines += ["| arm | seed | memory | tokens | MU % | top-1 MU % | KL_u | KL_w |", "|---|---:|---|---:|---:|---:|---:|---:|"]
     for (arm, seed), r in results.items():
