@@ -406,7 +406,9 @@ def write_report(args, stage0_summary, mlm, glue, elapsed) -> None:
     lines = [
         "# Kim & Jung (2020) reproduced at small scale",
         "",
-        f"Written by `python benchmarks/reproduce_paper.py {args.command}` on {datetime.date.today()}; its runs took "
+        f"Written by `python benchmarks/reproduce_paper.py {args.command}`"
+        + (" (this report: the same with `--report_only` while some runs were unfinished)" if args.report_only else "")
+        + f" on {datetime.date.today()}; its runs took "
         f"{elapsed / 60:.0f} min of wall-clock summed over the runs (`--jobs` of them side by side), on a {os.cpu_count()}-core shared VM ({platform.machine()}, CPU only, loaded by other "
         "jobs). Budget `" + args.budget + "`: " + ", ".join(f"{k}={v}" for k, v in c.items()) + ".",
         "",
@@ -691,7 +693,8 @@ def claims(args, mlm, table, stale, figure4, sets, layers) -> list[str]:
 def main(argv=None):
     args = parse_args(argv)
     argv_list = sys.argv[1:] if argv is None else list(argv)
-    args.command = " ".join(a for a in argv_list if not a.startswith(str(REPO_ROOT.parent))) or "--budget full"
+    shown = [a for a in argv_list if not a.startswith(str(REPO_ROOT.parent)) and a != "--report_only"]
+    args.command = " ".join(shown) or "--budget full"
     started = time.time()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     print(f"reproduce_paper: budget {args.budget}, runs in {args.work_dir}", flush=True)
