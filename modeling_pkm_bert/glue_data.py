@@ -28,6 +28,11 @@ import csv
 import dataclasses
 import logging
 import os
+from typing import TYPE_CHECKING
+
+
+if TYPE_CHECKING:
+    import datasets
 
 
 logger = logging.getLogger(__name__)

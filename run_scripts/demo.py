@@ -227,9 +227,11 @@ def time_mlm_steps(args, folders: dict, rounds: int = 10) -> dict:
     from modeling_pkm_bert.training import create_memory_optimizer, load_model, optimizer_param_groups
 
     torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(next(iter(folders.values())))
+    tokenizer = AutoTokenizer.from_pretrained(next(iter(folders.values())), trust_remote_code=True)  # our folder
     text = (REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_validation.txt").read_text(encoding="utf-8")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    # the whole text at once, cut below into a batch: the "longer than the maximum ... indexing errors" warning that
+    # verbose=False silences does not apply
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     shape = (args.per_device_train_batch_size, args.max_seq_length)
     input_ids = torch.tensor(ids[: shape[0] * shape[1]]).view(shape)
     masker = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
