@@ -7,7 +7,6 @@ import pytest
 import torch
 from conftest import tiny_config
 from torch import nn
-from transformers import AutoModelForMaskedLM
 
 from modeling_pkm_bert import BertPkmForMaskedLM, ProductKeyMemory
 from modeling_pkm_bert.memory_usage import (
@@ -276,8 +275,13 @@ def test_layer_names():
 
 
 def test_memories_of_hub_remote_code_are_found(tmp_path):
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
     BertPkmForMaskedLM(tiny_config()).save_pretrained(tmp_path)
-    model = AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True)
+    # the class of the folder's own code files (AutoModel would give this package's classes once another test in this
+    # process called register_auto_classes)
+    remote_class = get_class_from_dynamic_module("modeling_bert_pkm.BertPkmForMaskedLM", str(tmp_path))
+    model = remote_class.from_pretrained(tmp_path)
     memory = model.bert.encoder.layer[1].memory
     assert not isinstance(memory, ProductKeyMemory)  # the Hub's own copy of the class
     assert list(MemoryUsageTracker(model).accumulators) == ["layer_1"]
