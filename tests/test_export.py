@@ -81,6 +81,29 @@ def test_static_and_dynamic_export_of_every_class_with_padding_equals_eager(clas
             torch.testing.assert_close(exported(hidden, mask), memory(hidden, mask), atol=1e-6, rtol=1e-6)
 
 
+MEMORY_PLUS_OPTIONS = {
+    "shared_values": dict(pkm_shared_values=True),
+    "swilu": dict(pkm_output_gate="swilu"),
+    "qk_norm": dict(pkm_qk_norm=True),
+    "relu": dict(pkm_score_activation="relu"),
+    "scale": dict(pkm_memory_scale=0.5),
+    "all": dict(
+        pkm_shared_values=True, pkm_output_gate="swilu", pkm_qk_norm=True, pkm_score_activation="relu", pkm_memory_scale=0.5
+    ),
+}
+
+
+@pytest.mark.parametrize("option", sorted(MEMORY_PLUS_OPTIONS))
+def test_dynamic_export_with_each_memory_plus_option_equals_eager(option):
+    """The Memory+ options (issue 16) export like the default memory: dynamic shapes, padding, outputs equal."""
+    model = tiny_model("BertPkmForMaskedLM", **MEMORY_PLUS_OPTIONS[option])
+    program = export_program(model, batch("BertPkmForMaskedLM", 2, 6, pad_from=4), dynamic=True)
+    for size, length, pad_from in [(3, 9, 2), (2, 6, None)]:
+        inputs = batch("BertPkmForMaskedLM", size, length, pad_from)
+        with torch.no_grad():
+            assert_outputs_equal(program.module()(**inputs), model(**inputs))
+
+
 @pytest.mark.parametrize("with_mask", [False, True])
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_export_with_and_without_attention_mask_and_gradients_enabled(dynamic, with_mask):
