@@ -816,10 +816,7 @@ def save_converted(
     output_dir = Path(output_dir).absolute()
     check_output_dir(output_dir, overwrite)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output folder gets the usual permissions
+    tmp = staging_folder(output_dir)
     try:
         if tokenizer is not None:
             model.config.tokenizer_class = type(tokenizer).__name__
@@ -845,14 +842,26 @@ def save_converted(
             command=command,
         )
         check_hub_folder(tmp)
-        _replace_folder(tmp, output_dir)
+        replace_folder(tmp, output_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return output_dir
 
 
-def _replace_folder(new: Path, target: Path) -> None:
+def staging_folder(target: Path) -> Path:
+    """An empty folder beside `target` in which to build its replacement (same file system: `replace_folder` renames
+    it), with the permissions of a new folder (mkdtemp makes it private)."""
+    folder = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    return folder
+
+
+def replace_folder(new: Path, target: Path) -> None:
+    """Puts the folder `new` in place of `target` (renames on one file system): the old `target` is kept aside until
+    the new one is in place, and restored if that fails, so `target` is never half-written."""
     old = None
     if target.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
@@ -979,6 +988,8 @@ __all__ = [
     "hub_id_or_none",
     "load_source_tokenizer",
     "push_folder_to_hub",
+    "replace_folder",
+    "staging_folder",
     "save_converted",
     "sentence_transformers_files",
     "upload_allowed",

@@ -22,14 +22,15 @@ import math
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..arguments import add_memory_report_arguments  # noqa: F401 (the flags live in a torch-free module)
+from ..conversion import replace_folder, staging_folder
 from ..glue_metrics import PerClassMemoryUsage
 from ..memory_usage import MemoryUsageTracker
 from .metrics_log import METRICS_LOG_NAME, is_finite, read_metrics_log
@@ -538,29 +539,17 @@ def write_memory_report(
     usage = tracker.results()
     class_results = per_class.results(class_data.label_names) if per_class is not None else None
 
-    output_dir = os.path.abspath(output_dir)
-    parent = os.path.dirname(output_dir)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}.", dir=parent)
+    output_dir = Path(output_dir).absolute()
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_folder(output_dir)
     try:
-        report = _write_report_files(staging, tracker, usage, per_class, class_results, class_data, run, sequences,
-                                     max_seq_length, title or "Memory report")
-        _replace_dir(staging, output_dir)
+        report = _write_report_files(str(staging), tracker, usage, per_class, class_results, class_data, run,
+                                     sequences, max_seq_length, title or "Memory report")
+        replace_folder(staging, output_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return report
-
-
-def _replace_dir(new: str, target: str) -> None:
-    old = None
-    if os.path.exists(target):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old.", dir=os.path.dirname(target))
-        os.rmdir(old)
-        os.replace(target, old)
-    os.replace(new, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_report_files(
