@@ -470,12 +470,8 @@ def evaluate(args, accelerator, model, eval_datasets, collate_fn, measure_memory
                         totals += torch.stack([loss.double() * masked, masked.double(), trime_loss.double() * masked])
             totals = accelerator.reduce(totals, reduction="sum")
             eval_loss = (totals[0] / totals[1]).item()
-            try:
-                perplexity = math.exp(eval_loss)
-            except OverflowError:
-                perplexity = float("inf")
             metrics[f"eval_{name}_loss"] = eval_loss
-            metrics[f"eval_{name}_perplexity"] = perplexity
+            metrics[f"eval_{name}_perplexity"] = trime.perplexity(eval_loss)
             if args.trime_eval:  # the same positions scored with the other masked positions of the batch as memory
                 metrics[f"eval_{name}_trime_loss"] = (totals[2] / totals[1]).item()
                 metrics[f"eval_{name}_trime_perplexity"] = trime.perplexity(metrics[f"eval_{name}_trime_loss"])
