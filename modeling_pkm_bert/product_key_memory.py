@@ -579,18 +579,23 @@ class ProductKeyMemory(nn.Module):
     def _lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
         inputs = self.input_dropout(hidden_states)
         queries = self.query_proj(inputs)
-        batchnorm = self.query_batchnorm
-        if self.training and isinstance(batchnorm, nn.BatchNorm1d) and not torch.compiler.is_compiling():
-            if torch._C._current_graph_task_id() != -1:
-                # a gradient-checkpointing recomputation (it runs inside backward): the same batch statistics, and the
-                # running ones, already updated by the first forward, are not updated again (copies take that update)
-                running = batchnorm.running_mean.clone(), batchnorm.running_var.clone()
-                queries = F.batch_norm(queries, *running, batchnorm.weight, batchnorm.bias, True, 0.0, batchnorm.eps)
-            else:
-                self._check_batch_statistics(hidden_states, queries)
-                queries = batchnorm(queries)
+        batchnorms = self.training and not torch.compiler.is_compiling() and self.query_batchnorms()
+        if batchnorms and torch._C._current_graph_task_id() != -1:
+            # a gradient-checkpointing recomputation (it runs inside backward): the same batch statistics, and the
+            # running ones, already updated by the first forward, stay: the BatchNorms update copies of them (they may
+            # sit in a wrapper, e.g. PEFT's modules_to_save, so the wrapper's own forward runs)
+            buffers = [(norm, name, buffer) for norm in batchnorms for name, buffer in norm.named_buffers(recurse=False)]
+            for norm, name, buffer in buffers:
+                setattr(norm, name, buffer.clone())
+            try:
+                queries = self.query_batchnorm(queries)
+            finally:
+                for norm, name, buffer in buffers:
+                    setattr(norm, name, buffer)
         else:
-            queries = batchnorm(queries)
+            if batchnorms:
+                self._check_batch_statistics(hidden_states, queries)
+            queries = self.query_batchnorm(queries)
         queries = self.query_dropout(queries)
         scores, indices = self.search(queries.unflatten(-1, (self.heads, self.k_dim)))
         weights = self.score_weights(scores)
@@ -609,6 +614,10 @@ class ProductKeyMemory(nn.Module):
         if self.memory_scale is not None:
             read = read * self.memory_scale.to(read.dtype)
         return read
+
+    def query_batchnorms(self) -> list[nn.Module]:
+        """The BatchNorms that normalise the queries: the query BatchNorm, or the copies inside a wrapper of it."""
+        return [module for module in self.query_batchnorm.modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)]
 
     def _check_batch_statistics(self, hidden_states: torch.Tensor, queries: torch.Tensor):
         """In training the query BatchNorm normalises each token with statistics of the whole batch and keeps them in
@@ -661,7 +670,7 @@ class ProductKeyMemory(nn.Module):
     def _export_forward(self, flat: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Every token looked up, padding outputs zeroed: exact where the query BatchNorm does not use the batch's own
         statistics (eval mode), which padding would shift."""
-        if self.training and isinstance(self.query_batchnorm, nn.BatchNorm1d):
+        if self.training and self.query_batchnorms():
             raise ValueError(
                 "torch.export of a ProductKeyMemory with a query BatchNorm in training mode: padding tokens would enter "
                 "its batch statistics; export the model in eval mode (model.eval())"

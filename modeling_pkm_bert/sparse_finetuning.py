@@ -371,8 +371,8 @@ def freeze_all_but_values(model: nn.Module) -> int:
     for parameter in model.parameters():
         parameter.requires_grad_(id(parameter) in tables)
     for memory in memory_layers(model).values():
-        if isinstance(memory.query_batchnorm, nn.BatchNorm1d):
-            memory.query_batchnorm.momentum = 0.0
+        for batchnorm in memory.query_batchnorms():
+            batchnorm.momentum = 0.0
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 

@@ -53,8 +53,8 @@ def freeze_memory(model: torch.nn.Module) -> int:
     memory is the same function after training (Table 5); returns how many parameters were frozen."""
     frozen = 0
     for memory in memory_modules(model).values():
-        if isinstance(memory.query_batchnorm, torch.nn.BatchNorm1d):
-            memory.query_batchnorm.momentum = 0.0  # batch statistics still normalise in training; the running ones stay
+        for batchnorm in memory.query_batchnorms():
+            batchnorm.momentum = 0.0  # batch statistics still normalise in training; the running ones stay
         for parameter in memory.parameters():
             parameter.requires_grad_(False)
             frozen += parameter.numel()

@@ -261,6 +261,47 @@ def test_a_lora_adapter_reloads_with_identical_logits(tmp_path, query_proj):
     assert difference.abs().max() > 1e-5
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_lora_training_with_gradient_checkpointing_equals_training_without(tmp_path, use_reentrant):
+    """PEFT wraps each query BatchNorm in a ModulesToSaveWrapper: the recomputation in backward must still leave its
+    running statistics as the first forward left them (they were updated twice before), with the same gradients."""
+    from peft import get_peft_model
+
+    torch.manual_seed(0)
+    BertPkmForSequenceClassification(tiny_config(pkm_layers=[0, 2], num_labels=2)).save_pretrained(tmp_path / "base")
+    ids = torch.randint(5, 99, (4, 8))
+    mask = torch.ones_like(ids)
+    mask[0, 5:] = 0
+    labels = torch.tensor([0, 1, 1, 0])
+
+    def train(checkpointing):
+        base = BertPkmForSequenceClassification.from_pretrained(tmp_path / "base")
+        torch.manual_seed(1)
+        model = get_peft_model(base, pkm_lora_config(base, query_proj=True, task_type="SEQ_CLS", r=4))
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+            model.enable_input_require_grads()
+        optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        model.train()
+        torch.manual_seed(2)
+        for _ in range(2):
+            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return model
+
+    expected, checkpointed = train(False), train(True)
+    assert all(layer.gradient_checkpointing for layer in checkpointed.base_model.model.bert.encoder.layer)
+    buffers = dict(expected.named_buffers())
+    tracked = [name for name in buffers if "modules_to_save" in name and name.endswith("num_batches_tracked")]
+    assert len(tracked) == 2 and all(buffers[name] == 2 for name in tracked)
+    for name, buffer in checkpointed.named_buffers():
+        torch.testing.assert_close(buffer, buffers[name], atol=1e-6, rtol=0, msg=name)
+    parameters = dict(expected.named_parameters())
+    for name, parameter in checkpointed.named_parameters():
+        torch.testing.assert_close(parameter, parameters[name], atol=1e-5, rtol=0, msg=name)
+
+
 def test_pkm_lora_config_bad_input():
     model = BertPkmForSequenceClassification(tiny_config())
     with pytest.raises(ValueError, match="no product key memory"):
