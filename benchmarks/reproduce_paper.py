@@ -104,6 +104,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--report_only", action="store_true", help="Run no fine-tuning: report the runs that exist (marked as partial)."
     )
+    parser.add_argument("--note", default="", help="A remark on the machine for the report's header (e.g. its load).")
     parser.add_argument("--jobs", type=int, default=1, help="Runs at a time (subprocesses; rows, then fine-tuning).")
     args = parser.parse_args(argv)
     if args.quick:
@@ -409,8 +410,8 @@ def write_report(args, stage0_summary, mlm, glue, elapsed) -> None:
         f"Written by `python benchmarks/reproduce_paper.py {args.command}`"
         + (" (this report: the same with `--report_only` while some runs were unfinished)" if args.report_only else "")
         + f" on {datetime.date.today()}; its runs took "
-        f"{elapsed / 60:.0f} min of wall-clock summed over the runs (`--jobs` of them side by side), on a {os.cpu_count()}-core shared VM ({platform.machine()}, CPU only, loaded by other "
-        "jobs). Budget `" + args.budget + "`: " + ", ".join(f"{k}={v}" for k, v in c.items()) + ".",
+        f"{elapsed / 60:.0f} min of wall-clock summed over the runs (`--jobs` of them side by side), on a {os.cpu_count()}-core VM "
+        f"({platform.machine()}, CPU only{'; ' + args.note if args.note else ''}). Budget `" + args.budget + "`: " + ", ".join(f"{k}={v}" for k, v in c.items()) + ".",
         "",
         f"Model: {args.model_name}. Memories at layers 2 and 4 (0-based, the paper's {{2, 4}} "
         f"for 6 layers), {c['n_keys']}^2 = {c['n_keys'] ** 2:,} slots, 4 heads, knn "
@@ -545,7 +546,7 @@ def write_report(args, stage0_summary, mlm, glue, elapsed) -> None:
         "## Reproduce",
         "",
         "```bash",
-        "python benchmarks/reproduce_paper.py            # the full study (budget `full`, sized for ~3 h on 2 idle cores; not run here)",
+        "python benchmarks/reproduce_paper.py            # the full study (budget `full`, sized for ~3 h on 2 idle cores)",
         "python benchmarks/reproduce_paper.py --quick    # sized for ~10 min on 2 idle cores",
         f"python benchmarks/reproduce_paper.py {args.command}   # this report",
         "```",
@@ -693,7 +694,8 @@ def claims(args, mlm, table, stale, figure4, sets, layers) -> list[str]:
 def main(argv=None):
     args = parse_args(argv)
     argv_list = sys.argv[1:] if argv is None else list(argv)
-    shown = [a for a in argv_list if not a.startswith(str(REPO_ROOT.parent)) and a != "--report_only"]
+    shown = [a for a in _drop_option(argv_list, "--note") if not a.startswith((str(REPO_ROOT.parent), "--note="))
+             and a != "--report_only"]
     args.command = " ".join(shown) or "--budget full"
     started = time.time()
     args.work_dir.mkdir(parents=True, exist_ok=True)

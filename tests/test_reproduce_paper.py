@@ -71,6 +71,8 @@ def test_tiny_study_runs_every_stage_and_writes_the_report(tmp_path):
     runs = tmp_path / "runs"
     stamps = {p: p.stat().st_mtime for p in runs.glob("*/*/all_results.json")}
     assert len(stamps) == 4 + 4 + 1  # Table 2 rows, SST-2 on each row, the fixed-memory ablation of PKM
-    study.main(argv)
+    study.main([*argv, "--note", "beside the test suite"])
     assert {p: p.stat().st_mtime for p in runs.glob("*/*/all_results.json")} == stamps
-    assert report.read_text().split("## Table 2")[1] == text.split("## Table 2")[1]
+    again = report.read_text()
+    assert again.split("## Table 2")[1] == text.split("## Table 2")[1]
+    assert "CPU only; beside the test suite)" in again and "--note" not in again and "CPU only)" in text
