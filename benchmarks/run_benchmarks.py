@@ -19,6 +19,9 @@ Sections:
   (memories beside it), batch 1x128 and 32x128, eval mode, torch.inference_mode, random weights.
 - gpu: where CUDA is available, the value gather (EmbeddingBag vs the Triton `bag_sum`), the layer vs its peers and
   Table 1 on the GPU, each also with the Triton gathers (`ProductKeyValues.triton_devices`); else a line saying so.
+- options (with --append): the cost of each Memory+ option, and a shared value table against two own ones.
+- trainer (with --append): a Trainer step with `sparse_row_adam`, PkmTrainer's sparse value gradient against the plain
+  Trainer's dense one (`pkm_optimizers`).
 
 Every timing is a median over rounds in which the compared variants run one after the other (rotating the order);
 ratios are medians of the per-round ratios. The machine may be shared: the load average is recorded.
@@ -1112,6 +1115,89 @@ NOTES = [
 ]
 
 
+# ----------------------------------------------------------------------------------------------- Trainer
+
+
+def section_trainer(args) -> list[str]:
+    """A Trainer step with `memory_optimizer="sparse_row_adam"`: PkmTrainer (sparse value gradient: the rows read) against
+    the plain Trainer with `pkm_optimizers` (the same optimizer on the dense gradient of the whole table)."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM
+    from modeling_pkm_bert.integrations.trainer import PkmTrainer, pkm_optimizers
+
+    rounds, batch, length = (3, 8, 128) if args.quick else (5, 8, 128)
+    sizes = [(256, 256)] if args.quick else [(256, 256), (512, 256), (512, 768)]  # (n_keys, hidden = value size)
+    sizes, batch = getattr(args, "trainer_sizes", None) or sizes, getattr(args, "trainer_batch", None) or batch  # tests
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 1000, (batch, length), generator=generator)
+    inputs = {"input_ids": ids, "labels": torch.where(torch.rand(batch, length, generator=generator) < 0.15, ids, -100)}
+    lines = [
+        "## Trainer: sparse value gradient (PkmTrainer) vs dense (plain Trainer), `sparse_row_adam`",
+        "",
+        f"`python benchmarks/run_benchmarks.py --sections trainer --append{' --quick' if args.quick else ''}`. "
+        f"BertPkmForMaskedLM, 2 layers, vocab 1000, intermediate 4 x hidden, one memory (layer 1; 4 heads, knn 32, "
+        f"k_dim 128, values of the hidden size); batch {batch} x {length} tokens, 15% labelled. A step is what `Trainer.train` runs per step: "
+        "`training_step` (forward + backward), `_clip_grad_norm` (max_grad_norm 1.0), `optimizer.step()`, gradients "
+        f"set to None. {rounds} interleaved rounds (+1 warm-up), torch threads {args.threads}. Both use the same "
+        "optimizer (torch AdamW + SparseRowAdam for the values at 1e-3).",
+        "",
+        "| slots x hidden | value table | rows a step reads | value gradient, dense / sparse | dense step (ms) | sparse step "
+        "(ms) | dense / sparse time (paired median; fastest) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n_keys, hidden in sizes:
+        config = BertPkmConfig(vocab_size=1000, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=4 * hidden, max_position_embeddings=length, pkm_layers=[1], pkm_n_keys=n_keys,
+                               pkm_heads=4, pkm_knn=32, pkm_k_dim=128)
+        torch.manual_seed(0)
+        initial = BertPkmForMaskedLM(config)
+        training = TrainingArguments("unused", max_steps=100, learning_rate=1e-4, report_to=[], use_cpu=True,
+                                     max_grad_norm=1.0, disable_tqdm=True, save_strategy="no")
+        data = Dataset.from_dict({"input_ids": ids.tolist()})
+        trainers = {}
+        for name in ("dense", "sparse"):
+            model = BertPkmForMaskedLM(config)
+            model.load_state_dict(initial.state_dict())
+            if name == "sparse":
+                trainer = PkmTrainer(model=model, args=training, train_dataset=data, memory_optimizer="sparse_row_adam")
+                trainer.create_optimizer()
+            else:
+                optimizers = pkm_optimizers(model, training, memory_optimizer="sparse_row_adam")
+                trainer = Trainer(model=model, args=training, train_dataset=data, optimizers=optimizers)
+            trainer.current_gradient_accumulation_steps = 1  # what train() sets before its steps
+            trainers[name] = trainer
+
+        def step_fn(trainer):
+            def step():
+                trainer.model.train()
+                trainer.training_step(trainer.model, dict(inputs))
+                trainer._clip_grad_norm(trainer.model)
+                trainer.optimizer.step()
+                trainer.model.zero_grad(set_to_none=True)
+
+            return step
+
+        samples = interleaved({name: step_fn(t) for name, t in trainers.items()}, rounds=rounds, warmup=1)
+        sparse = trainers["sparse"].model
+        sparse.train()
+        trainers["sparse"].training_step(sparse, dict(inputs))
+        gradient = sparse.bert.encoder.layer[1].memory.values.weight.grad.coalesce()
+        rows_read = gradient._nnz() / n_keys**2
+        sparse_mib = (gradient._values().nbytes + gradient._indices().nbytes) / 2**20
+        sparse.zero_grad(set_to_none=True)
+        table_mb = n_keys**2 * hidden * 4 / 2**20
+        lines.append(
+            f"| {n_keys}^2 x {hidden} | {table_mb:.3g} MiB fp32 | {rows_read:.0%} | {table_mb:.3g} / {sparse_mib:.3g} MiB | "
+            f"{fmt_ms(median(samples['dense']))} | "
+            f"{fmt_ms(median(samples['sparse']))} | {paired_ratio(samples, 'dense', 'sparse'):.2f}; "
+            f"{min_ratio(samples, 'dense', 'sparse'):.2f} |"
+        )
+        del trainers, samples, initial
+    return lines
+
+
 SECTIONS = {
     "layer": section_layer,
     "update": section_update,
@@ -1119,14 +1205,15 @@ SECTIONS = {
     "table1": section_table1,
     "gpu": section_gpu,
     "options": section_options,
+    "trainer": section_trainer,
 }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds (~3-4 min)")
-    parser.add_argument("--sections", nargs="*", default=[s for s in SECTIONS if s != "options"], choices=list(SECTIONS),
-                        help="default: all but options (the Memory+ options section, run with --append)")
+    parser.add_argument("--sections", nargs="*", default=[s for s in SECTIONS if s not in ("options", "trainer")],
+                        choices=list(SECTIONS), help="default: all but options and trainer (sections run with --append)")
     parser.add_argument("--append", action="store_true", help="append the sections to --output (with the machine and "
                         "date) instead of rewriting it: e.g. the options section below the others")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared 2-core machine, "

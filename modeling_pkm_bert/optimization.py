@@ -193,7 +193,10 @@ class SparseRowAdam(torch.optim.Optimizer):
     r"""Lazy, row-wise Adam for embedding-like tables such as PKM values (`(rows, dim)` parameters).
 
     Semantics. Only the rows present in a step's gradient are updated: the rows of a sparse gradient (coalesced if
-    needed), or, for a dense gradient (DDP/NCCL, FSDP), the rows with a nonzero entry, so both give the same result.
+    needed), or, for a dense gradient (DDP/NCCL, FSDP), the rows with a nonzero entry. Both give the same result except
+    for a row that a step read but whose gradient is exactly zero (a memory in the last layer of a masked LM: rows read
+    only by tokens without a label): the sparse form steps it with its decaying moments, the dense form cannot tell it
+    from a row not read and leaves it.
     A touched row gets an Adam step with its own moments; an untouched row keeps its weights and moments unchanged
     (dense Adam would keep moving it with its decaying momentum; `torch.optim.SparseAdam` is lazy in the same way).
     The step count is per parameter (global), for the bias corrections, as in `SparseAdam`/TF `LazyAdam`.

@@ -110,3 +110,17 @@ def test_memory_timer_of_a_model_without_memories_reads_zero(bench):
     with torch.inference_mode():
         timer.wrap(lambda: model(input_ids=torch.randint(0, 64, (1, 8))))()
     assert timer.per_call == [0.0]
+
+
+def test_trainer_section_times_both_trainers_and_measures_the_sparse_gradient(bench):
+    import argparse
+    import re
+
+    args = argparse.Namespace(quick=True, threads=torch.get_num_threads(), trainer_sizes=[(32, 64)], trainer_batch=2)
+    rows = [line for line in bench.section_trainer(args) if line.startswith("| 32^2 x 64 |")]
+    assert len(rows) == 1
+    cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
+    read = float(cells[2].rstrip("%"))
+    dense_mib, sparse_mib = map(float, re.findall(r"[\d.]+", cells[3]))
+    assert 0 < read <= 100 and dense_mib == 0.25 and 0 < sparse_mib  # 32^2 x 64 fp32; the sparse one measured
+    assert float(cells[4]) > 0 and float(cells[5]) > 0

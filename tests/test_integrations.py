@@ -184,6 +184,49 @@ def test_pkm_trainer_trains_the_values_in_their_own_group_and_resumes_exactly(tm
         assert torch.equal(actual, expected), name
 
 
+def test_pkm_trainer_sparse_row_adam_takes_sparse_value_gradients_and_equals_dense_ones(tmp_path):
+    """PkmTrainer with sparse_row_adam: the values' gradient is sparse (the rows a step read), clipped with the rest by
+    max_grad_norm; the weights equal the plain Trainer's with the same optimizer on the dense gradient. (A row read
+    only by tokens that reach no label has an exactly zero gradient, which the dense form skips: memories before the
+    last layer, and a label in every sequence.)"""
+    from transformers import TrainerCallback
+
+    torch.manual_seed(0)
+    initial = BertPkmForMaskedLM(tiny_config(pkm_layers=[0, 1]))
+    kinds, clipped, first = [], [], {}
+
+    class RecordGradients(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):  # after the clipping
+            grads = [p.grad.coalesce() if p.grad.is_sparse else p.grad for p in model.parameters() if p.grad is not None]
+            clipped.append(torch.stack([(g._values() if g.is_sparse else g).norm() for g in grads]).norm().item())
+            kinds.append([p.grad.is_sparse for p in pkm_value_parameters(model)])
+            if len(kinds) == 1:
+                first[kinds[0][0]] = [p.grad.to_dense() for p in pkm_value_parameters(model)]
+
+    args = training_args(tmp_path, save_strategy="no", max_grad_norm=0.05, gradient_accumulation_steps=2, logging_steps=1)
+    dataset = mlm_dataset().map(lambda example: {"labels": [example["input_ids"][0], *example["labels"][1:]]})
+    sparse = copy.deepcopy(initial)
+    trainer = PkmTrainer(model=sparse, args=args, train_dataset=dataset, memory_optimizer="sparse_row_adam")
+    trainer.add_callback(RecordGradients())
+    trainer.train()
+    assert kinds == [[True, True]] * 6
+    norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    assert max(norms) > 0.05 and clipped == pytest.approx([min(n, 0.05) for n in norms], rel=1e-4)  # clipped
+
+    dense = copy.deepcopy(initial)
+    kinds.clear()
+    optimizers = pkm_optimizers(dense, args, memory_optimizer="sparse_row_adam")
+    trainer = Trainer(model=dense, args=args, train_dataset=dataset, optimizers=optimizers)
+    trainer.add_callback(RecordGradients())
+    trainer.train()
+    assert kinds == [[False, False]] * 6
+    assert norms == pytest.approx([e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e], rel=1e-4)
+    for sparse_grad, dense_grad in zip(first[True], first[False]):
+        torch.testing.assert_close(sparse_grad, dense_grad, atol=1e-8, rtol=1e-5)
+    for (name, expected), actual in zip(dense.state_dict().items(), sparse.state_dict().values()):
+        torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_pkm_optimizers_for_the_plain_trainer_and_bad_input(tmp_path):
     model = BertPkmForMaskedLM(tiny_config())
     args = training_args(tmp_path, max_steps=2, save_strategy="no")

@@ -16,7 +16,15 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import Trainer, TrainingArguments
 from transformers.optimization import get_scheduler
 
-from ..optimization import PKM_VALUES_GROUP, SparseRowAdam, memory_modules, pkm_lr_lambdas, pkm_param_groups
+from ..optimization import (
+    PKM_VALUES_GROUP,
+    SparseRowAdam,
+    clip_grad_norm_,
+    memory_modules,
+    pkm_lr_lambdas,
+    pkm_param_groups,
+    set_sparse_values,
+)
 
 
 MEMORY_OPTIMIZERS = ("adam", "sparse_row_adam")
@@ -65,7 +73,8 @@ def pkm_optimizer(
     """The optimizer of a Trainer run: torch AdamW with `args`' learning rate, betas, epsilon and weight decay (none on
     biases and norms) for everything but the memory values, which get their own group `"pkm_values"` at
     `memory_learning_rate` without weight decay: Adam (`memory_optimizer="adam"`, the same AdamW with weight decay 0)
-    or `optimization.SparseRowAdam` (`"sparse_row_adam"`: only the rows a step read are updated)."""
+    or `optimization.SparseRowAdam` (`"sparse_row_adam"`: only the rows a step read are updated; [`PkmTrainer`] also
+    makes their gradient sparse, the plain Trainer keeps it dense since its gradient clipping cannot take a sparse one)."""
     if not isinstance(args, TrainingArguments):
         raise TypeError(f"args must be a transformers.TrainingArguments, got {type(args).__name__}")
     if memory_optimizer not in MEMORY_OPTIMIZERS:
@@ -160,10 +169,21 @@ class PkmOptimizersMixin:
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
-            self.optimizer = pkm_optimizer(
-                self._optimized_module(model), self.args, self.memory_learning_rate, self.memory_optimizer
-            )
+            module = self._optimized_module(model)
+            self.optimizer = pkm_optimizer(module, self.args, self.memory_learning_rate, self.memory_optimizer)
+            if self.memory_optimizer == "sparse_row_adam" and self.args.world_size == 1:
+                # the values' gradient then holds only the rows a step read, not the whole table (DDP keeps it dense:
+                # NCCL has no sparse all-reduce)
+                set_sparse_values(module, True)
         return self.optimizer
+
+    def _clip_grad_norm(self, model):
+        # torch's clip_grad_norm_ raises on a sparse gradient: the same total norm over every parameter, sparse-aware
+        parameters = list(model.parameters())
+        if not any(p.grad is not None and p.grad.is_sparse for p in parameters):
+            return super()._clip_grad_norm(model)
+        self.accelerator.unscale_gradients()
+        return clip_grad_norm_(parameters, self.args.max_grad_norm)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.lr_scheduler is None:
@@ -185,7 +205,8 @@ def pkm_trainer_class(trainer_class: type) -> type:
 class PkmTrainer(PkmOptimizersMixin, Trainer):
     """`transformers.Trainer` whose optimizer keeps the memory values apart: Adam at a constant
     `memory_learning_rate` (1e-3), no weight decay, no warm-up (`memory_optimizer="sparse_row_adam"`: row-wise lazy
-    `SparseRowAdam`); the rest follows `TrainingArguments`. Checkpoints and `resume_from_checkpoint` as Trainer's."""
+    `SparseRowAdam` on a sparse gradient of the rows a step read, clipped with the rest by `max_grad_norm`); the rest
+    follows `TrainingArguments`. Checkpoints and `resume_from_checkpoint` as Trainer's."""
 
 
 __all__ = [
