@@ -311,7 +311,8 @@ def plot_slot_heatmaps(accumulator, n_keys: int, layer: str, path: str) -> str:
     import numpy as np
     from matplotlib.colors import LogNorm
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), layout="constrained")  # the colour bars' labels keep clear
+    fig.get_layout_engine().set(wspace=0.08)
     tokens = int(accumulator.tokens)
     panels = (
         (accumulator.top1_counts.double(), "top-1 picks (tokens)"),
