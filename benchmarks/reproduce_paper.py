@@ -505,11 +505,9 @@ def write_report(args, stage0_summary, mlm, glue, elapsed) -> None:
                              + ("" if len(values) == len(c["seeds"]) else f" ({len(values)} seed{'s' * (len(values) > 1)})"))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("")
-    for task in args.tasks:
-        found = {table[(row, task, False)][0] for row in ROWS} - {None}
-        if len(found) == 1:
-            lines += [f"No row learned {task} apart from the others at this budget: every median is "
-                      f"{100 * found.pop():.1f} (for CoLA, a Matthews correlation of 0 is the majority class).", ""]
+    for task, median in unlearned_tasks(args, table).items():
+        lines += [f"No row learned {task} apart from the others at this budget: every median is "
+                  f"{100 * median:.1f} (for CoLA, a Matthews correlation of 0 is the majority class).", ""]
 
     # Table 6 and Figure 4
     lines += ["## Table 6: memory usage after fine-tuning (first seed, dev subset)", "",
@@ -592,6 +590,13 @@ def plot_figure4(figure4: dict, path: Path) -> str:
     return _save(fig, str(path))
 
 
+def unlearned_tasks(args, table) -> dict[str, float]:
+    """`{task: median}` for each task whose rows (memory not fixed) all have the same median: not learned apart from
+    the majority class (e.g. CoLA at a Matthews correlation of 0)."""
+    found = {task: {table[(row, task, False)][0] for row in ROWS} - {None} for task in args.tasks}
+    return {task: medians.pop() for task, medians in found.items() if len(medians) == 1}
+
+
 def claims(args, mlm, table, stale, figure4, sets, layers) -> list[str]:
     c = args.config
     seeds = c["seeds"]
@@ -655,8 +660,7 @@ def claims(args, mlm, table, stale, figure4, sets, layers) -> list[str]:
         f"{verdict(mean_top1('resm') > mean_top1('pkm'))}."
     )
     fixed_lines, fixed_hurts = [], []
-    # a task whose free rows all have the same median (e.g. CoLA at 0: the majority class) was not learned: no evidence
-    unlearned = [t for t in args.tasks if len({table[(row, t, False)][0] for row in ROWS} - {None}) == 1]
+    unlearned = unlearned_tasks(args, table)  # no evidence either way
     for row in c["ablation_rows"]:
         for task in args.tasks:
             free, fixed = table[(row, task, False)], table[(row, task, True)]

@@ -842,8 +842,6 @@ def gpu_gathers(device: str, quick: bool) -> list[str]:
 
 def gpu_layer(device: str, quick: bool) -> list[str]:
     """The layer comparison of section 1 on the device, with our memory also on the Triton gathers."""
-    from modeling_pkm_bert.product_key_memory import ProductKeyValues
-
     torch.manual_seed(1)
     x = torch.randn(8, 128, 768, device=device, requires_grad=True)
     g = torch.randn(8, 128, 768, device=device)
