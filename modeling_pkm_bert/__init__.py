@@ -27,7 +27,7 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":  # tr
     triton_kernels.register()  # torch.ops.pkm_bert.bag_sum / row_dots, used where ProductKeyValues.triton_devices says
 
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def register_auto_classes() -> None:

@@ -2,8 +2,33 @@
 
 import math
 
+import transformers
 from huggingface_hub.dataclasses import strict
 from transformers import BertConfig
+
+
+# The version of these code files, recorded in every saved config (`pkm_code_version`), and the transformers releases
+# they run on (`make test-compat` tests both ends); a folder's code names both when the installed release is outside.
+PKM_CODE_VERSION = "0.2.0"
+# the files that travel with every saved model (the remote code): they import each other relatively and nothing else
+# of the package
+REMOTE_CODE_FILES = ("configuration_bert_pkm.py", "modeling_bert_pkm.py", "product_key_memory.py")
+SUPPORTED_TRANSFORMERS = ((5, 4), (6, 0))  # >= 5.4 (dataclass configs, v5 loading), < 6
+
+
+def check_transformers_version(version: str = transformers.__version__) -> None:
+    installed = tuple(int(part) for part in version.split(".")[:2])
+    (low, high) = SUPPORTED_TRANSFORMERS
+    if not low <= installed < high:
+        raise ImportError(
+            f"this BertPkm code (modeling_pkm_bert {PKM_CODE_VERSION}) runs on transformers >={low[0]}.{low[1]},"
+            f"<{high[0]}.{high[1]}; transformers {version} is installed. Install a supported transformers, or refresh"
+            " the folder's code files from a modeling-pkm-bert release that supports it"
+            " (python run_scripts/push_to_hub.py --refresh_code FOLDER)"
+        )
+
+
+check_transformers_version()
 
 
 PKM_MODES = ("resm", "replace")
@@ -55,6 +80,8 @@ class BertPkmConfig(BertConfig):
         `"normal"`: N(0, hidden_size ** -0.5) as XLM; `"zeros"`: a ResM model then starts as the plain BERT.
     pkm_input_dropout, pkm_query_dropout, pkm_value_dropout (`float`, *optional*, defaults to 0.0):
         Dropout on the memory input, on the queries and on the memory output.
+    pkm_code_version (`str`, *optional*):
+        The version of the code files saved with the model (written by `save_pretrained`; None: saved before 0.2.0).
     pkm_weights_checksum (`dict`, *optional*):
         Written by `save_pretrained(..., checksum=True)`: the SHA-256 of the saved tensors, verified by
         `from_pretrained` (safetensors checks the file's layout, not the bytes inside the tensors). Not set by hand.
@@ -88,6 +115,7 @@ class BertPkmConfig(BertConfig):
     pkm_query_dropout: float | int = 0.0
     pkm_value_dropout: float | int = 0.0
     pkm_weights_checksum: dict | None = None
+    pkm_code_version: str | None = None
     pkm_shared_values: bool = False
     pkm_output_gate: str = "none"
     pkm_qk_norm: bool = False

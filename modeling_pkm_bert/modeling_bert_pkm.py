@@ -1,15 +1,21 @@
-"""PyTorch BERT with product key memory layers (Kim & Jung 2020, "Large Product Key Memory for PLMs")."""
+"""PyTorch BERT with product key memory layers (Kim & Jung 2020, "Large Product Key Memory for PLMs").
+
+Remote code: this file travels with every saved model. It imports only torch, transformers' stable public API
+(`PreTrainedModel`, `GenerationMixin`, the `Cache` classes, `modeling_outputs`, the attention registry,
+`initialization`, `activations`, `logging`) and its sibling files, and owns its BERT building blocks (copied from
+`transformers.models.bert.modeling_bert`, transformers 5.23), so that a folder written today runs under later releases.
+"""
 
 import hashlib
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
+from transformers import AttentionInterface, Cache, DynamicCache, EncoderDecoderCache, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
-from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.activations import ACT2FN
 from transformers.modeling_outputs import (
     BaseModelOutputWithPastAndCrossAttentions,
     BaseModelOutputWithPoolingAndCrossAttentions,
@@ -20,29 +26,344 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
-from transformers.modeling_utils import PreTrainedModel
-from transformers.models.bert.modeling_bert import (
-    BertAttention,
-    BertCrossAttention,
-    BertEmbeddings,
-    BertIntermediate,
-    BertLMPredictionHead,
-    BertOnlyMLMHead,
-    BertOutput,
-    BertPooler,
-    BertSelfAttention,
-)
-from transformers.processing_utils import Unpack
-from transformers.pytorch_utils import apply_chunking_to_forward
-from transformers.utils import TransformersKwargs, auto_docstring, logging
-from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
+from transformers.utils import logging
 
-from .configuration_bert_pkm import BertPkmConfig
+from .configuration_bert_pkm import PKM_CODE_VERSION, BertPkmConfig
 from .product_key_memory import ProductKeyMemory, ProductKeyValues, _is_exporting
 
 
 logger = logging.get_logger(__name__)
+
+# transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache`: the models accept both
+# names and fill the field that the installed release's outputs (and its `generate`) have
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithCrossAttentions.__dataclass_fields__ else "past_key_values"
+
+# attention kernels registered with transformers by name (`AttentionInterface.register`); eager and sdpa are our own
+ATTENTION_FUNCTIONS = AttentionInterface()
+
+
+def _merge_cache_arguments(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("pass the cache once: `cache` (transformers >= 5.24) or `past_key_values`, not both")
+    return cache if cache is not None else past_key_values
+
+
+def _resolve(value, config, name):
+    return value if value is not None else getattr(config, name, False)
+
+
+# Copied from transformers.models.bert.modeling_bert.BertEmbeddings with Bert->BertPkm, past_key_values_length->cache_length
+class BertPkmEmbeddings(nn.Module):
+    """Construct the embeddings from word, position and token_type embeddings."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        # position_ids (1, len position emb) is contiguous in memory and exported when serialized
+        self.register_buffer(
+            "position_ids", torch.arange(config.max_position_embeddings).expand((1, -1)), persistent=False
+        )
+        self.register_buffer("token_type_ids", torch.zeros(self.position_ids.size(), dtype=torch.long), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        cache_length: int = 0,
+    ) -> torch.Tensor:
+        if input_ids is not None:
+            input_shape = input_ids.size()
+        else:
+            input_shape = inputs_embeds.size()[:-1]
+
+        batch_size, seq_length = input_shape
+
+        if position_ids is None:
+            position_ids = self.position_ids[:, cache_length : seq_length + cache_length]
+
+        # the all-zero buffer helps users trace the model without token_type_ids (transformers issue #5664)
+        if token_type_ids is None:
+            buffered_token_type_ids = self.token_type_ids.expand(position_ids.shape[0], -1)
+            buffered_token_type_ids = torch.gather(buffered_token_type_ids, dim=1, index=position_ids)
+            token_type_ids = buffered_token_type_ids.expand(batch_size, seq_length)
+
+        if inputs_embeds is None:
+            inputs_embeds = self.word_embeddings(input_ids)
+        token_type_embeddings = self.token_type_embeddings(token_type_ids)
+        embeddings = inputs_embeds + token_type_embeddings
+
+        position_embeddings = self.position_embeddings(position_ids)
+        embeddings = embeddings + position_embeddings
+
+        embeddings = self.LayerNorm(embeddings)
+        embeddings = self.dropout(embeddings)
+        return embeddings
+
+
+def _mask_for(query: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The additive mask in the query's dtype (autocast computes attention in another dtype than the mask's), its
+    minimum kept finite so that a query that may attend nothing gets uniform weights rather than NaN."""
+    if attention_mask is None or attention_mask.dtype == query.dtype:
+        return attention_mask
+    return attention_mask.clamp(min=torch.finfo(query.dtype).min).to(query.dtype)
+
+
+# Copied from transformers.models.bert.modeling_bert.eager_attention_forward
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+):
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
+
+    # Take the dot product between "query" and "key" to get the raw attention scores.
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+
+    if attention_mask is not None:
+        attn_weights = attn_weights + _mask_for(query, attention_mask)
+
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+
+    attn_output = torch.matmul(attn_weights, value)
+    attn_output = attn_output.transpose(1, 2).contiguous()
+
+    return attn_output, attn_weights
+
+
+def sdpa_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+):
+    """torch's scaled_dot_product_attention with the additive mask (no attention weights are returned)."""
+    attn_output = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=_mask_for(query, attention_mask), dropout_p=dropout, scale=scaling
+    )
+    return attn_output.transpose(1, 2).contiguous(), None
+
+
+def attention_function(implementation: str | None):
+    if implementation in (None, "eager"):
+        return eager_attention_forward
+    if implementation == "sdpa":
+        return sdpa_attention_forward
+    return ATTENTION_FUNCTIONS[implementation]  # a kernel registered with transformers: it gets the additive mask
+
+
+# Copied from transformers.models.bert.modeling_bert.BertSelfAttention with Bert->BertPkm, past_key_values->cache
+class BertPkmSelfAttention(nn.Module):
+    def __init__(self, config, is_causal=False, layer_idx=None):
+        super().__init__()
+        if config.hidden_size % config.num_attention_heads != 0 and not hasattr(config, "embedding_size"):
+            raise ValueError(
+                f"The hidden size ({config.hidden_size}) is not a multiple of the number of attention "
+                f"heads ({config.num_attention_heads})"
+            )
+        self.config = config
+
+        self.num_attention_heads = config.num_attention_heads
+        self.attention_head_size = int(config.hidden_size / config.num_attention_heads)
+        self.all_head_size = self.num_attention_heads * self.attention_head_size
+        self.scaling = self.attention_head_size**-0.5
+
+        self.query = nn.Linear(config.hidden_size, self.all_head_size)
+        self.key = nn.Linear(config.hidden_size, self.all_head_size)
+        self.value = nn.Linear(config.hidden_size, self.all_head_size)
+
+        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
+
+        self.is_decoder = config.is_decoder
+        self.is_causal = is_causal
+        self.layer_idx = layer_idx
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.attention_head_size)
+
+        query_layer = self.query(hidden_states).view(*hidden_shape).transpose(1, 2)
+        key_layer = self.key(hidden_states).view(*hidden_shape).transpose(1, 2)
+        value_layer = self.value(hidden_states).view(*hidden_shape).transpose(1, 2)
+
+        if cache is not None:
+            # a decoder-only BERT has a plain dynamic cache; an encoder-decoder one the self-attention part
+            self_attention_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+            key_layer, value_layer = self_attention_cache.update(key_layer, value_layer, self.layer_idx)
+
+        attn_output, attn_weights = attention_function(self.config._attn_implementation)(
+            self,
+            query_layer,
+            key_layer,
+            value_layer,
+            attention_mask,
+            dropout=0.0 if not self.training else self.dropout.p,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return attn_output, attn_weights
+
+
+# Copied from transformers.models.bert.modeling_bert.BertCrossAttention with Bert->BertPkm, past_key_values->cache
+class BertPkmCrossAttention(nn.Module):
+    def __init__(self, config, is_causal=False, layer_idx=None):
+        super().__init__()
+        if config.hidden_size % config.num_attention_heads != 0 and not hasattr(config, "embedding_size"):
+            raise ValueError(
+                f"The hidden size ({config.hidden_size}) is not a multiple of the number of attention "
+                f"heads ({config.num_attention_heads})"
+            )
+        self.config = config
+
+        self.num_attention_heads = config.num_attention_heads
+        self.attention_head_size = int(config.hidden_size / config.num_attention_heads)
+        self.all_head_size = self.num_attention_heads * self.attention_head_size
+        self.scaling = self.attention_head_size**-0.5
+
+        self.query = nn.Linear(config.hidden_size, self.all_head_size)
+        self.key = nn.Linear(config.hidden_size, self.all_head_size)
+        self.value = nn.Linear(config.hidden_size, self.all_head_size)
+
+        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
+
+        self.is_causal = is_causal
+        self.layer_idx = layer_idx
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: EncoderDecoderCache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.attention_head_size)
+        query_layer = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        is_updated = cache.is_updated.get(self.layer_idx) if cache is not None else False
+        if cache is not None and is_updated:
+            # reuse k, v of the encoder states
+            key_layer = cache.cross_attention_cache.layers[self.layer_idx].keys
+            value_layer = cache.cross_attention_cache.layers[self.layer_idx].values
+        else:
+            kv_shape = (*encoder_hidden_states.shape[:-1], -1, self.attention_head_size)
+            key_layer = self.key(encoder_hidden_states).view(kv_shape).transpose(1, 2)
+            value_layer = self.value(encoder_hidden_states).view(kv_shape).transpose(1, 2)
+            if cache is not None:
+                key_layer, value_layer = cache.cross_attention_cache.update(key_layer, value_layer, self.layer_idx)
+                cache.is_updated[self.layer_idx] = True
+
+        attn_output, attn_weights = attention_function(self.config._attn_implementation)(
+            self,
+            query_layer,
+            key_layer,
+            value_layer,
+            attention_mask,
+            dropout=0.0 if not self.training else self.dropout.p,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return attn_output, attn_weights
+
+
+# Copied from transformers.models.bert.modeling_bert.BertSelfOutput with Bert->BertPkm
+class BertPkmSelfOutput(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.dense(hidden_states)
+        hidden_states = self.dropout(hidden_states)
+        hidden_states = self.LayerNorm(hidden_states + input_tensor)
+        return hidden_states
+
+
+# Copied from transformers.models.bert.modeling_bert.BertAttention with Bert->BertPkm, past_key_values->cache
+class BertPkmAttention(nn.Module):
+    def __init__(self, config, is_causal=False, layer_idx=None, is_cross_attention=False):
+        super().__init__()
+        self.is_cross_attention = is_cross_attention
+        attention_class = BertPkmCrossAttention if is_cross_attention else BertPkmSelfAttention
+        self.self = attention_class(config, is_causal=is_causal, layer_idx=layer_idx)
+        self.output = BertPkmSelfOutput(config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.is_cross_attention:
+            attention_output, attn_weights = self.self(
+                hidden_states, encoder_hidden_states, attention_mask=encoder_attention_mask, cache=cache, **kwargs
+            )
+        else:
+            attention_output, attn_weights = self.self(hidden_states, attention_mask=attention_mask, cache=cache, **kwargs)
+        attention_output = self.output(attention_output, hidden_states)
+        return attention_output, attn_weights
+
+
+# Copied from transformers.models.bert.modeling_bert.BertIntermediate with Bert->BertPkm
+class BertPkmIntermediate(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        if isinstance(config.hidden_act, str):
+            self.intermediate_act_fn = ACT2FN[config.hidden_act]
+        else:
+            self.intermediate_act_fn = config.hidden_act
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.dense(hidden_states)
+        hidden_states = self.intermediate_act_fn(hidden_states)
+        return hidden_states
+
+
+# Copied from transformers.models.bert.modeling_bert.BertOutput with Bert->BertPkm
+class BertPkmOutput(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.dense(hidden_states)
+        hidden_states = self.dropout(hidden_states)
+        hidden_states = self.LayerNorm(hidden_states + input_tensor)
+        return hidden_states
 
 
 class BertPkmMemoryOutput(nn.Module):
@@ -56,20 +377,41 @@ class BertPkmMemoryOutput(nn.Module):
         return self.LayerNorm(hidden_states)
 
 
-class BertPkmLayer(GradientCheckpointingLayer):
+def memory_options(config, shared_values: ProductKeyValues | None = None) -> dict:
+    """The Memory+ options of `config` as `ProductKeyMemory` arguments (only those switched on)."""
+    options = {"values": shared_values}
+    if config.pkm_qk_norm:
+        options["qk_norm"] = True
+    if config.pkm_score_activation != "softmax":
+        options["score_activation"] = config.pkm_score_activation
+    if config.pkm_output_gate != "none":
+        options["output_gate"] = config.pkm_output_gate
+    if config.pkm_memory_scale is not None:
+        options["memory_scale"] = config.pkm_memory_scale
+    return options
+
+
+def shared_values_names(config, prefix: str = "") -> list[str]:
+    """With `pkm_shared_values`, the names under which the one value table appears, the first memory's first."""
+    if not (getattr(config, "pkm_shared_values", False) and config.pkm_layers):
+        return []
+    return [f"{prefix}encoder.layer.{i}.memory.values.weight" for i in sorted(config.pkm_layers)]
+
+
+class BertPkmLayer(nn.Module):
     """A BERT layer; at `config.pkm_layers` with a memory beside (`resm`) or instead of (`replace`) the FFN."""
 
     def __init__(self, config, layer_idx=None, shared_values: ProductKeyValues | None = None):
         super().__init__()
         self.chunk_size_feed_forward = config.chunk_size_feed_forward
         self.seq_len_dim = 1
-        self.attention = BertAttention(config, is_causal=config.is_decoder, layer_idx=layer_idx)
+        self.attention = BertPkmAttention(config, is_causal=config.is_decoder, layer_idx=layer_idx)
         self.is_decoder = config.is_decoder
         self.add_cross_attention = config.add_cross_attention
         if self.add_cross_attention:
             if not self.is_decoder:
                 raise ValueError(f"{self} should be used as a decoder model if cross attention is added")
-            self.crossattention = BertAttention(config, is_causal=False, layer_idx=layer_idx, is_cross_attention=True)
+            self.crossattention = BertPkmAttention(config, is_causal=False, layer_idx=layer_idx, is_cross_attention=True)
 
         has_memory = layer_idx in config.pkm_layers
         self.memory = (
@@ -97,8 +439,16 @@ class BertPkmLayer(GradientCheckpointingLayer):
             self.intermediate = None
             self.output = BertPkmMemoryOutput(config)
         else:
-            self.intermediate = BertIntermediate(config)
-            self.output = BertOutput(config)
+            self.intermediate = BertPkmIntermediate(config)
+            self.output = BertPkmOutput(config)
+        # set by PreTrainedModel.gradient_checkpointing_enable(), with `_gradient_checkpointing_func`
+        self.gradient_checkpointing = False
+
+    def __call__(self, hidden_states, *args, **kwargs):
+        if self.gradient_checkpointing and self.training:
+            # the tensors that need gradients are positional: reentrant checkpointing sees only those
+            return self._gradient_checkpointing_func(partial(super().__call__, **kwargs), hidden_states, *args)
+        return super().__call__(hidden_states, *args, **kwargs)
 
     def forward(
         self,
@@ -106,24 +456,30 @@ class BertPkmLayer(GradientCheckpointingLayer):
         attention_mask: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         padding_mask: torch.Tensor | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> torch.Tensor:
-        attention_output, _ = self.attention(hidden_states, attention_mask, past_key_values=past_key_values, **kwargs)
+        output_attentions: bool = False,
+        **kwargs,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """-> hidden_states; with `output_attentions`, (hidden_states, self-attention weights, cross-attention
+        weights), the weights from eager attention only."""
+        attention_output, self_attention_weights = self.attention(
+            hidden_states, attention_mask, cache=cache, **kwargs
+        )
 
+        cross_attention_weights = None
         if self.is_decoder and encoder_hidden_states is not None:
             if not hasattr(self, "crossattention"):
                 raise ValueError(
                     f"If `encoder_hidden_states` are passed, {self} has to be instantiated with cross-attention layers"
                     " by setting `config.add_cross_attention=True`"
                 )
-            attention_output, _ = self.crossattention(
+            attention_output, cross_attention_weights = self.crossattention(
                 attention_output,
                 None,  # attention_mask
                 encoder_hidden_states,
                 encoder_attention_mask,
-                past_key_values=past_key_values,
+                cache=cache,
                 **kwargs,
             )
 
@@ -131,34 +487,28 @@ class BertPkmLayer(GradientCheckpointingLayer):
         if self.memory is not None:
             residual = attention_output + self.memory(attention_output, padding_mask)
         if self.intermediate is None:
-            return self.output(residual)
-        return apply_chunking_to_forward(
-            self.feed_forward_chunk, self.chunk_size_feed_forward, self.seq_len_dim, attention_output, residual
-        )
+            layer_output = self.output(residual)
+        else:
+            layer_output = apply_chunking_to_forward(
+                self.feed_forward_chunk, self.chunk_size_feed_forward, self.seq_len_dim, attention_output, residual
+            )
+        if output_attentions:
+            return layer_output, self_attention_weights, cross_attention_weights
+        return layer_output
 
     def feed_forward_chunk(self, attention_output, residual):
         return self.output(self.intermediate(attention_output), residual)
 
 
-def memory_options(config, shared_values: ProductKeyValues | None = None) -> dict:
-    """The Memory+ options of `config` as `ProductKeyMemory` arguments (only those switched on)."""
-    options = {"values": shared_values}
-    if config.pkm_qk_norm:
-        options["qk_norm"] = True
-    if config.pkm_score_activation != "softmax":
-        options["score_activation"] = config.pkm_score_activation
-    if config.pkm_output_gate != "none":
-        options["output_gate"] = config.pkm_output_gate
-    if config.pkm_memory_scale is not None:
-        options["memory_scale"] = config.pkm_memory_scale
-    return options
-
-
-def shared_values_names(config, prefix: str = "") -> list[str]:
-    """With `pkm_shared_values`, the names under which the one value table appears, the first memory's first."""
-    if not (getattr(config, "pkm_shared_values", False) and config.pkm_layers):
-        return []
-    return [f"{prefix}encoder.layer.{i}.memory.values.weight" for i in sorted(config.pkm_layers)]
+# Copied from transformers.pytorch_utils.apply_chunking_to_forward (its argument checks left out: the calls are ours)
+def apply_chunking_to_forward(forward_fn, chunk_size: int, chunk_dim: int, *input_tensors) -> torch.Tensor:
+    """`forward_fn` on chunks of `chunk_size` along `chunk_dim` (less peak memory, the same result); 0: at once."""
+    if chunk_size > 0:
+        num_chunks = input_tensors[0].shape[chunk_dim] // chunk_size
+        input_tensors_chunks = tuple(input_tensor.chunk(num_chunks, dim=chunk_dim) for input_tensor in input_tensors)
+        output_chunks = tuple(forward_fn(*input_tensors_chunk) for input_tensors_chunk in zip(*input_tensors_chunks))
+        return torch.cat(output_chunks, dim=chunk_dim)
+    return forward_fn(*input_tensors)
 
 
 class BertPkmEncoder(nn.Module):
@@ -177,24 +527,105 @@ class BertPkmEncoder(nn.Module):
         attention_mask: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
         padding_mask: torch.Tensor | None = None,
-        **kwargs: Unpack[TransformersKwargs],
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
+        all_hidden_states = () if output_hidden_states else None
+        all_self_attentions = () if output_attentions else None
+        all_cross_attentions = () if output_attentions and self.config.add_cross_attention else None
         for layer_module in self.layer:
-            hidden_states = layer_module(
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            layer_outputs = layer_module(
                 hidden_states,
                 attention_mask,
-                encoder_hidden_states,  # as a positional argument for gradient checkpointing
-                encoder_attention_mask=encoder_attention_mask,
-                past_key_values=past_key_values,
+                encoder_hidden_states,  # positional: reentrant gradient checkpointing sees only positional tensors
+                encoder_attention_mask,
+                cache=cache,
                 padding_mask=padding_mask,
+                output_attentions=output_attentions,
                 **kwargs,
             )
+            if output_attentions:
+                hidden_states, self_attention, cross_attention = layer_outputs
+                all_self_attentions += (self_attention,)
+                if all_cross_attentions is not None:
+                    all_cross_attentions += (cross_attention,)
+            else:
+                hidden_states = layer_outputs
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
         return BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None
+            last_hidden_state=hidden_states,
+            hidden_states=all_hidden_states,
+            attentions=all_self_attentions,
+            cross_attentions=all_cross_attentions,
+            **{CACHE_FIELD: cache if use_cache else None},
         )
+
+
+# Copied from transformers.models.bert.modeling_bert.BertPooler with Bert->BertPkm
+class BertPkmPooler(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.activation = nn.Tanh()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # "pool" the model by taking the hidden state of the first token
+        first_token_tensor = hidden_states[:, 0]
+        pooled_output = self.dense(first_token_tensor)
+        pooled_output = self.activation(pooled_output)
+        return pooled_output
+
+
+# Copied from transformers.models.bert.modeling_bert.BertPredictionHeadTransform with Bert->BertPkm
+class BertPkmPredictionHeadTransform(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        if isinstance(config.hidden_act, str):
+            self.transform_act_fn = ACT2FN[config.hidden_act]
+        else:
+            self.transform_act_fn = config.hidden_act
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.dense(hidden_states)
+        hidden_states = self.transform_act_fn(hidden_states)
+        hidden_states = self.LayerNorm(hidden_states)
+        return hidden_states
+
+
+# Copied from transformers.models.bert.modeling_bert.BertLMPredictionHead with Bert->BertPkm
+class BertPkmLMPredictionHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.transform = BertPkmPredictionHeadTransform(config)
+
+        # The output weights are the same as the input embeddings, but there is an output-only bias for each token.
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, hidden_states):
+        hidden_states = self.transform(hidden_states)
+        hidden_states = self.decoder(hidden_states)
+        return hidden_states
+
+
+# Copied from transformers.models.bert.modeling_bert.BertOnlyMLMHead with Bert->BertPkm
+class BertPkmOnlyMLMHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.predictions = BertPkmLMPredictionHead(config)
+
+    def forward(self, sequence_output: torch.Tensor) -> torch.Tensor:
+        prediction_scores = self.predictions(sequence_output)
+        return prediction_scores
 
 
 def _weights_digest(state_dict: dict) -> str:
@@ -261,20 +692,16 @@ def _real_tokens_of_4d_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
     return real
 
 
-@auto_docstring
 class BertPkmPreTrainedModel(PreTrainedModel):
+    """Weight initialisation, checked loading and saving shared by every BertPkm model."""
+
     config: BertPkmConfig
     base_model_prefix = "bert"
     supports_gradient_checkpointing = True
-    _supports_flash_attn = True
+    # eager and sdpa are this file's own; other kernels registered with transformers' AttentionInterface get the
+    # additive 4-D mask (flash and flex attention need masks in their own formats: not supported)
     _supports_sdpa = True
-    _supports_flex_attn = True
     _supports_attention_backend = True
-    _can_record_outputs = {
-        "hidden_states": BertPkmLayer,
-        "attentions": BertSelfAttention,
-        "cross_attentions": BertCrossAttention,
-    }
 
     @classmethod
     def from_pretrained(
@@ -374,6 +801,7 @@ class BertPkmPreTrainedModel(PreTrainedModel):
         """
         if checksum is None:
             checksum = self.config.pkm_weights_checksum is not None
+        self.config.pkm_code_version = PKM_CODE_VERSION  # the code files saved beside the weights
         state_dict = kwargs.get("state_dict")
         self.config.pkm_weights_checksum = (
             {
@@ -391,9 +819,9 @@ class BertPkmPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, BertLMPredictionHead):
+        if isinstance(module, BertPkmLMPredictionHead):
             init.zeros_(module.bias)
-        elif isinstance(module, BertEmbeddings):
+        elif isinstance(module, BertPkmEmbeddings):
             init.copy_(module.position_ids, torch.arange(module.position_ids.shape[-1]).expand((1, -1)))
             init.zeros_(module.token_type_ids)
         elif isinstance(module, ProductKeyMemory):
@@ -440,25 +868,29 @@ class BertPkmPreTrainedModel(PreTrainedModel):
             )
 
 
-@auto_docstring(custom_intro="The bare BertPkm model: BERT with product key memory layers at `config.pkm_layers`.")
 class BertPkmModel(BertPkmPreTrainedModel):
+    r"""
+    The bare BertPkm model: BERT with product key memory layers at `config.pkm_layers`, outputting raw hidden states.
+    As BERT, it is an encoder, or a decoder with `config.is_decoder=True` (causal self-attention, a cache) and
+    cross-attention layers with `config.add_cross_attention=True`.
+
+    add_pooling_layer (`bool`, *optional*, defaults to `True`):
+        Whether to add the pooler (a dense layer and tanh on the first token).
+    """
+
     _auto_class = "AutoModel"
-    _no_split_modules = ["BertEmbeddings", "BertPkmLayer"]
+    _no_split_modules = ["BertPkmEmbeddings", "BertPkmLayer"]
     # eager forwards check that ids index the embedding tables (one host sync); False skips it
     validate_input_values = True
 
     def __init__(self, config: BertPkmConfig, add_pooling_layer=True):
-        r"""
-        add_pooling_layer (bool, *optional*, defaults to `True`):
-            Whether to add a pooling layer
-        """
         super().__init__(config)
         self.config = config
         self.gradient_checkpointing = False
 
-        self.embeddings = BertEmbeddings(config)
+        self.embeddings = BertPkmEmbeddings(config)
         self.encoder = BertPkmEncoder(config)
-        self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.pooler = BertPkmPooler(config) if add_pooling_layer else None
         # pkm_shared_values: the table is one module in every memory; transformers' tied weights save it once (under
         # the first memory) and point the other names at it on load
         shared = shared_values_names(config)
@@ -480,9 +912,6 @@ class BertPkmModel(BertPkmPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
 
-    @merge_with_config_defaults
-    @capture_outputs
-    @auto_docstring
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -492,10 +921,38 @@ class BertPkmModel(BertPkmPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
     ) -> tuple[torch.Tensor] | BaseModelOutputWithPoolingAndCrossAttentions:
+        r"""
+        input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`):
+            Token ids (exactly one of `input_ids` and `inputs_embeds`).
+        attention_mask (`torch.Tensor` of shape `(batch_size, sequence_length)`, *optional*):
+            1 on real tokens, 0 on padding (the memories skip padding); or a 4-D mask `(batch_size, 1, query_length,
+            key_length)`, boolean (True: may attend) or additive (0 or a large negative number).
+        token_type_ids, position_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Segment ids (0 or 1) and positions, as BERT's.
+        inputs_embeds (`torch.Tensor` of shape `(batch_size, sequence_length, hidden_size)`, *optional*):
+            Token embeddings instead of `input_ids`.
+        encoder_hidden_states, encoder_attention_mask (*optional*):
+            What the cross-attention layers attend to (`config.add_cross_attention=True`) and its padding mask.
+        cache (`Cache`, *optional*):
+            Keys and values of earlier positions (decoders); `past_key_values` is the same argument under the name
+            transformers used before 5.24.
+        use_cache (`bool`, *optional*):
+            Return the cache (decoders only; defaults to `config.use_cache`).
+        output_attentions, output_hidden_states, return_dict (`bool`, *optional*):
+            As in every transformers model (attention weights need `attn_implementation="eager"`).
+        """
+        cache = _merge_cache_arguments(cache, past_key_values)
+        output_attentions = _resolve(output_attentions, self.config, "output_attentions")
+        output_hidden_states = _resolve(output_hidden_states, self.config, "output_hidden_states")
+        return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
 
@@ -504,24 +961,22 @@ class BertPkmModel(BertPkmPreTrainedModel):
         else:
             use_cache = False
 
-        if use_cache and past_key_values is None:
-            past_key_values = (
+        if use_cache and cache is None:
+            cache = (
                 EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
                 if encoder_hidden_states is not None or self.config.is_encoder_decoder
                 else DynamicCache(config=self.config)
             )
 
-        past_key_values_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        self._check_inputs(
-            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, past_key_values_length
-        )
+        cache_length = cache.get_seq_length() if cache is not None else 0
+        self._check_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cache_length)
 
         embedding_output = self.embeddings(
             input_ids=input_ids,
             position_ids=position_ids,
             token_type_ids=token_type_ids,
             inputs_embeds=inputs_embeds,
-            past_key_values_length=past_key_values_length,
+            cache_length=cache_length,
         )
 
         # the memories read real tokens only: the 2-D mask of the current positions, or the tokens a 4-D mask lets
@@ -533,33 +988,49 @@ class BertPkmModel(BertPkmPreTrainedModel):
             real = _real_tokens_of_4d_mask(attention_mask, embedding_output.shape[1])
             padding_mask = real.expand(embedding_output.shape[0], -1)
 
-        attention_mask, encoder_attention_mask = self._create_attention_masks(
-            attention_mask=attention_mask,
-            encoder_attention_mask=encoder_attention_mask,
-            embedding_output=embedding_output,
-            encoder_hidden_states=encoder_hidden_states,
-            past_key_values=past_key_values,
-        )
+        extended_attention_mask = self._attention_mask(attention_mask, embedding_output, cache_length)
+        if encoder_attention_mask is not None:
+            encoder_attention_mask = _additive_mask(encoder_attention_mask, embedding_output.dtype)
 
         encoder_outputs = self.encoder(
             embedding_output,
-            attention_mask=attention_mask,
+            attention_mask=extended_attention_mask,
             encoder_hidden_states=encoder_hidden_states,
             encoder_attention_mask=encoder_attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
-            position_ids=position_ids,
             padding_mask=padding_mask,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
             **kwargs,
         )
         sequence_output = encoder_outputs.last_hidden_state
         pooled_output = self.pooler(sequence_output) if self.pooler is not None else None
 
-        return BaseModelOutputWithPoolingAndCrossAttentions(
+        output = BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=sequence_output,
             pooler_output=pooled_output,
-            past_key_values=encoder_outputs.past_key_values,
+            hidden_states=encoder_outputs.hidden_states,
+            attentions=encoder_outputs.attentions,
+            cross_attentions=encoder_outputs.cross_attentions,
+            **{CACHE_FIELD: getattr(encoder_outputs, CACHE_FIELD) if use_cache else None},
         )
+        return output if return_dict else output.to_tuple()
+
+    def _attention_mask(self, attention_mask, embedding_output, cache_length):
+        """The additive (batch or 1, 1, query_length, key_length) mask of the self-attention (causal for a decoder),
+        or None where every position may attend to every other."""
+        length = embedding_output.shape[1]
+        if attention_mask is not None and attention_mask.dim() == 4:
+            return attention_mask if attention_mask.is_floating_point() else _additive_mask(attention_mask, embedding_output.dtype)
+        allowed = attention_mask[:, None, None, :].bool() if attention_mask is not None else None
+        if self.config.is_decoder:
+            device = embedding_output.device
+            keys = torch.arange(cache_length + length, device=device)
+            queries = torch.arange(cache_length, cache_length + length, device=device)
+            causal = (keys[None, :] <= queries[:, None])[None, None]
+            allowed = causal if allowed is None else allowed & causal
+        return _additive_mask(allowed, embedding_output.dtype) if allowed is not None else None
 
     def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, past_length):
         """Shapes always (free); the values of ids in eager mode only, in one host sync (a compiled or exported graph
@@ -608,33 +1079,20 @@ class BertPkmModel(BertPkmPreTrainedModel):
                 value = low if low < 0 else high
                 _refuse(argument, tensor.shape, f"holds {value}; values must be in [0, {bound - 1}]")
 
-    def _create_attention_masks(
-        self, attention_mask, encoder_attention_mask, embedding_output, encoder_hidden_states, past_key_values
-    ):
-        if self.config.is_decoder:
-            attention_mask = create_causal_mask(
-                config=self.config,
-                inputs_embeds=embedding_output,
-                attention_mask=attention_mask,
-                past_key_values=past_key_values,
-            )
-        else:
-            attention_mask = create_bidirectional_mask(
-                config=self.config, inputs_embeds=embedding_output, attention_mask=attention_mask
-            )
 
-        if encoder_attention_mask is not None:
-            encoder_attention_mask = create_bidirectional_mask(
-                config=self.config,
-                inputs_embeds=embedding_output,
-                attention_mask=encoder_attention_mask,
-                encoder_hidden_states=encoder_hidden_states,
-            )
-        return attention_mask, encoder_attention_mask
+def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where attention is allowed (a boolean True, or 1 in a 2-D padding mask), the dtype's minimum elsewhere (not
+    -inf, so that a query that may attend nothing gets uniform weights rather than NaN); 2-D masks become 4-D."""
+    if mask.dim() == 2:
+        mask = mask[:, None, None, :]
+    allowed = mask.bool()
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
-@auto_docstring(custom_intro="BertPkm with a masked language modeling head on top.")
 class BertPkmForMaskedLM(BertPkmPreTrainedModel):
+    """BertPkm with a masked language modeling head on top (BERT's, tied to the word embeddings)."""
+
     _auto_class = "AutoModelForMaskedLM"
     _tied_weights_keys = {
         "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
@@ -649,7 +1107,7 @@ class BertPkmForMaskedLM(BertPkmPreTrainedModel):
                 "bi-directional self-attention."
             )
         self.bert = BertPkmModel(config, add_pooling_layer=False)
-        self.cls = BertOnlyMLMHead(config)
+        self.cls = BertPkmOnlyMLMHead(config)
 
         self.post_init()
 
@@ -660,8 +1118,6 @@ class BertPkmForMaskedLM(BertPkmPreTrainedModel):
         self.cls.predictions.decoder = new_embeddings
         self.cls.predictions.bias = new_embeddings.bias
 
-    @can_return_tuple
-    @auto_docstring
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -672,8 +1128,14 @@ class BertPkmForMaskedLM(BertPkmPreTrainedModel):
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-        **kwargs: Unpack[TransformersKwargs],
+        return_dict: bool | None = None,
+        **kwargs,
     ) -> tuple[torch.Tensor] | MaskedLMOutput:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Token ids to predict at the masked positions; `-100` elsewhere (ignored). Other arguments: `BertPkmModel`.
+        """
+        return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         outputs = self.bert(
             input_ids,
             attention_mask=attention_mask,
@@ -692,16 +1154,18 @@ class BertPkmForMaskedLM(BertPkmPreTrainedModel):
             loss_fct = CrossEntropyLoss()  # -100 index = padding token
             masked_lm_loss = loss_fct(prediction_scores.view(-1, self.config.vocab_size), labels.view(-1))
 
-        return MaskedLMOutput(
+        output = MaskedLMOutput(
             loss=masked_lm_loss,
             logits=prediction_scores,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+        return output if return_dict else output.to_tuple()
 
 
-@auto_docstring(custom_intro="BertPkm with a language modeling head for causal LM (Lample et al.'s memory setting).")
 class BertPkmForCausalLM(BertPkmPreTrainedModel, GenerationMixin):
+    """BertPkm with a language modeling head for causal LM (Lample et al.'s memory setting); `generate` works."""
+
     _auto_class = "AutoModelForCausalLM"
     _tied_weights_keys = {
         "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
@@ -713,7 +1177,7 @@ class BertPkmForCausalLM(BertPkmPreTrainedModel, GenerationMixin):
         if not config.is_decoder:
             logger.warning("If you want to use `BertPkmForCausalLM` as a standalone, add `is_decoder=True.`")
         self.bert = BertPkmModel(config, add_pooling_layer=False)
-        self.cls = BertOnlyMLMHead(config)
+        self.cls = BertPkmOnlyMLMHead(config)
 
         self.post_init()
 
@@ -724,8 +1188,6 @@ class BertPkmForCausalLM(BertPkmPreTrainedModel, GenerationMixin):
         self.cls.predictions.decoder = new_embeddings
         self.cls.predictions.bias = new_embeddings.bias
 
-    @can_return_tuple
-    @auto_docstring
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -736,15 +1198,21 @@ class BertPkmForCausalLM(BertPkmPreTrainedModel, GenerationMixin):
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Unpack[TransformersKwargs],
+        return_dict: bool | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
     ) -> tuple[torch.Tensor] | CausalLMOutputWithCrossAttentions:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
-            Labels for the left-to-right language modeling loss; `-100` is ignored.
+            Labels for the left-to-right language modeling loss (shifted inside); `-100` is ignored.
+        logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
+            Compute the logits of the last `logits_to_keep` positions only (0: all), or of the positions listed.
+        Other arguments: `BertPkmModel`.
         """
+        return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         if labels is not None:
             use_cache = False
 
@@ -756,7 +1224,7 @@ class BertPkmForCausalLM(BertPkmPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             encoder_hidden_states=encoder_hidden_states,
             encoder_attention_mask=encoder_attention_mask,
-            past_key_values=past_key_values,
+            cache=_merge_cache_arguments(cache, past_key_values),
             use_cache=use_cache,
             return_dict=True,
             **kwargs,
@@ -769,18 +1237,20 @@ class BertPkmForCausalLM(BertPkmPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
 
-        return CausalLMOutputWithCrossAttentions(
+        output = CausalLMOutputWithCrossAttentions(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             cross_attentions=outputs.cross_attentions,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
+        return output if return_dict else output.to_tuple()
 
 
-@auto_docstring(custom_intro="BertPkm with a sequence classification/regression head on the pooled output (GLUE).")
 class BertPkmForSequenceClassification(BertPkmPreTrainedModel):
+    """BertPkm with a sequence classification/regression head on the pooled output (GLUE)."""
+
     _auto_class = "AutoModelForSequenceClassification"
 
     def __init__(self, config: BertPkmConfig):
@@ -797,8 +1267,6 @@ class BertPkmForSequenceClassification(BertPkmPreTrainedModel):
 
         self.post_init()
 
-    @can_return_tuple
-    @auto_docstring
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -807,8 +1275,15 @@ class BertPkmForSequenceClassification(BertPkmPreTrainedModel):
         position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-        **kwargs: Unpack[TransformersKwargs],
+        return_dict: bool | None = None,
+        **kwargs,
     ) -> tuple[torch.Tensor] | SequenceClassifierOutput:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
+            Class ids in `[0, num_labels)` (cross-entropy), or targets for regression when `num_labels == 1` (MSE).
+            Other arguments: `BertPkmModel`.
+        """
+        return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         outputs = self.bert(
             input_ids,
             attention_mask=attention_mask,
@@ -843,13 +1318,15 @@ class BertPkmForSequenceClassification(BertPkmPreTrainedModel):
                 loss_fct = BCEWithLogitsLoss()
                 loss = loss_fct(logits, labels)
 
-        return SequenceClassifierOutput(
+        output = SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
+        return output if return_dict else output.to_tuple()
 
 
-@auto_docstring(custom_intro="BertPkm with a multiple choice head (a score per choice from the pooled output).")
 class BertPkmForMultipleChoice(BertPkmPreTrainedModel):
+    """BertPkm with a multiple choice head (a score per choice from the pooled output)."""
+
     _auto_class = "AutoModelForMultipleChoice"
 
     def __init__(self, config: BertPkmConfig):
@@ -864,8 +1341,6 @@ class BertPkmForMultipleChoice(BertPkmPreTrainedModel):
 
         self.post_init()
 
-    @can_return_tuple
-    @auto_docstring
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -874,12 +1349,16 @@ class BertPkmForMultipleChoice(BertPkmPreTrainedModel):
         position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-        **kwargs: Unpack[TransformersKwargs],
+        return_dict: bool | None = None,
+        **kwargs,
     ) -> tuple[torch.Tensor] | MultipleChoiceModelOutput:
         r"""
         input_ids (`torch.LongTensor` of shape `(batch_size, num_choices, sequence_length)`):
-            Indices of input sequence tokens in the vocabulary, one sequence per choice.
+            Indices of input sequence tokens in the vocabulary, one sequence per choice (the other inputs alike).
+        labels (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
+            The index of the right choice.
         """
+        return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         if input_ids is not None and input_ids.dim() != 3:
             _refuse("input_ids", input_ids.shape, "must be 3-D (batch_size, num_choices, sequence_length)")
         if inputs_embeds is not None and inputs_embeds.dim() != 4:
@@ -905,13 +1384,15 @@ class BertPkmForMultipleChoice(BertPkmPreTrainedModel):
         if labels is not None:
             loss = CrossEntropyLoss()(reshaped_logits, labels)
 
-        return MultipleChoiceModelOutput(
+        output = MultipleChoiceModelOutput(
             loss=loss, logits=reshaped_logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
+        return output if return_dict else output.to_tuple()
 
 
-@auto_docstring(custom_intro="BertPkm with a token classification head (e.g. NER).")
 class BertPkmForTokenClassification(BertPkmPreTrainedModel):
+    """BertPkm with a token classification head (e.g. NER)."""
+
     _auto_class = "AutoModelForTokenClassification"
 
     def __init__(self, config: BertPkmConfig):
@@ -927,8 +1408,6 @@ class BertPkmForTokenClassification(BertPkmPreTrainedModel):
 
         self.post_init()
 
-    @can_return_tuple
-    @auto_docstring
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -937,8 +1416,14 @@ class BertPkmForTokenClassification(BertPkmPreTrainedModel):
         position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-        **kwargs: Unpack[TransformersKwargs],
+        return_dict: bool | None = None,
+        **kwargs,
     ) -> tuple[torch.Tensor] | TokenClassifierOutput:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Class ids in `[0, num_labels)` per token; `-100` is ignored. Other arguments: `BertPkmModel`.
+        """
+        return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         outputs = self.bert(
             input_ids,
             attention_mask=attention_mask,
@@ -954,13 +1439,15 @@ class BertPkmForTokenClassification(BertPkmPreTrainedModel):
         if labels is not None:
             loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1))
 
-        return TokenClassifierOutput(
+        output = TokenClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
+        return output if return_dict else output.to_tuple()
 
 
-@auto_docstring(custom_intro="BertPkm with a span extraction head (start/end logits) for extractive QA (SQuAD).")
 class BertPkmForQuestionAnswering(BertPkmPreTrainedModel):
+    """BertPkm with a span extraction head (start/end logits) for extractive QA (SQuAD)."""
+
     _auto_class = "AutoModelForQuestionAnswering"
 
     def __init__(self, config: BertPkmConfig):
@@ -972,8 +1459,6 @@ class BertPkmForQuestionAnswering(BertPkmPreTrainedModel):
 
         self.post_init()
 
-    @can_return_tuple
-    @auto_docstring
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -983,8 +1468,15 @@ class BertPkmForQuestionAnswering(BertPkmPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         start_positions: torch.Tensor | None = None,
         end_positions: torch.Tensor | None = None,
-        **kwargs: Unpack[TransformersKwargs],
+        return_dict: bool | None = None,
+        **kwargs,
     ) -> tuple[torch.Tensor] | QuestionAnsweringModelOutput:
+        r"""
+        start_positions, end_positions (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
+            Token positions of the answer span; positions outside the sequence are ignored. Other arguments:
+            `BertPkmModel`.
+        """
+        return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         outputs = self.bert(
             input_ids,
             attention_mask=attention_mask,
@@ -1001,12 +1493,12 @@ class BertPkmForQuestionAnswering(BertPkmPreTrainedModel):
 
         total_loss = None
         if start_positions is not None and end_positions is not None:
-            # If we are on multi-GPU, split add a dimension
+            # on several GPUs the positions gain a dimension
             if len(start_positions.size()) > 1:
                 start_positions = start_positions.squeeze(-1)
             if len(end_positions.size()) > 1:
                 end_positions = end_positions.squeeze(-1)
-            # sometimes the start/end positions are outside our model inputs, we ignore these terms
+            # positions outside the model inputs are ignored
             ignored_index = start_logits.size(1)
             start_positions = start_positions.clamp(0, ignored_index)
             end_positions = end_positions.clamp(0, ignored_index)
@@ -1014,13 +1506,14 @@ class BertPkmForQuestionAnswering(BertPkmPreTrainedModel):
             loss_fct = CrossEntropyLoss(ignore_index=ignored_index)
             total_loss = (loss_fct(start_logits, start_positions) + loss_fct(end_logits, end_positions)) / 2
 
-        return QuestionAnsweringModelOutput(
+        output = QuestionAnsweringModelOutput(
             loss=total_loss,
             start_logits=start_logits,
             end_logits=end_logits,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+        return output if return_dict else output.to_tuple()
 
 
 __all__ = [
