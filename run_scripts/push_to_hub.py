@@ -7,6 +7,11 @@ report). Accelerate checkpoints (step_*/epoch_*), pickles, logs, tracker folders
 symlinks are refused. `--dry_run` lists what would be sent and changes nothing in the folder.
 
     python run_scripts/push_to_hub.py --model_dir outputs/mlm --hub_model_id me/bert-pkm-mlm --private
+
+`--refresh_code` first replaces the folder's remote-code files by the installed package's (checked: the folder must
+compute the same outputs through them, in a process without the package); without `--hub_model_id` it only refreshes:
+
+    python run_scripts/push_to_hub.py --model_dir old-folder --refresh_code
 """
 
 import argparse
@@ -23,6 +28,7 @@ if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source c
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 if not HELP:
+    from modeling_pkm_bert.code_refresh import refresh_code
     from modeling_pkm_bert.conversion import (
         TOKENIZER_FILES,
         check_hub_folder,
@@ -40,7 +46,13 @@ def parse_args(argv=None):
     parser.add_argument(
         "--model_dir", type=str, required=True, help="Output folder of convert_to_pkm.py or of a run_* script."
     )
-    parser.add_argument("--hub_model_id", type=str, required=True, help="Repository to push to, e.g. user/bert-pkm.")
+    parser.add_argument("--hub_model_id", type=str, default=None, help="Repository to push to, e.g. user/bert-pkm.")
+    parser.add_argument(
+        "--refresh_code",
+        action="store_true",
+        help="Replace the folder's code files by the installed package's (checked to compute the same outputs) first;"
+        " without --hub_model_id, only that.",
+    )
     parser.add_argument("--private", action="store_true", help="Create the repository as private.")
     parser.add_argument("--hub_token", type=str, default=None, help="Hub token (default: HF_TOKEN or the login).")
     parser.add_argument("--commit_message", type=str, default="Upload BertPkm model")
@@ -50,6 +62,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if not Path(args.model_dir).is_dir():
         parser.error(f"--model_dir {args.model_dir} is not a folder")
+    if args.hub_model_id is None and not args.refresh_code:
+        parser.error("--hub_model_id is required (or --refresh_code alone, to refresh the folder's code files)")
     return args
 
 
@@ -57,6 +71,12 @@ def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
 
+    if args.refresh_code:
+        changed = refresh_code(args.model_dir, dry_run=args.dry_run)
+        verb = "Would refresh" if args.dry_run else "Refreshed"
+        print(f"{verb} {', '.join(changed)} in {args.model_dir}" if changed else f"{args.model_dir}: code files up to date")
+        if args.hub_model_id is None:
+            return None
     check_hub_folder(args.model_dir)
     if not any((Path(args.model_dir) / name).is_file() for name in TOKENIZER_FILES):
         logger.warning(f"{args.model_dir} has no tokenizer: users of the repository will need another one")

@@ -136,19 +136,38 @@ def test_question_answering_pipeline_where_transformers_has_it(tmp_path):
     assert answer["answer"] in "the cat sat on the mat in paris"
 
 
+# transformers' stable public surface: what the remote-code files may import from it (its internals change between
+# minor releases: 5.24 renamed past_key_values in every BERT block)
+STABLE_TRANSFORMERS = {
+    "transformers": {"AttentionInterface", "BertConfig", "Cache", "DynamicCache", "EncoderDecoderCache", "GenerationMixin", "PreTrainedModel", "initialization"},
+    "transformers.activations": {"ACT2FN"},
+    "transformers.modeling_outputs": None,  # any output class
+    "transformers.utils": {"logging"},
+}
+
+
 def test_remote_code_files_import_only_allowed_modules():
+    from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
+
     allowed = {"torch", "transformers", "huggingface_hub", "__future__", "dataclasses", "typing", "math", "collections", "functools", "itertools", "warnings", "hashlib"}
     forbidden_calls = {"open", "exec", "eval", "compile", "__import__"}
-    for name in ("configuration_bert_pkm.py", "modeling_bert_pkm.py", "product_key_memory.py"):
+    for name in REMOTE_CODE_FILES:
         tree = ast.parse((REPO_ROOT / "modeling_pkm_bert" / name).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 roots = {alias.name.split(".")[0] for alias in node.names}
+                assert all(alias.name in ("transformers",) or not alias.name.startswith("transformers.") for alias in node.names), name
             elif isinstance(node, ast.ImportFrom):
-                if node.level:  # relative: only `from .module import Name`
+                if node.level:  # relative: only `from .module import Name`, of another remote-code file
                     assert node.module, f"{name}: use `from .module import Name`, never `from . import x`"
+                    assert f"{node.module}.py" in REMOTE_CODE_FILES, f"{name} imports .{node.module}, not a remote-code file"
                     continue
                 roots = {node.module.split(".")[0]}
+                if roots == {"transformers"}:
+                    assert node.module in STABLE_TRANSFORMERS, f"{name} imports transformers internals: {node.module}"
+                    names = STABLE_TRANSFORMERS[node.module]
+                    imported = {alias.name for alias in node.names}
+                    assert names is None or imported <= names, f"{name} imports {imported - names} from {node.module}"
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id not in forbidden_calls, f"{name} calls {node.func.id}"
                 continue

@@ -1,0 +1,86 @@
+"""Writes tiny BertPkm folders of every head (plain and with the Memory+ options; a causal LM) with the installed
+package and transformers, and `expected.json` with their outputs on fixed inputs, greedy generations and fill-mask
+answers: `python write_folders.py OUT_DIR [NAME ...]` (default: all of FOLDERS). `check_folders.py` loads them elsewhere
+through remote code. `tests/fixtures/bert_pkm_0.2.0` was written by `write_folders.py tests/fixtures/bert_pkm_0.2.0 mlm
+causal_memory_plus` and is never rewritten: it is what every later release must still load."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+from inputs import fixed_inputs, forward_kwargs
+from modeling_pkm_bert import (
+    BertPkmConfig,
+    BertPkmForCausalLM,
+    BertPkmForMaskedLM,
+    BertPkmForMultipleChoice,
+    BertPkmForQuestionAnswering,
+    BertPkmForSequenceClassification,
+    BertPkmForTokenClassification,
+    BertPkmModel,
+)
+
+
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the a cat dog sat on mat is was in paris".split()
+VOCAB += [f"word{i}" for i in range(64 - len(VOCAB))]
+MEMORY_PLUS = dict(
+    pkm_shared_values=True, pkm_output_gate="swilu", pkm_qk_norm=True, pkm_score_activation="relu", pkm_memory_scale=0.5
+)
+FOLDERS = {  # name: (class, config overrides)
+    "model": (BertPkmModel, {}),
+    "mlm": (BertPkmForMaskedLM, {}),
+    "mlm_replace": (BertPkmForMaskedLM, {"pkm_mode": "replace"}),
+    "mlm_memory_plus": (BertPkmForMaskedLM, MEMORY_PLUS),
+    "cls": (BertPkmForSequenceClassification, {"num_labels": 3}),
+    "cls_memory_plus": (BertPkmForSequenceClassification, {"num_labels": 3, **MEMORY_PLUS}),
+    "qa": (BertPkmForQuestionAnswering, {}),
+    "tok": (BertPkmForTokenClassification, {"num_labels": 4}),
+    "choice": (BertPkmForMultipleChoice, {}),
+    "causal": (BertPkmForCausalLM, {"is_decoder": True}),
+    "causal_memory_plus": (BertPkmForCausalLM, {"is_decoder": True, **MEMORY_PLUS}),
+}
+
+
+def tiny_config(**overrides) -> BertPkmConfig:
+    fields = dict(
+        vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, pkm_layers=[0, 2], pkm_n_keys=8, pkm_heads=2, pkm_knn=4, pkm_k_dim=16,
+    )  # fmt: skip
+    return BertPkmConfig(**{**fields, **overrides})
+
+
+def outputs_of(model, name: str) -> list:
+    with torch.no_grad():
+        return model(**fixed_inputs(name, model.config.vocab_size), **forward_kwargs(name))[0].tolist()
+
+
+def main(out_dir: str, names: list[str]):
+    out = Path(out_dir)
+    tokenizer = transformers.BertTokenizer(vocab={token: i for i, token in enumerate(VOCAB)})
+    expected = {"transformers": transformers.__version__, "folders": {}}
+    for index, (name, (model_class, overrides)) in enumerate(FOLDERS.items()):
+        if names and name not in names:
+            continue
+        torch.manual_seed(index)
+        model = model_class(tiny_config(**overrides)).train()
+        with torch.no_grad():  # moves the query BatchNorm statistics, which must travel with the folder
+            model(**fixed_inputs(name, model.config.vocab_size))
+        model.eval()
+        model.save_pretrained(out / name)
+        tokenizer.save_pretrained(out / name)
+        record = {"class": model_class.__name__, "outputs": outputs_of(model, name)}
+        if "causal" in name:
+            prompt = fixed_inputs(name, model.config.vocab_size)["input_ids"][:1, :4]
+            record["generated"] = model.generate(prompt, max_new_tokens=6, do_sample=False).tolist()
+        expected["folders"][name] = record
+    (out / "expected.json").write_text(json.dumps(expected))
+
+
+if __name__ == "__main__":
+    unknown = set(sys.argv[2:]) - set(FOLDERS)
+    if unknown:
+        raise SystemExit(f"unknown folder names {sorted(unknown)}; known: {list(FOLDERS)}")
+    main(sys.argv[1], sys.argv[2:])
