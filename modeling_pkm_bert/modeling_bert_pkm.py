@@ -654,6 +654,15 @@ def _saved_config(config_class, source, kwargs) -> dict:
         return {}
 
 
+class BertPkmLoadingError(ValueError, RuntimeError):
+    """A checkpoint that does not fit the model: a ValueError, and the RuntimeError transformers raises for tensors of
+    another shape (callers that catch either keep working)."""
+
+
+def _layer_index(key: str) -> int | None:
+    return int(key.split("encoder.layer.")[1].split(".")[0]) if "encoder.layer." in key else None
+
+
 def _refuse(argument, shape, problem):
     raise ValueError(f"{argument} of shape {tuple(shape)} {problem}")
 
@@ -741,14 +750,21 @@ class BertPkmPreTrainedModel(PreTrainedModel):
         memories (and carry the FFN of `replace` layers): that is the +Init."""
         missing, unexpected = set(info["missing_keys"]), set(info["unexpected_keys"])
         mismatched = {key: (saved, ours) for key, saved, ours in info["mismatched_keys"]}
-        in_layers = lambda keys: sorted(k for k in keys if "encoder.layer." in k)  # noqa: E731
-        missing_layers, unexpected_layers = in_layers(missing), in_layers(unexpected)
+        checkpoint_keys = (set(self.state_dict()) - missing) | unexpected | set(mismatched)
+        memory_layers = set(self.config.pkm_layers) | {_layer_index(k) for k in checkpoint_keys if ".memory." in k}
+
+        def about_memories(key):  # a memory tensor, or the FFN of a memory layer (which pkm_mode keeps or drops)
+            layer = _layer_index(key)
+            ffn = ".attention." not in key and (".intermediate." in key or ".output." in key)
+            return layer is not None and (".memory." in key or (layer in memory_layers and ffn))
+
+        # other tensors missing or unexpected: transformers' behaviour (initialised new, listed in its load report)
+        missing_layers, unexpected_layers = sorted(filter(about_memories, missing)), sorted(filter(about_memories, unexpected))
         shapes = [f"{k}: {tuple(a)} in the checkpoint, {tuple(b)} here" for k, (a, b) in sorted(mismatched.items())]
         if ignore_mismatched_sizes:  # transformers' own opt-out, for shapes
             shapes = []
         if not (missing_layers or unexpected_layers or shapes):
             return
-        checkpoint_keys = (set(self.state_dict()) - missing) | unexpected | set(mismatched)
         saved_config = _saved_config(type(self.config), source, kwargs)
         is_pkm = saved_config.get("model_type") == self.config.model_type
         is_pkm = is_pkm or any(".memory." in k for k in checkpoint_keys)
@@ -758,7 +774,7 @@ class BertPkmPreTrainedModel(PreTrainedModel):
             unexpected_layers = [k for k in unexpected_layers if not any(part in k for part in replaced)]
             if not (missing_layers or unexpected_layers or shapes):
                 return
-        memories = sorted({int(k.split("encoder.layer.")[1].split(".")[0]) for k in checkpoint_keys if ".memory." in k})
+        memories = sorted({_layer_index(k) for k in checkpoint_keys if ".memory." in k})
         fields = ("model_type", "pkm_layers", "pkm_mode", "pkm_n_keys")
         fields = {field: saved_config[field] for field in fields if field in saved_config}
         listing = [("missing from the checkpoint (would be initialised at random)", missing_layers)]
@@ -769,7 +785,7 @@ class BertPkmPreTrainedModel(PreTrainedModel):
             if keys:
                 more = f", ... {len(keys) - 12} more" if len(keys) > 12 else ""
                 report += f"\n  {len(keys)} tensor(s) {what}: " + ", ".join(keys[:12]) + more
-        raise ValueError(
+        raise BertPkmLoadingError(
             f"{source}: the weights do not fit {type(self).__name__} built from the config (pkm_layers="
             f"{self.config.pkm_layers}, pkm_mode={self.config.pkm_mode!r}, pkm_n_keys={self.config.pkm_n_keys}); the"
             f" checkpoint holds memories at layers {memories}; its config.json: {fields}.{report}\nThe loaded model"
@@ -1057,9 +1073,13 @@ class BertPkmModel(BertPkmPreTrainedModel):
                 f"{name} of shape {shape}: {length} tokens{past} reach position {past_length + length - 1}, beyond the"
                 f" position embeddings (max_position_embeddings={config.max_position_embeddings}); truncate the input"
             )
-        for argument, tensor in (("token_type_ids", token_type_ids), ("position_ids", position_ids)):
-            if tensor is not None and tuple(tensor.shape) not in (shape, (1, length)):
-                _refuse(argument, tensor.shape, f"must match {name}: {shape} (or (1, {length}))")
+        if position_ids is not None and tuple(position_ids.shape) not in (shape, (1, length)):
+            _refuse("position_ids", position_ids.shape, f"must match {name}: {shape} (or (1, {length}))")
+        # token types broadcast over the batch or the positions (exported generation passes one per sequence)
+        if token_type_ids is not None and (
+            token_type_ids.dim() != 2 or any(size not in (full, 1) for size, full in zip(token_type_ids.shape, shape))
+        ):
+            _refuse("token_type_ids", token_type_ids.shape, f"must match {name}: {shape} (or broadcast to it)")
         if attention_mask is not None:
             _check_attention_mask(attention_mask, batch, length, past_length)
         if not self.validate_input_values or torch.compiler.is_compiling() or _is_exporting():

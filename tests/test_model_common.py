@@ -137,3 +137,55 @@ def test_training_with_gradient_checkpointing_equals_training_without(class_name
         assert torch.equal(dict(checkpointed.named_buffers())[name], buffer), name  # num_batches_tracked == 1
     batchnorms = [m.query_batchnorm for m in memory_modules(checkpointed).values()]
     assert [int(bn.num_batches_tracked) for bn in batchnorms] == [1, 1]
+
+
+# transformers' loading contracts (tests/test_modeling_common.py: test_load_with_mismatched_shapes,
+# test_can_load_ignoring_mismatched_shapes, test_model_weights_reload_no_missing_tied_weights) and its exported
+# generation (test_torch_export_generate_dynamic), for both memory modes
+
+
+@pytest.mark.parametrize("mode", ["resm", "replace"])
+def test_a_head_of_another_shape_raises_what_transformers_raises_unless_ignored(mode, tmp_path):
+    model = modeling_pkm_bert.BertPkmForSequenceClassification(tiny_config(num_labels=2, pkm_mode=mode))
+    model.save_pretrained(tmp_path)
+    for error in (RuntimeError, ValueError):  # transformers raises RuntimeError; ours names the tensors as well
+        with pytest.raises(error, match=r"classifier.weight: \(2, 32\) in the checkpoint, \(3, 32\) here"):
+            modeling_pkm_bert.BertPkmForSequenceClassification.from_pretrained(tmp_path, num_labels=3)
+    loaded, info = modeling_pkm_bert.BertPkmForSequenceClassification.from_pretrained(
+        tmp_path, num_labels=3, ignore_mismatched_sizes=True, output_loading_info=True
+    )
+    assert loaded.classifier.weight.shape == (3, 32)
+    assert {key for key, _, _ in info["mismatched_keys"]} == {"classifier.weight", "classifier.bias"}
+    for name, tensor in model.bert.state_dict().items():
+        assert torch.equal(loaded.bert.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("mode", ["resm", "replace"])
+def test_tensors_missing_outside_the_memories_are_initialised_as_transformers_does(mode, tmp_path):
+    model = modeling_pkm_bert.BertPkmForMaskedLM(tiny_config(pkm_mode=mode, pkm_layers=[0, 2]))
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    dropped = {"bert.encoder.layer.1.attention.self.query.weight", "cls.predictions.transform.dense.weight"}
+    save_file({k: v for k, v in weights.items() if k not in dropped}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded, info = modeling_pkm_bert.BertPkmForMaskedLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert set(info["missing_keys"]) == dropped
+    for name in dropped:
+        tensor = loaded.state_dict()[name]
+        assert tensor.isfinite().all() and 0 < tensor.std() < 0.1, name  # N(0, initializer_range), not torch.empty
+    # a memory tensor missing would compute something else: still refused
+    save_file({k: v for k, v in weights.items() if ".memory.keys" not in k}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="do not fit"):
+        modeling_pkm_bert.BertPkmForMaskedLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["resm", "replace"])
+def test_token_types_broadcast_as_exported_generation_passes_them(mode):
+    model = modeling_pkm_bert.BertPkmForCausalLM(tiny_config(is_decoder=True, pkm_mode=mode)).eval()
+    input_ids = torch.randint(5, 99, (2, 2))
+    token_types = torch.tensor([[1], [0]])
+    with torch.no_grad():
+        broadcast = model(input_ids, token_type_ids=token_types, use_cache=False).logits
+        full = model(input_ids, token_type_ids=token_types.expand(2, 2), use_cache=False).logits
+    torch.testing.assert_close(broadcast, full)
+    with pytest.raises(ValueError, match=r"token_type_ids of shape \(2, 3\) must match input_ids: \(2, 2\)"):
+        model(input_ids, token_type_ids=torch.zeros(2, 3, dtype=torch.long))
