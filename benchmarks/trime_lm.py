@@ -13,9 +13,9 @@
     are the training memory), same seed, steps, tokens and masks.
 Every model is evaluated on held-out text (Pride and Prejudice ch. 59-61, Moby-Dick ch. 1-2, WikiText-2 test) with the
 ordinary perplexity and the perplexity with the in-batch memory at test time (`--trime_eval`: TRIME_long for the
-causal models; for the masked ones the visible positions credited to their own tokens, never a masked label). The cost of a training
-step (forward, backward, optimizer) is measured side by side in one process: the two losses alternate on the same
-model and batch, the order rotating, and the ratio is the median of the per-round ratios.
+causal models; for the masked ones the visible positions credited to their own tokens, never a masked label). The
+cost of a training step (forward, backward, optimizer) is measured side by side in one process: the two losses
+alternate on the same model and batch, the order rotating, and the ratio is the median of the per-round ratios.
 """
 
 import argparse

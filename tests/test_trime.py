@@ -307,10 +307,11 @@ def test_run_mlm_test_time_memory_never_reads_a_hidden_label():
     input_ids[:, [1, 4, 7, 9]] = 4  # [MASK]
     inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
     data = str(REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_train.txt")
+    base = ["--model_name_or_path", "m", "--train_file", data, "--output_dir", "o"]
     memories = set()
     for flags in (["--trime"], ["--trime_eval", "batch"], ["--trime_eval", "context"]):
         try:  # every test-time memory the script accepts
-            memories.add(run_mlm.parse_args(["--model_name_or_path", "m", "--train_file", data, "--output_dir", "o", *flags]).trime_eval)
+            memories.add(run_mlm.parse_args([*base, *flags]).trime_eval)
         except (SystemExit, ValueError):
             pass
     assert memories
@@ -327,10 +328,11 @@ def test_run_mlm_test_time_memory_never_reads_a_hidden_label():
 def test_run_mlm_refuses_the_batch_memory_at_test_time():
     run_mlm = _load_run_mlm()
     data = str(REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_train.txt")
+    base = ["--model_name_or_path", "m", "--train_file", data, "--output_dir", "o"]
     with pytest.raises(ValueError, match=r"--trime_eval batch .* labels .* hidden"):
-        run_mlm.parse_args(["--model_name_or_path", "m", "--train_file", data, "--output_dir", "o", "--trime_eval", "batch"])
-    args = run_mlm.parse_args(["--model_name_or_path", "m", "--train_file", data, "--output_dir", "o", "--trime"])
-    assert (args.trime, args.trime_eval) == ("batch", "context")  # trains with the masked memory, evaluates with context
+        run_mlm.parse_args([*base, "--trime_eval", "batch"])
+    args = run_mlm.parse_args([*base, "--trime"])
+    assert (args.trime, args.trime_eval) == ("batch", "context")  # trains with the masked memory, tests with context
 
 
 def test_context_memory_is_the_visible_positions_with_their_own_tokens():
