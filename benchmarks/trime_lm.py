@@ -4,16 +4,18 @@
     python benchmarks/trime_lm.py --quick    # the pipeline end to end in a few minutes (tiny budgets)
     python benchmarks/trime_lm.py --runs clm_none clm_long & python benchmarks/trime_lm.py --runs mlm_none mlm_batch
     python benchmarks/trime_lm.py --runs timing     # parts in parallel processes; the last one writes the report
+    python benchmarks/trime_lm.py --runs mlm_none mlm_batch --update masked   # rerun part (b) only, into the report
 
 (a) causal: a small BertPkm causal LM (a memory at layer 2) trained from scratch with run_clm.py on the embedded
     Pride and Prejudice chapters, once with cross-entropy and once with `--trime long`, same seed, steps and tokens;
 (b) masked: ResM-MiniLM (the real all-MiniLM-L6-v2 converted on load, memories beside the FFN of layers 2 and 4)
     trained with run_mlm.py, once with cross-entropy and once with `--trime` (the other masked positions of the batch
-    are the memory), same seed, steps, tokens and masks.
+    are the training memory), same seed, steps, tokens and masks.
 Every model is evaluated on held-out text (Pride and Prejudice ch. 59-61, Moby-Dick ch. 1-2, WikiText-2 test) with the
-ordinary perplexity and the perplexity with the in-batch memory at test time (`--trime_eval`). The cost of a training
-step (forward, backward, optimizer) is measured side by side in one process: the two losses alternate on the same
-model and batch, the order rotating, and the ratio is the median of the per-round ratios.
+ordinary perplexity and the perplexity with the in-batch memory at test time (`--trime_eval`: TRIME_long for the
+causal models; for the masked ones the visible positions credited to their own tokens, never a masked label). The
+cost of a training step (forward, backward, optimizer) is measured side by side in one process: the two losses
+alternate on the same model and batch, the order rotating, and the ratio is the median of the per-round ratios.
 """
 
 import argparse
@@ -81,7 +83,7 @@ def mlm_command(trime: str, output_dir: Path, budget: dict, seed: int) -> list[s
         *"--max_seq_length 64 --per_device_train_batch_size 8 --per_device_eval_batch_size 8 --learning_rate 3e-4".split(),
         *f"--num_warmup_steps {budget['mlm_steps'] // 10} --max_train_steps {budget['mlm_steps']}".split(),
         *f"--max_eval_samples {budget['eval_blocks']} --memory_optimizer sparse_row_adam --seed {seed}".split(),
-        "--trime", trime, "--trime_eval", "batch", "--output_dir", str(output_dir),
+        "--trime", trime, "--trime_eval", "context", "--output_dir", str(output_dir),
     ]
 
 
@@ -182,6 +184,13 @@ def main(argv=None):
         help="the parts to run (default: all, one after the other); the report is written once all are in work_dir "
         "(`--runs report`: only the report, from the parts already there)",
     )
+    parser.add_argument(
+        "--update",
+        choices=["masked"],
+        help="masked: once mlm_none and mlm_batch are in work_dir, rewrite only part (b) and its conclusions in the "
+        "existing report (part (a) and the step costs, which the change of the masked test-time memory does not "
+        "touch, stay as they are)",
+    )
     args = parser.parse_args(argv)
     budget = budgets(args.quick)
     work = Path(args.work_dir)
@@ -201,6 +210,15 @@ def main(argv=None):
     if "timing" in args.runs:
         print(f"[{time.strftime('%H:%M:%S')}] timing", flush=True)
         (work / "timing.json").write_text(json.dumps(timing(dirs, budget, args.seed), indent=2))
+    if args.update == "masked":
+        missing = [part for part in ("mlm_none", "mlm_batch") if not (work / f"{part}.json").is_file()]
+        if missing:
+            print(f"not updating {args.output} yet: missing {missing} in {work}")
+            return
+        runs = {name: json.loads((work / f"{name}.json").read_text()) for name in ("mlm_none", "mlm_batch")}
+        update_masked_part(Path(args.output), runs, commands, budget, args, started)
+        print(f"updated part (b) of {args.output}")
+        return
     # the report, once every part is in work_dir (parts may run in separate invocations, e.g. in parallel)
     parts = [name for name, _, _ in RUNS] + ["timing"]
     missing = [part for part in parts if not (work / f"{part}.json").is_file()]
@@ -221,35 +239,102 @@ RUNS = (
 )
 
 
-def write_report(path: Path, runs, costs, commands, budget, args, started) -> None:
+NAMES = {"pride": "Pride and Prejudice ch. 59-61", "moby": "Moby-Dick ch. 1-2", "wt2": "WikiText-2 test"}
+MEMORY_TEXT = (
+    "TRIME's loss: p(w|t) ∝ exp(E_w·h_t + b_w) + Σ_{j∈M(t), y_j=w} exp(h_t·h_j/√d), normalised over the vocabulary "
+    "and every memory entry (`modeling_pkm_bert/trime.py`). \"ppl with memory\" scores the same held-out tokens "
+    "with that formula and the memory of the evaluation batch (8 consecutive blocks): TRIME_long for the causal "
+    "models (all earlier tokens of the batch); for the masked ones the visible (unmasked) positions of the batch, each "
+    "credited to its own token (`--trime_eval context`), never the label of a masked position, which is what the "
+    "model must predict. The masked TRIME model still trains with the other masked positions and their labels as "
+    "memory."
+)
+
+
+def table_header(sets) -> list[str]:
+    header = "| model | " + " | ".join(f"{NAMES[s]}: ppl / ppl with memory" for s in sets)
+    return [header + " | final train loss (its own objective) | run time |", "|---|" + "---:|" * (len(sets) + 2)]
+
+
+def shorten(command, args) -> str:
+    """The command as a user types it (no machine paths)."""
+    text = " ".join(command[1:])
+    text = text.replace(minilm_path(), "<all-MiniLM-L6-v2>").replace(str(SHARED_DATA), "<shared/data>")
+    return text.replace(str(ROOT) + "/", "").replace(args.work_dir, "<work_dir>")
+
+
+def machine(args, started) -> str:
     import torch
     import transformers
 
-    sets = [s for s in ("pride", "moby", "wt2") if f"eval_{s}_perplexity" in runs["clm_none"]]
-    names = {"pride": "Pride and Prejudice ch. 59-61", "moby": "Moby-Dick ch. 1-2", "wt2": "WikiText-2 test"}
-    header = "| model | " + " | ".join(f"{names[s]}: ppl / ppl with memory" for s in sets)
-    header += " | final train loss (its own objective) | run time |"
-    rule = "|---|" + "---:|" * (len(sets) + 2)
+    return (
+        f"(seed {args.seed}) on {started:%Y-%m-%d %H:%M} UTC, on {platform.machine()} with {os.cpu_count()} cores "
+        f"shared with other jobs (load average at the end {os.getloadavg()[0]:.1f}), 1 thread per process, torch "
+        f"{torch.__version__}, transformers {transformers.__version__}"
+    )
 
-    def short(command):  # the command as a user types it (no machine paths)
-        text = " ".join(command[1:])
-        text = text.replace(str(ROOT) + "/", "").replace(minilm_path(), "<all-MiniLM-L6-v2>")
-        return text.replace(str(SHARED_DATA), "<shared/data>").replace(args.work_dir, "<work_dir>")
+
+def masked_table(runs, budget, sets) -> list[str]:
+    return [
+        f"## (b) ResM-MiniLM masked LM: cross-entropy vs TRIME ({budget['mlm_steps']} steps each)",
+        "",
+        f"all-MiniLM-L6-v2 converted on load (+Init) with ResM memories at layers 2 and 4 (64² slots each, 4 heads, "
+        f"knn 16, k_dim 128: smaller than the paper's 512² to fit this machine), a new MLM head; "
+        f"{budget['mlm_steps']} steps of 8x64 tokens (15% masked, the same masks in both runs), lr 3e-4, values 1e-3.",
+        "",
+        *table_header(sets),
+        row("cross-entropy", runs["mlm_none"], sets),
+        row("TRIME (batch memory in training)", runs["mlm_batch"], sets),
+    ]
+
+
+def update_masked_part(path: Path, runs, commands, budget, args, started) -> None:
+    """Rewrites part (b) of an existing report from fresh mlm_none / mlm_batch runs: its table, the masked conclusions
+    and command lines, and the memory description; part (a) and the step costs (the training objective is unchanged)
+    are kept."""
+    if not path.is_file():
+        raise ValueError(f"--update masked rewrites part (b) of an existing report: {path} does not exist")
+    old = path.read_text().split("\n")
+    sets = [s for s in ("pride", "moby", "wt2") if f"eval_{s}_perplexity" in runs["mlm_none"]]
+    start = next(i for i, line in enumerate(old) if line.startswith("## (b)"))
+    cost = next(i for i, line in enumerate(old) if i > start and line.startswith("Step cost"))
+    lines = old[:start] + masked_table(runs, budget, sets) + [""] + old[cost:]
+    lines.insert(
+        start + 1,
+        f"\nPart (b) re-run alone by `python benchmarks/trime_lm.py --runs mlm_none mlm_batch --update masked` "
+        f"{machine(args, started)}; its step cost below is the full run's (the training objective is unchanged).",
+    )
+    verdict_lines = verdicts({**runs}, None, sets, kinds=("masked",))
+    lines = [line for line in lines if not line.startswith("- masked")]
+    at = next(i for i, line in enumerate(lines) if line.startswith("- cost:"))
+    lines[at:at] = verdict_lines
+    lines = [MEMORY_TEXT if line.startswith("TRIME's loss:") else line for line in lines]
+    for kind in ("mlm_none", "mlm_batch"):
+        flag = f"--trime {'none' if kind == 'mlm_none' else 'batch'} --trime_eval "
+        lines = [
+            f"python {shorten(commands[kind], args)}" if line.startswith("python run_scripts/run_mlm.py") and flag in line
+            else line
+            for line in lines
+        ]
+    path.write_text("\n".join(lines))
+
+
+def write_report(path: Path, runs, costs, commands, budget, args, started) -> None:
+    sets = [s for s in ("pride", "moby", "wt2") if f"eval_{s}_perplexity" in runs["clm_none"]]
+    header, rule = table_header(sets)
+
+    def short(command):
+        return shorten(command, args)
 
     clm, mlm = costs["clm"], costs["mlm"]
     c_none, c_long, m_none, m_batch = (runs[k] for k in ("clm_none", "clm_long", "mlm_none", "mlm_batch"))
     lines = [
         "# TRIME against cross-entropy, same budget",
         "",
-        f"Written by `python benchmarks/trime_lm.py{' --quick' if args.quick else ''}` (seed {args.seed}) on "
-        f"{started:%Y-%m-%d %H:%M} UTC, on {platform.machine()} with {os.cpu_count()} cores shared with other jobs "
-        f"(load average at the end {os.getloadavg()[0]:.1f}), 1 thread per process, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}.{' **Quick mode: tiny budgets, the numbers check the pipeline only.**' if args.quick else ''}",
+        f"Written by `python benchmarks/trime_lm.py{' --quick' if args.quick else ''}` {machine(args, started)}."
+        f"{' **Quick mode: tiny budgets, the numbers check the pipeline only.**' if args.quick else ''}",
         "",
-        "TRIME's loss: p(w|t) ∝ exp(E_w·h_t + b_w) + Σ_{j∈M(t), y_j=w} exp(h_t·h_j/√d), normalised over the vocabulary "
-        "and every memory entry (`modeling_pkm_bert/trime.py`). \"ppl with memory\" scores the same held-out tokens "
-        "with that formula and the memory of the evaluation batch (8 consecutive blocks): TRIME_long for the causal "
-        "models (all earlier tokens of the batch), the other masked positions of the batch for the masked ones.",
+        MEMORY_TEXT,
         "",
         f"## (a) Causal BertPkm LM from scratch: cross-entropy vs TRIME_long ({budget['clm_steps']} steps each)",
         "",
@@ -269,16 +354,7 @@ def write_report(path: Path, runs, costs, commands, budget, args, started) -> No
         f"{c_none['train_steps_per_second']:.3f} vs {c_long['train_steps_per_second']:.3f} steps/s (separate "
         f"processes, not side by side); peak RSS {c_none['peak_memory_mb']:,.0f} vs {c_long['peak_memory_mb']:,.0f} MB.",
         "",
-        f"## (b) ResM-MiniLM masked LM: cross-entropy vs TRIME ({budget['mlm_steps']} steps each)",
-        "",
-        f"all-MiniLM-L6-v2 converted on load (+Init) with ResM memories at layers 2 and 4 (64² slots each, 4 heads, "
-        f"knn 16, k_dim 128: smaller than the paper's 512² to fit this machine), a new MLM head; "
-        f"{budget['mlm_steps']} steps of 8x64 tokens (15% masked, the same masks in both runs), lr 3e-4, values 1e-3.",
-        "",
-        header,
-        rule,
-        row("cross-entropy", m_none, sets),
-        row("TRIME (batch memory)", m_batch, sets),
+        *masked_table(runs, budget, sets),
         "",
         f"Step cost (8x64 tokens, side by side, {budget['timing_rounds']} rounds): cross-entropy "
         f"{mlm['ce_s'] * 1000:.0f} ms, TRIME {mlm['trime_s'] * 1000:.0f} ms, **ratio {mlm['ratio']:.3f}** "
@@ -302,13 +378,15 @@ def write_report(path: Path, runs, costs, commands, budget, args, started) -> No
     path.write_text("\n".join(lines))
 
 
-def verdicts(runs, costs, sets) -> list[str]:
+def verdicts(runs, costs, sets, kinds=("causal", "masked")) -> list[str]:
     """Statements computed from the measurements (nothing here is written in advance)."""
     out = []
     for kind, base, trime, label in (
         ("causal", "clm_none", "clm_long", "TRIME_long"),
         ("masked", "mlm_none", "mlm_batch", "TRIME"),
     ):
+        if kind not in kinds:
+            continue
         b, t = runs[base], runs[trime]
         plain = [t[f"eval_{s}_perplexity"] / b[f"eval_{s}_perplexity"] for s in sets]
         memory = [t[f"eval_{s}_trime_perplexity"] / b[f"eval_{s}_trime_perplexity"] for s in sets]
@@ -328,6 +406,8 @@ def verdicts(runs, costs, sets) -> list[str]:
             f"without): ratio {', '.join(f'{r:.3f}' for r in best)}; {label} is better on "
             f"{', '.join(wins) if wins else 'none of the sets'} at this budget."
         )
+    if costs is None:
+        return out
     out.append(
         f"- cost: a TRIME step takes {costs['clm']['ratio']:.2f}x (causal, 512 tokens, long memory) and "
         f"{costs['mlm']['ratio']:.2f}x (masked) the time of a cross-entropy step, with no new parameter."

@@ -139,8 +139,11 @@ CAUSAL_MEMORY_KINDS = ("local", "long")
 
 
 def add_trime_arguments(parser, causal: bool = True):
-    """`--trime` and `--trime_eval` for run_clm.py (causal: none/local/long) and run_mlm.py (masked: none/batch)."""
+    """`--trime` and `--trime_eval` for run_clm.py (causal: none/local/long) and run_mlm.py (masked: `--trime`
+    none/batch, `--trime_eval` none/context; `--trime_eval batch` is refused by `trime.resolve_trime_arguments`)."""
     kinds = ("none", *CAUSAL_MEMORY_KINDS) if causal else ("none", "batch")
+    # "batch" stays a choice of --trime_eval so that it gets a clear error rather than argparse's list
+    eval_kinds = kinds if causal else ("none", "batch", "context")
     default_kind = "local" if causal else "batch"
     group = parser.add_argument_group(
         "TRIME (in-batch memory objective)",
@@ -152,7 +155,7 @@ def add_trime_arguments(parser, causal: bool = True):
         "local: the earlier positions of the same block (TRIME_local); long: also every position of the previous "
         "blocks of the batch, which are then consecutive blocks of the text (TRIME_long)"
         if causal
-        else "batch: the other masked positions of the batch (never a position itself)"
+        else "batch: the other masked positions of the batch (never a position itself), each credited to its label"
     )
     group.add_argument(
         "--trime",
@@ -165,10 +168,17 @@ def add_trime_arguments(parser, causal: bool = True):
     group.add_argument(
         "--trime_eval",
         default=None,
-        choices=kinds,
+        choices=eval_kinds,
         help="The memory of the evaluation's second perplexity (`eval_<set>_trime_perplexity`, beside the ordinary "
-        "one); default: the --trime memory. Give it to a model trained without --trime to measure the test-time "
-        "memory alone.",
+        "one); default: the --trime memory"
+        + (
+            ""
+            if causal
+            else " for a causal LM; here `context`, the visible (unmasked) positions of the batch, each credited to its "
+            "own token: the masked positions' labels are what the model must predict, so no test-time memory reads "
+            "them (`batch` is refused)"
+        )
+        + ". Give it to a model trained without --trime to measure the test-time memory alone.",
     )
     group.add_argument(
         "--trime_chunk_size", type=int, default=1024, help="Queries per block of the memory computation."
@@ -209,8 +219,9 @@ def add_smf_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "--smf_background_batches",
         type=int,
         default=1000,
-        help="Number N of background batches (of --per_device_train_batch_size sequences of --max_seq_length tokens), "
-        "over all processes (the re-implementations: 1000).",
+        help="Number N of background documents, each as many sequences of --max_seq_length tokens as one optimizer "
+        "step's batch (per-device batch x gradient accumulation x processes), the unit a step's reads are ranked in "
+        "(the re-implementations: 1000).",
     )
     group.add_argument("--smf_top_t", type=int, default=500, help="Value rows trained per memory layer and step.")
     group.add_argument("--smf_ranker", choices=SMF_RANKERS, default="tfidf", help="tfidf (Lin et al.) or kl.")

@@ -5,20 +5,34 @@ Recipe:
 
 1. **Background statistics** ([`compute_background_statistics`]): the frozen model (eval mode, no gradient) reads
    background text; for every slot of every memory layer we record its *document frequency* `df` (in how many
-   background batches it was read at least once) and its total *reads*. A read is one (token, head, knn) entry of the
-   lookup, so a slot chosen by two heads of one token is read twice; padding tokens are never looked up, so never
-   counted. `N` is the number of background batches. Saved as safetensors beside a model
-   ([`BackgroundStatistics.save`], `smf_background_statistics.safetensors`), with each layer's slot count, so that
+   background documents it was read at least once) and its total *reads*. A read is one (token, head, knn) entry of
+   the lookup, so a slot chosen by two heads of one token is read twice; padding tokens are never looked up, so never
+   counted. `N` is the number of background documents. **A document is what one training step ranks**: as many
+   sequences as an optimizer step's global batch (per-device batch x gradient accumulation x processes), so that the
+   term frequencies of a step and the document frequencies are counted over the same unit. Saved as safetensors
+   beside a model ([`BackgroundStatistics.save`], `smf_background_statistics.safetensors`), with each layer's slot
+   count, so that
    statistics of another model are refused.
 2. **Ranking** ([`tfidf_scores`], [`kl_scores`], [`choose_slots`]): per training step and memory layer, `c_i` = the
-   step's reads of slot `i` (all micro-batches of a gradient accumulation, all processes); the top `t` slots by
+   step's reads of slot `i` (all micro-batches of a gradient accumulation, all processes: one document); the top `t`
+   slots by
    - TF-IDF: `(c_i / sum_j c_j) * log((N + 1) / (df_i + 1))`;
    - KL: `p_i * log(p_i / q_i)`, `p_i = c_i / sum_j c_j`, `q_i = (reads_i + 1) / sum_j (reads_j + 1)`.
    Slots the step did not read are never chosen (fewer than `t` read: all of them). Ties are broken by the lower slot
    index (a stable descending sort of float64 scores; every process computes the same choice from the same
    all-reduced counts).
-3. **The update** ([`SparseMemoryFinetuning`]): right before the values' optimizer steps, the value gradient is zeroed
-   outside the chosen rows (dense gradients: masked; sparse COO gradients of `set_sparse_values`: filtered). Memories
+   The reads a step ranks are those the background counts: while everything but the values is frozen, the training
+   forwards run in eval mode (running BatchNorm statistics, no dropout; the values still get their gradient), as the
+   background pass and inference do. In training mode the query BatchNorm would normalise with the batch's own
+   statistics and dropout would move the queries, so the slots ranked would not be the slots inference reads: on
+   all-MiniLM-L6-v2 converted with fresh ResM memories at layers 2 and 4 (64^2 slots), the top-16 of a batch of 8x64
+   tokens overlapped the eval-mode top-16 by 0.11 and 0.03 on average (top-64: 0.20 and 0.08). With `--smf_train_rest`
+   (`smf_train_rest` parameters trainable) the model trains in training mode and its reads are training-mode reads.
+3. **The update** ([`SparseMemoryFinetuning`]): after the backward and *before any gradient clipping*, the value
+   gradient is zeroed outside the chosen rows (dense gradients: `masked_fill`, so an inf/NaN of an unchosen row is
+   zeroed too; sparse COO gradients of `set_sparse_values`: filtered), so a clipping norm counts only the rows the
+   step trains. The choice consumes the step's reads: the next training forward starts a new count even when the
+   optimizer step is then skipped (fp16 loss scaling found an inf), so a step never ranks two steps' reads. Memories
    that share one value table (`pkm_shared_values`) keep per-layer counts and choices; the table's rows are the union
    of its layers' choices. Everything else is frozen by default ([`freeze_all_but_values`]).
 
@@ -29,20 +43,21 @@ Recipe:
    restored after its step (a copy of the table is kept across the step), so "only the chosen rows change" holds for
    every optimizer. Adam's moments of the unchosen rows still decay (they are not restored).
 
-"Batch" under several processes: a background batch is one per-process forward batch; with `P` processes each
-running its share of the batches, `N` is the total number of batches over all processes and `df` sums over them, so
-the merged statistics equal those of one process running the same batches ([`BackgroundStatistics.merge`],
-[`BackgroundStatistics.all_reduce`]). A *training* step's counts are summed over processes before ranking (the
-ranked batch is the global batch), so all processes choose the same rows.
+Several processes: each runs its share of every background document and the document's reads are summed over the
+processes before it is counted ([`compute_background_statistics`] with `num_processes`), so the statistics equal
+those of one process running the whole documents; a *training* step's counts are likewise summed over processes
+before ranking, so all processes choose the same rows.
 
 Usage::
 
-    stats = compute_background_statistics(model, background_batches)       # or BackgroundStatistics.load(path)
+    stats = compute_background_statistics(model, background_documents)     # or BackgroundStatistics.load(path)
     freeze_all_but_values(model)
     optimizer = torch.optim.SGD(pkm_value_parameters(model), lr=1.0)
     smf = SparseMemoryFinetuning(model, stats, top_t=500, ranker="tfidf").attach(optimizer)
     for batch in loader:
-        model(**batch).loss.backward(); optimizer.step(); optimizer.zero_grad()   # only chosen rows move
+        model(**batch).loss.backward()
+        smf.mask_gradients()            # before clipping or a GradScaler's step (else the optimizer step does it)
+        optimizer.step(); optimizer.zero_grad()   # only chosen rows move
 
 With `transformers.Trainer`: `SparseMemoryFinetuningCallback(stats, top_t=...)` (see its docstring).
 """
@@ -58,6 +73,7 @@ from torch import nn
 
 from .arguments import SMF_RANKERS, STATISTICS_NAME, add_smf_arguments  # noqa: F401 (flags: torch-free module)
 from .memory_usage import _readable_name
+from .trime import _unwrap
 
 
 _FORMAT = "modeling_pkm_bert.smf_background_statistics/1"
@@ -83,12 +99,13 @@ def _mem_size(memory: nn.Module) -> int:
 
 
 class BackgroundStatistics:
-    """Per memory layer, the document frequency and total reads of every slot over `num_batches` background batches.
+    """Per memory layer, the document frequency and total reads of every slot over `num_batches` background documents.
 
     Attributes:
-        document_frequency: `{layer: int64 (mem_size,)}`: number of background batches that read the slot.
+        document_frequency: `{layer: int64 (mem_size,)}`: number of background documents (one optimizer step's batch
+            each) that read the slot.
         reads: `{layer: int64 (mem_size,)}`: total reads (tokens x heads x knn entries) of the slot.
-        num_batches: `N`, the number of background batches counted.
+        num_batches: `N`, the number of background documents counted.
     """
 
     def __init__(self, mem_sizes: Mapping[str, int]):
@@ -220,7 +237,10 @@ class ReadCounter:
 
     Args:
         model: The model whose memories are counted.
-        training_only: Count only forwards in training mode (the SMF step), not evaluations in between.
+        training_only: Count only forwards that record a gradient (the SMF step), not no-grad evaluations in between.
+
+    Attributes:
+        stale: Set it once the counts have been used (a step's choice): the next counted read starts a new count.
     """
 
     def __init__(self, model: nn.Module, training_only: bool = False):
@@ -230,6 +250,7 @@ class ReadCounter:
             for name, memory in self.memories.items()
         }
         self.training_only = training_only
+        self.stale = False
         self._reading: str | None = None
         self._hooks = []
 
@@ -252,7 +273,7 @@ class ReadCounter:
 
     def _enter(self, name: str):
         def enter(module, args):
-            self._reading = name if (module.training or not self.training_only) else None
+            self._reading = name if (torch.is_grad_enabled() or not self.training_only) else None
 
         return enter
 
@@ -262,6 +283,8 @@ class ReadCounter:
     def _count(self, values, args, kwargs, output):
         if self._reading is None:
             return
+        if self.stale:  # the first read after a step's choice: a new step
+            self.reset()
         indices = args[0] if args else kwargs["input"]
         counts = self.counts[self._reading]
         counts += torch.bincount(indices.reshape(-1), minlength=counts.numel()).to(counts.device)
@@ -269,6 +292,7 @@ class ReadCounter:
     def reset(self) -> None:
         for counts in self.counts.values():
             counts.zero_()
+        self.stale = False
 
     def __enter__(self) -> "ReadCounter":
         return self.attach()
@@ -290,16 +314,30 @@ def compute_background_statistics(
     max_batches: int | None = None,
     device: torch.device | str | None = None,
     progress: Callable[[Iterable], Iterable] | None = None,
+    micro_batch_size: int | None = None,
+    process_index: int = 0,
+    num_processes: int = 1,
 ) -> BackgroundStatistics:
-    """Runs `model` frozen (eval mode, no gradient) over background `batches` (dicts of model inputs; labels are
-    ignored) and counts, per memory slot, in how many batches it was read and how often. Each process counts its own
-    batches; merge them with `BackgroundStatistics.all_reduce` (or `merge`).
+    """Runs `model` frozen (eval mode, no gradient) over background `batches`, each one *document* (dicts of model
+    inputs; labels are ignored; as many sequences as a training step's global batch), and counts, per memory slot, in
+    how many documents it was read and how often.
+
+    A document may be run in pieces: `micro_batch_size` sequences per forward, and with `num_processes > 1` (a
+    collective: call it on every process with the same documents) process `process_index` runs its contiguous share
+    of each document's sequences and the document's reads are summed over the processes before they are counted, so
+    every process ends with the statistics of the whole documents, equal to those of one process (eval-mode reads do
+    not depend on how sequences are batched).
 
     Raises:
         ValueError: The model has no memory, `max_batches < 1`, or there is no background batch.
     """
     if max_batches is not None and max_batches < 1:
         raise ValueError(f"max_batches={max_batches} must be >= 1 (or None for every batch)")
+    if micro_batch_size is not None and micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1 (or None: a document per forward)")
+    if not 0 <= process_index < num_processes:
+        raise ValueError(f"process_index={process_index} must be in [0, num_processes={num_processes})")
+    distributed = num_processes > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
     statistics = BackgroundStatistics.for_model(model)
     device = device or next(model.parameters()).device
     was_training = model.training
@@ -310,8 +348,20 @@ def compute_background_statistics(
                 if max_batches is not None and index >= max_batches:
                     break
                 counter.reset()
-                model(**{k: v.to(device) for k, v in _model_inputs(batch).items()})
-                statistics.add_batch(counter.counts)
+                inputs = _model_inputs(batch)
+                size = len(next(iter(inputs.values())))
+                share = -(-size // num_processes)  # this process's contiguous slice of the document
+                start, stop = min(process_index * share, size), min((process_index + 1) * share, size)
+                step = micro_batch_size or max(stop - start, 1)
+                for first in range(start, stop, step):
+                    model(**{k: v[first : min(first + step, stop)].to(device) for k, v in inputs.items()})
+                counts = counter.counts
+                if distributed:
+                    names = list(counts)
+                    flat = torch.cat([counts[name] for name in names])
+                    torch.distributed.all_reduce(flat)
+                    counts = dict(zip(names, flat.split([counts[name].numel() for name in names])))
+                statistics.add_batch(counts)
     finally:
         model.train(was_training)
     if statistics.num_batches == 0:
@@ -410,6 +460,8 @@ class SparseMemoryFinetuning:
     Attributes:
         chosen: `{layer: LongTensor}`, the slots chosen at the last step (ascending).
         steps: Number of restricted optimizer steps.
+        eval_mode_reads: Whether the training forwards run in eval mode (set by `attach`: when nothing but the value
+            tables is trainable), so that the reads ranked are those the background statistics count.
     """
 
     def __init__(self, model: nn.Module, statistics: BackgroundStatistics, top_t: int, ranker: str = "tfidf"):
@@ -418,8 +470,12 @@ class SparseMemoryFinetuning:
         statistics.check_model(model)
         validate_top_t(top_t, statistics.mem_sizes)
         self.statistics, self.top_t, self.ranker = statistics, top_t, ranker
+        self.model = _unwrap(model)
         self.memories = memory_layers(model)
         self.counter = ReadCounter(model, training_only=True)
+        self.eval_mode_reads = False
+        self._modes: list[nn.Module] = []
+        self._model_hooks = []
         self.tables: dict[int, tuple[nn.Parameter, list[str]]] = {}  # id(weight) -> (weight, its layers)
         for name, memory in self.memories.items():
             self.tables.setdefault(id(memory.values.weight), (memory.values.weight, []))[1].append(name)
@@ -432,9 +488,17 @@ class SparseMemoryFinetuning:
 
     def attach(self, optimizer: torch.optim.Optimizer | None = None, restore_unchosen: bool | None = None):
         """Starts counting the training forwards' reads; with `optimizer` (the one stepping the values; an accelerate
-        `AcceleratedOptimizer` is unwrapped) its steps are restricted automatically (`mask_gradients` before each step,
-        `restore_unchosen_rows` after it where the optimizer could move rows without gradient; `restore_unchosen`
-        forces that choice). Returns `self`."""
+        `AcceleratedOptimizer` is unwrapped) its steps are restricted automatically (`mask_gradients` before each step
+        unless already called for it, `restore_unchosen_rows` after it where the optimizer could move rows without
+        gradient; `restore_unchosen` forces that choice). While only the value tables are trainable, the training
+        forwards run in eval mode (see the module docstring). Returns `self`."""
+        if not self.counter._hooks:
+            tables = {id(weight) for weight, _ in self.tables.values()}
+            frozen = all(id(p) in tables for p in self.model.parameters() if p.requires_grad)
+            self.eval_mode_reads = frozen
+            if frozen:
+                self._model_hooks.append(self.model.register_forward_pre_hook(self._enter_eval_mode))
+                self._model_hooks.append(self.model.register_forward_hook(self._leave_eval_mode))
         self.counter.attach()
         if optimizer is not None and not self._optimizer_hooks:
             inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper steps the torch optimizer
@@ -445,25 +509,41 @@ class SparseMemoryFinetuning:
 
     def detach(self) -> None:
         self.counter.detach()
-        for handle in self._optimizer_hooks:
+        for handle in self._optimizer_hooks + self._model_hooks:
             handle.remove()
-        self._optimizer_hooks = []
+        self._optimizer_hooks, self._model_hooks = [], []
+
+    def _enter_eval_mode(self, module, args):
+        # a training forward of the frozen model reads as the background pass and inference do (no batch statistics
+        # in the query BatchNorm, no dropout); the values' gradient is the same computation either way
+        if torch.is_grad_enabled() and module.training:
+            self._modes = [m for m in module.modules() if m.training]
+            module.eval()
+
+    def _leave_eval_mode(self, module, args, output):
+        for m in self._modes:
+            m.training = True
+        self._modes = []
 
     def before_step(self, restore: bool = False) -> None:
-        self.mask_gradients()
+        if self.counter.stale:  # already masked for this step (before clipping): the same choice
+            self._apply_masks(self._masks)
+        else:
+            self.mask_gradients()
         if restore:
             self._saved_tables = {key: weight.detach().clone() for key, (weight, _) in self.tables.items()}
 
     def after_step(self) -> None:
         if self._saved_tables:
             self.restore_unchosen_rows()
-        self.counter.reset()
         self.steps += 1
 
     # -- the step --
 
     def select(self) -> dict[int, torch.Tensor]:
-        """Ranks this step's reads (summed over processes); returns `{id(table): boolean row mask}`, sets `chosen`."""
+        """Ranks this step's reads (summed over processes); returns `{id(table): boolean row mask}`, sets `chosen`.
+        The reads are then used up: the next training forward starts the next step's count (also when this step's
+        optimizer step is skipped)."""
         counts = self.counter.counts
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             names = list(counts)
@@ -480,13 +560,20 @@ class SparseMemoryFinetuning:
                 mask[self.chosen[name].to(weight.device)] = True
             masks[key] = mask
         self._masks = masks
+        self.counter.stale = True
         return masks
 
     @torch.no_grad()
     def mask_gradients(self) -> dict[int, torch.Tensor]:
-        """Zeroes the value gradients outside the chosen rows (dense: masked; sparse: rows filtered). Call it after the
-        backward (gradients synchronised) and before the optimizer step; returns the masks."""
+        """Chooses this step's rows and zeroes the value gradients outside them (dense: masked; sparse: rows
+        filtered). Call it after the backward (gradients synchronised), before any gradient clipping, loss unscaling
+        or optimizer step (the attached optimizer's step calls it when it was not); returns the masks."""
         masks = self.select()
+        self._apply_masks(masks)
+        return masks
+
+    @torch.no_grad()
+    def _apply_masks(self, masks: dict[int, torch.Tensor]) -> None:
         for key, (weight, _) in self.tables.items():
             grad, mask = weight.grad, masks[key]
             if grad is None:
@@ -498,9 +585,8 @@ class SparseMemoryFinetuning:
                 weight.grad = torch.sparse_coo_tensor(
                     rows[:, keep], values[keep], grad.shape, is_coalesced=True, check_invariants=False
                 )
-            else:
-                grad.mul_(mask.unsqueeze(1).to(grad.dtype))
-        return masks
+            else:  # not grad * mask: an inf or NaN of an unchosen row times 0 would be NaN
+                grad.masked_fill_(~mask.unsqueeze(1), 0)
 
     @torch.no_grad()
     def restore_unchosen_rows(self) -> None:
@@ -553,20 +639,38 @@ class SparseMemoryFinetuningCallback(_trainer_callback_base()):
         trainer = Trainer(model=model, args=args, train_dataset=..., callbacks=[callback])
         trainer.train()
 
-    The gradients are masked right before each optimizer step (after the Trainer's gradient clipping, whose norm so
-    includes the unchosen rows' gradients), and with an Adam-family optimizer the unchosen rows are restored after it.
+    The gradients are masked before the gradient clipping: the Trainer clips before any callback runs, so the callback
+    takes the clipping over for the run (`args.max_grad_norm` is set to 0 and put back at the end) and, at each
+    optimizer step, masks, then clips to `max_grad_norm` (unscaling first under fp16), so the unchosen rows' gradients
+    never shrink the chosen rows' step. The choice is made at every step, skipped by the loss scaler or not. With an
+    Adam-family optimizer the unchosen rows are restored after the step.
     """
 
     def __init__(self, statistics: BackgroundStatistics, top_t: int, ranker: str = "tfidf"):
         self.statistics, self.top_t, self.ranker = statistics, top_t, ranker
         self.smf: SparseMemoryFinetuning | None = None
+        self.max_grad_norm: float | None = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.smf = SparseMemoryFinetuning(model, self.statistics, self.top_t, self.ranker).attach(optimizer)
+        self.optimizer, self.model = optimizer, model
+        self.max_grad_norm, args.max_grad_norm = args.max_grad_norm, 0.0
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        from .optimization import clip_grad_norm_
+
+        self.smf.mask_gradients()
+        if self.max_grad_norm and self.max_grad_norm > 0:
+            scaler = getattr(self.optimizer, "scaler", None)  # accelerate's fp16 loss scaling: clip unscaled gradients
+            if scaler is not None:
+                scaler.unscale_(self.optimizer.optimizer)
+            clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], self.max_grad_norm)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.smf is not None:
             self.smf.detach()
+        if self.max_grad_norm is not None:
+            args.max_grad_norm, self.max_grad_norm = self.max_grad_norm, None
 
 
 # ---- command line ----
@@ -661,24 +765,26 @@ def statistics_from_args(
             logger.info(f"SMF: background statistics of {statistics.num_batches} batches loaded from {source}")
         return statistics
     texts = _background_texts(args)
+    # a background document is what one optimizer step ranks: its global batch (module docstring)
+    document = args.per_device_train_batch_size * getattr(args, "gradient_accumulation_steps", 1)
     batches = background_batches(
-        tokenizer, texts, max_seq_length, args.per_device_train_batch_size, args.smf_background_batches
+        tokenizer, texts, max_seq_length, document * accelerator.num_processes, args.smf_background_batches
     )
     if not batches:
         raise ValueError(
             f"the background text ({args.smf_background_file or args.smf_background_dataset}) yields no block of "
             f"{max_seq_length} tokens: give more background text or a smaller --max_seq_length"
         )
-    # process i counts batches i, i + P, ...: the sum over processes counts every batch once
-    own = batches[accelerator.process_index :: accelerator.num_processes]
-    statistics = (
-        compute_background_statistics(unwrapped, own, device=accelerator.device)
-        if own
-        else BackgroundStatistics.for_model(unwrapped)
+    # each process runs its share of every document, in per-device batches; the reads are summed per document
+    statistics = compute_background_statistics(
+        unwrapped, batches, device=accelerator.device, micro_batch_size=args.per_device_train_batch_size,
+        process_index=accelerator.process_index, num_processes=accelerator.num_processes,
     )
-    statistics.all_reduce(accelerator.device)
     if logger:
-        logger.info(f"SMF: background statistics computed on {statistics.num_batches} batches")
+        logger.info(
+            f"SMF: background statistics computed on {statistics.num_batches} documents of "
+            f"{document * accelerator.num_processes} sequences (one optimizer step's batch)"
+        )
     return statistics
 
 

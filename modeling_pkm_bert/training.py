@@ -31,11 +31,18 @@ PKM_FIELDS = {
 }
 
 
-def clip_memory_gradients(accelerator, model: torch.nn.Module, memory_optimizer, max_norm: float | None):
+def clip_memory_gradients(accelerator, model: torch.nn.Module, memory_optimizer, max_norm: float | None, smf=None):
     """`--memory_max_grad_norm`: clips the value tables' gradient to `max_norm` on its own (each shared table once),
     after unscaling it under fp16 loss scaling; call it between `accelerator.backward` and the optimizer steps.
+    With sparse memory finetuning (`smf`, a `SparseMemoryFinetuning`), the step's rows are chosen and the gradient
+    masked first, at every optimizer step: the clipping norm counts only the rows the step trains, and the choice
+    uses up the step's reads even when the loss scaler then skips the step.
     Returns the norm before clipping (None when there is nothing to clip)."""
-    if not max_norm or not accelerator.sync_gradients:
+    if not accelerator.sync_gradients:
+        return None
+    if smf is not None:
+        smf.mask_gradients()
+    if not max_norm:
         return None
     if getattr(accelerator, "scaler", None) is not None and memory_optimizer is not None:
         accelerator.unscale_gradients(optimizer=memory_optimizer)

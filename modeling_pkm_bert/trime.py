@@ -18,7 +18,11 @@ Memories (`memory=`):
 - `"local"` (TRIME_local): the earlier scored positions of the same sequence (row);
 - `"long"` (TRIME_long): every earlier scored position of the batch in row-major order, i.e. the local memory plus
   all positions of the previous rows, which must then be consecutive segments of one text;
-- `"batch"` (masked LM): every other scored position of the batch (a position never counts itself).
+- `"batch"` (masked LM, training only): every other scored position of the batch (a position never counts itself),
+  credited to its target. Those targets are the hidden tokens of the masked positions: fine as a training signal, but
+  at test time they are exactly what the model must predict, so a perplexity with this memory reads the answers;
+- `"context"` (masked LM at test time): every visible position of the batch (not scored, not padding), credited to
+  its own input token, so no label is read (`input_ids=` and `attention_mask=` are then needed).
 
 With an empty memory the loss is the cross-entropy, exactly. The memory terms are computed in chunks of queries
 (a `chunk_size x keys` similarity block at a time): no `(tokens x tokens x vocab)` tensor is ever built.
@@ -33,7 +37,7 @@ import torch
 from .arguments import CAUSAL_MEMORY_KINDS, add_trime_arguments  # noqa: F401 (the flags live in a torch-free module)
 
 
-MEMORY_KINDS = ("local", "long", "batch")
+MEMORY_KINDS = ("local", "long", "batch", "context")
 
 
 def causal_targets(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -69,6 +73,8 @@ def trime_loss(
     ignore_index: int = -100,
     chunk_size: int = 1024,
     reduction: str = "mean",
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """TRIME's negative log-likelihood of `targets` (see the module docstring).
 
@@ -80,16 +86,18 @@ def trime_loss(
             `(weight, bias)` pair; not needed when `logits` are given.
         logits: (batch, seq, vocab) the output layer's logits `hidden @ weight.T + bias`, when already computed (the
             model's forward): they are reused instead of computed again.
-        memory: "local", "long" or "batch" (see the module docstring).
+        memory: "local", "long", "batch" or "context" (see the module docstring).
         scale: the factor of the similarity, default 1 / sqrt(d).
         chunk_size: queries per block of the memory computation.
         reduction: "mean" over scored positions, "sum", or "none" (a (batch, seq) tensor, 0 at unscored positions).
+        input_ids, attention_mask: (batch, seq), for `memory="context"`: the token each visible position is credited
+            to, and which positions are padding (never entries; default: none is).
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r}; expected 'mean', 'sum' or 'none'")
     scored, log_p, _ = trime_log_probs(
         hidden, targets, output_layer, logits=logits, memory=memory, scale=scale, ignore_index=ignore_index,
-        chunk_size=chunk_size,
+        chunk_size=chunk_size, input_ids=input_ids, attention_mask=attention_mask,
     )
     return _reduce(log_p, scored, hidden, targets, reduction)
 
@@ -115,6 +123,8 @@ def trime_log_probs(
     scale: float | None = None,
     ignore_index: int = -100,
     chunk_size: int = 1024,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(flat indices of the scored positions, TRIME log p of their targets, log p of the vocabulary alone, i.e. the
     model's ordinary log-softmax), in row-major order. `memory=None` skips the memory (the first two are then equal).
@@ -128,6 +138,11 @@ def trime_log_probs(
         )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if memory == "context" and (input_ids is None or input_ids.shape != targets.shape):
+        raise ValueError(
+            f"memory='context' needs the input_ids of shape {tuple(targets.shape)} (the token each visible position "
+            f"is credited to); got {None if input_ids is None else tuple(input_ids.shape)}"
+        )
     batch, length, d = hidden.shape
     if logits is None:
         if output_layer is None:
@@ -147,8 +162,15 @@ def trime_log_probs(
         empty = hidden.new_zeros(0, dtype=dtype)
         return scored, empty, empty
     queries = hidden.reshape(-1, d)[scored]
-    keys = queries * scale  # the memory entries: every scored position, in row-major order
     y = flat_targets[scored]
+    if memory == "context":  # the entries: the visible positions, credited to their own input token
+        visible = flat_targets == ignore_index
+        if attention_mask is not None:
+            visible &= attention_mask.reshape(-1) != 0
+        visible = visible.nonzero().squeeze(1)
+        keys, key_targets = hidden.reshape(-1, d)[visible] * scale, input_ids.reshape(-1)[visible]
+    else:  # the entries: every scored position, in row-major order, credited to its target
+        keys, key_targets = queries * scale, y
     rows = torch.div(scored, length, rounding_mode="floor")
     # for "local", the first key of each query's row (the keys of one row are contiguous)
     row_start = torch.searchsorted(rows, rows) if memory == "local" else None
@@ -182,12 +204,14 @@ def trime_log_probs(
             log_ps.append(log_p_vocab)
             continue
 
-        # the keys any query of this chunk may see: a contiguous range of the scored positions
+        # the keys any query of this chunk may see: a contiguous range of the entries
         first = 0 if memory != "local" else int(row_start[start])
-        last = n if memory == "batch" else stop
+        last = keys.shape[0] if memory in ("batch", "context") else stop
         index = torch.arange(start, stop, device=hidden.device)[:, None]
         key_index = torch.arange(first, last, device=hidden.device)[None, :]
-        if memory == "batch":
+        if memory == "context":  # entries and queries are disjoint positions
+            allowed = torch.ones(stop - start, last - first, dtype=torch.bool, device=hidden.device)
+        elif memory == "batch":
             allowed = key_index != index
         else:
             allowed = key_index < index
@@ -199,7 +223,7 @@ def trime_log_probs(
         log_z_vocab = target_logit.to(dtype) - log_p_vocab
         sims = (q @ keys[first:last].T).to(dtype)
         log_z_memory = torch.logsumexp(sims.masked_fill(~allowed, -math.inf), dim=-1)
-        positive = allowed & (y[first:last][None, :] == target)
+        positive = allowed & (key_targets[first:last][None, :] == target)
         log_positive = torch.logsumexp(sims.masked_fill(~positive, -math.inf), dim=-1)
         # log p = log(exp(x_y) + S_pos) - log(Z_vocab + S_memory), written relative to Z_vocab so that an empty
         # memory (S = 0, log S = -inf) leaves log_p_vocab untouched: logaddexp(a, -inf) == a, softplus(-inf) == 0
@@ -300,6 +324,8 @@ def model_trime_losses(model, inputs: dict, targets: torch.Tensor, memory: str |
     with capture_output_layer(model) as captured:
         outputs = model(**inputs)
     check_logits_match(outputs.logits, captured, type(_unwrap(model)).__name__)
+    if memory == "context":  # the visible tokens the entries are credited to
+        kwargs = {"input_ids": inputs["input_ids"], "attention_mask": inputs.get("attention_mask"), **kwargs}
     scored, log_p, log_p_vocab = trime_log_probs(
         captured["hidden"], targets, logits=outputs.logits, memory=memory, **kwargs
     )
@@ -310,11 +336,19 @@ def model_trime_losses(model, inputs: dict, targets: torch.Tensor, memory: str |
 # ---- command-line options (`add_trime_arguments`: modeling_pkm_bert/arguments.py) ----
 
 
-def resolve_trime_arguments(args) -> None:
-    """Normalises `args.trime` / `args.trime_eval` to a memory kind or None (after parsing)."""
+def resolve_trime_arguments(args, causal: bool = True) -> None:
+    """Normalises `args.trime` / `args.trime_eval` to a memory kind or None (after parsing). A masked LM evaluates with
+    the "context" memory (the default after `--trime batch`): the "batch" memory's entries are credited to the masked
+    positions' labels, which a test-time score may not read."""
     args.trime = None if args.trime in (None, "none") else args.trime
+    if not causal and args.trime_eval == "batch":
+        raise ValueError(
+            "--trime_eval batch would credit every other masked position to its label, and at test time those labels "
+            "are what is hidden from the model (the perplexity would read the answers); use --trime_eval context "
+            "(the visible positions, each credited to its own token). --trime batch still trains with it."
+        )
     if args.trime_eval is None:
-        args.trime_eval = args.trime
+        args.trime_eval = args.trime if causal or args.trime is None else "context"
     args.trime_eval = None if args.trime_eval == "none" else args.trime_eval
     if args.trime_chunk_size < 1:
         raise ValueError(f"--trime_chunk_size must be >= 1, got {args.trime_chunk_size}")

@@ -369,7 +369,7 @@ def parse_args(argv=None):
     add_smf_arguments(parser)
     add_memory_report_arguments(parser)
     args = parser.parse_args(argv)
-    resolve_trime_arguments(args)
+    resolve_trime_arguments(args, causal=False)
 
     # Sanity checks
     validate_training_arguments(parser, args)
@@ -472,7 +472,7 @@ def evaluate(args, accelerator, model, eval_datasets, collate_fn, measure_memory
             eval_loss = (totals[0] / totals[1]).item()
             metrics[f"eval_{name}_loss"] = eval_loss
             metrics[f"eval_{name}_perplexity"] = trime.perplexity(eval_loss)
-            if args.trime_eval:  # the same positions scored with the other masked positions of the batch as memory
+            if args.trime_eval:  # the same positions scored with the visible positions of the batch as memory
                 metrics[f"eval_{name}_trime_loss"] = (totals[2] / totals[1]).item()
                 metrics[f"eval_{name}_trime_perplexity"] = trime.perplexity(metrics[f"eval_{name}_trime_loss"])
             if track:
@@ -824,7 +824,7 @@ def main(argv=None):
                     running_loss += recent_losses[-1]
                     running_batches += 1
                     accelerator.backward(loss)
-                    clip_memory_gradients(accelerator, model, memory_optimizer, args.memory_max_grad_norm)
+                    clip_memory_gradients(accelerator, model, memory_optimizer, args.memory_max_grad_norm, smf)
                     for o in optimizers:
                         o.step()
                     lr_scheduler.step()

@@ -630,7 +630,7 @@ def main(argv=None):
                     total_loss += loss.detach().float().item()
                     counted_batches += 1
                     accelerator.backward(loss)
-                    clip_memory_gradients(accelerator, model, memory_optimizer, args.memory_max_grad_norm)
+                    clip_memory_gradients(accelerator, model, memory_optimizer, args.memory_max_grad_norm, smf)
                     for o in optimizers:
                         o.step()
                     lr_scheduler.step()

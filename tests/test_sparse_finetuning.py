@@ -337,20 +337,27 @@ def test_run_mlm_trains_only_value_rows_and_resumes_exactly(run_mlm, tiny_checkp
 
 
 def test_run_mlm_two_processes_merge_the_statistics_exactly(run_mlm, tiny_checkpoint, tmp_path):
-    one = tmp_path / "one"
-    run_script(run_mlm, smf_args(tiny_checkpoint, one, "--max_train_steps 1"))
+    """A background document is one optimizer step's batch: 2 processes x 4 sequences and 1 process x 4 sequences x
+    accumulation 2 count the same documents as 1 process with the merged batch of 8."""
+    merged, accumulated = tmp_path / "merged", tmp_path / "accumulated"
+    run_script(run_mlm, smf_args(tiny_checkpoint, merged, "--max_train_steps 1 --per_device_train_batch_size 8 "
+                                 "--gradient_accumulation_steps 1"))
+    run_script(run_mlm, smf_args(tiny_checkpoint, accumulated, "--max_train_steps 1"))
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SCRIPTS / "run_mlm.py")]
     options = "--max_train_steps 2 --memory_optimizer sparse_row_adam --memory_learning_rate 0.01"
+    options += " --gradient_accumulation_steps 1"
     done = subprocess.run(
         command + smf_args(tiny_checkpoint, tmp_path / "ddp", options), env=env, capture_output=True, text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "MULTI_CPU" in done.stderr and "sparse gradients" in done.stderr
-    # 5 background batches, 3 on process 0 and 2 on process 1, summed: the statistics of one process
-    assert BackgroundStatistics.load(tmp_path / "ddp" / STATISTICS_NAME) == BackgroundStatistics.load(one / STATISTICS_NAME)
+    expected = BackgroundStatistics.load(merged / STATISTICS_NAME)
+    assert expected.num_batches == 5
+    assert BackgroundStatistics.load(accumulated / STATISTICS_NAME) == expected
+    assert BackgroundStatistics.load(tmp_path / "ddp" / STATISTICS_NAME) == expected
 
 
 @pytest.mark.parametrize(
@@ -511,3 +518,170 @@ def test_benchmark_matched_learning_arithmetic_and_merge():
     assert result["matched"]["flat"] == {"step": None, "heldout_ppl": None}
     with pytest.raises(ValueError, match="same healed model"):
         bench.merge_runs([run, dict(run, base={"new_loss": 5.1, "heldout_ppl": 100.0})])
+
+
+# ---- issue 25: non-finite gradients, mask before clip, eval-mode reads, one document unit, skipped steps ----
+
+
+def unread_rows(table):
+    """Rows a step did not read have an exactly zero gradient, and are never chosen."""
+    return table.grad.abs().sum(1) == 0
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "sparse_row_adam", "adam"])
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_unchosen_rows_stay_bit_identical_whatever_their_gradient(optimizer_name, bad):
+    model = tiny_model()
+    statistics = compute_background_statistics(model, batches(3))
+    freeze_all_but_values(model)
+    optimizer = value_optimizer(optimizer_name, model)
+    smf = SparseMemoryFinetuning(model, statistics, top_t=3).attach(optimizer)
+    table = model.bert.encoder.layer[1].memory.values.weight
+    before = table.detach().clone()
+    model(**batches(1, seed=4)[0]).loss.backward()
+    with torch.no_grad():
+        table.grad[unread_rows(table)] = bad  # e.g. an overflow in rows the step does not train
+    optimizer.step()
+    unchosen = torch.ones(table.shape[0], dtype=torch.bool)
+    unchosen[smf.chosen["layer_1"]] = False
+    assert torch.isfinite(table).all(), f"{int((~torch.isfinite(table)).any(1).sum())} rows became non-finite"
+    assert torch.equal(table[unchosen], before[unchosen])
+
+
+def _chosen_update(step, big):
+    """The update of the chosen rows after one SMF step of `step(model, smf, optimizer)`, with `big` added to the
+    gradient of every row the step did not read (never a chosen row)."""
+    model = tiny_model()
+    statistics = compute_background_statistics(model, batches(3))
+    freeze_all_but_values(model)
+    table = model.bert.encoder.layer[1].memory.values.weight
+    table.register_hook(lambda grad: grad + big * (grad.abs().sum(1, keepdim=True) == 0))
+    optimizer = torch.optim.SGD([table], lr=1.0)
+    smf = SparseMemoryFinetuning(model, statistics, top_t=3).attach(optimizer)
+    before = table.detach().clone()
+    step(model, smf, optimizer)
+    chosen = smf.chosen["layer_1"]
+    return chosen, (table.detach() - before)[chosen]
+
+
+def test_scripts_mask_before_clipping_the_memory_gradient():
+    """run_mlm/run_glue's step: `clip_memory_gradients(..., smf)` (--memory_max_grad_norm) then the optimizer step; the
+    chosen rows' update does not depend on the unchosen rows' gradient."""
+    from accelerate import Accelerator
+
+    from modeling_pkm_bert.training import clip_memory_gradients
+
+    accelerator = Accelerator(cpu=True)
+
+    def step(model, smf, optimizer):
+        model(**batches(1, seed=4)[0]).loss.backward()
+        clip_memory_gradients(accelerator, model, optimizer, 1e-3, smf)
+        optimizer.step()
+
+    chosen, update = _chosen_update(step, 0.0)
+    chosen_big, update_big = _chosen_update(step, 1e3)
+    assert torch.equal(chosen, chosen_big)
+    torch.testing.assert_close(update_big, update, rtol=1e-6, atol=0)
+
+
+def test_trainer_callback_masks_before_clipping(tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    data = batches(2, seed=7, batch=1)
+    dataset = Dataset.from_list([{k: v[0].tolist() for k, v in b.items()} for b in data])
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, max_grad_norm=1e-3, report_to=[],
+        save_strategy="no", use_cpu=True, logging_strategy="no",
+    )
+
+    def step(model, smf, optimizer):
+        smf.detach()  # the callback makes its own
+        callback = SparseMemoryFinetuningCallback(smf.statistics, top_t=3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        trainer = Trainer(
+            model=model, args=arguments, train_dataset=dataset, callbacks=[callback], optimizers=(optimizer, scheduler)
+        )
+        trainer.train()
+        smf.chosen = callback.smf.chosen
+        assert arguments.max_grad_norm == 1e-3  # given back
+
+    chosen, update = _chosen_update(step, 0.0)
+    chosen_big, update_big = _chosen_update(step, 1e3)
+    assert torch.equal(chosen, chosen_big)
+    torch.testing.assert_close(update_big, update, rtol=1e-6, atol=0)
+
+
+def eval_mode_reads(model, batch):
+    with torch.no_grad(), ReadCounter(model) as counter:
+        was_training = model.training
+        model.eval()
+        model(**{k: v for k, v in batch.items() if k != "labels"})
+        model.train(was_training)
+    return counter.counts
+
+
+def test_ranked_reads_are_the_eval_mode_reads_of_the_background():
+    """The frozen model's training forwards read as the background pass does (running BatchNorm statistics, no dropout),
+    so a step ranks the slots inference reads."""
+    model = tiny_model(hidden_dropout_prob=0.3, pkm_query_dropout=0.2, pkm_input_dropout=0.2)
+    statistics = compute_background_statistics(model, batches(4))
+    freeze_all_but_values(model)
+    optimizer = torch.optim.SGD(pkm_value_parameters(model), lr=1.0)
+    smf = SparseMemoryFinetuning(model, statistics, top_t=16).attach(optimizer)
+    batch = batches(1, seed=4, batch=4)[0]
+    expected = rank_slots(eval_mode_reads(model, batch)["layer_1"], statistics, "layer_1", 16)
+    model.train()
+    model(**batch).loss.backward()
+    optimizer.step()
+    overlap = len(set(smf.chosen["layer_1"].tolist()) & set(expected.tolist())) / 16
+    assert overlap == 1.0, overlap
+    assert model.training and all(m.training for m in model.modules())  # the mode is given back
+
+
+def test_a_step_with_accumulation_ranks_the_reads_of_the_merged_batch():
+    """Two micro-batches of one step rank as one forward of both (the document is the step's batch)."""
+    model = tiny_model()
+    statistics = compute_background_statistics(model, batches(4))
+    freeze_all_but_values(model)
+    optimizer = torch.optim.SGD(pkm_value_parameters(model), lr=1.0)
+    smf = SparseMemoryFinetuning(model, statistics, top_t=6).attach(optimizer)
+    merged = batches(1, seed=4, batch=6)[0]
+    model.train()
+    for half in (slice(0, 3), slice(3, 6)):
+        model(**{k: v[half] for k, v in merged.items()}).loss.backward()
+    optimizer.step()
+    expected = rank_slots(eval_mode_reads(model, merged)["layer_1"], statistics, "layer_1", 6)
+    assert torch.equal(smf.chosen["layer_1"], expected)
+    # the background side: a document counted in micro-batches equals one forward of it
+    documents = batches(3, seed=5, batch=6)
+    assert compute_background_statistics(model, documents, micro_batch_size=4) == compute_background_statistics(
+        model, documents
+    )
+
+
+def test_a_skipped_step_does_not_rank_two_steps_reads():
+    """fp16 loss scaling skips a step whose gradient holds an inf: the next step ranks its own reads only."""
+    model = tiny_model()
+    statistics = compute_background_statistics(model, batches(4))
+    freeze_all_but_values(model)
+    table = model.bert.encoder.layer[1].memory.values.weight
+    optimizer = torch.optim.SGD([table], lr=1.0)
+    smf = SparseMemoryFinetuning(model, statistics, top_t=3).attach(optimizer)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    first, second = batches(2, seed=4, batch=4)
+    model.train()
+    scaler.scale(model(**first).loss).backward()
+    smf.mask_gradients()
+    with torch.no_grad():
+        table.grad[smf.chosen["layer_1"][0], 0] = math.inf  # an overflow in a row the step trains: skipped
+    scaler.step(optimizer)
+    scaler.update()
+    assert smf.steps == 0 and scaler.get_scale() < 2.0**4
+    optimizer.zero_grad()
+    scaler.scale(model(**second).loss).backward()
+    smf.mask_gradients()
+    scaler.step(optimizer)
+    assert smf.steps == 1
+    expected = rank_slots(eval_mode_reads(model, second)["layer_1"], statistics, "layer_1", 3)
+    assert torch.equal(smf.chosen["layer_1"], expected)

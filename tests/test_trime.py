@@ -164,7 +164,7 @@ def test_chunks_change_nothing_and_hold_at_most_a_chunk_of_scores():
 
 def test_bad_arguments_are_clear_errors():
     hidden, targets = torch.randn(2, 3, 4), torch.zeros(2, 3, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"memory='global'; expected one of \('local', 'long', 'batch'\)"):
+    with pytest.raises(ValueError, match=r"memory='global'; expected one of \('local', 'long', 'batch', 'context'\)"):
         trime_loss(hidden, targets, torch.nn.Linear(4, 5), memory="global")
     with pytest.raises(ValueError, match=r"hidden must be \(batch, seq, d\) and targets \(batch, seq\)"):
         trime_loss(hidden, targets[:, :2], torch.nn.Linear(4, 5))
@@ -278,7 +278,7 @@ def test_run_mlm_trains_with_trime_and_reports_both_perplexities(tiny_mlm_folder
         results = run_mlm.main([*args, "--trime", "--output_dir", str(tmp_path / "trime")])
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
-        plain = run_mlm.main([*args, "--trime_eval", "batch", "--output_dir", str(tmp_path / "plain")])
+        plain = run_mlm.main([*args, "--trime_eval", "context", "--output_dir", str(tmp_path / "plain")])
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
@@ -289,3 +289,79 @@ def test_run_mlm_trains_with_trime_and_reports_both_perplexities(tiny_mlm_folder
     # same seed, masks and batches: only the loss differs
     assert results["train_loss"] != plain["train_loss"]
     assert results["eval_moby_dick_perplexity"] != plain["eval_moby_dick_perplexity"]
+
+
+# ---- masked LM at test time: the memory never holds a hidden label ----
+
+
+def test_run_mlm_test_time_memory_never_reads_a_hidden_label():
+    """The masked positions' labels are what the model must predict: run_mlm.py's test-time memory (the `--trime`
+    default and any accepted `--trime_eval`) may not read them. Changing the label of another masked position (same
+    inputs, same hidden states) must leave a position's TRIME score where it is."""
+    run_mlm = _load_run_mlm()
+    torch.manual_seed(0)
+    model = BertPkmForMaskedLM(tiny_config()).eval()
+    input_ids = torch.randint(5, 99, (2, 12))
+    labels = torch.full_like(input_ids, -100)
+    labels[:, [1, 4, 7, 9]] = input_ids[:, [1, 4, 7, 9]]
+    input_ids[:, [1, 4, 7, 9]] = 4  # [MASK]
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    data = str(REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_train.txt")
+    base = ["--model_name_or_path", "m", "--train_file", data, "--output_dir", "o"]
+    memories = set()
+    for flags in (["--trime"], ["--trime_eval", "batch"], ["--trime_eval", "context"]):
+        try:  # every test-time memory the script accepts
+            memories.add(run_mlm.parse_args([*base, *flags]).trime_eval)
+        except (SystemExit, ValueError):
+            pass
+    assert memories
+    for memory in memories:
+        with torch.no_grad():
+            before = model_trime_losses(model, inputs, labels, memory, reduction="none")[1]
+            changed = labels.clone()
+            changed[0, 4] = changed[0, 1]  # another masked position now "answers" position (0, 1)
+            after = model_trime_losses(model, inputs, changed, memory, reduction="none")[1]
+        assert before[0, 1].item() == after[0, 1].item(), (memory, -before[0, 1].item(), -after[0, 1].item())
+        assert torch.equal(before[1], after[1])
+
+
+def test_run_mlm_refuses_the_batch_memory_at_test_time():
+    run_mlm = _load_run_mlm()
+    data = str(REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_train.txt")
+    base = ["--model_name_or_path", "m", "--train_file", data, "--output_dir", "o"]
+    with pytest.raises(ValueError, match=r"--trime_eval batch .* labels .* hidden"):
+        run_mlm.parse_args([*base, "--trime_eval", "batch"])
+    args = run_mlm.parse_args([*base, "--trime"])
+    assert (args.trime, args.trime_eval) == ("batch", "context")  # trains with the masked memory, tests with context
+
+
+def test_context_memory_is_the_visible_positions_with_their_own_tokens():
+    """memory="context": the entries are the unscored, unpadded positions of the batch, each credited to its own input
+    token; the formula against a direct loop, and its gradient."""
+    torch.manual_seed(0)
+    batch, length, d, vocab = 2, 6, 4, 7
+    hidden = torch.randn(batch, length, d, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, d, dtype=torch.float64)
+    bias = torch.randn(vocab, dtype=torch.float64)
+    input_ids = torch.randint(0, 3, (batch, length))
+    targets = torch.full_like(input_ids, -100)
+    targets[:, [1, 4]] = torch.randint(0, 3, (batch, 2))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, -1] = 0  # padding is never an entry
+    losses = []
+    for r, t in targets.ne(-100).nonzero().tolist():
+        numerators = torch.exp(weight @ hidden[r, t] + bias)
+        for r2 in range(batch):
+            for j in range(length):
+                if targets[r2, j] == -100 and attention_mask[r2, j]:
+                    entry = torch.exp(hidden[r, t] @ hidden[r2, j] / math.sqrt(d))
+                    numerators = numerators + F.one_hot(input_ids[r2, j], vocab) * entry
+        losses.append(-torch.log(numerators[targets[r, t]] / numerators.sum()))
+    expected = torch.stack(losses).mean()
+    for chunk_size in (1, 1024):
+        loss = trime_loss(hidden, targets, (weight, bias), memory="context", input_ids=input_ids,
+                          attention_mask=attention_mask, chunk_size=chunk_size)
+        torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(torch.autograd.grad(loss, hidden)[0], torch.autograd.grad(expected, hidden)[0])
+    with pytest.raises(ValueError, match=r"memory='context' needs the input_ids"):
+        trime_loss(hidden, targets, (weight, bias), memory="context")
