@@ -138,6 +138,8 @@ def test_export_of_generate_for_the_causal_lm_equals_eager_generate():
     from transformers.exporters.configs import DynamoConfig
     from transformers.exporters.exporter_dynamo import DynamoExporter
 
+    from modeling_pkm_bert.modeling_bert_pkm import CACHE_FIELD  # the cache's name: past_key_values, cache from 5.24
+
     model = tiny_model("BertPkmForCausalLM")
     example = batch("BertPkmForCausalLM", 2, 5)
     exported = DynamoExporter().export_for_generation(model, example, DynamoConfig(dynamic=True))
@@ -150,7 +152,7 @@ def test_export_of_generate_for_the_causal_lm_equals_eager_generate():
         )
         size, length = prompt.shape
         output = prefill(
-            input_ids=prompt, position_ids=torch.arange(length).expand(size, -1), past_key_values=DynamicCache(config=model.config)
+            input_ids=prompt, position_ids=torch.arange(length).expand(size, -1), **{CACHE_FIELD: DynamicCache(config=model.config)}
         )
         sequence = prompt
         for step in range(new_tokens):
@@ -158,7 +160,7 @@ def test_export_of_generate_for_the_causal_lm_equals_eager_generate():
             sequence = torch.cat([sequence, token], 1)
             if step < new_tokens - 1:
                 positions = torch.full((size, 1), sequence.shape[1] - 1)
-                output = decode(input_ids=token, position_ids=positions, past_key_values=output["past_key_values"])
+                output = decode(input_ids=token, position_ids=positions, **{CACHE_FIELD: output[CACHE_FIELD]})
         assert torch.equal(sequence, expected)
 
 
