@@ -227,6 +227,23 @@ def test_pkm_trainer_sparse_row_adam_takes_sparse_value_gradients_and_equals_den
         torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
+@pytest.mark.parametrize("memory_optimizer", ["adam", "sparse_row_adam"])
+def test_every_pkm_trainer_option_trains_with_clipping_on_and_off(tmp_path, memory_optimizer, max_grad_norm):
+    """With clipping off (max_grad_norm=0) Trainer still computes the gradient norm for its log: it must take the
+    sparse value gradients of sparse_row_adam as the clipping does."""
+    torch.manual_seed(0)
+    model = BertPkmForMaskedLM(tiny_config(pkm_layers=[0, 1]))
+    initial = [p.detach().clone() for p in pkm_value_parameters(model)]
+    args = training_args(tmp_path, max_steps=2, save_strategy="no", max_grad_norm=max_grad_norm, logging_steps=1)
+    trainer = PkmTrainer(model=model, args=args, train_dataset=mlm_dataset(8), memory_optimizer=memory_optimizer)
+    trainer.train()
+    norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    assert len(norms) == 2 and all(norm > 0 for norm in norms)
+    for before, after in zip(initial, pkm_value_parameters(model)):
+        assert not torch.equal(before, after)
+
+
 def test_pkm_optimizers_for_the_plain_trainer_and_bad_input(tmp_path):
     model = BertPkmForMaskedLM(tiny_config())
     args = training_args(tmp_path, max_steps=2, save_strategy="no")
