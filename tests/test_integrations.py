@@ -362,6 +362,28 @@ def test_lora_training_with_gradient_checkpointing_equals_training_without(tmp_p
         torch.testing.assert_close(parameter, parameters[name], atol=1e-5, rtol=0, msg=name)
 
 
+def test_pkm_lora_config_trains_the_query_batchnorm_gain_and_bias_as_documented():
+    """PEFT makes every parameter of a module in modules_to_save trainable (peft.utils.other.ModulesToSaveWrapper sets
+    requires_grad on the copy at creation, set_adapter and enable_adapters): saving the query BatchNorms' running
+    statistics trains their gain and bias, 2 * heads * k_dim parameters per memory; the docstring and README say so."""
+    from peft import get_peft_model
+
+    config = tiny_config(pkm_layers=[0, 2], num_labels=2)
+    base = BertPkmForSequenceClassification(config)
+    model = get_peft_model(base, pkm_lora_config(base, task_type="SEQ_CLS", r=4))
+    trainable = [p for name, p in model.named_parameters() if p.requires_grad and ".query_batchnorm." in name]
+    assert sum(p.numel() for p in trainable) == 2 * (2 * config.pkm_heads * config.pkm_k_dim)
+    before = [p.detach().clone() for p in trainable]
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model.train()
+    model(input_ids=torch.randint(5, 99, (4, 8)), labels=torch.tensor([0, 1, 1, 0])).loss.backward()
+    optimizer.step()
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainable))
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for text in (" ".join(pkm_lora_config.__doc__.split()), " ".join(readme.split())):
+        assert "gain and bias" in text and "2 * heads * k_dim" in text
+
+
 def test_pkm_lora_config_bad_input():
     model = BertPkmForSequenceClassification(tiny_config())
     with pytest.raises(ValueError, match="no product key memory"):
