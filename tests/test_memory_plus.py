@@ -122,6 +122,46 @@ def test_shared_table_gradient_is_the_sum_over_memories(sparse, monkeypatch):
     torch.testing.assert_close(g_both, g_first + g_second, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_shared_table_gradient_accumulates_in_one_reused_buffer_exactly(sparse, set_to_none, monkeypatch):
+    """Memories sharing a table add their value gradients into one buffer reused from step to step (autograd would
+    add them out of place into a fresh one): bitwise the gradient autograd's own sum gives, with one backward pass a
+    step and with two (gradient accumulation), after zero_grad(set_to_none=True/False)."""
+    import modeling_pkm_bert.product_key_memory as pkm
+
+    fast_paths(True, monkeypatch)
+    torch.manual_seed(0)
+    table = ProductKeyValues(N_KEYS**2, DIM, sparse=sparse)
+    memories = torch.nn.ModuleList(make_memory(values=table, **options) for options in ({}, OPTIONS["all"], {}))
+    inputs = [torch.randn(2, 9, DIM) for _ in range(6)]
+
+    def train(passes_per_step):
+        grads, workspaces = [], []
+        batches = iter(inputs)
+        for _ in range(len(inputs) // passes_per_step):
+            memories.zero_grad(set_to_none=set_to_none)
+            for _ in range(passes_per_step):
+                x = next(batches)
+                sum((memory(x.roll(i, 1)) * (i + 1)).square().sum() for i, memory in enumerate(memories)).backward()
+            grads.append(table.weight.grad.to_dense() if sparse else table.weight.grad.clone())
+            workspaces.append(dict(table._workspaces))
+        return grads, workspaces
+
+    one_pass, workspaces = train(1)
+    accumulated, _ = train(2)
+    monkeypatch.setattr(pkm, "_other_lookups_pending", lambda ctx: False)  # each lookup's own gradient, autograd's sum
+    reference_one_pass, _ = train(1)
+    reference_accumulated, _ = train(2)
+    assert all(g.abs().sum() > 0 for g in one_pass)
+    for got, want in zip(one_pass + accumulated, reference_one_pass + reference_accumulated):
+        assert torch.equal(got, want)
+    # the step after the first finds every buffer free again: the same objects, nothing allocated
+    assert workspaces[-1].keys() == workspaces[-2].keys() and workspaces[-1]
+    for name, (buffer, _) in workspaces[-1].items():
+        assert buffer is workspaces[-2][name][0], name
+
+
 def test_qk_norm_search_is_exact_over_the_normalised_keys():
     memory = make_memory(qk_norm=True)
     queries = torch.randn(5, 3, HEADS, K_DIM)
@@ -439,8 +479,20 @@ def test_options_benchmark_section_measures_every_variant_against_the_default(mo
     monkeypatch.setattr(bench, "PAPER", dict(n_keys=16, heads=2, knn=4, k_dim=16))
     lines = bench.section_options(argparse.Namespace(quick=True, threads=1, options_batch=(2, 8)))
     rows = [line for line in lines if line.startswith("| ") and "ms" not in line and "---" not in line]
-    assert len(rows) == len(bench.OPTION_VARIANTS) + 2
+    assert len(rows) == len(bench.OPTION_VARIANTS)
     assert rows[0].endswith("| 1.00; 1.00 |")  # the default against itself
+
+
+def test_shared_table_benchmark_section_compares_dense_and_sparse_gradients(monkeypatch):
+    bench = load_benchmark("run_benchmarks")
+    monkeypatch.setattr(bench, "PAPER", dict(n_keys=16, heads=2, knn=4, k_dim=16))
+    lines = bench.section_shared(argparse.Namespace(quick=True, threads=1, options_batch=(2, 8)))
+    rows = [line for line in lines if line.startswith("| ") and "ms" not in line and "---" not in line]
+    assert [row.split(" | ")[:2] for row in rows] == [
+        ["| dense", "a table each (2 x 1 MiB)"], ["| dense", "one shared table (1 MiB)"],
+        ["| sparse (`sparse=True`)", "a table each (2 x 1 MiB)"], ["| sparse (`sparse=True`)", "one shared table (1 MiB)"],
+    ]  # fmt: skip
+    assert rows[0].endswith("| 1.00; 1.00 |") and rows[2].endswith("| 1.00; 1.00 |")  # own tables against themselves
 
 
 def test_memory_plus_report_lists_every_finished_run(tmp_path):
