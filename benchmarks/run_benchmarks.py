@@ -992,19 +992,27 @@ def section_options(args) -> list[str]:
 def section_shared(args) -> list[str]:
     """Two memories sharing one value table (Memory+) against two with a table each, fwd + bwd of both, with dense and
     with sparse value gradients (the shared table's gradient accumulates both memories' in one reused buffer)."""
-    rounds = 3 if args.quick else 5
+    import modeling_pkm_bert.product_key_memory as pkm
+
+    rounds = 3 if args.quick else getattr(args, "rounds", 5)
     batch = getattr(args, "options_batch", None) or ((4, 128) if args.quick else (8, 128))
     torch.manual_seed(2)
     x = torch.randn(*batch, 768, requires_grad=True)
     g = torch.randn(*batch, 768)
 
-    def pair_step(pair):
+    def pair_step(pair, accumulate=True):
         def step():
             for memory in pair:
                 for p in memory.parameters():
                     p.grad = None
             x.grad = None
-            ((pair[0](x) + pair[1](x)) * g).sum().backward()
+            pending = pkm._other_lookups_pending
+            if not accumulate:  # each lookup returns its own gradient, autograd sums them (before the accumulation)
+                pkm._other_lookups_pending = lambda ctx: False
+            try:
+                ((pair[0](x) + pair[1](x)) * g).sum().backward()
+            finally:
+                pkm._other_lookups_pending = pending
 
         return step
 
@@ -1033,11 +1041,14 @@ def section_shared(args) -> list[str]:
                 for p in memory.parameters():
                     p.grad = None
 
-        samples = interleaved(
-            {"own": pair_step(own), "shared": pair_step(shared)}, rounds=rounds, warmup=1, before=no_gradients
-        )
+        steps = {"own": pair_step(own), "shared": pair_step(shared), "autograd": pair_step(shared, accumulate=False)}
+        samples = interleaved(steps, rounds=rounds, warmup=1, before=no_gradients)
         kind = "sparse (`sparse=True`)" if sparse else "dense"
-        for name, label in (("own", f"a table each (2 x {table_mib:.0f} MiB)"), ("shared", f"one shared table ({table_mib:.0f} MiB)")):
+        for name, label in (
+            ("own", f"a table each (2 x {table_mib:.0f} MiB)"),
+            ("shared", f"one shared table ({table_mib:.0f} MiB)"),
+            ("autograd", "one shared table, autograd's out-of-place sum (before)"),
+        ):
             lines.append(
                 f"| {kind} | {label} | {fmt_ms(median(samples[name]))} | {', '.join(fmt_ms(t) for t in samples[name])} | "
                 f"{paired_ratio(samples, name, 'own'):.2f}; {min_ratio(samples, name, 'own'):.2f} |"
@@ -1047,8 +1058,8 @@ def section_shared(args) -> list[str]:
         "",
         "The shared table's backward adds the second memory's row sums into the gradient buffer the first one filled "
         "(dense: `addmm` with beta 1; sparse: one buffer over the union of the rows), and that buffer is reused from "
-        "step to step, as a table of its own reuses its gradient buffer; without this, autograd added the two gradients "
-        "out of place into a fresh table-sized buffer (3.31x in the options section of 2026-11-23). "
+        "step to step, as a table of its own reuses its gradient buffer. Before, autograd added the two gradients out "
+        "of place into a fresh table-sized buffer (row 'before': each lookup returns its own gradient). "
         f"Load average at the end of this section: {loadavg()} (ratios are paired per round).",
     ]
 

@@ -79,24 +79,32 @@ class _SharedGradient:
     """What the value gradient of a table needs across its lookups of one backward pass (memories sharing the table).
 
     Autograd would add each lookup's gradient out of place into a fresh table-sized buffer; instead every lookup but
-    the last one the pass differentiates leaves its gradient here (`partial`, per backward pass) and the next one adds
-    into it, so the table's gradient is one reused buffer. `lookups`: the lookups not yet differentiated (weakly held:
-    a graph dropped without backward leaves nothing behind).
+    the last one the pass differentiates leaves its gradient here (`partial`, per backward pass and weight) and the
+    next one adds into it, so the table's gradient is one reused buffer. `lookups`: the lookups not yet
+    differentiated, weakly held (a graph dropped without backward leaves nothing behind).
     """
 
     def __init__(self):
-        self.lookups = weakref.WeakSet()
-        self.partial = {}  # graph task id -> (gradient so far, name of its workspace buffer or None)
+        self.lookups = {}  # id(ctx) -> weakref to ctx
+        self.partial = {}  # (graph task id, weight key) -> (gradient so far, name of its workspace buffer or None)
+
+    def add(self, ctx):
+        key, lookups = id(ctx), self.lookups
+        lookups[key] = weakref.ref(ctx, lambda _: lookups.pop(key, None))
 
 
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 _will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
 
 
 def _other_lookups_pending(ctx) -> bool:
-    """Whether another lookup of ctx's table is still to be differentiated in the running backward pass."""
+    """Whether another lookup of ctx's weight is still to be differentiated in the running backward pass."""
     lookups = ctx.shared.lookups
-    lookups.discard(ctx)
-    return _will_engine_execute_node is not None and any(_will_engine_execute_node(node) for node in list(lookups))
+    lookups.pop(id(ctx), None)
+    if _current_graph_task_id is None or _will_engine_execute_node is None:
+        return False
+    others = (ref() for ref in list(lookups.values()))  # (a DataParallel replica reads its own copy of the weight)
+    return any(node is not None and node.weight_key == ctx.weight_key and _will_engine_execute_node(node) for node in others)
 
 
 class _WeightedRowSum(torch.autograd.Function):
@@ -117,7 +125,8 @@ class _WeightedRowSum(torch.autograd.Function):
         ctx.save_for_backward(weight, indices, per_sample_weights)
         ctx.sparse, ctx.workspaces, ctx.triton, ctx.shared = sparse, workspaces, triton, shared
         if shared is not None and ctx.needs_input_grad[0]:
-            shared.lookups.add(ctx)
+            ctx.weight_key = (weight.device, weight.data_ptr())
+            shared.add(ctx)
         if triton:
             return _triton_bag_sum(weight, indices, per_sample_weights)
         return F.embedding_bag(indices, weight, mode="sum", per_sample_weights=per_sample_weights)
@@ -137,8 +146,8 @@ class _WeightedRowSum(torch.autograd.Function):
         grad_weight = grad_per_sample_weights = None
         # a table shared by several memories: the gradient of the lookups this pass already differentiated
         partial = partial_buffer = task = None
-        if need_weight and ctx.shared is not None:
-            task = torch._C._current_graph_task_id()
+        if need_weight and ctx.shared is not None and _current_graph_task_id is not None:
+            task = (_current_graph_task_id(), ctx.weight_key)
             partial, partial_buffer = ctx.shared.partial.pop(task, (None, None))
         buffer = None
 

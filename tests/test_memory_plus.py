@@ -127,7 +127,8 @@ def test_shared_table_gradient_is_the_sum_over_memories(sparse, monkeypatch):
 def test_shared_table_gradient_accumulates_in_one_reused_buffer_exactly(sparse, set_to_none, monkeypatch):
     """Memories sharing a table add their value gradients into one buffer reused from step to step (autograd would
     add them out of place into a fresh one): bitwise the gradient autograd's own sum gives, with one backward pass a
-    step and with two (gradient accumulation), after zero_grad(set_to_none=True/False)."""
+    step and with two (gradient accumulation), after zero_grad(set_to_none=True/False); lookups of graphs that this
+    backward pass does not differentiate do not count."""
     import modeling_pkm_bert.product_key_memory as pkm
 
     fast_paths(True, monkeypatch)
@@ -143,6 +144,8 @@ def test_shared_table_gradient_accumulates_in_one_reused_buffer_exactly(sparse, 
             memories.zero_grad(set_to_none=set_to_none)
             for _ in range(passes_per_step):
                 x = next(batches)
+                memories[0](x.flip(1))  # a graph dropped without backward, and one kept but not differentiated
+                kept = memories[1](x.flip(0))  # noqa: F841
                 sum((memory(x.roll(i, 1)) * (i + 1)).square().sum() for i, memory in enumerate(memories)).backward()
             grads.append(table.weight.grad.to_dense() if sparse else table.weight.grad.clone())
             workspaces.append(dict(table._workspaces))
@@ -488,11 +491,16 @@ def test_shared_table_benchmark_section_compares_dense_and_sparse_gradients(monk
     monkeypatch.setattr(bench, "PAPER", dict(n_keys=16, heads=2, knn=4, k_dim=16))
     lines = bench.section_shared(argparse.Namespace(quick=True, threads=1, options_batch=(2, 8)))
     rows = [line for line in lines if line.startswith("| ") and "ms" not in line and "---" not in line]
+    before = "one shared table, autograd's out-of-place sum (before)"
     assert [row.split(" | ")[:2] for row in rows] == [
-        ["| dense", "a table each (2 x 1 MiB)"], ["| dense", "one shared table (1 MiB)"],
-        ["| sparse (`sparse=True`)", "a table each (2 x 1 MiB)"], ["| sparse (`sparse=True`)", "one shared table (1 MiB)"],
-    ]  # fmt: skip
-    assert rows[0].endswith("| 1.00; 1.00 |") and rows[2].endswith("| 1.00; 1.00 |")  # own tables against themselves
+        [f"| {kind}", label]
+        for kind in ("dense", "sparse (`sparse=True`)")
+        for label in ("a table each (2 x 1 MiB)", "one shared table (1 MiB)", before)
+    ]
+    assert rows[0].endswith("| 1.00; 1.00 |") and rows[3].endswith("| 1.00; 1.00 |")  # own tables against themselves
+    import modeling_pkm_bert.product_key_memory as pkm
+
+    assert pkm._other_lookups_pending.__name__ == "_other_lookups_pending"  # restored after the 'before' rows
 
 
 def test_memory_plus_report_lists_every_finished_run(tmp_path):
