@@ -1006,13 +1006,13 @@ def section_shared(args) -> list[str]:
                 for p in memory.parameters():
                     p.grad = None
             x.grad = None
-            pending = pkm._other_lookups_pending
+            pending = pkm._pending_lookups
             if not accumulate:  # each lookup returns its own gradient, autograd sums them (before the accumulation)
-                pkm._other_lookups_pending = lambda ctx: False
+                pkm._pending_lookups = lambda ctx: []
             try:
                 ((pair[0](x) + pair[1](x)) * g).sum().backward()
             finally:
-                pkm._other_lookups_pending = pending
+                pkm._pending_lookups = pending
 
         return step
 
@@ -1032,16 +1032,18 @@ def section_shared(args) -> list[str]:
     ]
     for sparse in (False, True):
         own = [ProductKeyMemory(768, 768, **PAPER, sparse=sparse).train() for _ in range(2)]
-        table = ProductKeyValues(PAPER["n_keys"] ** 2, 768, sparse=sparse)
-        torch.nn.init.normal_(table.weight, std=768**-0.5)
-        shared = [ProductKeyMemory(768, 768, **PAPER, values=table).train() for _ in range(2)]
+        shared, before = [], []  # 'before' on a table of its own: its gradient buffers would evict the shared one's
+        for pair in (shared, before):
+            table = ProductKeyValues(PAPER["n_keys"] ** 2, 768, sparse=sparse)
+            torch.nn.init.normal_(table.weight, std=768**-0.5)
+            pair += [ProductKeyMemory(768, 768, **PAPER, values=table).train() for _ in range(2)]
 
         def no_gradients(_name):  # only the running pair holds gradients
-            for memory in (*own, *shared):
+            for memory in (*own, *shared, *before):
                 for p in memory.parameters():
                     p.grad = None
 
-        steps = {"own": pair_step(own), "shared": pair_step(shared), "autograd": pair_step(shared, accumulate=False)}
+        steps = {"own": pair_step(own), "shared": pair_step(shared), "autograd": pair_step(before, accumulate=False)}
         samples = interleaved(steps, rounds=rounds, warmup=1, before=no_gradients)
         kind = "sparse (`sparse=True`)" if sparse else "dense"
         for name, label in (
@@ -1053,7 +1055,7 @@ def section_shared(args) -> list[str]:
                 f"| {kind} | {label} | {fmt_ms(median(samples[name]))} | {', '.join(fmt_ms(t) for t in samples[name])} | "
                 f"{paired_ratio(samples, name, 'own'):.2f}; {min_ratio(samples, name, 'own'):.2f} |"
             )
-        del own, shared, table, samples
+        del own, shared, before, table, samples
     return lines + [
         "",
         "The shared table's backward adds the second memory's row sums into the gradient buffer the first one filled "

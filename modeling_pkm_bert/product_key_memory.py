@@ -80,13 +80,13 @@ class _SharedGradient:
 
     Autograd would add each lookup's gradient out of place into a fresh table-sized buffer; instead every lookup but
     the last one the pass differentiates leaves its gradient here (`partial`, per backward pass and weight) and the
-    next one adds into it, so the table's gradient is one reused buffer. `lookups`: the lookups not yet
+    next one adds its row sums into it, so the table's gradient is one reused buffer. `lookups`: the lookups not yet
     differentiated, weakly held (a graph dropped without backward leaves nothing behind).
     """
 
     def __init__(self):
         self.lookups = {}  # id(ctx) -> weakref to ctx
-        self.partial = {}  # (graph task id, weight key) -> (gradient so far, name of its workspace buffer or None)
+        self.partial = {}  # (graph task id, weight key) -> (gradient so far, position of each table row in a sparse one)
 
     def add(self, ctx):
         key, lookups = id(ctx), self.lookups
@@ -97,14 +97,14 @@ _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 _will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
 
 
-def _other_lookups_pending(ctx) -> bool:
-    """Whether another lookup of ctx's weight is still to be differentiated in the running backward pass."""
+def _pending_lookups(ctx) -> list:
+    """The other lookups of ctx's weight that the running backward pass is still to differentiate."""
     lookups = ctx.shared.lookups
     lookups.pop(id(ctx), None)
     if _current_graph_task_id is None or _will_engine_execute_node is None:
-        return False
+        return []
     others = (ref() for ref in list(lookups.values()))  # (a DataParallel replica reads its own copy of the weight)
-    return any(node is not None and node.weight_key == ctx.weight_key and _will_engine_execute_node(node) for node in others)
+    return [n for n in others if n is not None and n.weight_key == ctx.weight_key and _will_engine_execute_node(n)]
 
 
 class _WeightedRowSum(torch.autograd.Function):
@@ -125,7 +125,7 @@ class _WeightedRowSum(torch.autograd.Function):
         ctx.save_for_backward(weight, indices, per_sample_weights)
         ctx.sparse, ctx.workspaces, ctx.triton, ctx.shared = sparse, workspaces, triton, shared
         if shared is not None and ctx.needs_input_grad[0]:
-            ctx.weight_key = (weight.device, weight.data_ptr())
+            ctx.weight_key, ctx.indices = (weight.device, weight.data_ptr()), indices
             shared.add(ctx)
         if triton:
             return _triton_bag_sum(weight, indices, per_sample_weights)
@@ -144,12 +144,15 @@ class _WeightedRowSum(torch.autograd.Function):
         tokens_of_lookups = torch.div(order, bag, rounding_mode="floor")
         weights_of_lookups = per_sample_weights.reshape(-1)[order].to(dtype)
         grad_weight = grad_per_sample_weights = None
-        # a table shared by several memories: the gradient of the lookups this pass already differentiated
-        partial = partial_buffer = task = None
-        if need_weight and ctx.shared is not None and _current_graph_task_id is not None:
-            task = (_current_graph_task_id(), ctx.weight_key)
-            partial, partial_buffer = ctx.shared.partial.pop(task, (None, None))
-        buffer = None
+        # a table shared by several memories: the gradient of its lookups this pass already differentiated, and those
+        # it is still to differentiate (then this lookup's gradient waits for them in ctx.shared)
+        partial = position = task = None
+        pending = []
+        if need_weight and ctx.shared is not None:
+            pending = _pending_lookups(ctx)
+            if _current_graph_task_id is not None:
+                task = (_current_graph_task_id(), ctx.weight_key)
+                partial, position = ctx.shared.partial.pop(task, (None, None))
 
         cpu_kernels = not ctx.triton and device.type == "cpu" and dtype in (torch.float32, torch.float64)
         cpu_kernels = cpu_kernels and weight.dtype == dtype
@@ -167,32 +170,38 @@ class _WeightedRowSum(torch.autograd.Function):
                     # partial + this lookup's row sums, bitwise the sum autograd forms (each row is summed first)
                     grad_weight, partial = torch.addmm(partial, lookups, grad_output, out=partial), None
                 else:
-                    buffer = "dense_grad"
-                    out = _reusable_buffer(ctx.workspaces, buffer, n_rows * dim, dtype, device).view(n_rows, dim)
+                    out = _reusable_buffer(ctx.workspaces, "dense_grad", n_rows * dim, dtype, device).view(n_rows, dim)
                     grad_weight = torch.addmm(out, lookups, grad_output, beta=0, out=out)
             elif need_weight:
                 del lookups, crow
                 rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-                merge = partial is not None and partial.is_sparse
-                if merge:  # the union of the partial gradient's rows and this lookup's, which get their counts
-                    union = torch.zeros(n_rows, dtype=torch.bool, device=device)
-                    union[partial._indices()[0]] = True
-                    union[rows] = True
-                    position = union.cumsum(0) - 1  # of each union row in the merged gradient
-                    counts = counts.new_zeros(int(position[-1]) + 1).index_copy_(0, position[rows], counts)
-                    rows = union.nonzero().squeeze(1)
+                layout = None  # (position of each table row among the gradient's rows, those rows)
+                if partial is not None and partial.is_sparse and position is not None:
+                    union = partial._indices()[0]  # laid out for every lookup of this pass (checked)
+                    if bool((union[position[rows].clamp(min=0)] == rows).all()):
+                        layout = position, union
+                elif partial is None and pending:  # the first lookup of a shared table: rows for all of them
+                    read = torch.zeros(n_rows, dtype=torch.bool, device=device)
+                    read[rows] = True
+                    for node in pending:
+                        read[node.indices.reshape(-1)] = True
+                    layout = read.cumsum(0) - 1, read.nonzero().squeeze(1)
+                if layout is not None:
+                    counts = counts.new_zeros(layout[1].numel()).index_copy_(0, layout[0][rows], counts)
+                    rows = layout[1]
                 crow = torch.zeros(rows.numel() + 1, dtype=index_dtype, device=device)
                 torch.cumsum(counts, 0, dtype=index_dtype, out=crow[1:])
                 compact = _csr(crow, tokens_of_lookups, weights_of_lookups, (rows.numel(), tokens))
-                # the number of rows used changes from step to step: 1/8 spare room; a merge writes beside the partial
-                buffer = "sparse_sum" if merge and partial_buffer == "sparse_grad" else "sparse_grad"
-                out = _reusable_buffer(ctx.workspaces, buffer, rows.numel() * dim, dtype, device, spare=0.125)
-                out = torch.addmm(out.view(rows.numel(), dim), compact, grad_output, beta=0, out=out.view(rows.numel(), dim))
-                if merge:  # this lookup's rows + partial, bitwise autograd's sparse sum (0 + p = p elsewhere)
-                    out.index_add_(0, position[partial._indices()[0]], partial._values())
-                    partial = None
+                if layout is not None and partial is not None:  # partial + these row sums in place, as dense above
+                    out, partial = torch.addmm(partial._values(), compact, grad_output, out=partial._values()), None
+                else:  # the number of rows used changes from step to step: 1/8 spare room
+                    out = _reusable_buffer(ctx.workspaces, "sparse_grad", rows.numel() * dim, dtype, device, spare=0.125)
+                    out = out.view(rows.numel(), dim)
+                    out = torch.addmm(out, compact, grad_output, beta=0, out=out)
                 grad_weight = _sparse_rows(rows, out, n_rows)
-            return _shared_gradient(ctx, task, grad_weight, partial, buffer), None, grad_per_sample_weights, None, None, None, None
+                position = layout[0] if layout is not None else None
+            grad_weight = _shared_gradient(ctx, task, grad_weight, partial, pending, position)
+            return grad_weight, None, grad_per_sample_weights, None, None, None, None
 
         if need_per_sample_weights and ctx.triton:
             grad_per_sample_weights = torch.ops.pkm_bert.row_dots(weight, flat, grad_output, bag).view(tokens, bag)
@@ -218,18 +227,17 @@ class _WeightedRowSum(torch.autograd.Function):
                 grad_weight = _sparse_rows(used, grad_rows, n_rows)
             else:
                 grad_weight = grad_rows.new_zeros(n_rows, dim).index_copy_(0, used, grad_rows)
-        return _shared_gradient(ctx, task, grad_weight, partial), None, grad_per_sample_weights, None, None, None, None
+        grad_weight = _shared_gradient(ctx, task, grad_weight, partial, pending)
+        return grad_weight, None, grad_per_sample_weights, None, None, None, None
 
 
-def _shared_gradient(ctx, task, grad_weight, partial=None, buffer=None):
-    """The table gradient a lookup returns: None while another lookup of its table is still to be differentiated in
-    this pass (the gradient waits in `ctx.shared` for it), else the whole sum. `partial`: a gradient not yet added."""
-    if grad_weight is None or ctx.shared is None:
-        return grad_weight
-    if partial is not None:  # kinds the in-place paths do not take: autograd's own out-of-place sum
-        grad_weight = partial + grad_weight
-    if _other_lookups_pending(ctx):
-        ctx.shared.partial[task] = (grad_weight, buffer)
+def _shared_gradient(ctx, task, grad_weight, partial, pending, position=None):
+    """The table gradient a lookup returns: None while other lookups of its table are `pending` in this pass (the
+    gradient waits in `ctx.shared` for them), else the whole sum. `partial`: a gradient not yet added."""
+    if partial is not None:  # a kind the in-place paths do not take: autograd's own out-of-place sum
+        grad_weight, position = partial + grad_weight, None
+    if pending and task is not None:
+        ctx.shared.partial[task] = (grad_weight, position)
         return None
     return grad_weight
 

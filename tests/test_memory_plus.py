@@ -153,7 +153,7 @@ def test_shared_table_gradient_accumulates_in_one_reused_buffer_exactly(sparse, 
 
     one_pass, workspaces = train(1)
     accumulated, _ = train(2)
-    monkeypatch.setattr(pkm, "_other_lookups_pending", lambda ctx: False)  # each lookup's own gradient, autograd's sum
+    monkeypatch.setattr(pkm, "_pending_lookups", lambda ctx: [])  # each lookup's own gradient, autograd's sum
     reference_one_pass, _ = train(1)
     reference_accumulated, _ = train(2)
     assert all(g.abs().sum() > 0 for g in one_pass)
@@ -500,7 +500,7 @@ def test_shared_table_benchmark_section_compares_dense_and_sparse_gradients(monk
     assert rows[0].endswith("| 1.00; 1.00 |") and rows[3].endswith("| 1.00; 1.00 |")  # own tables against themselves
     import modeling_pkm_bert.product_key_memory as pkm
 
-    assert pkm._other_lookups_pending.__name__ == "_other_lookups_pending"  # restored after the 'before' rows
+    assert pkm._pending_lookups.__name__ == "_pending_lookups"  # restored after the 'before' rows
 
 
 def test_memory_plus_report_lists_every_finished_run(tmp_path):
