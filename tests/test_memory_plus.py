@@ -165,6 +165,33 @@ def test_shared_table_gradient_accumulates_in_one_reused_buffer_exactly(sparse, 
         assert buffer is workspaces[-2][name][0], name
 
 
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_shared_table_gradient_with_gradient_checkpointing_equals_without(sparse):
+    """Checkpointing recomputes the lookups in the backward pass (use_reentrant=True: each layer in a nested pass of its
+    own): the shared table's gradient stays that of the plain backward, bitwise."""
+    import copy
+
+    torch.manual_seed(0)
+    base = BertPkmForMaskedLM(tiny_config(pkm_layers=[0, 1, 2], pkm_shared_values=True))
+    ids = torch.randint(5, 99, (4, 8))
+
+    def table_gradient(use_reentrant=None):
+        model = copy.deepcopy(base).train()
+        set_sparse_values(model, sparse)
+        torch.manual_seed(1)  # the same dropout masks (checkpointing replays the RNG state)
+        if use_reentrant is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+            model.enable_input_require_grads()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grad = model.bert.encoder.layer[0].memory.values.weight.grad
+        return grad.to_dense() if sparse else grad
+
+    expected = table_gradient()
+    assert expected.abs().sum() > 0
+    for use_reentrant in (False, True):
+        assert torch.equal(table_gradient(use_reentrant), expected), use_reentrant
+
+
 def test_qk_norm_search_is_exact_over_the_normalised_keys():
     memory = make_memory(qk_norm=True)
     queries = torch.randn(5, 3, HEADS, K_DIM)
