@@ -19,7 +19,8 @@ Sections:
   (memories beside it), batch 1x128 and 32x128, eval mode, torch.inference_mode, random weights.
 - gpu: where CUDA is available, the value gather (EmbeddingBag vs the Triton `bag_sum`), the layer vs its peers and
   Table 1 on the GPU, each also with the Triton gathers (`ProductKeyValues.triton_devices`); else a line saying so.
-- options (with --append): the cost of each Memory+ option, and a shared value table against two own ones.
+- options (with --append): the cost of each Memory+ option.
+- shared (with --append): two memories sharing one value table against a table each, dense and sparse gradients.
 - trainer (with --append): a Trainer step with `sparse_row_adam`, PkmTrainer's sparse value gradient against the plain
   Trainer's dense one (`pkm_optimizers`).
 
@@ -952,8 +953,8 @@ OPTION_VARIANTS = {
 
 
 def section_options(args) -> list[str]:
-    """The layer cost of each Memory+ option at the paper's size, against the default layer in the same rounds; and
-    two memories sharing one table against two with their own (the shared table's gradient accumulates)."""
+    """The layer cost of each Memory+ option at the paper's size, against the default layer in the same rounds (a
+    shared table: section `shared`)."""
     rounds = 3 if args.quick else 5
     batch = getattr(args, "options_batch", None) or ((4, 128) if args.quick else (8, 128))
     torch.manual_seed(1)
@@ -985,52 +986,85 @@ def section_options(args) -> list[str]:
             f"{paired_ratio(samples, name, 'default'):.2f}; {min_ratio(samples, name, 'default'):.2f} |"
         )
     del modules, samples
+    return lines + ["", f"Load average at the end of this section: {loadavg()} (ratios are paired per round)."]
 
-    # two memories: one shared table (Memory+) vs a table each; both step fwd+bwd of both memories
+
+def section_shared(args) -> list[str]:
+    """Two memories sharing one value table (Memory+) against two with a table each, fwd + bwd of both, with dense and
+    with sparse value gradients (the shared table's gradient accumulates both memories' in one reused buffer)."""
+    import modeling_pkm_bert.product_key_memory as pkm
+
+    rounds = 3 if args.quick else getattr(args, "rounds", 5)
+    batch = getattr(args, "options_batch", None) or ((4, 128) if args.quick else (8, 128))
     torch.manual_seed(2)
-    own = [ProductKeyMemory(768, 768, **PAPER).train() for _ in range(2)]
-    shared_pair = [ProductKeyMemory(768, 768, **PAPER, values=table).train() for _ in range(2)]
+    x = torch.randn(*batch, 768, requires_grad=True)
+    g = torch.randn(*batch, 768)
 
-    def pair_step(pair):
+    def pair_step(pair, accumulate=True):
         def step():
             for memory in pair:
                 for p in memory.parameters():
                     p.grad = None
             x.grad = None
-            ((pair[0](x) + pair[1](x)) * g).sum().backward()
+            pending = pkm._pending_lookups
+            if not accumulate:  # each lookup returns its own gradient, autograd sums them (before the accumulation)
+                pkm._pending_lookups = lambda ctx: []
+            try:
+                ((pair[0](x) + pair[1](x)) * g).sum().backward()
+            finally:
+                pkm._pending_lookups = pending
 
         return step
 
-    def no_gradients(_name):  # only the running pair holds gradients
-        for memory in (*own, *shared_pair):
-            for p in memory.parameters():
-                p.grad = None
-
-    pair = interleaved(
-        {"own": pair_step(own), "shared": pair_step(shared_pair)}, rounds=rounds, warmup=1, before=no_gradients
-    )
-    lines += [
+    table_mib = PAPER["n_keys"] ** 2 * 768 * 4 / 2**20
+    lines = [
+        "## Two memories sharing one value table against a table each (forward + backward)",
         "",
-        "Two memories on the same input, fwd + bwd of both: a value table each vs one shared table (`values=`; its "
-        "dense gradient is accumulated from both memories):",
+        f"`python benchmarks/run_benchmarks.py --sections shared --append{' --quick' if args.quick else ''}`. Two "
+        f"memories at the paper's size (768 in/out, {PAPER['n_keys']}^2 slots, 4 heads, knn 32, k_dim 256, query "
+        f"BatchNorm) on the same input {batch[0]} x {batch[1]} x 768 fp32; step = both forwards + "
+        "`((a(x) + b(x)) * g).sum().backward()`, grads set to None before each step; a table each vs one shared table "
+        f"(`values=`); {rounds} interleaved rounds (+1 warm-up), torch threads {args.threads}. Target: shared / own "
+        "<= 1.10.",
         "",
-        "| two memories | median ms | all rounds (ms) | time / own tables (paired median; fastest rounds) |",
-        "|---|---|---|---|",
+        "| value gradient | two memories | median ms | all rounds (ms) | time / own tables (paired median; fastest rounds) |",
+        "|---|---|---|---|---|",
     ]
-    for name, label in (("own", "a table each (2 x 768 MiB)"), ("shared", "one shared table (768 MiB)")):
-        lines.append(
-            f"| {label} | {fmt_ms(median(pair[name]))} | {', '.join(fmt_ms(t) for t in pair[name])} | "
-            f"{paired_ratio(pair, name, 'own'):.2f}; {min_ratio(pair, name, 'own'):.2f} |"
-        )
+    for sparse in (False, True):
+        own = [ProductKeyMemory(768, 768, **PAPER, sparse=sparse).train() for _ in range(2)]
+        shared, before = [], []  # 'before' on a table of its own: its gradient buffers would evict the shared one's
+        for pair in (shared, before):
+            table = ProductKeyValues(PAPER["n_keys"] ** 2, 768, sparse=sparse)
+            torch.nn.init.normal_(table.weight, std=768**-0.5)
+            pair += [ProductKeyMemory(768, 768, **PAPER, values=table).train() for _ in range(2)]
+
+        def no_gradients(_name):  # only the running pair holds gradients
+            for memory in (*own, *shared, *before):
+                for p in memory.parameters():
+                    p.grad = None
+
+        steps = {"own": pair_step(own), "shared": pair_step(shared), "autograd": pair_step(before, accumulate=False)}
+        samples = interleaved(steps, rounds=rounds, warmup=1, before=no_gradients)
+        kind = "sparse (`sparse=True`)" if sparse else "dense"
+        for name, label in (
+            ("own", f"a table each (2 x {table_mib:.0f} MiB)"),
+            ("shared", f"one shared table ({table_mib:.0f} MiB)"),
+            ("autograd", "one shared table, autograd's out-of-place sum (before)"),
+        ):
+            lines.append(
+                f"| {kind} | {label} | {fmt_ms(median(samples[name]))} | {', '.join(fmt_ms(t) for t in samples[name])} | "
+                f"{paired_ratio(samples, name, 'own'):.2f}; {min_ratio(samples, name, 'own'):.2f} |"
+            )
+        del own, shared, before, table, samples
     return lines + [
         "",
-        "Where a shared table costs more: its dense gradient is the sum of the two memories' 768 MiB gradients, which "
-        "autograd adds out of place into a fresh buffer (in a torch profile of a 256^2-slot pair, `aten::add` took as "
-        "long as the gradients' `addmm`), and the second memory's backward cannot reuse the cached gradient buffer "
-        "that the first one's gradient still occupies. "
-        f"Load average at the end of this section: {loadavg()} (ratios are paired per round). Sparse value gradients "
-        "(`--memory_optimizer sparse_row_adam`) are not measured here.",
+        "The shared table's backward adds the second memory's row sums into the gradient buffer the first one filled "
+        "(dense: `addmm` with beta 1; sparse: one buffer over the union of the rows), and that buffer is reused from "
+        "step to step, as a table of its own reuses its gradient buffer. Before, autograd added the two gradients out "
+        "of place into a fresh table-sized buffer (row 'before': each lookup returns its own gradient). "
+        f"Load average at the end of this section: {loadavg()} (ratios are paired per round).",
     ]
+
 
 # ----------------------------------------------------------------------------------------------- main
 
@@ -1203,6 +1237,7 @@ SECTIONS = {
     "table1": section_table1,
     "gpu": section_gpu,
     "options": section_options,
+    "shared": section_shared,
     "trainer": section_trainer,
 }
 
@@ -1210,8 +1245,8 @@ SECTIONS = {
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds (~3-4 min)")
-    parser.add_argument("--sections", nargs="*", default=[s for s in SECTIONS if s not in ("options", "trainer")],
-                        choices=list(SECTIONS), help="default: all but options and trainer (sections run with --append)")
+    parser.add_argument("--sections", nargs="*", default=[s for s in SECTIONS if s not in ("options", "shared", "trainer")],
+                        choices=list(SECTIONS), help="default: all but options, shared and trainer (sections run with --append)")
     parser.add_argument("--append", action="store_true", help="append the sections to --output (with the machine and "
                         "date) instead of rewriting it: e.g. the options section below the others")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared 2-core machine, "

@@ -11,9 +11,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import huggingface_hub.constants
 import torch
 import transformers
-from huggingface_hub import HfApi, ModelCard, ModelCardData, hf_hub_download
+from huggingface_hub import HfApi, ModelCard, ModelCardData, hf_hub_download, try_to_load_from_cache
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects, validate_repo_id
 from safetensors import safe_open
@@ -296,6 +297,36 @@ def _check_architecture(architecture, source_name):
         )
 
 
+def check_source(source: str | os.PathLike, offline: bool = False) -> None:
+    """Raises ValueError, before anything loads, where `source` (a folder or Hub id) cannot be converted: no such folder
+    and no Hub id, or a BertPkm model already (whose config transformers would refuse as custom code); with `offline`
+    (HF_HUB_OFFLINE=1) also a Hub id not in the cache. Reads only the folder and the Hub cache, never the network."""
+    path = Path(source)
+    if path.is_dir():
+        config_file = path / "config.json"
+    elif hub_id_or_none(str(source)) is None:
+        raise ValueError(f"{str(source)!r}: no such folder, and not a Hub model id ('name' or 'namespace/name') either")
+    else:
+        config_file = try_to_load_from_cache(str(source), "config.json")
+        config_file = Path(config_file) if isinstance(config_file, str) else None
+        if config_file is None and offline:
+            raise ValueError(
+                f"{str(source)!r}: no such folder, and as a Hub model id not in the local cache, the only place "
+                "HF_HUB_OFFLINE=1 reads"
+            )
+    if config_file is not None and config_file.is_file():
+        try:
+            model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            return  # transformers' own error names the file
+        if model_type == BertPkmConfig.model_type:
+            raise ValueError(
+                f"{str(source)!r} is already a BertPkm model (model_type {model_type!r}): fine-tune it as it is "
+                "(run_mlm.py, run_glue.py, run_squad.py --model_name_or_path take it), or convert its BERT source again "
+                "to change its memories"
+            )
+
+
 def _load_source(source) -> tuple[PreTrainedModel, str, set[str], set[str]]:
     """The source model, its architecture, the names it holds that the checkpoint did not, checkpoint names unread."""
     source_name = _source_name(source)
@@ -304,6 +335,7 @@ def _load_source(source) -> tuple[PreTrainedModel, str, set[str], set[str]]:
         _check_architecture(type(source).__name__, source_name)
         return source, type(source).__name__, set(), set()
 
+    check_source(source, offline=huggingface_hub.constants.HF_HUB_OFFLINE)
     config = AutoConfig.from_pretrained(source, trust_remote_code=False)
     _check_model_type(config, source_name)
     base = "BertModel" if config.model_type == "bert" else "DistilBertModel"
@@ -980,6 +1012,7 @@ __all__ = [
     "card_license",
     "check_hub_folder",
     "check_output_dir",
+    "check_source",
     "convert_to_pkm",
     "curated_results",
     "files_to_upload",

@@ -169,7 +169,8 @@ def cast_pkm_values(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> in
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` that also takes sparse gradients (torch's raises on them): the norm of a
-    sparse gradient is that of its coalesced values. Returns the total norm (before clipping)."""
+    sparse gradient is that of its coalesced values. Returns the total norm (before clipping); `max_norm=inf` only
+    measures it."""
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
@@ -179,13 +180,12 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     norms = [torch.linalg.vector_norm(g, norm_type) for g in dense_view]
     device = norms[0].device
     total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
-    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    clip_coef = None if max_norm == float("inf") else torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for parameter, grad in zip([p for p in parameters if p.grad is not None], grads):
         if grad.is_sparse:
-            grad._values().mul_(clip_coef.to(grad.device))
-            parameter.grad = grad  # the coalesced (and now scaled) gradient
-        else:
-            grad.mul_(clip_coef.to(grad.device))
+            parameter.grad = grad  # the coalesced (and, below, scaled) gradient: not coalesced again by the optimizer
+        if clip_coef is not None:
+            (grad._values() if grad.is_sparse else grad).mul_(clip_coef.to(grad.device))
     return total
 
 

@@ -2,6 +2,7 @@
 
 import math
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +75,38 @@ def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: tupl
         return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
 
 
+class _SharedGradient:
+    """What the value gradient of a table needs across its lookups of one backward pass (memories sharing the table).
+
+    Autograd would add each lookup's gradient out of place into a fresh table-sized buffer; instead every lookup but
+    the last one the pass differentiates leaves its gradient here (`partial`, per backward pass and weight) and the
+    next one adds its row sums into it, so the table's gradient is one reused buffer. `lookups`: the lookups not yet
+    differentiated, weakly held (a graph dropped without backward leaves nothing behind).
+    """
+
+    def __init__(self):
+        self.lookups = {}  # id(ctx) -> weakref to ctx
+        self.partial = {}  # (graph task id, weight key) -> (gradient so far, position of each table row in a sparse one)
+
+    def add(self, ctx):
+        key, lookups = id(ctx), self.lookups
+        lookups[key] = weakref.ref(ctx, lambda _: lookups.pop(key, None))
+
+
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+_will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
+
+
+def _pending_lookups(ctx) -> list:
+    """The other lookups of ctx's weight that the running backward pass is still to differentiate."""
+    lookups = ctx.shared.lookups
+    lookups.pop(id(ctx), None)
+    if _current_graph_task_id is None or _will_engine_execute_node is None:
+        return []
+    others = (ref() for ref in list(lookups.values()))  # (a DataParallel replica reads its own copy of the weight)
+    return [n for n in others if n is not None and n.weight_key == ctx.weight_key and _will_engine_execute_node(n)]
+
+
 class _WeightedRowSum(torch.autograd.Function):
     """`output[t] = sum_j per_sample_weights[t, j] * weight[indices[t, j]]`, with a cheaper backward than EmbeddingBag's.
 
@@ -88,9 +121,12 @@ class _WeightedRowSum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, weight, indices, per_sample_weights, sparse, workspaces, triton=False):
+    def forward(ctx, weight, indices, per_sample_weights, sparse, workspaces, triton=False, shared=None):
         ctx.save_for_backward(weight, indices, per_sample_weights)
-        ctx.sparse, ctx.workspaces, ctx.triton = sparse, workspaces, triton
+        ctx.sparse, ctx.workspaces, ctx.triton, ctx.shared = sparse, workspaces, triton, shared
+        if shared is not None and ctx.needs_input_grad[0]:
+            ctx.weight_key, ctx.indices = (weight.device, weight.data_ptr()), indices
+            shared.add(ctx)
         if triton:
             return _triton_bag_sum(weight, indices, per_sample_weights)
         return F.embedding_bag(indices, weight, mode="sum", per_sample_weights=per_sample_weights)
@@ -108,6 +144,15 @@ class _WeightedRowSum(torch.autograd.Function):
         tokens_of_lookups = torch.div(order, bag, rounding_mode="floor")
         weights_of_lookups = per_sample_weights.reshape(-1)[order].to(dtype)
         grad_weight = grad_per_sample_weights = None
+        # a table shared by several memories: the gradient of its lookups this pass already differentiated, and those
+        # it is still to differentiate (then this lookup's gradient waits for them in ctx.shared)
+        partial = position = task = None
+        pending = []
+        if need_weight and ctx.shared is not None:
+            pending = _pending_lookups(ctx)
+            if _current_graph_task_id is not None:
+                task = (_current_graph_task_id(), ctx.weight_key)
+                partial, position = ctx.shared.partial.pop(task, (None, None))
 
         cpu_kernels = not ctx.triton and device.type == "cpu" and dtype in (torch.float32, torch.float64)
         cpu_kernels = cpu_kernels and weight.dtype == dtype
@@ -121,19 +166,42 @@ class _WeightedRowSum(torch.autograd.Function):
                 dots = torch.sparse.sampled_addmm(lookups, weight, grad_output.t(), beta=0.0).values()
                 grad_per_sample_weights = torch.empty_like(dots).index_copy_(0, order, dots).view(tokens, bag)
             if need_weight and not ctx.sparse:
-                out = _reusable_buffer(ctx.workspaces, "dense_grad", n_rows * dim, dtype, device).view(n_rows, dim)
-                grad_weight = torch.addmm(out, lookups, grad_output, beta=0, out=out)
+                if partial is not None and not partial.is_sparse:
+                    # partial + this lookup's row sums, bitwise the sum autograd forms (each row is summed first)
+                    grad_weight, partial = torch.addmm(partial, lookups, grad_output, out=partial), None
+                else:
+                    out = _reusable_buffer(ctx.workspaces, "dense_grad", n_rows * dim, dtype, device).view(n_rows, dim)
+                    grad_weight = torch.addmm(out, lookups, grad_output, beta=0, out=out)
             elif need_weight:
                 del lookups, crow
-                used, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-                crow = torch.zeros(used.numel() + 1, dtype=index_dtype, device=device)
+                rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+                layout = None  # (position of each table row among the gradient's rows, those rows)
+                if partial is not None and partial.is_sparse and position is not None:
+                    union = partial._indices()[0]  # laid out for every lookup of this pass (checked)
+                    if bool((union[position[rows].clamp(min=0)] == rows).all()):
+                        layout = position, union
+                elif partial is None and pending:  # the first lookup of a shared table: rows for all of them
+                    read = torch.zeros(n_rows, dtype=torch.bool, device=device)
+                    read[rows] = True
+                    for node in pending:
+                        read[node.indices.reshape(-1)] = True
+                    layout = read.cumsum(0) - 1, read.nonzero().squeeze(1)
+                if layout is not None:
+                    counts = counts.new_zeros(layout[1].numel()).index_copy_(0, layout[0][rows], counts)
+                    rows = layout[1]
+                crow = torch.zeros(rows.numel() + 1, dtype=index_dtype, device=device)
                 torch.cumsum(counts, 0, dtype=index_dtype, out=crow[1:])
-                compact = _csr(crow, tokens_of_lookups, weights_of_lookups, (used.numel(), tokens))
-                # the number of rows used changes from step to step: 1/8 spare room
-                out = _reusable_buffer(ctx.workspaces, "sparse_grad", used.numel() * dim, dtype, device, spare=0.125)
-                out = out.view(used.numel(), dim)
-                grad_weight = _sparse_rows(used, torch.addmm(out, compact, grad_output, beta=0, out=out), n_rows)
-            return grad_weight, None, grad_per_sample_weights, None, None, None
+                compact = _csr(crow, tokens_of_lookups, weights_of_lookups, (rows.numel(), tokens))
+                if layout is not None and partial is not None:  # partial + these row sums in place, as dense above
+                    out, partial = torch.addmm(partial._values(), compact, grad_output, out=partial._values()), None
+                else:  # the number of rows used changes from step to step: 1/8 spare room
+                    out = _reusable_buffer(ctx.workspaces, "sparse_grad", rows.numel() * dim, dtype, device, spare=0.125)
+                    out = out.view(rows.numel(), dim)
+                    out = torch.addmm(out, compact, grad_output, beta=0, out=out)
+                grad_weight = _sparse_rows(rows, out, n_rows)
+                position = layout[0] if layout is not None else None
+            grad_weight = _shared_gradient(ctx, task, grad_weight, partial, pending, position)
+            return grad_weight, None, grad_per_sample_weights, None, None, None, None
 
         if need_per_sample_weights and ctx.triton:
             grad_per_sample_weights = torch.ops.pkm_bert.row_dots(weight, flat, grad_output, bag).view(tokens, bag)
@@ -159,7 +227,19 @@ class _WeightedRowSum(torch.autograd.Function):
                 grad_weight = _sparse_rows(used, grad_rows, n_rows)
             else:
                 grad_weight = grad_rows.new_zeros(n_rows, dim).index_copy_(0, used, grad_rows)
-        return grad_weight, None, grad_per_sample_weights, None, None, None
+        grad_weight = _shared_gradient(ctx, task, grad_weight, partial, pending)
+        return grad_weight, None, grad_per_sample_weights, None, None, None, None
+
+
+def _shared_gradient(ctx, task, grad_weight, partial, pending, position=None):
+    """The table gradient a lookup returns: None while other lookups of its table are `pending` in this pass (the
+    gradient waits in `ctx.shared` for them), else the whole sum. `partial`: a gradient not yet added."""
+    if partial is not None:  # a kind the in-place paths do not take: autograd's own out-of-place sum
+        grad_weight, position = partial + grad_weight, None
+    if pending and task is not None:
+        ctx.shared.partial[task] = (grad_weight, position)
+        return None
+    return grad_weight
 
 
 def _triton_bag_sum(weight: torch.Tensor, indices: torch.Tensor, per_sample_weights: torch.Tensor) -> torch.Tensor:
@@ -297,7 +377,8 @@ class ProductKeyValues(nn.EmbeddingBag):
       (sparse all-reduce needs gloo, not NCCL; FSDP refuses sparse gradients).
 
     On CPU the gradient lives in a buffer reused from step to step (fresh allocations of hundreds of MiB cost page
-    faults); `eval()` releases it. `fused_backward = False` gives EmbeddingBag's own backward (the reference).
+    faults), also for a table shared by several memories, whose lookups add their gradients into one buffer (bitwise
+    autograd's sum); `eval()` releases it. `fused_backward = False` gives EmbeddingBag's own backward (the reference).
     """
 
     fused_backward = True
@@ -309,6 +390,7 @@ class ProductKeyValues(nn.EmbeddingBag):
     def __init__(self, num_embeddings: int, embedding_dim: int, sparse: bool = False, **kwargs):
         super().__init__(num_embeddings, embedding_dim, mode="sum", sparse=sparse, **kwargs)
         self._workspaces = {}
+        self._shared_gradient = _SharedGradient()
 
     def forward(self, input, offsets=None, per_sample_weights=None):
         if torch.compiler.is_compiling():
@@ -333,7 +415,9 @@ class ProductKeyValues(nn.EmbeddingBag):
         )
         needs_grad = torch.is_grad_enabled() and (self.weight.requires_grad or per_sample_weights.requires_grad)
         if needs_grad and self.fused_backward:
-            return _WeightedRowSum.apply(self.weight, input, per_sample_weights, self.sparse, self._workspaces, triton)
+            return _WeightedRowSum.apply(
+                self.weight, input, per_sample_weights, self.sparse, self._workspaces, triton, self._shared_gradient
+            )
         if triton and not needs_grad:
             return _triton_bag_sum(self.weight, input, per_sample_weights)
         return super().forward(input, offsets, per_sample_weights)
@@ -352,10 +436,11 @@ class ProductKeyValues(nn.EmbeddingBag):
     def release_workspace(self):
         """Frees the gradient buffer kept between training steps (it is made again by the next backward)."""
         self._workspaces.clear()
+        self._shared_gradient.partial.clear()  # left only by a backward pass that raised
 
     def __getstate__(self):
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
-        return {**state, "_workspaces": {}}
+        return {**state, "_workspaces": {}, "_shared_gradient": _SharedGradient()}
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, mode='sum', sparse={self.sparse}"

@@ -32,6 +32,7 @@ if not HELP:
         card_base_model,
         card_license,
         check_output_dir,
+        check_source,
         convert_to_pkm,
         load_source_tokenizer,
         push_folder_to_hub,
@@ -89,6 +90,10 @@ def parse_args(argv=None):
         parser.error("--num_labels must be >= 1")
     if (args.hub_model_id or args.private or args.hub_token) and not args.push_to_hub:
         parser.error("--hub_model_id, --private and --hub_token need --push_to_hub")
+    try:
+        check_source(args.model_name_or_path)
+    except ValueError as error:
+        parser.error(f"--model_name_or_path {error}")
     return args
 
 

@@ -74,11 +74,22 @@ def read_squad_json(path: str) -> list[dict]:
                         "question": qa["question"],
                         "answers": {
                             "text": [answer["text"] for answer in answers],
-                            "answer_start": [int(answer["answer_start"]) for answer in answers],
+                            "answer_start": [_answer_start(answer["answer_start"], path, qa) for answer in answers],
                         },
                     }
                 )
     return examples
+
+
+def _answer_start(value, path: str, qa: dict) -> int:
+    # an int, or a string of one (as int() reads it): anything else is an error naming the field, not int()'s
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SquadFormatError(
+            f"{path}: question {qa['id']!r}: answer_start must be a character offset (an integer >= 0), got {value!r}"
+        )
+    return value
 
 
 def squad_features():

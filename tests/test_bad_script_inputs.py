@@ -163,3 +163,47 @@ def test_freeze_memory_on_a_pkm_model_still_works(tmp_path):
     model = BertPkmForMaskedLM(tiny_config())
     check_freeze_memory(model)
     assert freeze_memory(model) > 0
+
+
+def test_a_squad_answer_start_that_is_not_an_integer_names_the_file_question_and_field(tmp_path):
+    qas = [{"id": "q1", "question": "Who won?", "answers": [{"text": "Denver", "answer_start": "ten"}]}]
+    data = {"version": "1.1", "data": [{"title": "T", "paragraphs": [{"context": "Denver won.", "qas": qas}]}]}
+    (tmp_path / "squad.json").write_text(json.dumps(data))
+    args = run_squad.parse_args(["--model_name_or_path", "some-model", "--validation_file", str(tmp_path / "squad.json")])
+    with pytest.raises(ValueError, match=r"squad\.json: question 'q1': answer_start must be a character offset"
+                       r" \(an integer >= 0\), got 'ten'"):  # fmt: skip
+        run_squad.load_raw_datasets(args)
+
+
+convert_to_pkm = load_script("convert_to_pkm")
+
+
+@pytest.mark.parametrize(
+    "source, stage, message",
+    [
+        ("{d}/no/such/folder", "parse", "--model_name_or_path '{d}/no/such/folder': no such folder, and not a Hub model id"),
+        ("{d}/pkm", "parse", "--model_name_or_path '{d}/pkm' is already a BertPkm model (model_type 'bert_pkm')"),
+        # the cache is read when the conversion starts, not by the flag parser
+        ("someone/no-such-model", "main", "'someone/no-such-model': no such folder, and as a Hub model id not in the "
+         "local cache, the only place HF_HUB_OFFLINE=1 reads"),  # fmt: skip
+    ],
+    ids=["missing-folder", "already-converted", "hub-id-offline"],
+)
+def test_convert_to_pkm_of_a_missing_or_converted_source_names_it(tmp_path, capsys, monkeypatch, source, stage, message):
+    from modeling_pkm_bert import BertPkmForMaskedLM
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
+    BertPkmForMaskedLM(tiny_config()).save_pretrained(tmp_path / "pkm")
+    argv = ["--model_name_or_path", source.format(d=tmp_path), "--output_dir", str(tmp_path / "out")]
+    if stage == "parse":
+        with pytest.raises(SystemExit) as raised:
+            convert_to_pkm.parse_args(argv)
+        assert raised.value.code == 2
+        assert message.format(d=tmp_path) in " ".join(capsys.readouterr().err.split())
+    else:
+        with pytest.raises(ValueError) as raised:
+            convert_to_pkm.main(argv)
+        assert message in str(raised.value)
+    assert not (tmp_path / "out").exists()

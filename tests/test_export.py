@@ -195,6 +195,39 @@ def test_onnx_export_of_a_tiny_model_in_onnxruntime_and_bad_input(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
 
 
+class OnAnotherDevice(torch.Tensor):
+    """Stands in for a CUDA tensor (no GPU runs the suite): an op mixing it with a plain (CPU) tensor raises as torch
+    does across devices; `.cpu()` / `.to("cpu")` give the plain tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cpu or (func is torch.Tensor.to and "cpu" in map(str, [*args[1:], *kwargs.values()])):
+            return args[0].as_subclass(torch.Tensor)
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if any(type(a) is torch.Tensor for a in tensors) and any(isinstance(a, cls) for a in tensors):
+            raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_onnx_export_verifies_an_eager_output_on_another_device(tmp_path):
+    """A CUDA model's eager outputs are on the GPU, onnxruntime's on the CPU: the verification compares them on one
+    device (the stand-in raises on the mixed subtraction as CUDA does)."""
+    model = tiny_model("BertPkmForSequenceClassification")
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.ones(2) - torch.ones(2).as_subclass(OnAnotherDevice)
+
+    def on_another_device(module, args, kwargs, output):  # the eager call only, not the export's tracing
+        handle.remove()
+        for name, value in output.items():
+            output[name] = value.as_subclass(OnAnotherDevice)
+        return output
+
+    handle = model.register_forward_hook(on_another_device, with_kwargs=True)
+    export_onnx(model, tmp_path / "model.onnx", batch("BertPkmForSequenceClassification", 2, 6, pad_from=3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
+
+
 @pytest.fixture(scope="module")
 def converted_minilm(tmp_path_factory):
     """The real all-MiniLM-L6-v2 converted with memories at layers 2 and 4 (the real layers, 4 heads, knn 32, k_dim

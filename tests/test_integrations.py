@@ -227,6 +227,23 @@ def test_pkm_trainer_sparse_row_adam_takes_sparse_value_gradients_and_equals_den
         torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
+@pytest.mark.parametrize("memory_optimizer", ["adam", "sparse_row_adam"])
+def test_every_pkm_trainer_option_trains_with_clipping_on_and_off(tmp_path, memory_optimizer, max_grad_norm):
+    """With clipping off (max_grad_norm=0) Trainer still computes the gradient norm for its log: it must take the
+    sparse value gradients of sparse_row_adam as the clipping does."""
+    torch.manual_seed(0)
+    model = BertPkmForMaskedLM(tiny_config(pkm_layers=[0, 1]))
+    initial = [p.detach().clone() for p in pkm_value_parameters(model)]
+    args = training_args(tmp_path, max_steps=2, save_strategy="no", max_grad_norm=max_grad_norm, logging_steps=1)
+    trainer = PkmTrainer(model=model, args=args, train_dataset=mlm_dataset(8), memory_optimizer=memory_optimizer)
+    trainer.train()
+    norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    assert len(norms) == 2 and all(norm > 0 for norm in norms)
+    for before, after in zip(initial, pkm_value_parameters(model)):
+        assert not torch.equal(before, after)
+
+
 def test_pkm_optimizers_for_the_plain_trainer_and_bad_input(tmp_path):
     model = BertPkmForMaskedLM(tiny_config())
     args = training_args(tmp_path, max_steps=2, save_strategy="no")
@@ -343,6 +360,28 @@ def test_lora_training_with_gradient_checkpointing_equals_training_without(tmp_p
     parameters = dict(expected.named_parameters())
     for name, parameter in checkpointed.named_parameters():
         torch.testing.assert_close(parameter, parameters[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_pkm_lora_config_trains_the_query_batchnorm_gain_and_bias_as_documented():
+    """PEFT makes every parameter of a module in modules_to_save trainable (peft.utils.other.ModulesToSaveWrapper sets
+    requires_grad on the copy at creation, set_adapter and enable_adapters): saving the query BatchNorms' running
+    statistics trains their gain and bias, 2 * heads * k_dim parameters per memory; the docstring and README say so."""
+    from peft import get_peft_model
+
+    config = tiny_config(pkm_layers=[0, 2], num_labels=2)
+    base = BertPkmForSequenceClassification(config)
+    model = get_peft_model(base, pkm_lora_config(base, task_type="SEQ_CLS", r=4))
+    trainable = [p for name, p in model.named_parameters() if p.requires_grad and ".query_batchnorm." in name]
+    assert sum(p.numel() for p in trainable) == 2 * (2 * config.pkm_heads * config.pkm_k_dim)
+    before = [p.detach().clone() for p in trainable]
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model.train()
+    model(input_ids=torch.randint(5, 99, (4, 8)), labels=torch.tensor([0, 1, 1, 0])).loss.backward()
+    optimizer.step()
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainable))
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for text in (" ".join(pkm_lora_config.__doc__.split()), " ".join(readme.split())):
+        assert "gain and bias" in text and "2 * heads * k_dim" in text
 
 
 def test_pkm_lora_config_bad_input():

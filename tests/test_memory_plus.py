@@ -122,6 +122,76 @@ def test_shared_table_gradient_is_the_sum_over_memories(sparse, monkeypatch):
     torch.testing.assert_close(g_both, g_first + g_second, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_shared_table_gradient_accumulates_in_one_reused_buffer_exactly(sparse, set_to_none, monkeypatch):
+    """Memories sharing a table add their value gradients into one buffer reused from step to step (autograd would
+    add them out of place into a fresh one): bitwise the gradient autograd's own sum gives, with one backward pass a
+    step and with two (gradient accumulation), after zero_grad(set_to_none=True/False); lookups of graphs that this
+    backward pass does not differentiate do not count."""
+    import modeling_pkm_bert.product_key_memory as pkm
+
+    fast_paths(True, monkeypatch)
+    torch.manual_seed(0)
+    table = ProductKeyValues(N_KEYS**2, DIM, sparse=sparse)
+    memories = torch.nn.ModuleList(make_memory(values=table, **options) for options in ({}, OPTIONS["all"], {}))
+    inputs = [torch.randn(2, 9, DIM) for _ in range(6)]
+
+    def train(passes_per_step):
+        grads, workspaces = [], []
+        batches = iter(inputs)
+        for _ in range(len(inputs) // passes_per_step):
+            memories.zero_grad(set_to_none=set_to_none)
+            for _ in range(passes_per_step):
+                x = next(batches)
+                memories[0](x.flip(1))  # a graph dropped without backward, and one kept but not differentiated
+                kept = memories[1](x.flip(0))  # noqa: F841
+                sum((memory(x.roll(i, 1)) * (i + 1)).square().sum() for i, memory in enumerate(memories)).backward()
+            grads.append(table.weight.grad.to_dense() if sparse else table.weight.grad.clone())
+            workspaces.append(dict(table._workspaces))
+        return grads, workspaces
+
+    one_pass, workspaces = train(1)
+    accumulated, _ = train(2)
+    monkeypatch.setattr(pkm, "_pending_lookups", lambda ctx: [])  # each lookup's own gradient, autograd's sum
+    reference_one_pass, _ = train(1)
+    reference_accumulated, _ = train(2)
+    assert all(g.abs().sum() > 0 for g in one_pass)
+    for got, want in zip(one_pass + accumulated, reference_one_pass + reference_accumulated):
+        assert torch.equal(got, want)
+    # the step after the first finds every buffer free again: the same objects, nothing allocated
+    assert workspaces[-1].keys() == workspaces[-2].keys() and workspaces[-1]
+    for name, (buffer, _) in workspaces[-1].items():
+        assert buffer is workspaces[-2][name][0], name
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_shared_table_gradient_with_gradient_checkpointing_equals_without(sparse):
+    """Checkpointing recomputes the lookups in the backward pass (use_reentrant=True: each layer in a nested pass of its
+    own): the shared table's gradient stays that of the plain backward, bitwise."""
+    import copy
+
+    torch.manual_seed(0)
+    base = BertPkmForMaskedLM(tiny_config(pkm_layers=[0, 1, 2], pkm_shared_values=True))
+    ids = torch.randint(5, 99, (4, 8))
+
+    def table_gradient(use_reentrant=None):
+        model = copy.deepcopy(base).train()
+        set_sparse_values(model, sparse)
+        torch.manual_seed(1)  # the same dropout masks (checkpointing replays the RNG state)
+        if use_reentrant is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+            model.enable_input_require_grads()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grad = model.bert.encoder.layer[0].memory.values.weight.grad
+        return grad.to_dense() if sparse else grad
+
+    expected = table_gradient()
+    assert expected.abs().sum() > 0
+    for use_reentrant in (False, True):
+        assert torch.equal(table_gradient(use_reentrant), expected), use_reentrant
+
+
 def test_qk_norm_search_is_exact_over_the_normalised_keys():
     memory = make_memory(qk_norm=True)
     queries = torch.randn(5, 3, HEADS, K_DIM)
@@ -439,8 +509,25 @@ def test_options_benchmark_section_measures_every_variant_against_the_default(mo
     monkeypatch.setattr(bench, "PAPER", dict(n_keys=16, heads=2, knn=4, k_dim=16))
     lines = bench.section_options(argparse.Namespace(quick=True, threads=1, options_batch=(2, 8)))
     rows = [line for line in lines if line.startswith("| ") and "ms" not in line and "---" not in line]
-    assert len(rows) == len(bench.OPTION_VARIANTS) + 2
+    assert len(rows) == len(bench.OPTION_VARIANTS)
     assert rows[0].endswith("| 1.00; 1.00 |")  # the default against itself
+
+
+def test_shared_table_benchmark_section_compares_dense_and_sparse_gradients(monkeypatch):
+    bench = load_benchmark("run_benchmarks")
+    monkeypatch.setattr(bench, "PAPER", dict(n_keys=16, heads=2, knn=4, k_dim=16))
+    lines = bench.section_shared(argparse.Namespace(quick=True, threads=1, options_batch=(2, 8)))
+    rows = [line for line in lines if line.startswith("| ") and "ms" not in line and "---" not in line]
+    before = "one shared table, autograd's out-of-place sum (before)"
+    assert [row.split(" | ")[:2] for row in rows] == [
+        [f"| {kind}", label]
+        for kind in ("dense", "sparse (`sparse=True`)")
+        for label in ("a table each (2 x 1 MiB)", "one shared table (1 MiB)", before)
+    ]
+    assert rows[0].endswith("| 1.00; 1.00 |") and rows[3].endswith("| 1.00; 1.00 |")  # own tables against themselves
+    import modeling_pkm_bert.product_key_memory as pkm
+
+    assert pkm._pending_lookups.__name__ == "_pending_lookups"  # restored after the 'before' rows
 
 
 def test_memory_plus_report_lists_every_finished_run(tmp_path):

@@ -117,8 +117,8 @@ def export_onnx(
             )
         if verify:
             actual = run_onnx(tmp / path.name, inputs)
-            for name in output_names:
-                difference = (torch.from_numpy(actual[name]) - expected[name]).abs().max().item()
+            for name in output_names:  # onnxruntime ran on the CPU, the eager model may be on a GPU
+                difference = (torch.from_numpy(actual[name]) - expected[name].cpu()).abs().max().item()
                 if not difference <= atol:
                     raise RuntimeError(f"ONNX output {name!r} differs from the eager model's by {difference:.3g} > {atol}")
         for file in tmp.iterdir():  # the model, and its external data file where there is one

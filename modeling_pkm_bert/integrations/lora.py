@@ -25,6 +25,11 @@ def pkm_lora_config(
     """A `peft.LoraConfig` for `model` whose `modules_to_save` holds the memories' query BatchNorms (running
     statistics), so that `PeftModel.from_pretrained(base, adapter)` gives the trained model's logits.
 
+    PEFT trains every parameter of a module in `modules_to_save` (it sets `requires_grad` on its copy, again on each
+    `set_adapter`), so the BatchNorms' gain and bias train with the adapter too: 2 * heads * k_dim parameters per
+    memory (2,048 at the defaults, 4,096 for the paper's two memories: 1.4% on top of LoRA r=8 on BERT-base's query
+    and value, 294,912). PEFT offers no way to save a module's buffers without training its parameters.
+
     Args:
         model: the BertPkm model (or any module holding product key memories) the adapter is for.
         target_modules: modules LoRA adapts (default: BERT's attention `query` and `value`).

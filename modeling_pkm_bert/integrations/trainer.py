@@ -185,6 +185,13 @@ class PkmOptimizersMixin:
         self.accelerator.unscale_gradients()
         return clip_grad_norm_(parameters, self.args.max_grad_norm)
 
+    def _get_grad_norm(self, model, grad_norm=None):
+        # with clipping off (max_grad_norm=0) Trainer still measures the norm for its log, through the same torch path
+        if grad_norm is None and any(p.grad is not None and p.grad.is_sparse for p in model.parameters()):
+            self.accelerator.unscale_gradients()
+            grad_norm = clip_grad_norm_(model.parameters(), float("inf"))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.lr_scheduler is None:
             self.lr_scheduler = pkm_scheduler(self.optimizer if optimizer is None else optimizer, self.args, num_training_steps)
