@@ -464,9 +464,9 @@ def test_run_mlm_trains_memory_plus_from_flags_and_clips_the_values(tmp_path, mo
                max_position_embeddings=64).save_pretrained(tmp_path / "bert")
     norms = []
 
-    def recording_clip(*args):
-        norm = clip_memory_gradients(*args)
-        norms.append((args[-1], norm))
+    def recording_clip(accelerator, model, memory_optimizer, max_norm, *args, **kwargs):
+        norm = clip_memory_gradients(accelerator, model, memory_optimizer, max_norm, *args, **kwargs)
+        norms.append((max_norm, norm))
         return norm
 
     monkeypatch.setattr(run_mlm, "clip_memory_gradients", recording_clip)
