@@ -365,7 +365,7 @@ def test_lora_training_with_gradient_checkpointing_equals_training_without(tmp_p
 def test_pkm_lora_config_trains_the_query_batchnorm_gain_and_bias_as_documented():
     """PEFT makes every parameter of a module in modules_to_save trainable (peft.utils.other.ModulesToSaveWrapper sets
     requires_grad on the copy at creation, set_adapter and enable_adapters): saving the query BatchNorms' running
-    statistics trains their gain and bias, 2 * heads * k_dim parameters per memory; the docstring and README say so."""
+    statistics trains their gain and bias, 2 * heads * k_dim parameters per memory; the docstring and the docs say so."""
     from peft import get_peft_model
 
     config = tiny_config(pkm_layers=[0, 2], num_labels=2)
@@ -379,7 +379,7 @@ def test_pkm_lora_config_trains_the_query_batchnorm_gain_and_bias_as_documented(
     model(input_ids=torch.randint(5, 99, (4, 8)), labels=torch.tensor([0, 1, 1, 0])).loss.backward()
     optimizer.step()
     assert any(not torch.equal(b, p) for b, p in zip(before, trainable))
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[1] / "docs" / "integrations.md").read_text()  # the README's integrations page
     for text in (" ".join(pkm_lora_config.__doc__.split()), " ".join(readme.split())):
         assert "gain and bias" in text and "2 * heads * k_dim" in text
 

@@ -1,5 +1,5 @@
-"""README.md runs as written: every ```python block in a fresh temporary folder, every command line of a script with
-flags its parser knows, every `make` target that exists.
+"""README.md and the pages under docs/ run as written: every ```python block in a fresh temporary folder, every
+command line of a script with flags its parser knows, every `make` target that exists.
 
 A block that cannot run offline is marked by `<!-- readme-test: skip (the reason) -->` on the line before it; the
 skips are counted and printed (keep them rare)."""
@@ -18,20 +18,23 @@ import pytest
 from conftest import REPO_ROOT
 
 
-README = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+DOCUMENTS = {path.relative_to(REPO_ROOT).as_posix(): path.read_text(encoding="utf-8") for path in [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]}
+README = "\n".join(DOCUMENTS.values())  # for the checks that look at the text as a whole
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip\b(.*?)-->")
 BLOCK = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
-def blocks(language: str) -> list[tuple[int, str, str | None]]:
-    """(line number, code, skip reason or None) of every fenced block in `language`."""
+def blocks(language: str) -> list[tuple[str, str, str | None]]:
+    """(document:line, code, skip reason or None) of every fenced block in `language`."""
     found = []
-    for match in BLOCK.finditer(README):
-        if match.group(1) != language:
-            continue
-        before = README[: match.start()].rstrip().splitlines()
-        skip = SKIP.search(before[-1]) if before else None
-        found.append((README.count("\n", 0, match.start()) + 1, match.group(2), skip.group(1).strip() if skip else None))
+    for document, text in DOCUMENTS.items():
+        for match in BLOCK.finditer(text):
+            if match.group(1) != language:
+                continue
+            before = text[: match.start()].rstrip().splitlines()
+            skip = SKIP.search(before[-1]) if before else None
+            where = f"{document}:{text.count(chr(10), 0, match.start()) + 1}"
+            found.append((where, match.group(2), skip.group(1).strip() if skip else None))
     return found
 
 
@@ -44,7 +47,7 @@ def test_readme_skips_are_few():
     assert PYTHON_BLOCKS and len(skipped) <= max(1, len(PYTHON_BLOCKS) // 5), skipped
 
 
-@pytest.mark.parametrize("line, code, skip", PYTHON_BLOCKS, ids=[f"line{line}" for line, _, _ in PYTHON_BLOCKS])
+@pytest.mark.parametrize("line, code, skip", PYTHON_BLOCKS, ids=[line for line, _, _ in PYTHON_BLOCKS])
 def test_python_block_runs_as_written(line, code, skip, tmp_path):
     if skip is not None:
         pytest.skip(f"README line {line} is marked skip {skip}")
@@ -70,9 +73,11 @@ def shell_commands() -> list[tuple[int, str]]:
         for offset, row in enumerate(text.splitlines()):
             row = re.sub(r"(^|\s)#.*$", "", row).strip()
             if row:
-                commands.append((line + 1 + offset, row))
-    for match in re.finditer(r"`([^`\n]*run_scripts/\w+\.py[^`\n]*)`", README):
-        commands.append((README.count("\n", 0, match.start()) + 1, match.group(1)))
+                document, number = line.rsplit(":", 1)
+                commands.append((f"{document}:{int(number) + 1 + offset}", row))
+    for document, text in DOCUMENTS.items():
+        for match in re.finditer(r"`([^`\n]*run_scripts/\w+\.py[^`\n]*)`", text):
+            commands.append((f"{document}:{text.count(chr(10), 0, match.start()) + 1}", match.group(1)))
     return commands
 
 
