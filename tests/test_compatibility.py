@@ -122,6 +122,14 @@ def test_an_unsupported_transformers_is_named_with_the_code_version_and_the_rang
 FIXTURE_0_1_0 = REPO_ROOT / "tests" / "fixtures" / "bert_pkm_0.1.0"  # written by 0.1.0 (transformers 5.4), before the fix
 
 
+def outdated_code_files(folder) -> list[str]:
+    """The remote-code files that the installed package would write anew into `folder`."""
+    from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
+
+    package = REPO_ROOT / "modeling_pkm_bert"
+    return [name for name in REMOTE_CODE_FILES if not (folder / name).is_file() or (folder / name).read_text() != (package / name).read_text()]
+
+
 def test_a_folder_written_before_0_2_0_runs_again_after_refresh_code(tmp_path):
     """0.1.0's code imports BERT internals that transformers 5.24 changed; `push_to_hub.py --refresh_code` replaces it
     and the folder computes what 0.1.0 computed, through remote code without the package."""
@@ -129,7 +137,7 @@ def test_a_folder_written_before_0_2_0_runs_again_after_refresh_code(tmp_path):
     subprocess.run(["cp", "-r", str(FIXTURE_0_1_0), str(folder)], check=True)
     weights = (folder / "mlm" / "model.safetensors").read_bytes()
     result = run(sys.executable, str(REPO_ROOT / "run_scripts" / "push_to_hub.py"), "--model_dir", str(folder / "mlm"), "--refresh_code")
-    assert "Refreshed configuration_bert_pkm.py, modeling_bert_pkm.py, config.json" in result.stdout
+    assert f"Refreshed {', '.join(outdated_code_files(FIXTURE_0_1_0 / 'mlm'))}, config.json" in result.stdout
     config = json.loads((folder / "mlm" / "config.json").read_text())
     assert config["pkm_code_version"] == "0.2.0" and config["auto_map"]["AutoModelForCausalLM"].endswith("BertPkmForCausalLM")
     assert (folder / "mlm" / "model.safetensors").read_bytes() == weights
@@ -150,7 +158,7 @@ def test_refresh_code_writes_nothing_when_the_refreshed_folder_computes_somethin
     with pytest.raises(RuntimeError, match="outputs differ from the package's by .*nothing was changed"):
         code_refresh.refresh_code(folder)
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
-    assert code_refresh.refresh_code(folder, dry_run=True) == ["configuration_bert_pkm.py", "modeling_bert_pkm.py", "config.json"]
+    assert code_refresh.refresh_code(folder, dry_run=True) == [*outdated_code_files(folder), "config.json"]
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
 
 
