@@ -49,14 +49,14 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from modeling_pkm_bert.optimization import (  # noqa: E402
+from modeling_pkm_bert.training.optimization import (  # noqa: E402
     SparseRowAdam,
     cast_pkm_values,
     pkm_param_groups,
     pkm_value_parameters,
     set_sparse_values,
 )
-from modeling_pkm_bert.cpu_kernels import use_huge_pages  # noqa: E402
+from modeling_pkm_bert.kernels.cpu import use_huge_pages  # noqa: E402
 from modeling_pkm_bert.product_key_memory import ProductKeyMemory, ProductKeyValues  # noqa: E402
 
 
@@ -1128,7 +1128,7 @@ NOTES = [
     "speed-up is smaller (see section 1); our path avoids those allocations either way.",
     "- Table 1 on CPU: the selection runs in a native kernel (`modeling_pkm_bert/csrc/product_key_select.c`, built at "
     "first use with the system C compiler, registered as `torch.ops.pkm_bert.select_product_keys` by "
-    "`modeling_pkm_bert.cpu_kernels`): a threshold from the maxima of 64 groups of sub-keys leaves ~40 of the 512 "
+    "`modeling_pkm_bert.kernels.cpu`): a threshold from the maxima of 64 groups of sub-keys leaves ~40 of the 512 "
     "scores per head-half, ranked by counting with AVX-512, then the pruned pairs likewise (the rows 'on "
     "`torch.topk`' measure the model without it). `use_huge_pages` puts the value tables on 2 MiB pages: a lookup "
     "reads random 3 KiB rows of a 768 MiB table, and on 4 KiB pages nearly every row costs a TLB miss and a page "

@@ -19,16 +19,14 @@ from pathlib import Path
 HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-if HELP:
-    sys.modules["modeling_pkm_bert"] = importlib.util.module_from_spec(importlib.util.find_spec("modeling_pkm_bert"))
 
-from modeling_pkm_bert.arguments import TARGET_CLASSES, add_pkm_arguments, card_command, hub_model_id  # noqa: E402
+from modeling_pkm_bert.training.arguments import TARGET_CLASSES, add_pkm_arguments, card_command, hub_model_id  # noqa: E402
 
 
 if not HELP:
     from transformers import set_seed
 
-    from modeling_pkm_bert.conversion import (
+    from modeling_pkm_bert.hub.conversion import (
         card_base_model,
         card_license,
         check_output_dir,
@@ -39,7 +37,7 @@ if not HELP:
         save_converted,
         sentence_transformers_files,
     )
-    from modeling_pkm_bert.training import pkm_kwargs_from_args
+    from modeling_pkm_bert.training.runtime import pkm_kwargs_from_args
 
 
 logger = logging.getLogger(__name__)

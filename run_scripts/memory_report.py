@@ -67,14 +67,14 @@ def main(argv=None):
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from modeling_pkm_bert.training import load_model, memory_modules
+    from modeling_pkm_bert.training.runtime import load_model, memory_modules
 
     # cheap checks first: a bad run directory fails before the model loads
     if args.run_dir is not None:
         check_run_dir(args.run_dir)
     model = load_model("base", args.model_name_or_path, trust_remote_code=args.trust_remote_code)
     if not memory_modules(model):
-        from modeling_pkm_bert.memory_usage import MemoryUsageTracker
+        from modeling_pkm_bert.analysis.memory_usage import MemoryUsageTracker
 
         if not MemoryUsageTracker(model).memories:
             raise MemoryReportError(

@@ -28,8 +28,8 @@ if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source c
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 if not HELP:
-    from modeling_pkm_bert.code_refresh import refresh_code
-    from modeling_pkm_bert.conversion import (
+    from modeling_pkm_bert.hub.refresh import refresh_code
+    from modeling_pkm_bert.hub.conversion import (
         TOKENIZER_FILES,
         check_hub_folder,
         files_to_upload,

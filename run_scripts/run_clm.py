@@ -55,10 +55,8 @@ from pathlib import Path
 HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-if HELP:
-    sys.modules["modeling_pkm_bert"] = importlib.util.module_from_spec(importlib.util.find_spec("modeling_pkm_bert"))
 
-from modeling_pkm_bert.arguments import (  # noqa: E402
+from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_model_card_arguments,
     add_pkm_arguments,
     add_reliability_arguments,
@@ -89,11 +87,11 @@ else:
     )
 
     from modeling_pkm_bert import BertPkmConfig, register_auto_classes
-    from modeling_pkm_bert.conversion import card_base_model, card_license
-    from modeling_pkm_bert.lm_data import check_data_file, load_raw_datasets, parse_validation_sets
-    from modeling_pkm_bert.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
-    from modeling_pkm_bert.staleness import STALENESS_FILE, StalenessTracker
-    from modeling_pkm_bert.training import (
+    from modeling_pkm_bert.hub.conversion import card_base_model, card_license
+    from modeling_pkm_bert.training.lm_data import check_data_file, load_raw_datasets, parse_validation_sets
+    from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
+    from modeling_pkm_bert.analysis.staleness import STALENESS_FILE, StalenessTracker
+    from modeling_pkm_bert.training.runtime import (
         atomic_write_json,
         check_checkpoint,
         check_data_files,
@@ -117,7 +115,7 @@ else:
         validate_training_arguments,
         write_results_model_card,
     )
-    from modeling_pkm_bert.trime import (
+    from modeling_pkm_bert.training.trime import (
         causal_targets,
         check_trime_model,
         model_trime_losses,
@@ -796,7 +794,7 @@ def main(argv=None):
             results["total_runtime"] = round(time.time() - start_time, 2)
             atomic_write_json(os.path.join(args.output_dir, "all_results.json"), results)
             if args.push_to_hub and do_train:
-                from modeling_pkm_bert.conversion import push_folder_to_hub
+                from modeling_pkm_bert.hub.conversion import push_folder_to_hub
 
                 repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
                 push_folder_to_hub(

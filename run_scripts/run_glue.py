@@ -49,10 +49,8 @@ import time
 HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-if HELP:
-    sys.modules["modeling_pkm_bert"] = importlib.util.module_from_spec(importlib.util.find_spec("modeling_pkm_bert"))
 
-from modeling_pkm_bert.arguments import (  # noqa: E402
+from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_memory_report_arguments,
     add_model_card_arguments,
     add_pkm_arguments,
@@ -60,7 +58,7 @@ from modeling_pkm_bert.arguments import (  # noqa: E402
     add_smf_arguments,
     card_command,
 )
-from modeling_pkm_bert.glue_data import GLUE_TASKS  # noqa: E402  (standard library only until its loaders run)
+from modeling_pkm_bert.training.glue_data import GLUE_TASKS  # noqa: E402  (standard library only until its loaders run)
 
 
 if HELP:
@@ -79,19 +77,19 @@ else:
     from transformers import AutoConfig, AutoTokenizer, DataCollatorWithPadding, SchedulerType, get_scheduler
 
     from modeling_pkm_bert import register_auto_classes
-    from modeling_pkm_bert.conversion import card_base_model, card_license
-    from modeling_pkm_bert.glue_data import get_glue_task, load_glue_tsv
-    from modeling_pkm_bert.glue_metrics import (
+    from modeling_pkm_bert.hub.conversion import card_base_model, card_license
+    from modeling_pkm_bert.training.glue_data import get_glue_task, load_glue_tsv
+    from modeling_pkm_bert.training.glue_metrics import (
         PerClassMemoryUsage,
         classification_metrics,
         format_class_usage,
         glue_compute_metrics,
     )
-    from modeling_pkm_bert.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
-    from modeling_pkm_bert.sparse_finetuning import check_smf_arguments
-    from modeling_pkm_bert.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
+    from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
+    from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
+    from modeling_pkm_bert.training.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
     from modeling_pkm_bert.analysis import ClassData, MetricsLog, write_run_memory_report
-    from modeling_pkm_bert.training import (
+    from modeling_pkm_bert.training.runtime import (
         atomic_write_json,
         check_checkpoint,
         check_data_files,
@@ -867,7 +865,7 @@ def main(argv=None):
 
 def push_to_hub(args, results, command=None):
     """Writes a model card carrying the results into output_dir and uploads the folder (no checkpoints)."""
-    from modeling_pkm_bert.conversion import push_folder_to_hub
+    from modeling_pkm_bert.hub.conversion import push_folder_to_hub
 
     repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
     write_results_model_card(

@@ -29,10 +29,8 @@ import time
 HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-if HELP:
-    sys.modules["modeling_pkm_bert"] = importlib.util.module_from_spec(importlib.util.find_spec("modeling_pkm_bert"))
 
-from modeling_pkm_bert.arguments import (  # noqa: E402
+from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_memory_report_arguments,
     add_model_card_arguments,
     add_pkm_arguments,
@@ -59,18 +57,18 @@ else:
     import transformers
     from transformers import AutoTokenizer, DataCollatorWithPadding, SchedulerType, default_data_collator, get_scheduler
 
-    from modeling_pkm_bert.conversion import card_base_model, card_license
-    from modeling_pkm_bert.memory_usage import (
+    from modeling_pkm_bert.hub.conversion import card_base_model, card_license
+    from modeling_pkm_bert.analysis.memory_usage import (
         flatten_memory_usage,
         format_memory_usage,
         gather,
         track_memory_usage,
     )
-    from modeling_pkm_bert.squad_metrics import squad_scores
-    from modeling_pkm_bert.sparse_finetuning import check_smf_arguments
-    from modeling_pkm_bert.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
+    from modeling_pkm_bert.training.squad_metrics import squad_scores
+    from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
+    from modeling_pkm_bert.training.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
     from modeling_pkm_bert.analysis import MetricsLog, write_run_memory_report
-    from modeling_pkm_bert.training import (
+    from modeling_pkm_bert.training.runtime import (
         atomic_write_json,
         check_checkpoint,
         check_data_files,
@@ -745,7 +743,7 @@ def main(argv=None):
 
 def push_to_hub(args, results, command=None):
     """Writes a model card carrying the results into output_dir and uploads the folder (no checkpoints)."""
-    from modeling_pkm_bert.conversion import push_folder_to_hub
+    from modeling_pkm_bert.hub.conversion import push_folder_to_hub
 
     repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
     default_dataset = "squad_v2" if args.version_2_with_negative else "squad"

@@ -36,7 +36,7 @@ sys.modules.setdefault(
     "modeling_pkm_bert", importlib.util.module_from_spec(importlib.util.find_spec("modeling_pkm_bert"))
 )
 
-from modeling_pkm_bert.arguments import redact_argv  # noqa: E402
+from modeling_pkm_bert.training.arguments import redact_argv  # noqa: E402
 
 
 REPLACED_OPTIONS = ("--seed", "--output_dir")

@@ -140,7 +140,7 @@ def test_a_folder_written_before_0_2_0_runs_again_after_refresh_code(tmp_path):
 
 
 def test_refresh_code_writes_nothing_when_the_refreshed_folder_computes_something_else(tmp_path, monkeypatch):
-    from modeling_pkm_bert import code_refresh
+    from modeling_pkm_bert.hub import refresh as code_refresh
 
     folder = tmp_path / "mlm"
     subprocess.run(["cp", "-r", str(FIXTURE_0_1_0 / "mlm"), str(folder)], check=True)
@@ -155,7 +155,7 @@ def test_refresh_code_writes_nothing_when_the_refreshed_folder_computes_somethin
 
 
 def test_refresh_code_names_what_is_wrong_with_the_folder(tmp_path):
-    from modeling_pkm_bert.code_refresh import refresh_code
+    from modeling_pkm_bert.hub.refresh import refresh_code
 
     with pytest.raises(FileNotFoundError, match="has no config.json: not a saved model folder"):
         refresh_code(tmp_path)

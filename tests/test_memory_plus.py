@@ -16,11 +16,11 @@ from transformers import BertConfig, BertForMaskedLM
 
 from conftest import REPO_ROOT, tiny_config
 from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM, BertPkmModel
-from modeling_pkm_bert.conversion import convert_to_pkm
-from modeling_pkm_bert.memory_usage import track_memory_usage
-from modeling_pkm_bert.optimization import SparseRowAdam, pkm_param_groups, pkm_value_parameters, set_sparse_values
+from modeling_pkm_bert.hub.conversion import convert_to_pkm
+from modeling_pkm_bert.analysis.memory_usage import track_memory_usage
+from modeling_pkm_bert.training.optimization import SparseRowAdam, pkm_param_groups, pkm_value_parameters, set_sparse_values
 from modeling_pkm_bert.product_key_memory import ProductKeyMemory, ProductKeyValues
-from modeling_pkm_bert.training import add_pkm_arguments, clip_memory_gradients, pkm_kwargs_from_args
+from modeling_pkm_bert.training.runtime import add_pkm_arguments, clip_memory_gradients, pkm_kwargs_from_args
 
 
 DIM, N_KEYS, HEADS, KNN, K_DIM = 12, 6, 2, 4, 8
@@ -426,7 +426,7 @@ def test_flags_for_every_option():
 
 
 def test_staleness_of_a_shared_table_is_per_memory():
-    from modeling_pkm_bert.staleness import NEVER, StalenessTracker, top1_slots
+    from modeling_pkm_bert.analysis.staleness import NEVER, StalenessTracker, top1_slots
 
     model = BertPkmModel(tiny_config(pkm_layers=[0, 2], **ALL_CONFIG)).train()
     tracker = StalenessTracker(model).attach()

@@ -11,7 +11,7 @@ from transformers import BertConfig, BertForMaskedLM, BertTokenizer
 
 from conftest import REPO_ROOT, tiny_config
 from modeling_pkm_bert import BertPkmForMaskedLM
-from modeling_pkm_bert import conversion
+from modeling_pkm_bert.hub import conversion
 
 
 HUB_FILES = {

@@ -23,9 +23,11 @@ from conftest import REPO_ROOT, tiny_config
 from safetensors.torch import load_file
 from transformers import BertTokenizer
 
-from modeling_pkm_bert import BertPkmForMaskedLM, conversion, cpu_kernels
-from modeling_pkm_bert.cpu_kernels import PORTABLE_FLAGS
-from modeling_pkm_bert.training import redact_secrets, save_final_outputs, tracker_config
+from modeling_pkm_bert import BertPkmForMaskedLM
+from modeling_pkm_bert.hub import conversion
+from modeling_pkm_bert.kernels import cpu as cpu_kernels
+from modeling_pkm_bert.kernels.cpu import PORTABLE_FLAGS
+from modeling_pkm_bert.training.runtime import redact_secrets, save_final_outputs, tracker_config
 
 
 SCRIPTS = REPO_ROOT / "run_scripts"
@@ -118,7 +120,7 @@ def test_hub_token_reaches_no_tracker_log_or_results(tiny, tmp_path, caplog, cap
 
 
 def test_redact_command():
-    from modeling_pkm_bert.arguments import redact_argv as redact_command
+    from modeling_pkm_bert.training.arguments import redact_argv as redact_command
 
     argv = ["--hub_token", TOKEN, "--hub_token=abc", "--tokenizer_name", "bert", "--note", f"x{TOKEN}", "--seed", "1"]
     assert redact_command(argv) == ["--hub_token", "<redacted>", "--hub_token=<redacted>", "--tokenizer_name", "bert",
@@ -300,7 +302,7 @@ def test_a_cache_folder_of_another_user_is_not_used(cache, caplog):
         pytest.skip("giving the folder to another user needs root")
     cache.mkdir(mode=0o700)
     os.chown(cache, 65534, -1)
-    with caplog.at_level("WARNING", logger="modeling_pkm_bert.cpu_kernels"):
+    with caplog.at_level("WARNING", logger="modeling_pkm_bert.kernels.cpu"):
         assert cpu_kernels.build_library(PORTABLE_FLAGS) is None
     assert "not a folder owned by this user" in caplog.text and not list(cache.iterdir())
 
@@ -337,7 +339,7 @@ def test_a_planted_library_never_runs(cache, tmp_path, caplog, how):
             pytest.skip("giving the file to another user needs root")
         sidecar.write_text(json.dumps({"sha256": hashlib.sha256(so.read_bytes()).hexdigest()}))
         os.chown(so, 65534, -1)
-    with caplog.at_level("WARNING", logger="modeling_pkm_bert.cpu_kernels"):
+    with caplog.at_level("WARNING", logger="modeling_pkm_bert.kernels.cpu"):
         library = cpu_kernels.build_library(PORTABLE_FLAGS)
     assert not marker.exists()
     assert library is not None and works(library)  # rebuilt
@@ -354,7 +356,7 @@ def test_a_corrupt_recorded_library_is_rebuilt_once(cache, caplog):
     so.unlink()  # a new file: the loaded library keeps its own pages
     so.write_bytes(b"\x7fELF garbage")
     sidecar.write_text(json.dumps({"sha256": hashlib.sha256(so.read_bytes()).hexdigest()}))
-    with caplog.at_level("WARNING", logger="modeling_pkm_bert.cpu_kernels"):
+    with caplog.at_level("WARNING", logger="modeling_pkm_bert.kernels.cpu"):
         library = cpu_kernels.build_library(PORTABLE_FLAGS)
     assert library is not None and works(library)
     assert "could not load" in caplog.text
@@ -365,7 +367,7 @@ def test_a_compiler_that_makes_unloadable_libraries_leaves_torch_in_charge(cache
     fake_cc.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\necho garbage > "$2"\n')
     fake_cc.chmod(0o755)
     monkeypatch.setenv("CC", str(fake_cc))
-    with caplog.at_level("WARNING", logger="modeling_pkm_bert.cpu_kernels"):
+    with caplog.at_level("WARNING", logger="modeling_pkm_bert.kernels.cpu"):
         assert cpu_kernels.select_product_keys_native(torch.randn(2, 3, 16), 4, ("-O1", "-fPIC", "-shared")) is None
     assert "does not load: product-key selection stays on torch" in caplog.text
     # the op itself then answers with the torch selection
@@ -544,7 +546,7 @@ def test_a_checkpoint_without_settings_or_with_bad_staleness_stops(tiny, straigh
     (output_dir / "step_2" / "run_settings.json").unlink()
     with pytest.raises(ValueError, match="run_settings.json is missing, nothing can be compared"):
         run(mlm_args(tiny, output_dir, f"{TRAINING} --resume_from_checkpoint latest"))
-    from modeling_pkm_bert.staleness import StalenessTracker
+    from modeling_pkm_bert.analysis.staleness import StalenessTracker
 
     tracker = StalenessTracker(BertPkmForMaskedLM(tiny_config()))
     (tmp_path / "bad.safetensors").write_bytes(b"not safetensors")
@@ -592,7 +594,7 @@ def test_final_outputs_are_published_whole_or_not_at_all(tmp_path):
 
 
 def test_an_unwritable_output_dir_fails_before_any_work(tiny, tmp_path, capsys):
-    from modeling_pkm_bert.training import prepare_output_dir
+    from modeling_pkm_bert.training.runtime import prepare_output_dir
 
     if os.geteuid() == 0:
         pytest.skip("root writes into read-only folders (the parse-time checks in test_bad_script_inputs.py still run)")

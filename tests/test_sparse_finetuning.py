@@ -12,8 +12,8 @@ import torch
 from conftest import REPO_ROOT, tiny_config
 
 from modeling_pkm_bert import BertPkmForMaskedLM
-from modeling_pkm_bert.optimization import SparseRowAdam, pkm_value_parameters, set_sparse_values
-from modeling_pkm_bert.sparse_finetuning import (
+from modeling_pkm_bert.training.optimization import SparseRowAdam, pkm_value_parameters, set_sparse_values
+from modeling_pkm_bert.training.sparse_finetuning import (
     STATISTICS_NAME,
     BackgroundStatistics,
     ReadCounter,
@@ -569,7 +569,7 @@ def test_scripts_mask_before_clipping_the_memory_gradient():
     chosen rows' update does not depend on the unchosen rows' gradient."""
     from accelerate import Accelerator
 
-    from modeling_pkm_bert.training import clip_memory_gradients
+    from modeling_pkm_bert.training.runtime import clip_memory_gradients
 
     accelerator = Accelerator(cpu=True)
 

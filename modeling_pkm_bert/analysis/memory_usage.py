@@ -49,7 +49,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from .optimization import memory_modules
+from ..training.optimization import memory_modules
 
 
 TOP_PERCENTS = {"top50": 50, "top90": 90, "top99": 99}

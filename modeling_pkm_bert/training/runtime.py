@@ -15,7 +15,7 @@ from .arguments import (  # noqa: F401
     redact_argv,
     redact_secrets,
 )
-from .configuration_bert_pkm import BertPkmConfig
+from ..configuration_bert_pkm import BertPkmConfig
 from .optimization import (  # noqa: F401 (memory_modules: public here)
     PKM_VALUES_GROUP,
     clip_grad_norm_,
@@ -138,8 +138,9 @@ def load_model(
     """
     import transformers
 
-    from . import modeling_bert_pkm, register_auto_classes
-    from .conversion import convert_to_pkm
+    from .. import modeling_bert_pkm
+    from .. import register_auto_classes
+    from ..hub.conversion import convert_to_pkm
 
     register_auto_classes()  # a BertPkm checkpoint loads with this package's classes, without trust_remote_code
 
@@ -219,7 +220,7 @@ def save_checkpoint(
         if settings is not None:
             atomic_write_json(os.path.join(temporary, RUN_SETTINGS_FILE), settings)
         if staleness is not None:
-            from .staleness import STALENESS_FILE
+            from ..analysis.staleness import STALENESS_FILE
 
             staleness.save(os.path.join(temporary, STALENESS_FILE))
         _pause_for_tests(name, temporary)
@@ -313,7 +314,7 @@ def write_results_model_card(
     (`conversion.card_base_model` finds it); `license` defaults to apache-2.0. Returns the card's text."""
     import json
 
-    from .conversion import _card_metadata, hub_id_or_none, results_section, write_model_card
+    from ..hub.conversion import _card_metadata, hub_id_or_none, results_section, write_model_card
 
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as handle:
         config = json.load(handle)

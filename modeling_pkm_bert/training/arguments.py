@@ -18,7 +18,7 @@ from pathlib import Path
 def _config_source() -> tuple[dict[str, tuple[str, object]], dict[str, str], dict[str, tuple]]:
     """({pkm field: (annotation, default)}, AUTO_MAP, {module constant: tuple}) of configuration_bert_pkm.py, read
     without importing it."""
-    tree = ast.parse(Path(__file__).with_name("configuration_bert_pkm.py").read_text(encoding="utf-8"))
+    tree = ast.parse((Path(__file__).parent.parent / "configuration_bert_pkm.py").read_text(encoding="utf-8"))
     fields, auto_map, constants = {}, {}, {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):

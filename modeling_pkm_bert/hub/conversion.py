@@ -20,10 +20,10 @@ from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects, 
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, BertConfig, PreTrainedModel
 
-from . import modeling_bert_pkm
-from .arguments import DEFAULT_LICENSE, redact_command
-from .configuration_bert_pkm import AUTO_MAP, BertPkmConfig
-from .modeling_bert_pkm import BertPkmPreTrainedModel
+from .. import modeling_bert_pkm
+from ..training.arguments import DEFAULT_LICENSE, redact_command
+from ..configuration_bert_pkm import AUTO_MAP, REMOTE_CODE_FILES, BertPkmConfig
+from ..modeling_bert_pkm import BertPkmPreTrainedModel
 
 
 PKM_FIELDS = [f.name for f in dataclasses.fields(BertPkmConfig) if f.name.startswith("pkm_")]
@@ -922,7 +922,7 @@ UPLOAD_TOP_LEVEL_PATTERNS = (
     "*.safetensors.index.json",
     "config.json",
     "generation_config.json",
-    "*.py",
+    *REMOTE_CODE_FILES,  # the remote code: exactly the shipped files
     *TOKENIZER_FILES,
     "special_tokens_map.json",
     "added_tokens.json",

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .product_key_memory import _candidate_pairs, _combine_halves
+from ..product_key_memory import _candidate_pairs, _combine_halves
 
 
 logger = logging.getLogger(__name__)

@@ -72,7 +72,7 @@ import torch
 from torch import nn
 
 from .arguments import SMF_RANKERS, STATISTICS_NAME, add_smf_arguments  # noqa: F401 (flags: torch-free module)
-from .memory_usage import _readable_name
+from ..analysis.memory_usage import _readable_name
 from .trime import _unwrap
 
 
@@ -82,7 +82,7 @@ _FORMAT = "modeling_pkm_bert.smf_background_statistics/1"
 def memory_layers(model: nn.Module) -> dict[str, nn.Module]:
     """`{layer name: memory}` for every memory of `model` (`training.memory_modules`), named as `memory_usage` does
     (`layer_4` for `bert.encoder.layer.4.memory`; the module paths when those names would be ambiguous)."""
-    from .training import memory_modules
+    from .runtime import memory_modules
 
     found = memory_modules(model)
     names = [_readable_name(path) for path in found]

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from .product_key_memory import ProductKeyMemory
+from ..product_key_memory import ProductKeyMemory
 
 
 PKM_VALUES_GROUP = "pkm_values"
