@@ -1137,7 +1137,7 @@ NOTES = [
     "memory against ~270 ms for BERT-base at 1 x 128, the fp32 ResM / BERT-base ratio cannot rise much above ~0.95 "
     "on this CPU; bf16 values halve the gather. BERT-large hides the same memory cost behind 2x the layers and 1.8x "
     "the width.",
-    "- GPU: section 5 runs where CUDA is available. The Triton gathers (`modeling_pkm_bert/triton_kernels.py`: "
+    "- GPU: section 5 runs where CUDA is available. The Triton gathers (`modeling_pkm_bert/kernels/triton_gathers.py`: "
     "`bag_sum` for the lookup and the value gradient, `row_dots` for the per-sample-weight gradient) are opt-in "
     "(`ProductKeyValues.triton_devices = (\"cuda\",)`) until that section shows them faster than EmbeddingBag; their "
     "results are checked on CPU under the Triton interpreter (`tests/test_triton_kernels.py`).",

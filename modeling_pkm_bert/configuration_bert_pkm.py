@@ -12,7 +12,12 @@ from transformers import BertConfig
 PKM_CODE_VERSION = "0.2.0"
 # the files that travel with every saved model (the remote code): they import each other relatively and nothing else
 # of the package
-REMOTE_CODE_FILES = ("configuration_bert_pkm.py", "modeling_bert_pkm.py", "product_key_memory.py")
+REMOTE_CODE_FILES = (
+    "configuration_bert_pkm.py",
+    "modeling_bert_pkm.py",
+    "product_key_memory.py",
+    "product_key_memory_ops.py",
+)
 SUPPORTED_TRANSFORMERS = ((5, 4), (6, 0))  # >= 5.4 (dataclass configs, v5 loading), < 6
 
 

@@ -17,6 +17,8 @@ import torch
 
 from conftest import REPO_ROOT
 
+from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
+
 
 COMPAT = REPO_ROOT / "tests" / "compat"
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "bert_pkm_0.2.0"
@@ -129,7 +131,9 @@ def test_a_folder_written_before_0_2_0_runs_again_after_refresh_code(tmp_path):
     subprocess.run(["cp", "-r", str(FIXTURE_0_1_0), str(folder)], check=True)
     weights = (folder / "mlm" / "model.safetensors").read_bytes()
     result = run(sys.executable, str(REPO_ROOT / "run_scripts" / "push_to_hub.py"), "--model_dir", str(folder / "mlm"), "--refresh_code")
-    assert "Refreshed configuration_bert_pkm.py, modeling_bert_pkm.py, config.json" in result.stdout
+    # 0.2.0 split product_key_memory.py: the layer, and its fast paths in product_key_memory_ops.py (a new file)
+    assert "Refreshed " + ", ".join([*REMOTE_CODE_FILES, "config.json"]) in result.stdout
+    assert sorted(path.name for path in (folder / "mlm").glob("*.py")) == sorted(REMOTE_CODE_FILES)
     config = json.loads((folder / "mlm" / "config.json").read_text())
     assert config["pkm_code_version"] == "0.2.0" and config["auto_map"]["AutoModelForCausalLM"].endswith("BertPkmForCausalLM")
     assert (folder / "mlm" / "model.safetensors").read_bytes() == weights
@@ -150,7 +154,7 @@ def test_refresh_code_writes_nothing_when_the_refreshed_folder_computes_somethin
     with pytest.raises(RuntimeError, match="outputs differ from the package's by .*nothing was changed"):
         code_refresh.refresh_code(folder)
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
-    assert code_refresh.refresh_code(folder, dry_run=True) == ["configuration_bert_pkm.py", "modeling_bert_pkm.py", "config.json"]
+    assert code_refresh.refresh_code(folder, dry_run=True) == [*REMOTE_CODE_FILES, "config.json"]
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
 
 

@@ -12,7 +12,7 @@ from modeling_pkm_bert import ProductKeyMemory, use_huge_pages
 from modeling_pkm_bert.kernels import cpu as cpu_kernels
 from modeling_pkm_bert.kernels.cpu import FLAGS, PORTABLE_FLAGS, _torch_selection, select_product_keys_native
 from modeling_pkm_bert.training.optimization import SparseRowAdam
-from modeling_pkm_bert.product_key_memory import _native_selection
+from modeling_pkm_bert.product_key_memory_ops import native_selection
 
 
 SHAPES = [  # heads, tokens, n_keys, knn
@@ -112,8 +112,8 @@ def test_op_schema_and_fake_tensor():
 def test_memory_uses_the_kernel_for_fp32_cpu_queries():
     compiled(FLAGS)
     memory = ProductKeyMemory(32, n_keys=64, heads=2, knn=8, k_dim=16).eval()
-    assert _native_selection(torch.randn(4, 3, 64)) is not None
-    assert _native_selection(torch.randn(4, 3, 64, dtype=torch.float64)) is None
+    assert native_selection(torch.randn(4, 3, 64)) is not None
+    assert native_selection(torch.randn(4, 3, 64, dtype=torch.float64)) is None
     queries = torch.randn(2, 7, 2, 16)
     with torch.no_grad():
         native = memory.search(queries)

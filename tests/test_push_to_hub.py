@@ -12,14 +12,13 @@ from transformers import BertConfig, BertForMaskedLM, BertTokenizer
 from conftest import REPO_ROOT, tiny_config
 from modeling_pkm_bert import BertPkmForMaskedLM
 from modeling_pkm_bert.hub import conversion
+from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 
 
 HUB_FILES = {
     "README.md",
     "config.json",
-    "configuration_bert_pkm.py",
-    "modeling_bert_pkm.py",
-    "product_key_memory.py",
+    *REMOTE_CODE_FILES,
     "model.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
@@ -148,7 +147,8 @@ def test_push_script_writes_a_card_and_uploads_the_model_only(hub, trained_dir, 
     script.main(["--model_dir", str(trained_dir), "--hub_model_id", "me/run", "--dry_run", "--license", "mit"])
     printed = capsys.readouterr().out
     assert hub.calls == []  # a dry run contacts nothing
-    assert "Would upload 9 files to me/run" in printed and "step_10" not in printed
+    # README, all_results, config, weights, the two tokenizer files and the remote code
+    assert f"Would upload {6 + len(REMOTE_CODE_FILES)} files to me/run" in printed and "step_10" not in printed
     assert "README.md (a model card, written at upload)" in printed
     assert not (trained_dir / "README.md").exists()  # and writes nothing (test_security.py hashes the whole tree)
     script.main(["--model_dir", str(trained_dir), "--hub_model_id", "me/run", "--license", "mit"])

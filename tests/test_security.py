@@ -28,6 +28,7 @@ from modeling_pkm_bert.hub import conversion
 from modeling_pkm_bert.kernels import cpu as cpu_kernels
 from modeling_pkm_bert.kernels.cpu import PORTABLE_FLAGS
 from modeling_pkm_bert.training.runtime import redact_secrets, save_final_outputs, tracker_config
+from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 
 
 SCRIPTS = REPO_ROOT / "run_scripts"
@@ -169,8 +170,7 @@ def run_folder(tmp_path):
 
 def test_upload_sends_the_allow_list_only(run_folder, monkeypatch):
     folder, wanted = run_folder
-    model_files = {"config.json", "model.safetensors", "configuration_bert_pkm.py", "modeling_bert_pkm.py",
-                   "product_key_memory.py", "tokenizer.json", "tokenizer_config.json"}  # fmt: skip
+    model_files = {"config.json", "model.safetensors", *REMOTE_CODE_FILES, "tokenizer.json", "tokenizer_config.json"}
     assert set(conversion.files_to_upload(folder)) == model_files | wanted
 
     calls = []
