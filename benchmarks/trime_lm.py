@@ -141,7 +141,7 @@ def timing(output_dirs: dict, budget: dict, seed: int) -> dict:
     from transformers import AutoTokenizer, DataCollatorForLanguageModeling
 
     from modeling_pkm_bert import register_auto_classes
-    from modeling_pkm_bert.training.runtime import load_model
+    from modeling_pkm_bert.training import load_model
     from modeling_pkm_bert.training.trime import causal_targets
 
     torch.manual_seed(seed)

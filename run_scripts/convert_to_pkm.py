@@ -27,17 +27,16 @@ if not HELP:
     from transformers import set_seed
 
     from modeling_pkm_bert.hub.conversion import (
-        card_base_model,
-        card_license,
         check_output_dir,
         check_source,
         convert_to_pkm,
         load_source_tokenizer,
-        push_folder_to_hub,
         save_converted,
         sentence_transformers_files,
     )
-    from modeling_pkm_bert.training.runtime import pkm_kwargs_from_args
+    from modeling_pkm_bert.hub.model_card import card_base_model, card_license
+    from modeling_pkm_bert.hub.upload import push_folder_to_hub
+    from modeling_pkm_bert.training import pkm_kwargs_from_args
 
 
 logger = logging.getLogger(__name__)

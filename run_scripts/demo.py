@@ -224,7 +224,7 @@ def time_mlm_steps(args, folders: dict, rounds: int = 10) -> dict:
     import torch
     from transformers import AutoTokenizer, DataCollatorForLanguageModeling
 
-    from modeling_pkm_bert.training.runtime import create_memory_optimizer, load_model, optimizer_param_groups
+    from modeling_pkm_bert.training import create_memory_optimizer, load_model, optimizer_param_groups
 
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(next(iter(folders.values())), trust_remote_code=True)  # our folder
@@ -442,7 +442,7 @@ def main():
 
     banner("3. Check the Hub-ready folder")
     sys.path.insert(0, str(REPO_ROOT))
-    from modeling_pkm_bert.hub.conversion import check_hub_folder
+    from modeling_pkm_bert.hub.upload import check_hub_folder
 
     check_hub_folder(folder)  # config with the full auto_map, every code file, the weights
     print(f"{relative(folder)}/ is complete: config with the full auto_map, code files, weights, tokenizer", flush=True)

@@ -67,7 +67,7 @@ def main(argv=None):
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from modeling_pkm_bert.training.runtime import load_model, memory_modules
+    from modeling_pkm_bert.training import load_model, memory_modules
 
     # cheap checks first: a bad run directory fails before the model loads
     if args.run_dir is not None:

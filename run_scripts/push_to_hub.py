@@ -29,13 +29,8 @@ if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source c
 
 if not HELP:
     from modeling_pkm_bert.hub.refresh import refresh_code
-    from modeling_pkm_bert.hub.conversion import (
-        TOKENIZER_FILES,
-        check_hub_folder,
-        files_to_upload,
-        push_folder_to_hub,
-        write_model_card,
-    )
+    from modeling_pkm_bert.hub.model_card import write_model_card
+    from modeling_pkm_bert.hub.upload import TOKENIZER_FILES, check_hub_folder, files_to_upload, push_folder_to_hub
 
 
 logger = logging.getLogger(__name__)

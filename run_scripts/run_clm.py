@@ -87,11 +87,11 @@ else:
     )
 
     from modeling_pkm_bert import BertPkmConfig, register_auto_classes
-    from modeling_pkm_bert.hub.conversion import card_base_model, card_license
+    from modeling_pkm_bert.hub.model_card import card_base_model, card_license
     from modeling_pkm_bert.training.lm_data import check_data_file, load_raw_datasets, parse_validation_sets
     from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
     from modeling_pkm_bert.analysis.staleness import STALENESS_FILE, StalenessTracker
-    from modeling_pkm_bert.training.runtime import (
+    from modeling_pkm_bert.training import (
         atomic_write_json,
         check_checkpoint,
         check_data_files,
@@ -794,7 +794,7 @@ def main(argv=None):
             results["total_runtime"] = round(time.time() - start_time, 2)
             atomic_write_json(os.path.join(args.output_dir, "all_results.json"), results)
             if args.push_to_hub and do_train:
-                from modeling_pkm_bert.hub.conversion import push_folder_to_hub
+                from modeling_pkm_bert.hub.upload import push_folder_to_hub
 
                 repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
                 push_folder_to_hub(

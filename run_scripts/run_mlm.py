@@ -105,7 +105,7 @@ else:
     )
 
     from modeling_pkm_bert import register_auto_classes
-    from modeling_pkm_bert.hub.conversion import card_base_model, card_license
+    from modeling_pkm_bert.hub.model_card import card_base_model, card_license
     from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
     from modeling_pkm_bert.analysis.staleness import STALENESS_FILE, StalenessTracker
     from modeling_pkm_bert.training import trime
@@ -114,7 +114,7 @@ else:
     from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
     from modeling_pkm_bert.training.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
     from modeling_pkm_bert.analysis import MetricsLog, write_run_memory_report
-    from modeling_pkm_bert.training.runtime import (
+    from modeling_pkm_bert.training import (
         atomic_write_json,
         check_checkpoint,
         check_data_files,
@@ -951,7 +951,7 @@ def main(argv=None):
                 first_set = next(iter(args.validation_sets.values()), None)
                 write_run_memory_report(args, accelerator.unwrap_model(model), tokenizer, validation_file=first_set)
             if args.push_to_hub and do_train:
-                from modeling_pkm_bert.hub.conversion import push_folder_to_hub
+                from modeling_pkm_bert.hub.upload import push_folder_to_hub
 
                 repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
                 push_folder_to_hub(

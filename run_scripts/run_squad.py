@@ -57,7 +57,7 @@ else:
     import transformers
     from transformers import AutoTokenizer, DataCollatorWithPadding, SchedulerType, default_data_collator, get_scheduler
 
-    from modeling_pkm_bert.hub.conversion import card_base_model, card_license
+    from modeling_pkm_bert.hub.model_card import card_base_model, card_license
     from modeling_pkm_bert.analysis.memory_usage import (
         flatten_memory_usage,
         format_memory_usage,
@@ -68,7 +68,7 @@ else:
     from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
     from modeling_pkm_bert.training.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
     from modeling_pkm_bert.analysis import MetricsLog, write_run_memory_report
-    from modeling_pkm_bert.training.runtime import (
+    from modeling_pkm_bert.training import (
         atomic_write_json,
         check_checkpoint,
         check_data_files,
@@ -743,7 +743,7 @@ def main(argv=None):
 
 def push_to_hub(args, results, command=None):
     """Writes a model card carrying the results into output_dir and uploads the folder (no checkpoints)."""
-    from modeling_pkm_bert.hub.conversion import push_folder_to_hub
+    from modeling_pkm_bert.hub.upload import push_folder_to_hub
 
     repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
     default_dataset = "squad_v2" if args.version_2_with_negative else "squad"

@@ -118,7 +118,7 @@ def test_cases_are_distinct():
 
 
 def test_good_files_pass_the_content_checks(files):
-    from modeling_pkm_bert.training.runtime import check_data_file_contents
+    from modeling_pkm_bert.training import check_data_file_contents
 
     (files / "good.csv").write_text('text,label\n"hello, world",1\n')
     (files / "good.jsonl").write_text('{"text": "a"}\n\n{"text": "b"}\n')
@@ -130,7 +130,7 @@ def test_good_files_pass_the_content_checks(files):
 
 
 def test_a_non_utf8_byte_far_into_a_file_is_located(files):
-    from modeling_pkm_bert.training.runtime import check_data_file_contents
+    from modeling_pkm_bert.training import check_data_file_contents
 
     path = files / "late.txt"
     path.write_bytes(b"line\n" * 300000 + b"bad \xff byte\n")  # past the first 1 MiB chunk
@@ -158,7 +158,7 @@ def test_freeze_memory_on_a_model_without_memory(tmp_path):
 
 def test_freeze_memory_on_a_pkm_model_still_works(tmp_path):
     from modeling_pkm_bert import BertPkmForMaskedLM
-    from modeling_pkm_bert.training.runtime import check_freeze_memory, freeze_memory
+    from modeling_pkm_bert.training import check_freeze_memory, freeze_memory
 
     model = BertPkmForMaskedLM(tiny_config())
     check_freeze_memory(model)

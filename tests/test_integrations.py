@@ -27,7 +27,7 @@ from modeling_pkm_bert.training.optimization import (
     set_sparse_values,
 )
 from modeling_pkm_bert.analysis.staleness import StalenessTracker
-from modeling_pkm_bert.training.runtime import freeze_memory
+from modeling_pkm_bert.training import freeze_memory
 
 
 # ---- helpers on remote-code models ----

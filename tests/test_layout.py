@@ -97,3 +97,25 @@ def test_public_names_resolve():
         assert getattr(modeling_pkm_bert, name) is not None
     with pytest.raises(AttributeError):
         modeling_pkm_bert.no_such_name  # noqa: B018
+
+
+def package_modules():
+    return sorted(path for path in PACKAGE.rglob("*.py") if "__pycache__" not in path.parts)
+
+
+def test_every_module_says_what_it_is_for():
+    import ast
+
+    for path in package_modules():
+        assert ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))), f"{path.relative_to(REPO_ROOT)} has no docstring"
+
+
+def test_no_private_name_crosses_a_module_boundary():
+    """`from .x import _name` (or of the package by its name) imports a private name of another module: none does."""
+    import ast
+
+    for path in [*package_modules(), *sorted((REPO_ROOT / "run_scripts").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("modeling_pkm_bert")):
+                private = [alias.name for alias in node.names if alias.name.startswith("_")]
+                assert not private, f"{path.relative_to(REPO_ROOT)} imports {private} from {node.module}"

@@ -13,8 +13,8 @@ from transformers import BertConfig, BertForMaskedLM, BertTokenizer
 
 from modeling_pkm_bert import BertPkmForMaskedLM
 from modeling_pkm_bert.training.arguments import card_command, redact_command
-from modeling_pkm_bert.hub.conversion import card_base_model, card_license, curated_results
-from modeling_pkm_bert.training.runtime import write_results_model_card
+from modeling_pkm_bert.hub.model_card import card_base_model, card_license, curated_results
+from modeling_pkm_bert.training import write_results_model_card
 
 
 SECRET = "hf_SeCrEtToKeN123"

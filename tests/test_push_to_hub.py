@@ -11,7 +11,7 @@ from transformers import BertConfig, BertForMaskedLM, BertTokenizer
 
 from conftest import REPO_ROOT, tiny_config
 from modeling_pkm_bert import BertPkmForMaskedLM
-from modeling_pkm_bert.hub import conversion
+from modeling_pkm_bert.hub import upload
 from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 
 
@@ -51,7 +51,7 @@ class FakeHfApi:
 @pytest.fixture
 def hub(monkeypatch):
     FakeHfApi.calls, FakeHfApi.uploaded = [], []
-    monkeypatch.setattr(conversion, "HfApi", FakeHfApi)
+    monkeypatch.setattr(upload, "HfApi", FakeHfApi)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     return FakeHfApi
 
@@ -86,7 +86,7 @@ def trained_dir(tmp_path):
 
 def test_push_folder_to_hub_makes_exactly_two_calls(hub, trained_dir):
     (trained_dir / "README.md").write_text("---\nlicense: mit\n---\n# run\n")
-    result = conversion.push_folder_to_hub(trained_dir, "me/bert-pkm", private=True, token="hf_abc", commit_message="m")
+    result = upload.push_folder_to_hub(trained_dir, "me/bert-pkm", private=True, token="hf_abc", commit_message="m")
 
     assert result == "https://huggingface.co/fake/commit/0"
     assert hub.calls == [
@@ -99,13 +99,13 @@ def test_push_folder_to_hub_makes_exactly_two_calls(hub, trained_dir):
                 "folder_path": str(trained_dir),
                 "repo_type": "model",
                 "commit_message": "m",
-                "allow_patterns": conversion.files_to_upload(trained_dir),  # the allow-list, name by name
+                "allow_patterns": upload.files_to_upload(trained_dir),  # the allow-list, name by name
             },
         ),
     ]
     # accelerate checkpoints and pickles stay local
     assert set(hub.uploaded) == HUB_FILES | {"all_results.json"}
-    assert hub.uploaded == conversion.files_to_upload(trained_dir)
+    assert hub.uploaded == upload.files_to_upload(trained_dir)
 
 
 def test_convert_cli_pushes_the_converted_folder(hub, tmp_path, capsys):

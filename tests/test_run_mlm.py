@@ -231,7 +231,7 @@ def test_from_scratch_bert_config_with_pkm_flags(tiny, tmp_path):
 
 def test_push_to_hub_uploads_the_folder_with_its_card(tiny, tmp_path, monkeypatch):
     pushed = []
-    monkeypatch.setattr("modeling_pkm_bert.hub.conversion.push_folder_to_hub", lambda *a, **k: pushed.append((a, k)))
+    monkeypatch.setattr("modeling_pkm_bert.hub.upload.push_folder_to_hub", lambda *a, **k: pushed.append((a, k)))
     options = "--max_train_steps 1 --max_eval_samples 4 --push_to_hub --hub_model_id someone/tiny-mlm"
     run(mlm_args(tiny, tmp_path / "out", options))
     ((args, kwargs),) = pushed
@@ -346,7 +346,7 @@ def test_convert_minilm_on_load_and_train(minilm_path, tmp_path):
 def test_loaded_weights_are_copied_out_of_the_checkpoint_file(tmp_path):
     """from_pretrained leaves CPU weights as a copy-on-write map of model.safetensors (first writes fault page by page,
     which made the sparse value update crawl); load_model copies them into process memory, ties kept."""
-    from modeling_pkm_bert.training.runtime import load_model
+    from modeling_pkm_bert.training import load_model
 
     register_auto_classes()
     BertPkmForMaskedLM(tiny_config(pkm_n_keys=64, hidden_size=64)).save_pretrained(tmp_path)  # 1 MiB of values

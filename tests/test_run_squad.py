@@ -220,7 +220,7 @@ def test_end_to_end_and_exact_resume(squad_slice, tmp_path, monkeypatch):
     # last step of an epoch on 1 batch)
     common = ["--num_train_epochs", "2", "--gradient_accumulation_steps", "2"]
     pushed = []
-    monkeypatch.setattr("modeling_pkm_bert.hub.conversion.push_folder_to_hub", lambda *a, **k: pushed.append((a, k)))
+    monkeypatch.setattr("modeling_pkm_bert.hub.upload.push_folder_to_hub", lambda *a, **k: pushed.append((a, k)))
     results = run_squad.main(
         tiny_args(squad_slice, tmp_path / "a", *common, "--checkpointing_steps", "3", "--push_to_hub",
                   "--hub_model_id", "someone/tiny-squad")  # fmt: skip

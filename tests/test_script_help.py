@@ -75,7 +75,7 @@ def test_help_is_complete_and_imports_nothing_heavy(script, monkeypatch):
 def test_pkm_flags_follow_the_config():
     """The flag module reads the pkm_* fields from configuration_bert_pkm.py's source: they match the class."""
     from modeling_pkm_bert.hub import conversion
-    from modeling_pkm_bert.training import runtime as training
+    from modeling_pkm_bert import training
 
     # every pkm_* field a user sets (pkm_weights_checksum is written by save_pretrained: no flag)
     fields = {f.name: f.default for f in dataclasses.fields(BertPkmConfig) if f.name.startswith("pkm_")}

@@ -24,10 +24,10 @@ from safetensors.torch import load_file
 from transformers import BertTokenizer
 
 from modeling_pkm_bert import BertPkmForMaskedLM
-from modeling_pkm_bert.hub import conversion
+from modeling_pkm_bert.hub import upload
 from modeling_pkm_bert.kernels import cpu as cpu_kernels
 from modeling_pkm_bert.kernels.cpu import PORTABLE_FLAGS
-from modeling_pkm_bert.training.runtime import redact_secrets, save_final_outputs, tracker_config
+from modeling_pkm_bert.training import redact_secrets, save_final_outputs, tracker_config
 from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 
 
@@ -171,7 +171,7 @@ def run_folder(tmp_path):
 def test_upload_sends_the_allow_list_only(run_folder, monkeypatch):
     folder, wanted = run_folder
     model_files = {"config.json", "model.safetensors", *REMOTE_CODE_FILES, "tokenizer.json", "tokenizer_config.json"}
-    assert set(conversion.files_to_upload(folder)) == model_files | wanted
+    assert set(upload.files_to_upload(folder)) == model_files | wanted
 
     calls = []
 
@@ -188,10 +188,10 @@ def test_upload_sends_the_allow_list_only(run_folder, monkeypatch):
             files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
             calls.append(set(filter_repo_objects(files, allow_patterns=kwargs["allow_patterns"])))
 
-    monkeypatch.setattr(conversion, "HfApi", RecordingApi)
+    monkeypatch.setattr(upload, "HfApi", RecordingApi)
     (folder / "weird[1].json").write_text("{}")  # glob characters in a name: escaped, matched literally
     (folder / "weird1_results.json").write_text("{}")
-    conversion.push_folder_to_hub(folder, "me/x")
+    upload.push_folder_to_hub(folder, "me/x")
     assert calls == [model_files | wanted | {"weird1_results.json"}]
 
 
@@ -212,22 +212,22 @@ def test_symlinks_are_refused(run_folder, link, target, monkeypatch):
     path.unlink(missing_ok=True)
     path.symlink_to(target)
     with pytest.raises(ValueError, match=rf"refusing to upload symlinks .*{re.escape(link)} -> {re.escape(target)}"):
-        conversion.files_to_upload(folder)
-    monkeypatch.setattr(conversion, "HfApi", lambda **kw: pytest.fail("contacted the Hub"))
+        upload.files_to_upload(folder)
+    monkeypatch.setattr(upload, "HfApi", lambda **kw: pytest.fail("contacted the Hub"))
     with pytest.raises(ValueError, match="refusing to upload symlinks"):
-        conversion.push_folder_to_hub(folder, "me/x")
+        upload.push_folder_to_hub(folder, "me/x")
 
 
 def test_links_outside_the_allow_list_are_neither_sent_nor_followed(run_folder):
     folder, wanted = run_folder
     (folder / "step_9").symlink_to("/etc")
     (folder / "debug.log").symlink_to("/etc/passwd")
-    assert "debug.log" not in conversion.files_to_upload(folder)
+    assert "debug.log" not in upload.files_to_upload(folder)
 
 
 def test_push_script_dry_run_changes_nothing(run_folder, monkeypatch, capsys):
     folder, _ = run_folder
-    monkeypatch.setattr(conversion, "HfApi", lambda **kw: pytest.fail("a dry run contacted the Hub"))
+    monkeypatch.setattr(upload, "HfApi", lambda **kw: pytest.fail("a dry run contacted the Hub"))
     before = tree_digest(folder)
     assert not (folder / "README.md").exists()  # the script would write a card: a dry run must not
     load_script("push_to_hub").main(["--model_dir", str(folder), "--hub_model_id", "me/x", "--dry_run"])
@@ -244,7 +244,7 @@ def test_an_index_naming_shards_outside_the_folder_is_refused(tmp_path):
         json.dumps({"weight_map": {"a": "../../secret.safetensors", "b": "model.safetensors"}})
     )
     with pytest.raises(ValueError, match=r"shard '\.\./\.\./secret\.safetensors' is not a \.safetensors file name"):
-        conversion.check_hub_folder(folder)
+        upload.check_hub_folder(folder)
 
 
 # ---------------------------------------------------------------- native kernel cache
@@ -594,7 +594,7 @@ def test_final_outputs_are_published_whole_or_not_at_all(tmp_path):
 
 
 def test_an_unwritable_output_dir_fails_before_any_work(tiny, tmp_path, capsys):
-    from modeling_pkm_bert.training.runtime import prepare_output_dir
+    from modeling_pkm_bert.training import prepare_output_dir
 
     if os.geteuid() == 0:
         pytest.skip("root writes into read-only folders (the parse-time checks in test_bad_script_inputs.py still run)")

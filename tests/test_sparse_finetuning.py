@@ -569,7 +569,7 @@ def test_scripts_mask_before_clipping_the_memory_gradient():
     chosen rows' update does not depend on the unchosen rows' gradient."""
     from accelerate import Accelerator
 
-    from modeling_pkm_bert.training.runtime import clip_memory_gradients
+    from modeling_pkm_bert.training import clip_memory_gradients
 
     accelerator = Accelerator(cpu=True)
 

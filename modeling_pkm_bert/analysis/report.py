@@ -522,7 +522,7 @@ def write_memory_report(
         MemoryReportError: The model has no memory; no data was given; the text is shorter than one sequence; the
             examples have no labels; the run directory has neither a metrics log nor staleness state.
     """
-    from ..training.runtime import memory_modules
+    from ..training.optimization import memory_modules
 
     if not memory_modules(model) and not MemoryUsageTracker(model).memories:
         raise MemoryReportError(
