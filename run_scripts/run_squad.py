@@ -52,7 +52,13 @@ else:
     from datasets import Dataset, DatasetDict, load_dataset
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
-    from utils_qa import SquadFormatError, check_answers, postprocess_qa_predictions, read_squad_json, squad_features
+    from modeling_pkm_bert.training.squad import (
+        SquadFormatError,
+        check_answers,
+        postprocess_qa_predictions,
+        read_squad_json,
+        squad_features,
+    )
 
     import transformers
     from transformers import AutoTokenizer, DataCollatorWithPadding, SchedulerType, default_data_collator, get_scheduler

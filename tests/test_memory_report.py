@@ -197,10 +197,6 @@ def test_cli_on_a_saved_folder_and_its_errors(model, tokenizer, tmp_path):
 
 def _load_script(name):
     import importlib.util
-    import sys
-
-    if str(REPO_ROOT / "run_scripts") not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT / "run_scripts"))  # run_squad.py imports utils_qa beside it
 
     spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "run_scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)

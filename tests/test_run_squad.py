@@ -1,4 +1,4 @@
-"""run_scripts/run_squad.py and utils_qa.py: SQuAD reading and checks, post-processing, tiny end-to-end runs."""
+"""run_scripts/run_squad.py and modeling_pkm_bert/training/squad.py: SQuAD reading and checks, post-processing, tiny end-to-end runs."""
 
 import copy
 import json
@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(REPO_ROOT / "run_scripts"))
 
 import run_squad  # noqa: E402
-from utils_qa import SquadFormatError, check_answers, postprocess_qa_predictions, read_squad_json  # noqa: E402
+from modeling_pkm_bert.training.squad import SquadFormatError, check_answers, postprocess_qa_predictions, read_squad_json  # noqa: E402
 
 from modeling_pkm_bert import BertPkmForQuestionAnswering  # noqa: E402
 

@@ -16,7 +16,7 @@ from modeling_pkm_bert import BertPkmConfig
 from modeling_pkm_bert.training.arguments import MEMORY_OPTIMIZERS, PKM_FLAG_FIELDS, TARGET_CLASSES
 
 
-SCRIPTS = sorted(p.stem for p in (REPO_ROOT / "run_scripts").glob("*.py") if p.stem != "utils_qa")
+SCRIPTS = sorted(p.stem for p in (REPO_ROOT / "run_scripts").glob("*.py"))
 HEAVY = ("torch", "transformers", "datasets", "accelerate", "numpy")
 
 # runs a script as `python <script> --help` would, then reports what it imported

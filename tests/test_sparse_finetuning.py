@@ -407,7 +407,6 @@ def test_run_glue_and_run_squad_train_only_value_rows(tiny_checkpoint, tmp_path,
 
     from modeling_pkm_bert import BertPkmForQuestionAnswering, BertPkmForSequenceClassification
 
-    monkeypatch.syspath_prepend(str(SCRIPTS))  # run_squad imports utils_qa beside it
     tokenizer = BertTokenizer.from_pretrained(tiny_checkpoint)
     smf = f"--sparse_memory_finetuning --smf_background_file {BACKGROUND} --smf_background_batches 3 --smf_top_t 4"
     smf += " --memory_optimizer sgd --memory_learning_rate 1.0 --max_train_steps 2 --seed 1"
