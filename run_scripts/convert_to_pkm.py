@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 
-# `--help` imports the flag module only (standard library), not the package's __init__ (torch, transformers)
+# `--help` imports the flag module only (standard library; the package's import is lazy), not torch or transformers
 HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 
-# `--help` imports no module of the package: its __init__ loads torch and the native kernels
+# `--help` imports nothing heavy (the package's import is lazy; its modules below load torch and transformers)
 HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))

@@ -119,3 +119,17 @@ def test_no_private_name_crosses_a_module_boundary():
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("modeling_pkm_bert")):
                 private = [alias.name for alias in node.names if alias.name.startswith("_")]
                 assert not private, f"{path.relative_to(REPO_ROOT)} imports {private} from {node.module}"
+
+
+def test_the_memory_optimizer_logged_is_the_one_used():
+    import argparse
+
+    from modeling_pkm_bert import BertPkmForMaskedLM
+    from modeling_pkm_bert.training import create_memory_optimizer, memory_optimizer_summary, optimizer_param_groups
+
+    model = BertPkmForMaskedLM(tiny_config())
+    _, memory_groups = optimizer_param_groups(model, weight_decay=0.0)
+    for name, logged in (("adam", "Adam"), ("sgd", "SGD"), ("sparse_row_adam", "SparseRowAdam")):
+        args = argparse.Namespace(memory_optimizer=name, memory_learning_rate=1e-3)
+        optimizer = create_memory_optimizer(memory_groups, args, model)
+        assert memory_optimizer_summary(optimizer, model, 1e-3).startswith(f"Memory values: {logged}, constant lr 0.001")

@@ -410,6 +410,16 @@ def create_memory_optimizer(
     return torch.optim.Adam(memory_groups, lr=args.memory_learning_rate)
 
 
+def memory_optimizer_summary(memory_optimizer, model: torch.nn.Module, learning_rate: float) -> str:
+    """The log line of the optimizer the memory values train with (the one used, unwrapped from accelerate's)."""
+    optimizer = getattr(memory_optimizer, "optimizer", memory_optimizer)
+    sparse = any(memory.sparse_values for memory in memory_modules(model).values())
+    return (
+        f"Memory values: {type(optimizer).__name__}, constant lr {learning_rate}, no weight decay, "
+        f"{'sparse' if sparse else 'dense'} gradients"
+    )
+
+
 __all__ = [
     "PKM_VALUES_GROUP",
     "SparseRowAdam",
@@ -422,6 +432,7 @@ __all__ = [
     "sparse_gradients_supported",
     "is_product_key_memory",
     "memory_modules",
+    "memory_optimizer_summary",
     "pkm_lr_lambdas",
     "pkm_param_groups",
     "pkm_value_parameters",
