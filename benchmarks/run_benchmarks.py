@@ -992,7 +992,7 @@ def section_options(args) -> list[str]:
 def section_shared(args) -> list[str]:
     """Two memories sharing one value table (Memory+) against two with a table each, fwd + bwd of both, with dense and
     with sparse value gradients (the shared table's gradient accumulates both memories' in one reused buffer)."""
-    import modeling_pkm_bert.product_key_memory as pkm
+    import modeling_pkm_bert.product_key_memory_ops as pkm  # the fast paths: where a lookup finds the pending ones
 
     rounds = 3 if args.quick else getattr(args, "rounds", 5)
     batch = getattr(args, "options_batch", None) or ((4, 128) if args.quick else (8, 128))

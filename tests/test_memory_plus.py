@@ -129,7 +129,7 @@ def test_shared_table_gradient_accumulates_in_one_reused_buffer_exactly(sparse, 
     add them out of place into a fresh one): bitwise the gradient autograd's own sum gives, with one backward pass a
     step and with two (gradient accumulation), after zero_grad(set_to_none=True/False); lookups of graphs that this
     backward pass does not differentiate do not count."""
-    import modeling_pkm_bert.product_key_memory as pkm
+    import modeling_pkm_bert.product_key_memory_ops as pkm  # the fast paths: where a lookup finds the pending ones
 
     fast_paths(True, monkeypatch)
     torch.manual_seed(0)
@@ -525,7 +525,7 @@ def test_shared_table_benchmark_section_compares_dense_and_sparse_gradients(monk
         for label in ("a table each (2 x 1 MiB)", "one shared table (1 MiB)", before)
     ]
     assert rows[0].endswith("| 1.00; 1.00 |") and rows[3].endswith("| 1.00; 1.00 |")  # own tables against themselves
-    import modeling_pkm_bert.product_key_memory as pkm
+    import modeling_pkm_bert.product_key_memory_ops as pkm  # the fast paths: where a lookup finds the pending ones
 
     assert pkm._pending_lookups.__name__ == "_pending_lookups"  # restored after the 'before' rows
 
