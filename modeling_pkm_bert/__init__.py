@@ -114,17 +114,4 @@ def register_auto_classes() -> None:
             getattr(transformers, auto_class).register(BertPkmConfig, model_class, exist_ok=True)
 
 
-__all__ = [
-    "BertPkmConfig",
-    "BertPkmForCausalLM",
-    "BertPkmForMaskedLM",
-    "BertPkmForMultipleChoice",
-    "BertPkmForQuestionAnswering",
-    "BertPkmForSequenceClassification",
-    "BertPkmForTokenClassification",
-    "BertPkmModel",
-    "BertPkmPreTrainedModel",
-    "ProductKeyMemory",
-    "register_auto_classes",
-    "use_huge_pages",
-]
+__all__ = sorted(["BertPkmConfig", *_MODEL_NAMES, "ProductKeyMemory", "register_auto_classes", "use_huge_pages"])
