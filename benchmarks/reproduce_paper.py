@@ -233,7 +233,7 @@ def make_resm_prime(args, stage0: Path, folder: Path) -> None:
     import torch
 
     from modeling_pkm_bert import BertPkmForMaskedLM
-    from modeling_pkm_bert.conversion import convert_to_pkm, save_converted
+    from modeling_pkm_bert.hub.conversion import convert_to_pkm, save_converted
 
     if (folder / "config.json").is_file():
         return

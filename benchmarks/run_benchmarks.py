@@ -49,14 +49,14 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from modeling_pkm_bert.optimization import (  # noqa: E402
+from modeling_pkm_bert.training.optimization import (  # noqa: E402
     SparseRowAdam,
     cast_pkm_values,
     pkm_param_groups,
     pkm_value_parameters,
     set_sparse_values,
 )
-from modeling_pkm_bert.cpu_kernels import use_huge_pages  # noqa: E402
+from modeling_pkm_bert.kernels.cpu import use_huge_pages  # noqa: E402
 from modeling_pkm_bert.product_key_memory import ProductKeyMemory, ProductKeyValues  # noqa: E402
 
 
@@ -992,7 +992,7 @@ def section_options(args) -> list[str]:
 def section_shared(args) -> list[str]:
     """Two memories sharing one value table (Memory+) against two with a table each, fwd + bwd of both, with dense and
     with sparse value gradients (the shared table's gradient accumulates both memories' in one reused buffer)."""
-    import modeling_pkm_bert.product_key_memory as pkm
+    import modeling_pkm_bert.product_key_memory_ops as pkm  # the fast paths: where a lookup finds the pending ones
 
     rounds = 3 if args.quick else getattr(args, "rounds", 5)
     batch = getattr(args, "options_batch", None) or ((4, 128) if args.quick else (8, 128))
@@ -1128,7 +1128,7 @@ NOTES = [
     "speed-up is smaller (see section 1); our path avoids those allocations either way.",
     "- Table 1 on CPU: the selection runs in a native kernel (`modeling_pkm_bert/csrc/product_key_select.c`, built at "
     "first use with the system C compiler, registered as `torch.ops.pkm_bert.select_product_keys` by "
-    "`modeling_pkm_bert.cpu_kernels`): a threshold from the maxima of 64 groups of sub-keys leaves ~40 of the 512 "
+    "`modeling_pkm_bert.kernels.cpu`): a threshold from the maxima of 64 groups of sub-keys leaves ~40 of the 512 "
     "scores per head-half, ranked by counting with AVX-512, then the pruned pairs likewise (the rows 'on "
     "`torch.topk`' measure the model without it). `use_huge_pages` puts the value tables on 2 MiB pages: a lookup "
     "reads random 3 KiB rows of a 768 MiB table, and on 4 KiB pages nearly every row costs a TLB miss and a page "
@@ -1137,7 +1137,7 @@ NOTES = [
     "memory against ~270 ms for BERT-base at 1 x 128, the fp32 ResM / BERT-base ratio cannot rise much above ~0.95 "
     "on this CPU; bf16 values halve the gather. BERT-large hides the same memory cost behind 2x the layers and 1.8x "
     "the width.",
-    "- GPU: section 5 runs where CUDA is available. The Triton gathers (`modeling_pkm_bert/triton_kernels.py`: "
+    "- GPU: section 5 runs where CUDA is available. The Triton gathers (`modeling_pkm_bert/kernels/triton_gathers.py`: "
     "`bag_sum` for the lookup and the value gradient, `row_dots` for the per-sample-weight gradient) are opt-in "
     "(`ProductKeyValues.triton_devices = (\"cuda\",)`) until that section shows them faster than EmbeddingBag; their "
     "results are checked on CPU under the Triton interpreter (`tests/test_triton_kernels.py`).",

@@ -6,13 +6,20 @@ import transformers
 from huggingface_hub.dataclasses import strict
 from transformers import BertConfig
 
+from .product_key_memory import OUTPUT_GATES, SCORE_ACTIVATIONS
+
 
 # The version of these code files, recorded in every saved config (`pkm_code_version`), and the transformers releases
 # they run on (`make test-compat` tests both ends); a folder's code names both when the installed release is outside.
 PKM_CODE_VERSION = "0.2.0"
 # the files that travel with every saved model (the remote code): they import each other relatively and nothing else
 # of the package
-REMOTE_CODE_FILES = ("configuration_bert_pkm.py", "modeling_bert_pkm.py", "product_key_memory.py")
+REMOTE_CODE_FILES = (
+    "configuration_bert_pkm.py",
+    "modeling_bert_pkm.py",
+    "product_key_memory.py",
+    "product_key_memory_ops.py",
+)
 SUPPORTED_TRANSFORMERS = ((5, 4), (6, 0))  # >= 5.4 (dataclass configs, v5 loading), < 6
 
 
@@ -36,8 +43,9 @@ PKM_VALUE_INITS = ("normal", "zeros")
 # the largest value table a config may ask for: 1 TiB in fp32 (the paper's 512 ** 2 x 768 table is 0.75 GiB); beyond it
 # no single machine holds one, and the allocator's error would come only when the model is built
 PKM_MAX_VALUE_TABLE_BYTES = 2**40
-PKM_OUTPUT_GATES = ("none", "swilu")
-PKM_SCORE_ACTIVATIONS = ("softmax", "relu")
+# defined once, beside the layer that reads them
+PKM_OUTPUT_GATES = OUTPUT_GATES
+PKM_SCORE_ACTIVATIONS = SCORE_ACTIVATIONS
 
 # Written into every saved config so that each saved folder loads through any Auto class as remote code.
 AUTO_MAP = {

@@ -29,7 +29,8 @@ from transformers.modeling_outputs import (
 from transformers.utils import logging
 
 from .configuration_bert_pkm import PKM_CODE_VERSION, BertPkmConfig
-from .product_key_memory import ProductKeyMemory, ProductKeyValues, _is_exporting
+from .product_key_memory import ProductKeyMemory, ProductKeyValues
+from .product_key_memory_ops import is_exporting
 
 
 logger = logging.get_logger(__name__)
@@ -688,7 +689,7 @@ def _real_tokens_of_4d_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
     allowed = mask if mask.dtype == torch.bool else mask > -5000  # masked: -inf, finfo.min, BERT's -10000
     current = allowed[..., -length:]  # (batch, heads, length, length): keys at the current positions
     real = current.diagonal(dim1=-2, dim2=-1).any(1)  # (batch, length)
-    if not (torch.compiler.is_compiling() or _is_exporting()):
+    if not (torch.compiler.is_compiling() or is_exporting()):
         unclear = current.any(2).any(1) & ~real  # visible to some query, yet not to itself
         if unclear.any():
             sequence, position = (int(i) for i in unclear.nonzero()[0])
@@ -1082,7 +1083,7 @@ class BertPkmModel(BertPkmPreTrainedModel):
             _refuse("token_type_ids", token_type_ids.shape, f"must match {name}: {shape} (or broadcast to it)")
         if attention_mask is not None:
             _check_attention_mask(attention_mask, batch, length, past_length)
-        if not self.validate_input_values or torch.compiler.is_compiling() or _is_exporting():
+        if not self.validate_input_values or torch.compiler.is_compiling() or is_exporting():
             return
         # out-of-range ids index the embedding tables: an IndexError on CPU, a device-side assert on GPU
         limits = [

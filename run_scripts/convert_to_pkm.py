@@ -15,30 +15,27 @@ import sys
 from pathlib import Path
 
 
-# `--help` imports the flag module only (standard library), not the package's __init__ (torch, transformers)
+# `--help` imports the flag module only (standard library; the package's import is lazy), not torch or transformers
 HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-if HELP:
-    sys.modules["modeling_pkm_bert"] = importlib.util.module_from_spec(importlib.util.find_spec("modeling_pkm_bert"))
 
-from modeling_pkm_bert.arguments import TARGET_CLASSES, add_pkm_arguments, card_command, hub_model_id  # noqa: E402
+from modeling_pkm_bert.training.arguments import TARGET_CLASSES, add_pkm_arguments, card_command, hub_model_id  # noqa: E402
 
 
 if not HELP:
     from transformers import set_seed
 
-    from modeling_pkm_bert.conversion import (
-        card_base_model,
-        card_license,
+    from modeling_pkm_bert.hub.conversion import (
         check_output_dir,
         check_source,
         convert_to_pkm,
         load_source_tokenizer,
-        push_folder_to_hub,
         save_converted,
         sentence_transformers_files,
     )
+    from modeling_pkm_bert.hub.model_card import card_base_model, card_license
+    from modeling_pkm_bert.hub.upload import push_folder_to_hub
     from modeling_pkm_bert.training import pkm_kwargs_from_args
 
 

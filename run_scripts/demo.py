@@ -442,7 +442,7 @@ def main():
 
     banner("3. Check the Hub-ready folder")
     sys.path.insert(0, str(REPO_ROOT))
-    from modeling_pkm_bert.conversion import check_hub_folder
+    from modeling_pkm_bert.hub.upload import check_hub_folder
 
     check_hub_folder(folder)  # config with the full auto_map, every code file, the weights
     print(f"{relative(folder)}/ is complete: config with the full auto_map, code files, weights, tokenizer", flush=True)

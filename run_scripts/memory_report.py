@@ -74,7 +74,7 @@ def main(argv=None):
         check_run_dir(args.run_dir)
     model = load_model("base", args.model_name_or_path, trust_remote_code=args.trust_remote_code)
     if not memory_modules(model):
-        from modeling_pkm_bert.memory_usage import MemoryUsageTracker
+        from modeling_pkm_bert.analysis.memory_usage import MemoryUsageTracker
 
         if not MemoryUsageTracker(model).memories:
             raise MemoryReportError(

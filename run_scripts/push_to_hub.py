@@ -22,20 +22,15 @@ import sys
 from pathlib import Path
 
 
-# `--help` imports no module of the package: its __init__ loads torch and the native kernels
+# `--help` imports nothing heavy (the package's import is lazy; its modules below load torch and transformers)
 HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 if not HELP:
-    from modeling_pkm_bert.code_refresh import refresh_code
-    from modeling_pkm_bert.conversion import (
-        TOKENIZER_FILES,
-        check_hub_folder,
-        files_to_upload,
-        push_folder_to_hub,
-        write_model_card,
-    )
+    from modeling_pkm_bert.hub.refresh import refresh_code
+    from modeling_pkm_bert.hub.model_card import write_model_card
+    from modeling_pkm_bert.hub.upload import TOKENIZER_FILES, check_hub_folder, files_to_upload, push_folder_to_hub
 
 
 logger = logging.getLogger(__name__)

@@ -50,15 +50,13 @@ import time
 from pathlib import Path
 
 
-# `--help` prints every flag in a fraction of a second: it imports the flag module only (standard library), not the
-# package's __init__ (torch, the native kernels) nor transformers, datasets, accelerate (as run_mlm.py does)
+# `--help` prints every flag in a fraction of a second: it imports the flag module only (standard library; the
+# package's import is lazy), not torch, transformers, datasets, accelerate (as run_mlm.py does)
 HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-if HELP:
-    sys.modules["modeling_pkm_bert"] = importlib.util.module_from_spec(importlib.util.find_spec("modeling_pkm_bert"))
 
-from modeling_pkm_bert.arguments import (  # noqa: E402
+from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_model_card_arguments,
     add_pkm_arguments,
     add_reliability_arguments,
@@ -89,10 +87,10 @@ else:
     )
 
     from modeling_pkm_bert import BertPkmConfig, register_auto_classes
-    from modeling_pkm_bert.conversion import card_base_model, card_license
-    from modeling_pkm_bert.lm_data import check_data_file, load_raw_datasets, parse_validation_sets
-    from modeling_pkm_bert.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
-    from modeling_pkm_bert.staleness import STALENESS_FILE, StalenessTracker
+    from modeling_pkm_bert.hub.model_card import card_base_model, card_license
+    from modeling_pkm_bert.training.lm_data import check_data_file, load_raw_datasets, parse_validation_sets
+    from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
+    from modeling_pkm_bert.analysis.staleness import STALENESS_FILE, StalenessTracker
     from modeling_pkm_bert.training import (
         atomic_write_json,
         check_checkpoint,
@@ -104,6 +102,7 @@ else:
         freeze_memory,
         load_model,
         memory_modules,
+        memory_optimizer_summary,
         optimizer_param_groups,
         peak_memory_mb,
         pkm_kwargs_from_args,
@@ -117,7 +116,7 @@ else:
         validate_training_arguments,
         write_results_model_card,
     )
-    from modeling_pkm_bert.trime import (
+    from modeling_pkm_bert.training.trime import (
         causal_targets,
         check_trime_model,
         model_trime_losses,
@@ -367,7 +366,7 @@ def evaluate(args, accelerator, model, eval_datasets, collate_fn, measure_memory
 def main(argv=None):
     args = parse_args(argv)
     command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir)  # secrets, paths removed
-    start_time = time.time()
+    start_time = time.perf_counter()
 
     # The seedable sampler draws each epoch's order from (seed, epoch): a resumed run sees the batches of the
     # uninterrupted one.
@@ -624,11 +623,7 @@ def main(argv=None):
         logger.info(f"  Total optimization steps = {args.max_train_steps} (warm-up {args.num_warmup_steps})")
         logger.info(f"  Loss = {f'TRIME with the {args.trime} memory' if args.trime else 'cross-entropy'}")
         if memory_optimizer is not None:
-            sparse = any(memory.sparse_values for memory in memory_modules(model).values())
-            logger.info(
-                f"  Memory values: {type(memory_optimizer.optimizer).__name__}, constant lr "
-                f"{args.memory_learning_rate}, no weight decay, {'sparse' if sparse else 'dense'} gradients"
-            )
+            logger.info("  " + memory_optimizer_summary(memory_optimizer, model, args.memory_learning_rate))
 
         if args.resume_from_checkpoint:
             checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
@@ -740,7 +735,7 @@ def main(argv=None):
 
     # Evaluation: the perplexity of every set (with and without the TRIME memory) and the memory usage on the first.
     if eval_datasets:
-        eval_start = time.time()
+        eval_start = time.perf_counter()
         metrics, usage = evaluate(args, accelerator, model, eval_datasets, eval_collator, measure_memory_usage=True)
         report_evaluation(metrics, usage, "after training" if do_train else "evaluation")
         first = next(iter(eval_datasets))
@@ -749,7 +744,7 @@ def main(argv=None):
         results.update(flatten_memory_usage(usage, prefix="eval_memory"))
         for name, dataset in eval_datasets.items():
             results[f"eval_{name}_samples"] = len(dataset)
-        results["eval_runtime"] = round(time.time() - eval_start, 2)
+        results["eval_runtime"] = round(time.perf_counter() - eval_start, 2)
     if staleness is not None:
         staleness.synchronize()
         histogram = staleness.results(completed_steps, args.staleness_bins)
@@ -793,10 +788,10 @@ def main(argv=None):
         if do_train:
             save_final_outputs(accelerator, args.output_dir, write_final)
         if accelerator.is_main_process:
-            results["total_runtime"] = round(time.time() - start_time, 2)
+            results["total_runtime"] = round(time.perf_counter() - start_time, 2)
             atomic_write_json(os.path.join(args.output_dir, "all_results.json"), results)
             if args.push_to_hub and do_train:
-                from modeling_pkm_bert.conversion import push_folder_to_hub
+                from modeling_pkm_bert.hub.upload import push_folder_to_hub
 
                 repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
                 push_folder_to_hub(

@@ -44,15 +44,13 @@ import sys
 import time
 
 
-# `--help` prints every flag in a fraction of a second: it imports the flag module only (standard library), not the
-# package's __init__ (torch, the native kernels) nor transformers, datasets, accelerate (~6 s of CPU together)
+# `--help` prints every flag in a fraction of a second: it imports the flag module only (standard library; the
+# package's import is lazy), not torch, transformers, datasets, accelerate (~6 s of CPU together)
 HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-if HELP:
-    sys.modules["modeling_pkm_bert"] = importlib.util.module_from_spec(importlib.util.find_spec("modeling_pkm_bert"))
 
-from modeling_pkm_bert.arguments import (  # noqa: E402
+from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_memory_report_arguments,
     add_model_card_arguments,
     add_pkm_arguments,
@@ -60,7 +58,7 @@ from modeling_pkm_bert.arguments import (  # noqa: E402
     add_smf_arguments,
     card_command,
 )
-from modeling_pkm_bert.glue_data import GLUE_TASKS  # noqa: E402  (standard library only until its loaders run)
+from modeling_pkm_bert.training.glue_data import GLUE_TASKS  # noqa: E402  (standard library only until its loaders run)
 
 
 if HELP:
@@ -79,17 +77,17 @@ else:
     from transformers import AutoConfig, AutoTokenizer, DataCollatorWithPadding, SchedulerType, get_scheduler
 
     from modeling_pkm_bert import register_auto_classes
-    from modeling_pkm_bert.conversion import card_base_model, card_license
-    from modeling_pkm_bert.glue_data import get_glue_task, load_glue_tsv
-    from modeling_pkm_bert.glue_metrics import (
+    from modeling_pkm_bert.hub.model_card import card_base_model, card_license
+    from modeling_pkm_bert.training.glue_data import get_glue_task, load_glue_tsv
+    from modeling_pkm_bert.training.glue_metrics import (
         PerClassMemoryUsage,
         classification_metrics,
         format_class_usage,
         glue_compute_metrics,
     )
-    from modeling_pkm_bert.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
-    from modeling_pkm_bert.sparse_finetuning import check_smf_arguments
-    from modeling_pkm_bert.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
+    from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
+    from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
+    from modeling_pkm_bert.training.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
     from modeling_pkm_bert.analysis import ClassData, MetricsLog, write_run_memory_report
     from modeling_pkm_bert.training import (
         atomic_write_json,
@@ -101,6 +99,7 @@ else:
         freeze_memory,
         load_model,
         memory_modules,
+        memory_optimizer_summary,
         optimizer_param_groups,
         pkm_kwargs_from_args,
         prepare_output_dir,
@@ -445,7 +444,7 @@ def measure_memory_usage(
 def main(argv=None):
     args = parse_args(argv)
     command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir)  # secrets, paths removed
-    start_time = time.time()
+    start_time = time.perf_counter()
 
     # Initialize the accelerator. The seedable sampler draws each epoch's order from (seed, epoch), so that a resumed
     # run sees the batches the uninterrupted one would.
@@ -709,7 +708,7 @@ def main(argv=None):
 
     # Train!
     completed_steps, starting_epoch, resume_batches, train_loss = 0, 0, 0, None
-    train_start = time.time()
+    train_start = time.perf_counter()
     if do_train:
         total_batch_size = (
             args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
@@ -721,8 +720,8 @@ def main(argv=None):
         logger.info(f"  Total train batch size (w. parallel, distributed & accumulation) = {total_batch_size}")
         logger.info(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
         logger.info(f"  Total optimization steps = {args.max_train_steps} (warm-up {num_warmup_steps})")
-        if memory_groups:
-            logger.info(f"  Memory values: Adam, constant lr {args.memory_learning_rate}, no weight decay")
+        if memory_optimizer is not None:
+            logger.info("  " + memory_optimizer_summary(memory_optimizer, model, args.memory_learning_rate))
 
         # Potentially load in the weights and states from a previous save
         if args.resume_from_checkpoint:
@@ -794,7 +793,7 @@ def main(argv=None):
         results.update(
             {
                 "train_loss": train_loss,
-                "train_runtime": round(time.time() - train_start, 2),
+                "train_runtime": round(time.perf_counter() - train_start, 2),
                 "train_samples": len(train_dataset),
                 "epoch": args.num_train_epochs,
                 "step": completed_steps,
@@ -804,7 +803,7 @@ def main(argv=None):
     # Evaluation, with the memory usage of the fine-tuned model on the evaluation set (paper, Table 6) and, for a
     # two-class task, the IOU and KL between the memory usage of the two classes (Figure 4).
     for split in eval_splits:
-        eval_start = time.time()
+        eval_start = time.perf_counter()
         suffix = "_mm" if split == "validation_mismatched" else ""
         logger.info(f"***** Running evaluation on {split} *****")
         logger.info(f"  Num examples = {len(processed_datasets[split])}")
@@ -833,7 +832,7 @@ def main(argv=None):
         logger.info(f"{split}: {eval_metric}")
         results.update({f"eval_{k}{suffix}": v for k, v in eval_metric.items()})
         results[f"eval_samples{suffix}"] = len(processed_datasets[split])
-        results[f"eval_runtime{suffix}"] = round(time.time() - eval_start, 2)
+        results[f"eval_runtime{suffix}"] = round(time.perf_counter() - eval_start, 2)
 
     metrics_log.log({k: v for k, v in results.items() if k.startswith("eval_") and "memory" not in k}, completed_steps)
     if args.with_tracking:
@@ -853,7 +852,7 @@ def main(argv=None):
         if do_train:
             save_final_outputs(accelerator, args.output_dir, write_final)
         if accelerator.is_main_process:
-            results["total_runtime"] = round(time.time() - start_time, 2)
+            results["total_runtime"] = round(time.perf_counter() - start_time, 2)
             atomic_write_json(os.path.join(args.output_dir, "all_results.json"), results)
             logger.info(json.dumps(results, indent=4))
             if args.memory_report:  # usage on the evaluation set, per class (Figure 4)
@@ -867,7 +866,7 @@ def main(argv=None):
 
 def push_to_hub(args, results, command=None):
     """Writes a model card carrying the results into output_dir and uploads the folder (no checkpoints)."""
-    from modeling_pkm_bert.conversion import push_folder_to_hub
+    from modeling_pkm_bert.hub.upload import push_folder_to_hub
 
     repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
     write_results_model_card(

@@ -24,15 +24,13 @@ import sys
 import time
 
 
-# `--help` prints every flag in a fraction of a second: it imports the flag module only (standard library), not the
-# package's __init__ (torch, the native kernels) nor transformers, datasets, accelerate (~6 s of CPU together)
+# `--help` prints every flag in a fraction of a second: it imports the flag module only (standard library; the
+# package's import is lazy), not torch, transformers, datasets, accelerate (~6 s of CPU together)
 HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-if HELP:
-    sys.modules["modeling_pkm_bert"] = importlib.util.module_from_spec(importlib.util.find_spec("modeling_pkm_bert"))
 
-from modeling_pkm_bert.arguments import (  # noqa: E402
+from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_memory_report_arguments,
     add_model_card_arguments,
     add_pkm_arguments,
@@ -54,21 +52,27 @@ else:
     from datasets import Dataset, DatasetDict, load_dataset
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
-    from utils_qa import SquadFormatError, check_answers, postprocess_qa_predictions, read_squad_json, squad_features
+    from modeling_pkm_bert.training.squad import (
+        SquadFormatError,
+        check_answers,
+        postprocess_qa_predictions,
+        read_squad_json,
+        squad_features,
+    )
 
     import transformers
     from transformers import AutoTokenizer, DataCollatorWithPadding, SchedulerType, default_data_collator, get_scheduler
 
-    from modeling_pkm_bert.conversion import card_base_model, card_license
-    from modeling_pkm_bert.memory_usage import (
+    from modeling_pkm_bert.hub.model_card import card_base_model, card_license
+    from modeling_pkm_bert.analysis.memory_usage import (
         flatten_memory_usage,
         format_memory_usage,
         gather,
         track_memory_usage,
     )
-    from modeling_pkm_bert.squad_metrics import squad_scores
-    from modeling_pkm_bert.sparse_finetuning import check_smf_arguments
-    from modeling_pkm_bert.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
+    from modeling_pkm_bert.training.squad_metrics import squad_scores
+    from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
+    from modeling_pkm_bert.training.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
     from modeling_pkm_bert.analysis import MetricsLog, write_run_memory_report
     from modeling_pkm_bert.training import (
         atomic_write_json,
@@ -79,6 +83,7 @@ else:
         create_memory_optimizer,
         freeze_memory,
         load_model,
+        memory_optimizer_summary,
         optimizer_param_groups,
         pkm_kwargs_from_args,
         prepare_output_dir,
@@ -316,7 +321,7 @@ def predict_logits(args, accelerator, model, features, collate_fn) -> tuple[np.n
 def main(argv=None):
     args = parse_args(argv)
     command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir)  # secrets, paths removed
-    start_time = time.time()
+    start_time = time.perf_counter()
 
     # Initialize the accelerator. The seedable sampler draws each epoch's order from (seed, epoch), so that a resumed
     # run sees the batches the uninterrupted one would.
@@ -582,7 +587,7 @@ def main(argv=None):
 
     # Train!
     completed_steps, starting_epoch, resume_batches, train_loss = 0, 0, 0, None
-    train_start = time.time()
+    train_start = time.perf_counter()
     if do_train:
         total_batch_size = (
             args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
@@ -595,8 +600,8 @@ def main(argv=None):
         logger.info(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
         logger.info(f"  Total optimization steps = {args.max_train_steps}")
         logger.info(f"  Warm-up steps = {scheduler_warmup_steps // accelerator.num_processes}")
-        if memory_groups:
-            logger.info(f"  Memory values: Adam, constant lr {args.memory_learning_rate}, no weight decay")
+        if memory_optimizer is not None:
+            logger.info("  " + memory_optimizer_summary(memory_optimizer, model, args.memory_learning_rate))
 
         # Potentially load in the weights and states from a previous save
         if args.resume_from_checkpoint:
@@ -658,7 +663,7 @@ def main(argv=None):
                 break
         progress_bar.close()
         train_loss = epoch_losses[-1] if epoch_losses else None
-    train_runtime = time.time() - train_start
+    train_runtime = time.perf_counter() - train_start
 
     results = {}
     if do_train:
@@ -675,7 +680,7 @@ def main(argv=None):
 
     # Evaluation, with the memory usage of the fine-tuned model on the evaluation features (paper, Table 6).
     if do_eval:
-        eval_start = time.time()
+        eval_start = time.perf_counter()
         logger.info("***** Running Evaluation *****")
         logger.info(f"  Num examples = {len(eval_examples)} ({len(eval_dataset)} features)")
         logger.info(f"  Batch size = {args.per_device_eval_batch_size}")
@@ -712,7 +717,7 @@ def main(argv=None):
             memory_usage = tracker.results()
             logger.info(f"Memory usage on the evaluation data:\n{format_memory_usage(memory_usage)}")
             results.update(flatten_memory_usage(memory_usage, prefix="eval_memory"))
-        results["eval_runtime"] = round(time.time() - eval_start, 2)
+        results["eval_runtime"] = round(time.perf_counter() - eval_start, 2)
 
     if args.with_tracking:
         accelerator.log({k: v for k, v in results.items() if isinstance(v, (int, float))}, step=completed_steps)
@@ -731,7 +736,7 @@ def main(argv=None):
         if do_train:
             save_final_outputs(accelerator, args.output_dir, write_final)
         if accelerator.is_main_process:
-            results["total_runtime"] = round(time.time() - start_time, 2)
+            results["total_runtime"] = round(time.perf_counter() - start_time, 2)
             atomic_write_json(os.path.join(args.output_dir, "all_results.json"), results)
             logger.info(json.dumps(results, indent=4))
             if args.memory_report:  # the memory usage over the evaluation contexts (or the training ones)
@@ -745,7 +750,7 @@ def main(argv=None):
 
 def push_to_hub(args, results, command=None):
     """Writes a model card carrying the results into output_dir and uploads the folder (no checkpoints)."""
-    from modeling_pkm_bert.conversion import push_folder_to_hub
+    from modeling_pkm_bert.hub.upload import push_folder_to_hub
 
     repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
     default_dataset = "squad_v2" if args.version_2_with_negative else "squad"

@@ -31,12 +31,7 @@ import time
 
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-# the sweep needs the flag module only (standard library): not the package's __init__ (torch, the native kernels)
-sys.modules.setdefault(
-    "modeling_pkm_bert", importlib.util.module_from_spec(importlib.util.find_spec("modeling_pkm_bert"))
-)
-
-from modeling_pkm_bert.arguments import redact_argv  # noqa: E402
+from modeling_pkm_bert.training.arguments import redact_argv  # noqa: E402 (the package's import is lazy: no torch)
 
 
 REPLACED_OPTIONS = ("--seed", "--output_dir")

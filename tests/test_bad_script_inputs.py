@@ -4,7 +4,6 @@ stderr; what needs the model (`--freeze_memory` without memories) raises ValueEr
 
 import importlib.util
 import json
-import sys
 
 import pytest
 from accelerate.state import AcceleratorState, GradientState
@@ -15,8 +14,6 @@ SCRIPTS = REPO_ROOT / "run_scripts"
 
 
 def load_script(name):
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))  # run_squad imports utils_qa from its folder
     spec = importlib.util.spec_from_file_location(f"{name}_bad_inputs", SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -17,6 +17,8 @@ import torch
 
 from conftest import REPO_ROOT
 
+from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
+
 
 COMPAT = REPO_ROOT / "tests" / "compat"
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "bert_pkm_0.2.0"
@@ -124,8 +126,6 @@ FIXTURE_0_1_0 = REPO_ROOT / "tests" / "fixtures" / "bert_pkm_0.1.0"  # written b
 
 def outdated_code_files(folder) -> list[str]:
     """The remote-code files that the installed package would write anew into `folder`."""
-    from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
-
     package = REPO_ROOT / "modeling_pkm_bert"
     return [name for name in REMOTE_CODE_FILES if not (folder / name).is_file() or (folder / name).read_text() != (package / name).read_text()]
 
@@ -138,6 +138,8 @@ def test_a_folder_written_before_0_2_0_runs_again_after_refresh_code(tmp_path):
     weights = (folder / "mlm" / "model.safetensors").read_bytes()
     result = run(sys.executable, str(REPO_ROOT / "run_scripts" / "push_to_hub.py"), "--model_dir", str(folder / "mlm"), "--refresh_code")
     assert f"Refreshed {', '.join(outdated_code_files(FIXTURE_0_1_0 / 'mlm'))}, config.json" in result.stdout
+    # 0.2.0 split product_key_memory.py: the layer, and its fast paths in product_key_memory_ops.py (a new file)
+    assert sorted(path.name for path in (folder / "mlm").glob("*.py")) == sorted(REMOTE_CODE_FILES)
     config = json.loads((folder / "mlm" / "config.json").read_text())
     assert config["pkm_code_version"] == "0.2.0" and config["auto_map"]["AutoModelForCausalLM"].endswith("BertPkmForCausalLM")
     assert (folder / "mlm" / "model.safetensors").read_bytes() == weights
@@ -148,7 +150,7 @@ def test_a_folder_written_before_0_2_0_runs_again_after_refresh_code(tmp_path):
 
 
 def test_refresh_code_writes_nothing_when_the_refreshed_folder_computes_something_else(tmp_path, monkeypatch):
-    from modeling_pkm_bert import code_refresh
+    from modeling_pkm_bert.hub import refresh as code_refresh
 
     folder = tmp_path / "mlm"
     subprocess.run(["cp", "-r", str(FIXTURE_0_1_0 / "mlm"), str(folder)], check=True)
@@ -163,7 +165,7 @@ def test_refresh_code_writes_nothing_when_the_refreshed_folder_computes_somethin
 
 
 def test_refresh_code_names_what_is_wrong_with_the_folder(tmp_path):
-    from modeling_pkm_bert.code_refresh import refresh_code
+    from modeling_pkm_bert.hub.refresh import refresh_code
 
     with pytest.raises(FileNotFoundError, match="has no config.json: not a saved model folder"):
         refresh_code(tmp_path)

@@ -38,13 +38,14 @@ from modeling_pkm_bert import (
     BertPkmForSequenceClassification,
     BertPkmModel,
 )
-from modeling_pkm_bert import conversion
-from modeling_pkm_bert.conversion import convert_to_pkm, save_converted, source_license
+from modeling_pkm_bert.hub import conversion
+from modeling_pkm_bert.hub.conversion import convert_to_pkm, save_converted, source_license
+from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 
 
 SMALL_PKM = dict(pkm_layers=[1], pkm_n_keys=8, pkm_heads=2, pkm_knn=4, pkm_k_dim=16, pkm_value_init="zeros")
 TOL = 1e-4
-CODE_FILES = {"configuration_bert_pkm.py", "modeling_bert_pkm.py", "product_key_memory.py"}
+CODE_FILES = set(REMOTE_CODE_FILES)
 
 
 def bert_config(**kw):

@@ -8,10 +8,11 @@ import sys
 import pytest
 import torch
 
-from modeling_pkm_bert import ProductKeyMemory, cpu_kernels, use_huge_pages
-from modeling_pkm_bert.cpu_kernels import FLAGS, PORTABLE_FLAGS, _torch_selection, select_product_keys_native
-from modeling_pkm_bert.optimization import SparseRowAdam
-from modeling_pkm_bert.product_key_memory import _native_selection
+from modeling_pkm_bert import ProductKeyMemory, use_huge_pages
+from modeling_pkm_bert.kernels import cpu as cpu_kernels
+from modeling_pkm_bert.kernels.cpu import FLAGS, PORTABLE_FLAGS, _torch_selection, select_product_keys_native
+from modeling_pkm_bert.training.optimization import SparseRowAdam
+from modeling_pkm_bert.product_key_memory_ops import native_selection
 
 
 SHAPES = [  # heads, tokens, n_keys, knn
@@ -111,8 +112,8 @@ def test_op_schema_and_fake_tensor():
 def test_memory_uses_the_kernel_for_fp32_cpu_queries():
     compiled(FLAGS)
     memory = ProductKeyMemory(32, n_keys=64, heads=2, knn=8, k_dim=16).eval()
-    assert _native_selection(torch.randn(4, 3, 64)) is not None
-    assert _native_selection(torch.randn(4, 3, 64, dtype=torch.float64)) is None
+    assert native_selection(torch.randn(4, 3, 64)) is not None
+    assert native_selection(torch.randn(4, 3, 64, dtype=torch.float64)) is None
     queries = torch.randn(2, 7, 2, 16)
     with torch.no_grad():
         native = memory.search(queries)
@@ -231,13 +232,13 @@ def test_without_a_compiler_the_torch_selection_is_used(tmp_path, monkeypatch, c
     monkeypatch.setenv("PKM_BERT_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     flags = ("-O2", "-fPIC", "-shared")  # a build nobody made before in this process
-    with caplog.at_level("INFO", logger="modeling_pkm_bert.cpu_kernels"):
+    with caplog.at_level("INFO", logger="modeling_pkm_bert.kernels.cpu"):
         assert select_product_keys_native(torch.randn(2, 3, 16), 4, flags) is None
     assert "could not build" in caplog.text
 
 
 def test_disabled_by_environment():
-    code = "import torch, modeling_pkm_bert; print(hasattr(torch.ops.pkm_bert, 'select_product_keys'))"
+    code = "import torch; from modeling_pkm_bert import BertPkmModel; print(hasattr(torch.ops.pkm_bert, 'select_product_keys'))"
     env = {**os.environ, "PKM_BERT_NATIVE": "0"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

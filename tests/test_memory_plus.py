@@ -16,9 +16,9 @@ from transformers import BertConfig, BertForMaskedLM
 
 from conftest import REPO_ROOT, tiny_config
 from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM, BertPkmModel
-from modeling_pkm_bert.conversion import convert_to_pkm
-from modeling_pkm_bert.memory_usage import track_memory_usage
-from modeling_pkm_bert.optimization import SparseRowAdam, pkm_param_groups, pkm_value_parameters, set_sparse_values
+from modeling_pkm_bert.hub.conversion import convert_to_pkm
+from modeling_pkm_bert.analysis.memory_usage import track_memory_usage
+from modeling_pkm_bert.training.optimization import SparseRowAdam, pkm_param_groups, pkm_value_parameters, set_sparse_values
 from modeling_pkm_bert.product_key_memory import ProductKeyMemory, ProductKeyValues
 from modeling_pkm_bert.training import add_pkm_arguments, clip_memory_gradients, pkm_kwargs_from_args
 
@@ -129,7 +129,7 @@ def test_shared_table_gradient_accumulates_in_one_reused_buffer_exactly(sparse, 
     add them out of place into a fresh one): bitwise the gradient autograd's own sum gives, with one backward pass a
     step and with two (gradient accumulation), after zero_grad(set_to_none=True/False); lookups of graphs that this
     backward pass does not differentiate do not count."""
-    import modeling_pkm_bert.product_key_memory as pkm
+    import modeling_pkm_bert.product_key_memory_ops as pkm  # the fast paths: where a lookup finds the pending ones
 
     fast_paths(True, monkeypatch)
     torch.manual_seed(0)
@@ -426,7 +426,7 @@ def test_flags_for_every_option():
 
 
 def test_staleness_of_a_shared_table_is_per_memory():
-    from modeling_pkm_bert.staleness import NEVER, StalenessTracker, top1_slots
+    from modeling_pkm_bert.analysis.staleness import NEVER, StalenessTracker, top1_slots
 
     model = BertPkmModel(tiny_config(pkm_layers=[0, 2], **ALL_CONFIG)).train()
     tracker = StalenessTracker(model).attach()
@@ -525,7 +525,7 @@ def test_shared_table_benchmark_section_compares_dense_and_sparse_gradients(monk
         for label in ("a table each (2 x 1 MiB)", "one shared table (1 MiB)", before)
     ]
     assert rows[0].endswith("| 1.00; 1.00 |") and rows[3].endswith("| 1.00; 1.00 |")  # own tables against themselves
-    import modeling_pkm_bert.product_key_memory as pkm
+    import modeling_pkm_bert.product_key_memory_ops as pkm  # the fast paths: where a lookup finds the pending ones
 
     assert pkm._pending_lookups.__name__ == "_pending_lookups"  # restored after the 'before' rows
 

@@ -13,8 +13,8 @@ from conftest import REPO_ROOT, tiny_config
 from modeling_pkm_bert import BertPkmForMaskedLM, BertPkmModel
 from modeling_pkm_bert.analysis import MemoryReportError, MetricsLog, class_data_from_files, write_memory_report
 from modeling_pkm_bert.analysis import report as report_module
-from modeling_pkm_bert.glue_metrics import PerClassMemoryUsage
-from modeling_pkm_bert.memory_usage import track_memory_usage
+from modeling_pkm_bert.analysis.class_usage import PerClassMemoryUsage
+from modeling_pkm_bert.analysis.memory_usage import track_memory_usage
 
 
 DATA = REPO_ROOT / "run_scripts" / "data"
@@ -197,10 +197,6 @@ def test_cli_on_a_saved_folder_and_its_errors(model, tokenizer, tmp_path):
 
 def _load_script(name):
     import importlib.util
-    import sys
-
-    if str(REPO_ROOT / "run_scripts") not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT / "run_scripts"))  # run_squad.py imports utils_qa beside it
 
     spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "run_scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)

@@ -9,7 +9,7 @@ from conftest import tiny_config
 from torch import nn
 
 from modeling_pkm_bert import BertPkmForMaskedLM, ProductKeyMemory
-from modeling_pkm_bert.memory_usage import (
+from modeling_pkm_bert.analysis.memory_usage import (
     MemoryUsageAccumulator,
     MemoryUsageTracker,
     flatten_memory_usage,

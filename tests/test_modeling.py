@@ -19,6 +19,7 @@ from modeling_pkm_bert import (
     BertPkmModel,
     ProductKeyMemory,
 )
+from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 
 
 def batch(batch_size=3, seq_len=9, vocab=99, pad_from=(None, 6, 4)):
@@ -190,7 +191,7 @@ def test_save_and_load_round_trip(tmp_path, dtype):
     input_ids, attention_mask = batch()
     assert torch.equal(model(input_ids, attention_mask=attention_mask).logits, loaded(input_ids, attention_mask=attention_mask).logits)
     assert (tmp_path / "model.safetensors").exists()
-    for code in ("configuration_bert_pkm.py", "modeling_bert_pkm.py", "product_key_memory.py"):
+    for code in REMOTE_CODE_FILES:
         assert (tmp_path / code).exists(), code
 
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from modeling_pkm_bert import ProductKeyMemory
-from modeling_pkm_bert import product_key_memory as pkm_module
-from modeling_pkm_bert.optimization import (
+from modeling_pkm_bert import product_key_memory_ops
+from modeling_pkm_bert.training.optimization import (
     SparseRowAdam,
     clip_grad_norm_,
     pkm_lr_lambdas,
@@ -17,7 +17,8 @@ from modeling_pkm_bert.optimization import (
     pkm_value_parameters,
     set_sparse_values,
 )
-from modeling_pkm_bert.product_key_memory import ProductKeyValues, _candidate_pairs
+from modeling_pkm_bert.product_key_memory import ProductKeyValues
+from modeling_pkm_bert.product_key_memory_ops import candidate_pairs
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +56,7 @@ def dense(grad):
 
 @pytest.mark.parametrize("knn", [1, 2, 3, 5, 8, 13, 32])
 def test_candidate_pairs_are_exactly_those_that_can_win(knn):
-    first, second = _candidate_pairs(knn)
+    first, second = candidate_pairs(knn)
     pairs = set(zip(first, second))
     assert len(pairs) == len(first)
     assert pairs == {(a, b) for a in range(knn) for b in range(knn) if (a + 1) * (b + 1) <= knn}
@@ -123,7 +124,7 @@ def test_values_module_is_an_embedding_bag_with_the_hook_contract():
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_fast_path_equals_reference_outputs_and_gradients(sparse, with_mask, csr_kernels, monkeypatch):
     """Both backward implementations (CPU sparse kernels; the EmbeddingBag-style one used on GPUs and in bf16)."""
-    monkeypatch.setattr(pkm_module, "_CPU_SPARSE_KERNELS", csr_kernels)
+    monkeypatch.setattr(product_key_memory_ops, "CPU_SPARSE_KERNELS", csr_kernels)
     memory = ProductKeyMemory(24, 20, n_keys=16, heads=3, knn=8, k_dim=16).double().train()
     x = torch.randn(4, 7, 24, dtype=torch.float64)
     g = torch.randn(4, 7, 20, dtype=torch.float64)
@@ -641,7 +642,7 @@ def test_bfloat16_values_for_inference_are_close():
     from conftest import tiny_config
 
     from modeling_pkm_bert import BertPkmModel
-    from modeling_pkm_bert.optimization import cast_pkm_values
+    from modeling_pkm_bert.training.optimization import cast_pkm_values
 
     model = BertPkmModel(tiny_config(pkm_layers=[0, 2])).eval()
     ids = torch.randint(0, 99, (2, 7))

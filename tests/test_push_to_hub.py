@@ -11,15 +11,14 @@ from transformers import BertConfig, BertForMaskedLM, BertTokenizer
 
 from conftest import REPO_ROOT, tiny_config
 from modeling_pkm_bert import BertPkmForMaskedLM
-from modeling_pkm_bert import conversion
+from modeling_pkm_bert.hub import upload
+from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 
 
 HUB_FILES = {
     "README.md",
     "config.json",
-    "configuration_bert_pkm.py",
-    "modeling_bert_pkm.py",
-    "product_key_memory.py",
+    *REMOTE_CODE_FILES,
     "model.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
@@ -52,7 +51,7 @@ class FakeHfApi:
 @pytest.fixture
 def hub(monkeypatch):
     FakeHfApi.calls, FakeHfApi.uploaded = [], []
-    monkeypatch.setattr(conversion, "HfApi", FakeHfApi)
+    monkeypatch.setattr(upload, "HfApi", FakeHfApi)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     return FakeHfApi
 
@@ -87,7 +86,7 @@ def trained_dir(tmp_path):
 
 def test_push_folder_to_hub_makes_exactly_two_calls(hub, trained_dir):
     (trained_dir / "README.md").write_text("---\nlicense: mit\n---\n# run\n")
-    result = conversion.push_folder_to_hub(trained_dir, "me/bert-pkm", private=True, token="hf_abc", commit_message="m")
+    result = upload.push_folder_to_hub(trained_dir, "me/bert-pkm", private=True, token="hf_abc", commit_message="m")
 
     assert result == "https://huggingface.co/fake/commit/0"
     assert hub.calls == [
@@ -100,13 +99,13 @@ def test_push_folder_to_hub_makes_exactly_two_calls(hub, trained_dir):
                 "folder_path": str(trained_dir),
                 "repo_type": "model",
                 "commit_message": "m",
-                "allow_patterns": conversion.files_to_upload(trained_dir),  # the allow-list, name by name
+                "allow_patterns": upload.files_to_upload(trained_dir),  # the allow-list, name by name
             },
         ),
     ]
     # accelerate checkpoints and pickles stay local
     assert set(hub.uploaded) == HUB_FILES | {"all_results.json"}
-    assert hub.uploaded == conversion.files_to_upload(trained_dir)
+    assert hub.uploaded == upload.files_to_upload(trained_dir)
 
 
 def test_convert_cli_pushes_the_converted_folder(hub, tmp_path, capsys):
@@ -148,7 +147,8 @@ def test_push_script_writes_a_card_and_uploads_the_model_only(hub, trained_dir, 
     script.main(["--model_dir", str(trained_dir), "--hub_model_id", "me/run", "--dry_run", "--license", "mit"])
     printed = capsys.readouterr().out
     assert hub.calls == []  # a dry run contacts nothing
-    assert "Would upload 9 files to me/run" in printed and "step_10" not in printed
+    # README, all_results, config, weights, the two tokenizer files and the remote code
+    assert f"Would upload {6 + len(REMOTE_CODE_FILES)} files to me/run" in printed and "step_10" not in printed
     assert "README.md (a model card, written at upload)" in printed
     assert not (trained_dir / "README.md").exists()  # and writes nothing (test_security.py hashes the whole tree)
     script.main(["--model_dir", str(trained_dir), "--hub_model_id", "me/run", "--license", "mit"])

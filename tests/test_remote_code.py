@@ -21,6 +21,7 @@ from modeling_pkm_bert import (
     BertPkmForSequenceClassification,
     BertPkmForTokenClassification,
 )
+from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 
 
 WORDS = "the a cat dog sat on mat is was good bad movie film great awful who where what paris london city lives in".split()
@@ -96,7 +97,7 @@ def test_saved_folders_load_as_remote_code_offline_with_identical_outputs(tmp_pa
                 expected["base"] = model.bert(input_ids, attention_mask=attention_mask).last_hidden_state
         config = json.loads((folder / "config.json").read_text())
         assert config["auto_map"] == AUTO_MAP
-        for code in ("configuration_bert_pkm.py", "modeling_bert_pkm.py", "product_key_memory.py"):
+        for code in REMOTE_CODE_FILES:
             assert (folder / code).is_file(), code
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}

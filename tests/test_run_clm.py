@@ -240,7 +240,7 @@ def test_push_to_hub_uploads_the_folder_with_its_card(tiny, tmp_path, monkeypatc
 
     token = "hf_" + "Zq8wLx3TnVb5Rk2Jm7Yc9Pd4Hs6Gf1Ae"  # token-shaped, not a real one
     pushed = []
-    monkeypatch.setattr("modeling_pkm_bert.conversion.push_folder_to_hub", lambda *a, **k: pushed.append((a, k)))
+    monkeypatch.setattr("modeling_pkm_bert.hub.upload.push_folder_to_hub", lambda *a, **k: pushed.append((a, k)))
     options = "--max_train_steps 1 --max_eval_samples 2 --push_to_hub --hub_model_id someone/tiny-clm"
     options += f" --hub_token {token} --license mit --base_model org/tiny-bert --with_tracking --report_to tensorboard"
     run(clm_args(tiny, tmp_path / "out", options))

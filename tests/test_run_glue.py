@@ -81,7 +81,7 @@ def first_run(tiny_pkm, data, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("run") / "out"
     pushed = []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("modeling_pkm_bert.conversion.push_folder_to_hub", lambda *a, **k: pushed.append((a, k)))
+        patch.setattr("modeling_pkm_bert.hub.upload.push_folder_to_hub", lambda *a, **k: pushed.append((a, k)))
         options = "--max_train_steps 6 --checkpointing_steps 3 --memory_usage_before_training"
         options += " --push_to_hub --hub_model_id someone/tiny-sst2"
         results = run_glue.main(glue_args(tiny_pkm, data, output_dir, options))

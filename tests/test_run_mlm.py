@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForMaskedLM, BertTokenizer
 
 from modeling_pkm_bert import BertPkmForMaskedLM, register_auto_classes
-from modeling_pkm_bert.memory_usage import track_memory_usage
-from modeling_pkm_bert.staleness import NEVER, StalenessTracker
+from modeling_pkm_bert.analysis.memory_usage import track_memory_usage
+from modeling_pkm_bert.analysis.staleness import NEVER, StalenessTracker
 
 
 SCRIPTS = REPO_ROOT / "run_scripts"
@@ -231,7 +231,7 @@ def test_from_scratch_bert_config_with_pkm_flags(tiny, tmp_path):
 
 def test_push_to_hub_uploads_the_folder_with_its_card(tiny, tmp_path, monkeypatch):
     pushed = []
-    monkeypatch.setattr("modeling_pkm_bert.conversion.push_folder_to_hub", lambda *a, **k: pushed.append((a, k)))
+    monkeypatch.setattr("modeling_pkm_bert.hub.upload.push_folder_to_hub", lambda *a, **k: pushed.append((a, k)))
     options = "--max_train_steps 1 --max_eval_samples 4 --push_to_hub --hub_model_id someone/tiny-mlm"
     run(mlm_args(tiny, tmp_path / "out", options))
     ((args, kwargs),) = pushed

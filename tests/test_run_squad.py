@@ -1,4 +1,4 @@
-"""run_scripts/run_squad.py and utils_qa.py: SQuAD reading and checks, post-processing, tiny end-to-end runs."""
+"""run_scripts/run_squad.py and modeling_pkm_bert/training/squad.py: SQuAD reading and checks, post-processing, tiny end-to-end runs."""
 
 import copy
 import json
@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(REPO_ROOT / "run_scripts"))
 
 import run_squad  # noqa: E402
-from utils_qa import SquadFormatError, check_answers, postprocess_qa_predictions, read_squad_json  # noqa: E402
+from modeling_pkm_bert.training.squad import SquadFormatError, check_answers, postprocess_qa_predictions, read_squad_json  # noqa: E402
 
 from modeling_pkm_bert import BertPkmForQuestionAnswering  # noqa: E402
 
@@ -220,7 +220,7 @@ def test_end_to_end_and_exact_resume(squad_slice, tmp_path, monkeypatch):
     # last step of an epoch on 1 batch)
     common = ["--num_train_epochs", "2", "--gradient_accumulation_steps", "2"]
     pushed = []
-    monkeypatch.setattr("modeling_pkm_bert.conversion.push_folder_to_hub", lambda *a, **k: pushed.append((a, k)))
+    monkeypatch.setattr("modeling_pkm_bert.hub.upload.push_folder_to_hub", lambda *a, **k: pushed.append((a, k)))
     results = run_squad.main(
         tiny_args(squad_slice, tmp_path / "a", *common, "--checkpointing_steps", "3", "--push_to_hub",
                   "--hub_model_id", "someone/tiny-squad")  # fmt: skip

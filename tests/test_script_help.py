@@ -13,10 +13,10 @@ import pytest
 from conftest import REPO_ROOT
 
 from modeling_pkm_bert import BertPkmConfig
-from modeling_pkm_bert.arguments import MEMORY_OPTIMIZERS, PKM_FLAG_FIELDS, TARGET_CLASSES
+from modeling_pkm_bert.training.arguments import MEMORY_OPTIMIZERS, PKM_FLAG_FIELDS, TARGET_CLASSES
 
 
-SCRIPTS = sorted(p.stem for p in (REPO_ROOT / "run_scripts").glob("*.py") if p.stem != "utils_qa")
+SCRIPTS = sorted(p.stem for p in (REPO_ROOT / "run_scripts").glob("*.py"))
 HEAVY = ("torch", "transformers", "datasets", "accelerate", "numpy")
 
 # runs a script as `python <script> --help` would, then reports what it imported
@@ -74,7 +74,8 @@ def test_help_is_complete_and_imports_nothing_heavy(script, monkeypatch):
 
 def test_pkm_flags_follow_the_config():
     """The flag module reads the pkm_* fields from configuration_bert_pkm.py's source: they match the class."""
-    from modeling_pkm_bert import conversion, training
+    from modeling_pkm_bert.hub import conversion
+    from modeling_pkm_bert import training
 
     # every pkm_* field a user sets (pkm_weights_checksum is written by save_pretrained: no flag)
     fields = {f.name: f.default for f in dataclasses.fields(BertPkmConfig) if f.name.startswith("pkm_")}

@@ -23,9 +23,12 @@ from conftest import REPO_ROOT, tiny_config
 from safetensors.torch import load_file
 from transformers import BertTokenizer
 
-from modeling_pkm_bert import BertPkmForMaskedLM, conversion, cpu_kernels
-from modeling_pkm_bert.cpu_kernels import PORTABLE_FLAGS
+from modeling_pkm_bert import BertPkmForMaskedLM
+from modeling_pkm_bert.hub import upload
+from modeling_pkm_bert.kernels import cpu as cpu_kernels
+from modeling_pkm_bert.kernels.cpu import PORTABLE_FLAGS
 from modeling_pkm_bert.training import redact_secrets, save_final_outputs, tracker_config
+from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 
 
 SCRIPTS = REPO_ROOT / "run_scripts"
@@ -118,7 +121,7 @@ def test_hub_token_reaches_no_tracker_log_or_results(tiny, tmp_path, caplog, cap
 
 
 def test_redact_command():
-    from modeling_pkm_bert.arguments import redact_argv as redact_command
+    from modeling_pkm_bert.training.arguments import redact_argv as redact_command
 
     argv = ["--hub_token", TOKEN, "--hub_token=abc", "--tokenizer_name", "bert", "--note", f"x{TOKEN}", "--seed", "1"]
     assert redact_command(argv) == ["--hub_token", "<redacted>", "--hub_token=<redacted>", "--tokenizer_name", "bert",
@@ -167,9 +170,8 @@ def run_folder(tmp_path):
 
 def test_upload_sends_the_allow_list_only(run_folder, monkeypatch):
     folder, wanted = run_folder
-    model_files = {"config.json", "model.safetensors", "configuration_bert_pkm.py", "modeling_bert_pkm.py",
-                   "product_key_memory.py", "tokenizer.json", "tokenizer_config.json"}  # fmt: skip
-    assert set(conversion.files_to_upload(folder)) == model_files | wanted
+    model_files = {"config.json", "model.safetensors", *REMOTE_CODE_FILES, "tokenizer.json", "tokenizer_config.json"}
+    assert set(upload.files_to_upload(folder)) == model_files | wanted
 
     calls = []
 
@@ -186,10 +188,10 @@ def test_upload_sends_the_allow_list_only(run_folder, monkeypatch):
             files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
             calls.append(set(filter_repo_objects(files, allow_patterns=kwargs["allow_patterns"])))
 
-    monkeypatch.setattr(conversion, "HfApi", RecordingApi)
+    monkeypatch.setattr(upload, "HfApi", RecordingApi)
     (folder / "weird[1].json").write_text("{}")  # glob characters in a name: escaped, matched literally
     (folder / "weird1_results.json").write_text("{}")
-    conversion.push_folder_to_hub(folder, "me/x")
+    upload.push_folder_to_hub(folder, "me/x")
     assert calls == [model_files | wanted | {"weird1_results.json"}]
 
 
@@ -210,22 +212,22 @@ def test_symlinks_are_refused(run_folder, link, target, monkeypatch):
     path.unlink(missing_ok=True)
     path.symlink_to(target)
     with pytest.raises(ValueError, match=rf"refusing to upload symlinks .*{re.escape(link)} -> {re.escape(target)}"):
-        conversion.files_to_upload(folder)
-    monkeypatch.setattr(conversion, "HfApi", lambda **kw: pytest.fail("contacted the Hub"))
+        upload.files_to_upload(folder)
+    monkeypatch.setattr(upload, "HfApi", lambda **kw: pytest.fail("contacted the Hub"))
     with pytest.raises(ValueError, match="refusing to upload symlinks"):
-        conversion.push_folder_to_hub(folder, "me/x")
+        upload.push_folder_to_hub(folder, "me/x")
 
 
 def test_links_outside_the_allow_list_are_neither_sent_nor_followed(run_folder):
     folder, wanted = run_folder
     (folder / "step_9").symlink_to("/etc")
     (folder / "debug.log").symlink_to("/etc/passwd")
-    assert "debug.log" not in conversion.files_to_upload(folder)
+    assert "debug.log" not in upload.files_to_upload(folder)
 
 
 def test_push_script_dry_run_changes_nothing(run_folder, monkeypatch, capsys):
     folder, _ = run_folder
-    monkeypatch.setattr(conversion, "HfApi", lambda **kw: pytest.fail("a dry run contacted the Hub"))
+    monkeypatch.setattr(upload, "HfApi", lambda **kw: pytest.fail("a dry run contacted the Hub"))
     before = tree_digest(folder)
     assert not (folder / "README.md").exists()  # the script would write a card: a dry run must not
     load_script("push_to_hub").main(["--model_dir", str(folder), "--hub_model_id", "me/x", "--dry_run"])
@@ -242,7 +244,7 @@ def test_an_index_naming_shards_outside_the_folder_is_refused(tmp_path):
         json.dumps({"weight_map": {"a": "../../secret.safetensors", "b": "model.safetensors"}})
     )
     with pytest.raises(ValueError, match=r"shard '\.\./\.\./secret\.safetensors' is not a \.safetensors file name"):
-        conversion.check_hub_folder(folder)
+        upload.check_hub_folder(folder)
 
 
 # ---------------------------------------------------------------- native kernel cache
@@ -300,7 +302,7 @@ def test_a_cache_folder_of_another_user_is_not_used(cache, caplog):
         pytest.skip("giving the folder to another user needs root")
     cache.mkdir(mode=0o700)
     os.chown(cache, 65534, -1)
-    with caplog.at_level("WARNING", logger="modeling_pkm_bert.cpu_kernels"):
+    with caplog.at_level("WARNING", logger="modeling_pkm_bert.kernels.cpu"):
         assert cpu_kernels.build_library(PORTABLE_FLAGS) is None
     assert "not a folder owned by this user" in caplog.text and not list(cache.iterdir())
 
@@ -337,7 +339,7 @@ def test_a_planted_library_never_runs(cache, tmp_path, caplog, how):
             pytest.skip("giving the file to another user needs root")
         sidecar.write_text(json.dumps({"sha256": hashlib.sha256(so.read_bytes()).hexdigest()}))
         os.chown(so, 65534, -1)
-    with caplog.at_level("WARNING", logger="modeling_pkm_bert.cpu_kernels"):
+    with caplog.at_level("WARNING", logger="modeling_pkm_bert.kernels.cpu"):
         library = cpu_kernels.build_library(PORTABLE_FLAGS)
     assert not marker.exists()
     assert library is not None and works(library)  # rebuilt
@@ -354,7 +356,7 @@ def test_a_corrupt_recorded_library_is_rebuilt_once(cache, caplog):
     so.unlink()  # a new file: the loaded library keeps its own pages
     so.write_bytes(b"\x7fELF garbage")
     sidecar.write_text(json.dumps({"sha256": hashlib.sha256(so.read_bytes()).hexdigest()}))
-    with caplog.at_level("WARNING", logger="modeling_pkm_bert.cpu_kernels"):
+    with caplog.at_level("WARNING", logger="modeling_pkm_bert.kernels.cpu"):
         library = cpu_kernels.build_library(PORTABLE_FLAGS)
     assert library is not None and works(library)
     assert "could not load" in caplog.text
@@ -365,7 +367,7 @@ def test_a_compiler_that_makes_unloadable_libraries_leaves_torch_in_charge(cache
     fake_cc.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\necho garbage > "$2"\n')
     fake_cc.chmod(0o755)
     monkeypatch.setenv("CC", str(fake_cc))
-    with caplog.at_level("WARNING", logger="modeling_pkm_bert.cpu_kernels"):
+    with caplog.at_level("WARNING", logger="modeling_pkm_bert.kernels.cpu"):
         assert cpu_kernels.select_product_keys_native(torch.randn(2, 3, 16), 4, ("-O1", "-fPIC", "-shared")) is None
     assert "does not load: product-key selection stays on torch" in caplog.text
     # the op itself then answers with the torch selection
@@ -544,7 +546,7 @@ def test_a_checkpoint_without_settings_or_with_bad_staleness_stops(tiny, straigh
     (output_dir / "step_2" / "run_settings.json").unlink()
     with pytest.raises(ValueError, match="run_settings.json is missing, nothing can be compared"):
         run(mlm_args(tiny, output_dir, f"{TRAINING} --resume_from_checkpoint latest"))
-    from modeling_pkm_bert.staleness import StalenessTracker
+    from modeling_pkm_bert.analysis.staleness import StalenessTracker
 
     tracker = StalenessTracker(BertPkmForMaskedLM(tiny_config()))
     (tmp_path / "bad.safetensors").write_bytes(b"not safetensors")

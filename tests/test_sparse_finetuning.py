@@ -12,8 +12,8 @@ import torch
 from conftest import REPO_ROOT, tiny_config
 
 from modeling_pkm_bert import BertPkmForMaskedLM
-from modeling_pkm_bert.optimization import SparseRowAdam, pkm_value_parameters, set_sparse_values
-from modeling_pkm_bert.sparse_finetuning import (
+from modeling_pkm_bert.training.optimization import SparseRowAdam, pkm_value_parameters, set_sparse_values
+from modeling_pkm_bert.training.sparse_finetuning import (
     STATISTICS_NAME,
     BackgroundStatistics,
     ReadCounter,
@@ -407,7 +407,6 @@ def test_run_glue_and_run_squad_train_only_value_rows(tiny_checkpoint, tmp_path,
 
     from modeling_pkm_bert import BertPkmForQuestionAnswering, BertPkmForSequenceClassification
 
-    monkeypatch.syspath_prepend(str(SCRIPTS))  # run_squad imports utils_qa beside it
     tokenizer = BertTokenizer.from_pretrained(tiny_checkpoint)
     smf = f"--sparse_memory_finetuning --smf_background_file {BACKGROUND} --smf_background_batches 3 --smf_top_t 4"
     smf += " --memory_optimizer sgd --memory_learning_rate 1.0 --max_train_steps 2 --seed 1"

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from modeling_pkm_bert.squad_metrics import (
+from modeling_pkm_bert.training.squad_metrics import (
     exact_match_score,
     f1_score,
     normalize_answer,

@@ -13,7 +13,7 @@ from conftest import REPO_ROOT, tiny_config
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from modeling_pkm_bert import BertPkmForCausalLM, BertPkmForMaskedLM
-from modeling_pkm_bert.trime import (
+from modeling_pkm_bert.training.trime import (
     causal_targets,
     check_trime_model,
     model_trime_losses,

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modeling_pkm_bert import ProductKeyMemory, triton_kernels
+from modeling_pkm_bert import ProductKeyMemory
+from modeling_pkm_bert.kernels import triton_gathers as triton_kernels
 from modeling_pkm_bert.product_key_memory import ProductKeyValues
 
 

@@ -12,7 +12,7 @@ and from a training run's output directory:
   or the newest `step_N` / `epoch_N` checkpoint;
 * the training curves (Figure 3: loss, and perplexity per validation set) from `metrics.jsonl`.
 
-Every number is computed by `memory_usage.MemoryUsageTracker` / `glue_metrics.PerClassMemoryUsage` (the metrics the
+Every number is computed by `memory_usage.MemoryUsageTracker` / `class_usage.PerClassMemoryUsage` (the metrics the
 scripts log); this module only counts through them and draws. The report is written into a temporary folder beside
 `output_dir` and renamed into place when complete, so a failure leaves no half-written report.
 """
@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..arguments import add_memory_report_arguments  # noqa: F401 (the flags live in a torch-free module)
-from ..conversion import replace_folder, staging_folder
-from ..glue_metrics import PerClassMemoryUsage
-from ..memory_usage import MemoryUsageTracker
+from ..training.arguments import add_memory_report_arguments  # noqa: F401 (the flags live in a torch-free module)
+from ..hub.conversion import replace_folder, staging_folder
+from .class_usage import PerClassMemoryUsage
+from .memory_usage import MemoryUsageTracker
 from .metrics_log import METRICS_LOG_NAME, is_finite, read_metrics_log
 
 
@@ -109,7 +109,7 @@ def class_data_from_files(
     if not os.path.isfile(train_file):
         raise MemoryReportError(f"--train_file {train_file!r} does not exist")
     if task_name is not None:
-        from ..glue_data import get_glue_task, load_glue_tsv
+        from ..training.glue_data import get_glue_task, load_glue_tsv
 
         task = get_glue_task(task_name)
         if task.is_regression:
@@ -522,7 +522,7 @@ def write_memory_report(
         MemoryReportError: The model has no memory; no data was given; the text is shorter than one sequence; the
             examples have no labels; the run directory has neither a metrics log nor staleness state.
     """
-    from ..training import memory_modules
+    from ..training.optimization import memory_modules
 
     if not memory_modules(model) and not MemoryUsageTracker(model).memories:
         raise MemoryReportError(
@@ -560,7 +560,7 @@ def _write_report_files(
     if sequences is not None:
         lines.append(
             f"Usage measured on {len(sequences)} held-out sequences of {max_seq_length} tokens "
-            "(every real token counts; the model in eval mode). Metrics as in `modeling_pkm_bert.memory_usage`: "
+            "(every real token counts; the model in eval mode). Metrics as in `modeling_pkm_bert.analysis.memory_usage`: "
             "MU = share of slots selected at least once in a top-k, top-1 MU = share that were some token's top-1 "
             "pick, KL_u / KL_w = KL divergence from uniform use of the selection counts / weights (nats), Gini of them."
         )

@@ -16,7 +16,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import Trainer, TrainingArguments
 from transformers.optimization import get_scheduler
 
-from ..optimization import (
+from ..training.optimization import (
     PKM_VALUES_GROUP,
     SparseRowAdam,
     clip_grad_norm_,

@@ -1,8 +1,11 @@
-"""BERT / DistilBERT checkpoints -> BertPkm models ("+Init" of Kim & Jung 2020), saved as complete Hub folders."""
+"""BERT / DistilBERT checkpoints -> BertPkm models ("+Init" of Kim & Jung 2020), saved as complete Hub folders
+(weights, config, remote code, tokenizer, model card), atomically.
+
+The model card is written by `model_card`, the upload list and push are in `upload`; their names are importable
+from here too (the import path of release 0.2.0).
+"""
 
 import dataclasses
-import fnmatch
-import glob
 import json
 import os
 import re
@@ -14,20 +17,37 @@ from pathlib import Path
 import huggingface_hub.constants
 import torch
 import transformers
-from huggingface_hub import HfApi, ModelCard, ModelCardData, hf_hub_download, try_to_load_from_cache
-from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidationError
-from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects, validate_repo_id
-from safetensors import safe_open
+from huggingface_hub import try_to_load_from_cache
 from transformers import AutoConfig, AutoTokenizer, BertConfig, PreTrainedModel
 
-from . import modeling_bert_pkm
-from .arguments import DEFAULT_LICENSE, redact_command
-from .configuration_bert_pkm import AUTO_MAP, BertPkmConfig
-from .modeling_bert_pkm import BertPkmPreTrainedModel
+from .. import kernels, modeling_bert_pkm
+from ..configuration_bert_pkm import AUTO_MAP, BertPkmConfig
+from ..modeling_bert_pkm import BertPkmPreTrainedModel
+from .model_card import (  # noqa: F401 (card_*, curated_results, ...: importable from here, as in release 0.2.0)
+    HEAD_PREFIXES,
+    PKM_FIELDS,
+    card_base_model,
+    card_license,
+    curated_results,
+    folder_parameter_counts,
+    hub_file,
+    hub_id_or_none,
+    results_section,
+    source_license,
+    write_model_card,
+)
+from .upload import (  # noqa: F401 (files_to_upload, ...: importable from here, as in release 0.2.0)
+    PUSH_IGNORE_PATTERNS,
+    TOKENIZER_FILES,
+    check_hub_folder,
+    files_to_upload,
+    push_folder_to_hub,
+    upload_allowed,
+)
 
 
-PKM_FIELDS = [f.name for f in dataclasses.fields(BertPkmConfig) if f.name.startswith("pkm_")]
 TARGET_CLASSES = [target.split(".")[-1] for auto, target in AUTO_MAP.items() if auto != "AutoConfig"]
+
 
 # source architecture -> (transformers class loaded to read every tensor of the checkpoint, default BertPkm class);
 # BERT and DistilBERT bodies without a task head are read through their pre-training class so that an MLM head,
@@ -49,7 +69,11 @@ SOURCE_ARCHITECTURES = {
     "DistilBertForTokenClassification": ("DistilBertForTokenClassification", "BertPkmForTokenClassification"),
     "DistilBertForQuestionAnswering": ("DistilBertForQuestionAnswering", "BertPkmForQuestionAnswering"),
 }
+
+
 SUPPORTED_MODEL_TYPES = ("bert", "distilbert")
+
+
 # the shape of the network: weights are copied, so these cannot change in a conversion
 ARCHITECTURE_FIELDS = (
     "vocab_size",
@@ -60,8 +84,11 @@ ARCHITECTURE_FIELDS = (
     "max_position_embeddings",
     "type_vocab_size",
 )
+
+
 # BertConfig fields that describe a run or a file, not the model
 _RUNTIME_FIELDS = {"transformers_version", "architectures", "dtype", "output_hidden_states", "return_dict"}
+
 
 # DistilBERT names (without the "distilbert." prefix) -> BERT names; bodies as in BertModel, heads as in BertFor*
 _DISTILBERT_RENAMES = [
@@ -81,24 +108,9 @@ _DISTILBERT_RENAMES = [
     (r"pre_classifier\.", "pooler.dense."),
     (r"(classifier|qa_outputs)\.", r"\1."),
 ]
-_HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.")
-_TASK_HEAD_PREFIXES = ("classifier.", "qa_outputs.")  # sized by num_labels: may differ after config_overrides
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
-CODE_FILES_RE = re.compile(r"^\s*from\s+\.(\w+)\s+import", re.MULTILINE)
-# accelerate checkpoints (step_*/epoch_*), pickles and hidden files of a training output folder stay local
-PUSH_IGNORE_PATTERNS = ["step_*", "epoch_*", "*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt", ".*"]
-PIPELINE_TAGS = {
-    "BertPkmModel": "feature-extraction",
-    "BertPkmForMaskedLM": "fill-mask",
-    "BertPkmForSequenceClassification": "text-classification",
-    "BertPkmForTokenClassification": "token-classification",
-    "BertPkmForQuestionAnswering": "question-answering",
-    "BertPkmForCausalLM": "text-generation",
-}
-_AUTO_CLASS_OF = {target.split(".")[-1]: auto for auto, target in AUTO_MAP.items()}
-_BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
-_HUB_LOOKUP_ERRORS = (EntryNotFoundError, HfHubHTTPError, HFValidationError, OSError)
+
+_TASK_HEAD_PREFIXES = ("classifier.", "qa_outputs.")  # sized by num_labels: may differ after config_overrides
 
 
 @dataclass
@@ -153,10 +165,6 @@ def group_names(names: list[str]) -> list[str]:
     return [parent + (leaf[0] if len(leaf) == 1 else "{" + ",".join(leaf) + "}") for parent, leaf in by_leaf.items()]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Conversion
-
-
 def convert_to_pkm(
     source: str | os.PathLike | PreTrainedModel,
     target_class: type[BertPkmPreTrainedModel] | str | None = None,
@@ -175,6 +183,7 @@ def convert_to_pkm(
     values, swilu: its output bias starts at zero, qk-norm, ReLU scores, memory scale): the memories then read zeros. Returns the model (in eval mode)
     and a [`ConversionReport`].
     """
+    kernels.register()  # the converted model runs the native CPU selection, as one built through the package root
     source_model, architecture, not_in_checkpoint, unread = _load_source(source)
     source_name = _source_name(source)
     src_config = source_model.config
@@ -194,7 +203,7 @@ def convert_to_pkm(
         canonical = _canonical_name(src_name, source_model)
         if canonical is None:
             continue
-        head = canonical.startswith(_HEAD_PREFIXES)
+        head = canonical.startswith(HEAD_PREFIXES)
         if head and not target_prefix:
             continue  # a head has no place in BertPkmModel
         tgt_name = canonical if head else target_prefix + canonical
@@ -261,7 +270,7 @@ def convert_to_pkm(
 
     if config.pkm_mode == "replace" and config.pkm_layers:
         report.notes.append(f"pkm_mode='replace': the FFN of layers {config.pkm_layers} is dropped")
-    missing_heads = sorted({n.split(".")[0] for n in report.new if n.startswith(_HEAD_PREFIXES)})
+    missing_heads = sorted({n.split(".")[0] for n in report.new if n.startswith(HEAD_PREFIXES)})
     if missing_heads:
         report.notes.append(f"head {', '.join(missing_heads)} initialised new (not in the source): train it")
     if unread:
@@ -430,10 +439,6 @@ def _canonical_name(src_name: str, source_model: PreTrainedModel) -> str | None:
     return None
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Hub folder: tokenizer, license, model card, checks, atomic save
-
-
 SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 
 
@@ -493,329 +498,8 @@ def load_source_tokenizer(source):
     if Path(source).is_dir():
         found = any((Path(source) / name).is_file() for name in TOKENIZER_FILES)
     else:
-        found = any(_hub_file(str(source), name) for name in TOKENIZER_FILES)
+        found = any(hub_file(str(source), name) for name in TOKENIZER_FILES)
     return AutoTokenizer.from_pretrained(source) if found else None
-
-
-def _hub_file(repo_id: str, filename: str) -> Path | None:
-    try:
-        return Path(hf_hub_download(repo_id, filename))
-    except _HUB_LOOKUP_ERRORS:
-        return None
-
-
-def source_license(source) -> str | None:
-    """The license in the source's README YAML, else in its config.json, else None."""
-    if not isinstance(source, (str, os.PathLike)):
-        return getattr(getattr(source, "config", None), "license", None)
-    local = Path(source).is_dir()
-    readme = Path(source) / "README.md" if local else _hub_file(str(source), "README.md")
-    if readme is not None and readme.is_file():
-        license = ModelCard.load(readme, ignore_metadata_errors=True).data.license
-        if license:
-            return license
-    config = Path(source) / "config.json" if local else _hub_file(str(source), "config.json")
-    if config is not None and config.is_file():
-        return json.loads(config.read_text(encoding="utf-8")).get("license")
-    return None
-
-
-def hub_id_or_none(name) -> str | None:
-    """`name` if it can be a Hub model id (not a local path), else None."""
-    if name is None or not isinstance(name, str) or os.path.exists(name):
-        return None
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return None
-    return name
-
-
-def folder_parameter_counts(folder: str | os.PathLike) -> dict[str, int]:
-    """Parameter counts of a saved model from its safetensors headers: total, memory values, other memory params."""
-    counts = {"total": 0, "memory_values": 0, "memory_other": 0}
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            for name in f.keys():
-                if name.endswith(_BUFFER_SUFFIXES):
-                    continue
-                n = 1
-                for d in f.get_slice(name).get_shape():
-                    n *= d
-                counts["total"] += n
-                if ".memory." in name:
-                    counts["memory_values" if name.endswith("memory.values.weight") else "memory_other"] += n
-    return counts
-
-
-def card_base_model(model_name_or_path, base_model: str | None = None) -> str | None:
-    """The Hub id a model card names as `base_model`: `base_model` (a flag), else `model_name_or_path` when it is a
-    Hub id, else the `base_model` of a local source folder's own card (a converted or trained folder); never a local
-    path."""
-    if base_model is not None:
-        if hub_id_or_none(base_model) is None:
-            raise ValueError(f"base_model {base_model!r} is not a Hub model id (e.g. google-bert/bert-base-uncased)")
-        return base_model
-    if not isinstance(model_name_or_path, (str, os.PathLike)):
-        return None
-    hub_id = hub_id_or_none(str(model_name_or_path))
-    if hub_id is not None:
-        return hub_id
-    readme = Path(model_name_or_path) / "README.md"
-    if readme.is_file():
-        found = ModelCard.load(readme, ignore_metadata_errors=True).data.base_model
-        found = found[0] if isinstance(found, list) and len(found) == 1 else found
-        return hub_id_or_none(found) if isinstance(found, str) else None
-    return None
-
-
-def card_license(model_name_or_path, license: str | None = None) -> str:
-    """The license a model card declares: `license` (a flag), else the source's (its card or config), else
-    `apache-2.0`, the license of BERT's and MiniLM's weights and of this code."""
-    return license or source_license(model_name_or_path) or DEFAULT_LICENSE
-
-
-def _shown_name(name: str) -> str:
-    """A source or data set as a card names it: a Hub id as is, a local path by its last component only."""
-    return name if hub_id_or_none(name) is not None else (Path(str(name)).name or "<path>")
-
-
-# curated results of a card: (label, all_results.json key pattern), in this order; the rest stays in all_results.json
-_TASK_METRICS = {
-    "accuracy": "accuracy",
-    "f1": "F1",
-    "exact_match": "exact match",
-    "exact": "exact match",
-    "matthews_correlation": "Matthews correlation",
-    "pearson": "Pearson",
-    "spearmanr": "Spearman",
-    "HasAns_f1": "F1, answerable",
-    "NoAns_f1": "F1, unanswerable",
-}
-_MEMORY_METRICS = {"mu": ("MU %", 100, 2), "top1_mu": ("top-1 MU %", 100, 3), "kl_u": ("KL_u", 1, 3), "kl_w": ("KL_w", 1, 3)}
-_BEFORE_PREFIXES = ("initial_", "pretrained_")
-
-
-def _number(value: float) -> str:
-    return f"{value:,.2f}" if abs(value) >= 100 else f"{value:.4f}"
-
-
-def curated_results(results: dict) -> list[str]:
-    """The results table of a model card: perplexities, task metrics (accuracy, F1, exact match, ...) and the memory
-    usage of each memory layer, before training (`initial_*`, `pretrained_*`) and after, as markdown lines."""
-    rows = {}  # key after training -> [label, before, after]
-
-    def add(key, label, before_keys, scale=1.0, digits=None):
-        def shown(k):
-            value = results.get(k)
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                return None
-            return f"{value * scale:.{digits}f}" if digits is not None else _number(value)
-
-        before = next((v for v in map(shown, before_keys) if v is not None), None)
-        rows[key] = [label, before, shown(key)]
-
-    for key in results:
-        if key.startswith(_BEFORE_PREFIXES):
-            continue
-        match = re.fullmatch(r"(?:eval_)?(?:(.+)_)?perplexity", key)
-        if match and not match.group(1) and any(re.fullmatch(r"eval_.+_perplexity", k) for k in results):
-            continue  # the first evaluation set's, shown under its name
-        if match:
-            name = f"perplexity, {match.group(1)}" if match.group(1) else "perplexity"
-            add(key, f"{name} (`{key}`)", [p + key for p in _BEFORE_PREFIXES])
-            continue
-        match = re.fullmatch(r"eval_(" + "|".join(_TASK_METRICS) + r")(_[a-z0-9]+)?", key)
-        if match:
-            add(key, f"{_TASK_METRICS[match.group(1)]}{match.group(2) or ''} (`{key}`)", [])
-            continue
-        match = re.fullmatch(r"eval_memory/([^/]+)/(" + "|".join(_MEMORY_METRICS) + ")", key)
-        if match:
-            label, scale, digits = _MEMORY_METRICS[match.group(2)]
-            tail = key[len("eval_") :]
-            add(key, f"{match.group(1)} {label}", ["initial_" + key, "pretrained_" + tail], scale, digits)
-    if not rows:
-        return []
-    with_before = any(before is not None for _, before, _ in rows.values())
-    lines = ["| | before training | after training |", "|---|---:|---:|"] if with_before else ["| | |", "|---|---:|"]
-    for label, before, after in rows.values():
-        cells = [label, before or "-", after or "-"] if with_before else [label, after or "-"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def results_section(
-    results: dict,
-    title: str = "Results",
-    *,
-    command: str | None = None,
-    output_dir: str | os.PathLike | None = None,
-    dataset: str | None = None,
-    task: str | None = None,
-) -> list[str]:
-    """A card's results: what was trained on, the curated table, where the rest is, the command ("Produced by")."""
-    lines = [f"## {title}", ""]
-    if dataset or task:
-        lines += [f"Task: {task or '-'}; data: `{_shown_name(dataset) if dataset else '-'}`.", ""]
-    table = curated_results(results)
-    numeric = [k for k, v in results.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    lines += table + ([""] if table else [])
-    lines.append(
-        f"All {len(numeric)} numbers of the run (every memory statistic, sample counts, runtimes on the machine that"
-        " trained it) are in `all_results.json`."
-    )
-    if command:
-        lines += ["", "Produced by:", "", "```bash", redact_command(command, output_dir), "```"]
-    return lines
-
-
-def _card_metadata(base_model, license, tags, pipeline_tag=None) -> str:
-    data = ModelCardData(
-        library_name="transformers",
-        pipeline_tag=pipeline_tag,
-        tags=tags,
-        base_model=hub_id_or_none(base_model),
-        license=license or DEFAULT_LICENSE,
-    )
-    return f"---\n{data.to_yaml()}\n---\n\n"
-
-
-def write_model_card(
-    folder: str | os.PathLike,
-    *,
-    repo_id: str | None = None,
-    base_model: str | None = None,
-    license: str | None = None,
-    report: ConversionReport | None = None,
-    model_name: str | None = None,
-    results: dict | None = None,
-    results_title: str = "Results",
-    command: str | None = None,
-    dataset: str | None = None,
-    task: str | None = None,
-) -> ModelCard:
-    """Write `README.md` for a saved BertPkm folder: YAML metadata (`library_name`, `license`, `base_model` when it
-    is a Hub id, tags), usage, memory settings, parameter counts and, given `results`, their curated table and the
-    `command` that produced the folder, without secrets or this machine's paths."""
-    folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    architecture = (config.get("architectures") or ["BertPkmModel"])[0]
-    auto_class = _AUTO_CLASS_OF.get(architecture, "AutoModel")
-    base_model = hub_id_or_none(base_model)
-    tags = ["pkm", "product-key-memory", "bert", "bert_pkm", f"pkm-{config['pkm_mode']}", "custom_code"]
-    if report is not None and report.source_architecture.startswith("DistilBert"):
-        tags.insert(3, "distilbert")
-    metadata = _card_metadata(base_model, license, tags, PIPELINE_TAGS.get(architecture))
-    counts = folder_parameter_counts(folder)
-    name = model_name or repo_id or folder.name
-    load_from = repo_id or "path/to/this/folder"
-    source = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a BERT checkpoint"
-    if report is not None and not base_model:
-        source = f"`{_shown_name(report.source)}`"
-    mode = {"resm": "beside the feed-forward network (ResM)", "replace": "instead of the feed-forward network"}
-    settings = "\n".join(f"| `{k}` | `{json.dumps(config[k])}` |" for k in PKM_FIELDS if k in config)
-    lines = [
-        f"# {name}",
-        "",
-        f"BERT with product key memory (PKM, Lample et al. 2019) at layers {config['pkm_layers']},"
-        f" {mode[config['pkm_mode']]}, as in Kim & Jung 2020 (*Large Product Key Memory for Pretrained Language"
-        f" Models*). Architecture: `{architecture}`.",
-    ]
-    if report is not None:
-        lines += [
-            "",
-            f"Converted from {source} ({report.source_architecture}): {report.carried_parameters:,} parameters"
-            f" carried over, {report.new_parameters:,} new (the memories"
-            + (", the head" if any(n.startswith(_HEAD_PREFIXES) for n in report.new) else "")
-            + f"), {report.dropped_parameters:,} dropped. "
-            + (
-                "Its memory values are zero and sit beside the FFN, so it computes exactly what the source"
-                " computes until trained"
-                if config["pkm_mode"] == "resm" and config["pkm_value_init"] == "zeros"
-                else "Its memories are freshly initialised, so its outputs differ from the source's until trained"
-            )
-            + " (e.g. with masked language modeling).",
-        ]
-    elif base_model:
-        lines += ["", f"Trained from {source}."]
-    if results is not None:
-        lines += ["", *results_section(results, results_title, command=command, output_dir=folder, dataset=dataset, task=task)]
-    elif command:
-        lines += ["", "Produced by:", "", "```bash", redact_command(command, folder), "```"]
-    lines += [
-        "",
-        "## Usage",
-        "",
-        "The model code ships with the checkpoint (`trust_remote_code=True`); it needs `transformers>=5.4,<6`.",
-        "",
-        "```python",
-        f"from transformers import AutoTokenizer, {auto_class}",
-        "",
-        f'tokenizer = AutoTokenizer.from_pretrained("{load_from}", trust_remote_code=True)  # reads the config',
-        f'model = {auto_class}.from_pretrained("{load_from}", trust_remote_code=True)',
-        'outputs = model(**tokenizer("Product keys make a large memory cheap to read.", return_tensors="pt"))',
-        "```",
-        "",
-        "## Memory settings",
-        "",
-        "| setting | value |",
-        "|---|---|",
-        settings,
-        f"| memory slots per layer | {config['pkm_n_keys'] ** 2:,} |",
-        "",
-        "## Parameters",
-        "",
-        "| | parameters |",
-        "|---|---:|",
-        f"| total | {counts['total']:,} |",
-        f"| memory values | {counts['memory_values']:,} |",
-        f"| other memory parameters (keys, query network) | {counts['memory_other']:,} |",
-        f"| rest of the model | {counts['total'] - counts['memory_values'] - counts['memory_other']:,} |",
-        "",
-        "Memory values are best trained in their own optimizer group (Adam, constant learning rate 1e-3, no weight"
-        " decay), as in XLM and the paper.",
-        "",
-    ]
-    card = ModelCard(metadata + "\n".join(lines))
-    card.save(folder / "README.md")
-    return card
-
-
-def check_hub_folder(folder: str | os.PathLike) -> None:
-    """Raise ValueError naming every reason `folder` is not a loadable BertPkm Hub repository."""
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"{folder}: no config.json, not a saved model folder")
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    problems = []
-    if config.get("model_type") != BertPkmConfig.model_type:
-        problems.append(f"model_type is {config.get('model_type')!r}, not {BertPkmConfig.model_type!r}")
-    auto_map = config.get("auto_map") or {}
-    absent = {k: v for k, v in AUTO_MAP.items() if auto_map.get(k) != v}
-    if absent:
-        problems.append(f"config.json auto_map lacks {sorted(absent)}")
-    modules = {target.split(".")[0] for target in auto_map.values()}
-    todo, seen = list(modules), set()
-    while todo:  # the code files named by auto_map and what they import relatively
-        module = todo.pop()
-        if module in seen:
-            continue
-        seen.add(module)
-        path = folder / f"{module}.py"
-        if not path.is_file():
-            problems.append(f"remote-code file {path.name} is missing")
-            continue
-        todo += CODE_FILES_RE.findall(path.read_text(encoding="utf-8"))
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-        outside = sorted(s for s in shards if Path(s).name != s or s.startswith(".") or not s.endswith(".safetensors"))
-        problems += [f"shard {s!r} is not a .safetensors file name inside the folder" for s in outside]
-        problems += [f"shard {s} is missing" for s in sorted(set(shards) - set(outside)) if not (folder / s).is_file()]
-    elif not (folder / "model.safetensors").is_file():
-        problems.append("no model.safetensors (or model.safetensors.index.json)")
-    if problems:
-        raise ValueError(f"{folder} is not a complete BertPkm Hub folder: " + "; ".join(problems))
 
 
 def check_output_dir(output_dir: str | os.PathLike, overwrite: bool = False) -> None:
@@ -858,7 +542,7 @@ def save_converted(
         for name in sentence_transformers_files(source):  # a sentence-transformers source stays one
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(Path(source) / name, tmp / name)
-        if source is not None and not Path(source).is_dir() and hub_id_or_none(source) and _hub_file(source, "modules.json"):
+        if source is not None and not Path(source).is_dir() and hub_id_or_none(source) and hub_file(source, "modules.json"):
             transformers.logging.get_logger(__name__).warning(
                 f"{source} is a sentence-transformers repository: its modules (pooling, normalisation) are carried over "
                 f"from a local folder only; download it (`hf download {source} --local-dir ...`) and convert the folder"
@@ -907,125 +591,3 @@ def replace_folder(new: Path, target: Path) -> None:
     finally:
         if old is not None and target.exists():
             shutil.rmtree(old, ignore_errors=True)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Hub upload
-
-
-# What a model repository needs, and nothing else (an allow-list: a training folder also holds checkpoints with
-# pickles, tracker logs with the run's arguments, `.env` files, ...). Top level: weights, configs, remote code,
-# tokenizer, card and results; one level down: sentence-transformers module folders (`1_Pooling/config.json`) and the
-# memory report (`memory_report/*.png`).
-UPLOAD_TOP_LEVEL_PATTERNS = (
-    "*.safetensors",
-    "*.safetensors.index.json",
-    "config.json",
-    "generation_config.json",
-    "*.py",
-    *TOKENIZER_FILES,
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "*.model",  # sentencepiece
-    "README.md",
-    "all_results.json",
-    "*_results.json",
-    "modules.json",
-    "sentence_bert_config.json",
-    "config_sentence_transformers.json",
-    "memory_report.*",
-)
-UPLOAD_MODULE_FOLDER = re.compile(r"^\d+_[A-Za-z]\w*$")  # sentence-transformers: 1_Pooling, 2_Normalize, 2_Dense
-UPLOAD_MODULE_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model")
-UPLOAD_REPORT_FOLDER = "memory_report"
-UPLOAD_REPORT_PATTERNS = ("*.png", "*.svg", "*.pdf", "*.json", "*.md", "*.csv")
-
-
-def upload_allowed(relative_path: str) -> bool:
-    """Whether the allow-list lets `relative_path` (posix, inside the folder) go to the Hub."""
-    parts = relative_path.split("/")
-    if any(part.startswith(".") or not part for part in parts):  # hidden files and folders, at any depth
-        return False
-    name = parts[-1]
-    if len(parts) == 1:
-        return any(fnmatch.fnmatchcase(name, pattern) for pattern in UPLOAD_TOP_LEVEL_PATTERNS)
-    if len(parts) == 2 and UPLOAD_MODULE_FOLDER.match(parts[0]):
-        return any(fnmatch.fnmatchcase(name, pattern) for pattern in UPLOAD_MODULE_PATTERNS)
-    if parts[0] == UPLOAD_REPORT_FOLDER:
-        return any(fnmatch.fnmatchcase(name, pattern) for pattern in UPLOAD_REPORT_PATTERNS)
-    return False
-
-
-def files_to_upload(folder: str | os.PathLike, ignore_patterns: list[str] = PUSH_IGNORE_PATTERNS) -> list[str]:
-    """The files of `folder` that an upload sends: those `upload_allowed` (an allow-list of what a model repository
-    needs), minus `ignore_patterns`. ValueError when a symlink would be sent (its target may lie outside the folder)."""
-    folder = Path(folder)
-    files, links = [], []
-    for root, directories, names in os.walk(folder, followlinks=False):
-        relative_root = Path(root).relative_to(folder)
-        for name in names + [d for d in directories if (Path(root) / d).is_symlink()]:
-            relative = (relative_root / name).as_posix()
-            path = Path(root) / name
-            if path.is_symlink():
-                if upload_allowed(relative) or (relative_root == Path(".") and (
-                    UPLOAD_MODULE_FOLDER.match(name) or name == UPLOAD_REPORT_FOLDER
-                )):
-                    links.append(f"{relative} -> {os.readlink(path)}")
-            elif upload_allowed(relative):
-                files.append(relative)
-    if links:
-        raise ValueError(
-            f"{folder}: refusing to upload symlinks (their targets may lie outside the folder): {', '.join(links)}; "
-            "replace them with the files themselves"
-        )
-    files = sorted(files)
-    return list(filter_repo_objects(files, ignore_patterns=list(ignore_patterns) + DEFAULT_IGNORE_PATTERNS))
-
-
-def push_folder_to_hub(
-    folder: str | os.PathLike,
-    repo_id: str,
-    private: bool = False,
-    token: str | None = None,
-    commit_message: str = "Upload BertPkm model",
-    ignore_patterns: list[str] = PUSH_IGNORE_PATTERNS,
-):
-    """Create `repo_id` if needed and upload the `files_to_upload` of `folder` (each by its exact name: nothing the
-    allow-list leaves out is sent); the token comes from `token`, HF_TOKEN or the login."""
-    files = files_to_upload(folder, ignore_patterns)  # before any call: a refused folder contacts nothing
-    api = HfApi(token=token)
-    repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
-    return api.upload_folder(
-        repo_id=repo_id,
-        folder_path=str(folder),
-        repo_type="model",
-        commit_message=commit_message,
-        allow_patterns=[glob.escape(name) for name in files],
-    )
-
-
-__all__ = [
-    "ConversionReport",
-    "card_base_model",
-    "card_license",
-    "check_hub_folder",
-    "check_output_dir",
-    "check_source",
-    "convert_to_pkm",
-    "curated_results",
-    "files_to_upload",
-    "folder_parameter_counts",
-    "group_names",
-    "hub_id_or_none",
-    "load_source_tokenizer",
-    "push_folder_to_hub",
-    "replace_folder",
-    "staging_folder",
-    "save_converted",
-    "sentence_transformers_files",
-    "upload_allowed",
-    "source_license",
-    "write_model_card",
-]

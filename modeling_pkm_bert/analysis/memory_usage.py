@@ -49,7 +49,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from .optimization import memory_modules
+from ..training.optimization import memory_modules
 
 
 TOP_PERCENTS = {"top50": 50, "top90": 90, "top99": 99}
@@ -113,7 +113,7 @@ class MemoryUsageAccumulator:
 
         self.weight_sums.index_add_(0, indices.flatten(), weights.flatten())
         # adding 0/1 flags rather than selecting with a mask: no device sync
-        slots, slot_weights = _merge_duplicate_slots(indices, weights)
+        slots, slot_weights = merge_duplicate_slots(indices, weights)
         self.used_counts.index_add_(0, slots.flatten(), (slot_weights > 0).long().flatten())
         # argmax returns the first maximum and the slots of a row are sorted: ties go to the lowest slot
         top1 = slots.gather(1, slot_weights.argmax(1, keepdim=True)).squeeze(1)
@@ -203,7 +203,7 @@ def _accumulation_device(device: torch.device | str | None) -> torch.device:
     return torch.device("cpu") if device.type == "mps" else device  # MPS has no float64
 
 
-def _merge_duplicate_slots(indices: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_duplicate_slots(indices: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the distinct slots (ascending, then zero-padded) and their summed weights (zero on the padding)."""
     slots, order = indices.sort(dim=1)
     weights = weights.gather(1, order)
@@ -233,7 +233,7 @@ def _top_slots_holding(counts: torch.Tensor, percents: Iterable[int]) -> list[in
     return (torch.searchsorted(100 * held, thresholds) + 1).tolist()
 
 
-def _readable_name(path: str) -> str:
+def readable_name(path: str) -> str:
     """`bert.encoder.layer.4.memory` -> `layer_4`; a path without a layer number stays as it is."""
     layer_numbers = re.findall(r"(?:^|\.)layer\.(\d+)(?=\.|$)", path)
     return f"layer_{layer_numbers[-1]}" if layer_numbers else path or "memory"
@@ -258,7 +258,7 @@ class MemoryUsageTracker:
 
     def __init__(self, model: nn.Module, eval_only: bool = False):
         found = list(memory_modules(model).items())
-        names = [_readable_name(path) for path, _ in found]
+        names = [readable_name(path) for path, _ in found]
         if len(set(names)) < len(names):
             names = [path or "memory" for path, _ in found]
         self.memories = {name: module for name, (_, module) in zip(names, found)}

@@ -18,7 +18,7 @@ from pathlib import Path
 def _config_source() -> tuple[dict[str, tuple[str, object]], dict[str, str], dict[str, tuple]]:
     """({pkm field: (annotation, default)}, AUTO_MAP, {module constant: tuple}) of configuration_bert_pkm.py, read
     without importing it."""
-    tree = ast.parse(Path(__file__).with_name("configuration_bert_pkm.py").read_text(encoding="utf-8"))
+    tree = ast.parse((Path(__file__).parent.parent / "configuration_bert_pkm.py").read_text(encoding="utf-8"))
     fields, auto_map, constants = {}, {}, {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
@@ -34,6 +34,12 @@ def _config_source() -> tuple[dict[str, tuple[str, object]], dict[str, str], dic
                     if item.target.id != "pkm_weights_checksum":
                         default = ast.literal_eval(item.value) if item.value is not None else None
                         fields[item.target.id] = (ast.unparse(item.annotation), default)
+    # the option tuples of the layer (defined once, in product_key_memory.py; the config imports them)
+    layer = ast.parse((Path(__file__).parent.parent / "product_key_memory.py").read_text(encoding="utf-8"))
+    for node in layer.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if isinstance(node.value, ast.Tuple):
+                constants[node.targets[0].id] = ast.literal_eval(node.value)
     return fields, auto_map, constants
 
 
@@ -44,8 +50,8 @@ MEMORY_OPTIMIZERS = ("adam", "sparse_row_adam", "sgd")
 PKM_CHOICES = {
     "pkm_mode": _CONFIG_CONSTANTS["PKM_MODES"],
     "pkm_value_init": _CONFIG_CONSTANTS["PKM_VALUE_INITS"],
-    "pkm_output_gate": _CONFIG_CONSTANTS["PKM_OUTPUT_GATES"],
-    "pkm_score_activation": _CONFIG_CONSTANTS["PKM_SCORE_ACTIVATIONS"],
+    "pkm_output_gate": _CONFIG_CONSTANTS["OUTPUT_GATES"],
+    "pkm_score_activation": _CONFIG_CONSTANTS["SCORE_ACTIVATIONS"],
 }
 
 

@@ -72,8 +72,8 @@ import torch
 from torch import nn
 
 from .arguments import SMF_RANKERS, STATISTICS_NAME, add_smf_arguments  # noqa: F401 (flags: torch-free module)
-from .memory_usage import _readable_name
-from .trime import _unwrap
+from ..analysis.memory_usage import readable_name
+from .trime import unwrap_model
 
 
 _FORMAT = "modeling_pkm_bert.smf_background_statistics/1"
@@ -82,10 +82,10 @@ _FORMAT = "modeling_pkm_bert.smf_background_statistics/1"
 def memory_layers(model: nn.Module) -> dict[str, nn.Module]:
     """`{layer name: memory}` for every memory of `model` (`training.memory_modules`), named as `memory_usage` does
     (`layer_4` for `bert.encoder.layer.4.memory`; the module paths when those names would be ambiguous)."""
-    from .training import memory_modules
+    from .optimization import memory_modules
 
     found = memory_modules(model)
-    names = [_readable_name(path) for path in found]
+    names = [readable_name(path) for path in found]
     if len(set(names)) < len(names):
         names = [path or "memory" for path in found]
     return dict(zip(names, found.values()))
@@ -470,7 +470,7 @@ class SparseMemoryFinetuning:
         statistics.check_model(model)
         validate_top_t(top_t, statistics.mem_sizes)
         self.statistics, self.top_t, self.ranker = statistics, top_t, ranker
-        self.model = _unwrap(model)
+        self.model = unwrap_model(model)
         self.memories = memory_layers(model)
         self.counter = ReadCounter(model, training_only=True)
         self.eval_mode_reads = False

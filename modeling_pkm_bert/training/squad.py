@@ -1,4 +1,5 @@
-"""Question-answering helpers for `run_squad.py`: reading SQuAD json, checking answers, post-processing predictions."""
+"""Question answering for `run_squad.py`: reading SQuAD json, checking answers, tokenizing into features, and
+post-processing start/end logits into answer texts (the official example's `utils_qa.py`, moved into the package)."""
 
 import collections
 import json
@@ -164,7 +165,7 @@ def postprocess_qa_predictions(
     prefix: str | None = None,
 ) -> tuple[dict[str, str], dict[str, float] | None]:
     """Turns the start/end logits of the features into an answer text per example (the method of the official
-    `utils_qa.py`: the `n_best_size` best start and end logits of each feature, spans in the context of at most
+    the official example's `utils_qa.py`: the `n_best_size` best start and end logits of each feature, spans in the context of at most
     `max_answer_length` tokens, score = start logit + end logit, best over all features of the example).
 
     Args:

@@ -30,7 +30,7 @@ import os
 import torch
 from torch import nn
 
-from .memory_usage import MemoryUsageTracker, _merge_duplicate_slots
+from .memory_usage import MemoryUsageTracker, merge_duplicate_slots
 
 
 STALENESS_FILE = "staleness.safetensors"
@@ -40,7 +40,7 @@ NEVER = -1  # the step of a slot that has not been a top-1 pick since the tracki
 def top1_slots(indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """The top-1 slot of each token: `(tokens, heads * knn)` indices and weights -> `(tokens,)`, the slot with the
     largest weight summed over the heads (ties: the lowest slot), as `memory_usage` counts `top1_mu`."""
-    slots, slot_weights = _merge_duplicate_slots(indices.flatten(1), weights.detach().flatten(1).float())
+    slots, slot_weights = merge_duplicate_slots(indices.flatten(1), weights.detach().flatten(1).float())
     return slots.gather(1, slot_weights.argmax(1, keepdim=True)).squeeze(1)
 
 

@@ -10,7 +10,9 @@ value table's training state is then 4x the table (weights, gradient, two moment
 - `SparseRowAdam` updates only those rows, with a bf16 first moment and a row-wise fp32 second moment (~1.5x the
   table with the weights, plus the step's sparse gradient), as large embedding-table systems do;
 - `pkm_param_groups` / `pkm_value_parameters` split the parameters, `pkm_lr_lambdas` keeps the values' learning rate
-  constant under a scheduler, `clip_grad_norm_` accepts the sparse gradients that torch's refuses.
+  constant under a scheduler, `clip_grad_norm_` accepts the sparse gradients that torch's refuses;
+- for the training scripts: `optimizer_param_groups` (main groups, value groups), `create_memory_optimizer` (Adam,
+  SGD or SparseRowAdam per `--memory_optimizer`), `clip_memory_gradients`, `freeze_memory`.
 
 Typical use (two optimizers, as XLM):
 
@@ -22,12 +24,13 @@ Typical use (two optimizers, as XLM):
     loss.backward(); main.step(); values.step(); scheduler.step(); main.zero_grad(); values.zero_grad()
 """
 
+import argparse
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-from .product_key_memory import ProductKeyMemory
+from ..product_key_memory import ProductKeyMemory
 
 
 PKM_VALUES_GROUP = "pkm_values"
@@ -334,13 +337,102 @@ class SparseRowAdam(torch.optim.Optimizer):
         return loss
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# What the training scripts do with the memory's optimizer
+
+
+def clip_memory_gradients(accelerator, model: torch.nn.Module, memory_optimizer, max_norm: float | None, smf=None):
+    """`--memory_max_grad_norm`: clips the value tables' gradient to `max_norm` on its own (each shared table once),
+    after unscaling it under fp16 loss scaling; call it between `accelerator.backward` and the optimizer steps.
+    With sparse memory finetuning (`smf`, a `SparseMemoryFinetuning`), the step's rows are chosen and the gradient
+    masked first, at every optimizer step: the clipping norm counts only the rows the step trains, and the choice
+    uses up the step's reads even when the loss scaler then skips the step.
+    Returns the norm before clipping (None when there is nothing to clip)."""
+    if not accelerator.sync_gradients:
+        return None
+    if smf is not None:
+        smf.mask_gradients()
+    if not max_norm:
+        return None
+    if getattr(accelerator, "scaler", None) is not None and memory_optimizer is not None:
+        accelerator.unscale_gradients(optimizer=memory_optimizer)
+    parameters = [p for p in pkm_value_parameters(accelerator.unwrap_model(model)) if p.grad is not None]
+    return clip_grad_norm_(parameters, max_norm) if parameters else None
+
+
+def freeze_memory(model: torch.nn.Module) -> int:
+    """Fixes every memory parameter (keys, query network, values) and the query BatchNorm's running statistics, so the
+    memory is the same function after training (Table 5); returns how many parameters were frozen."""
+    frozen = 0
+    for memory in memory_modules(model).values():
+        for batchnorm in memory.query_batchnorms():
+            batchnorm.momentum = 0.0  # batch statistics still normalise in training; the running ones stay
+        for parameter in memory.parameters():
+            parameter.requires_grad_(False)
+            frozen += parameter.numel()
+    return frozen
+
+
+def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> tuple[list[dict], list[dict]]:
+    """(main groups, memory groups) of `optimization.pkm_param_groups`: main = everything but the values, decayed
+    except biases and norms; memory = the value tables without weight decay, for their own optimizer. The groups carry
+    no learning rate: each optimizer gives its own."""
+    groups = pkm_param_groups(model, lr=0.0, weight_decay=weight_decay)
+    for group in groups:
+        del group["lr"]
+    main_groups = [group for group in groups if group["name"] != PKM_VALUES_GROUP]
+    memory_groups = [group for group in groups if group["name"] == PKM_VALUES_GROUP]
+    return main_groups, memory_groups
+
+
+def sparse_gradients_supported() -> bool:
+    """Whether sparse value gradients can be all-reduced here: one process, or a gloo process group (not NCCL)."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return not distributed or torch.distributed.get_backend() == "gloo"
+
+
+def create_memory_optimizer(
+    memory_groups: list[dict], args: argparse.Namespace, model: torch.nn.Module | None = None
+) -> torch.optim.Optimizer | None:
+    """The values' own optimizer at a constant `--memory_learning_rate` (no scheduler is attached to it): Adam, plain
+    SGD with `--memory_optimizer sgd`, or with `--memory_optimizer sparse_row_adam` the row-wise lazy `SparseRowAdam`.
+    For the latter, pass `model` (before
+    `accelerator.prepare`: DDP reads the flag when it wraps the model) to switch its value gradients to sparse where
+    the process group can all-reduce them; without it, or under NCCL, the gradients stay dense (same update)."""
+    if not memory_groups:
+        return None
+    if getattr(args, "memory_optimizer", "adam") == "sgd":
+        return torch.optim.SGD(memory_groups, lr=args.memory_learning_rate)
+    if getattr(args, "memory_optimizer", "adam") == "sparse_row_adam":
+        if model is not None:
+            set_sparse_values(model, sparse_gradients_supported())
+        return SparseRowAdam(memory_groups, lr=args.memory_learning_rate)
+    return torch.optim.Adam(memory_groups, lr=args.memory_learning_rate)
+
+
+def memory_optimizer_summary(memory_optimizer, model: torch.nn.Module, learning_rate: float) -> str:
+    """The log line of the optimizer the memory values train with (the one used, unwrapped from accelerate's)."""
+    optimizer = getattr(memory_optimizer, "optimizer", memory_optimizer)
+    sparse = any(memory.sparse_values for memory in memory_modules(model).values())
+    return (
+        f"Memory values: {type(optimizer).__name__}, constant lr {learning_rate}, no weight decay, "
+        f"{'sparse' if sparse else 'dense'} gradients"
+    )
+
+
 __all__ = [
     "PKM_VALUES_GROUP",
     "SparseRowAdam",
     "cast_pkm_values",
     "clip_grad_norm_",
+    "clip_memory_gradients",
+    "create_memory_optimizer",
+    "freeze_memory",
+    "optimizer_param_groups",
+    "sparse_gradients_supported",
     "is_product_key_memory",
     "memory_modules",
+    "memory_optimizer_summary",
     "pkm_lr_lambdas",
     "pkm_param_groups",
     "pkm_value_parameters",

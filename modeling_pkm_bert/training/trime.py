@@ -237,7 +237,7 @@ def trime_log_probs(
 # ---- models: the output layer and its input ----
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside a DistributedDataParallel / torch.compile wrapper."""
     while True:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -252,7 +252,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def output_layer(model: torch.nn.Module) -> torch.nn.Module:
     """The model's vocabulary projection (`get_output_embeddings()`, e.g. `cls.predictions.decoder` of BERT heads, the
     `lm_head` of GPT-2), checked to be readable: a clear ValueError otherwise."""
-    model = _unwrap(model)
+    model = unwrap_model(model)
     get = getattr(model, "get_output_embeddings", None)
     layer = get() if callable(get) else None
     if layer is None:
@@ -311,7 +311,7 @@ def check_trime_model(model: torch.nn.Module) -> None:
         tokens = torch.arange(2, device=layer.weight.device)[None] % layer.weight.shape[0]
         with capture_output_layer(model) as captured:
             logits = model(input_ids=tokens).logits
-        check_logits_match(logits, captured, type(_unwrap(model)).__name__)
+        check_logits_match(logits, captured, type(unwrap_model(model)).__name__)
     finally:
         model.train(was_training)
 
@@ -323,7 +323,7 @@ def model_trime_losses(model, inputs: dict, targets: torch.Tensor, memory: str |
     vocabulary part of the same computation (F.cross_entropy's value). `memory=None`: the TRIME loss is the CE."""
     with capture_output_layer(model) as captured:
         outputs = model(**inputs)
-    check_logits_match(outputs.logits, captured, type(_unwrap(model)).__name__)
+    check_logits_match(outputs.logits, captured, type(unwrap_model(model)).__name__)
     if memory == "context":  # the visible tokens the entries are credited to
         kwargs = {"input_ids": inputs["input_ids"], "attention_mask": inputs.get("attention_mask"), **kwargs}
     scored, log_p, log_p_vocab = trime_log_probs(

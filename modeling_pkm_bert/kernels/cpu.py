@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .product_key_memory import _candidate_pairs, _combine_halves
+from ..product_key_memory_ops import candidate_pairs, combine_halves
 
 
 logger = logging.getLogger(__name__)
@@ -218,14 +218,14 @@ def library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
 
 def _pair_tensors(knn: int) -> tuple[torch.Tensor, torch.Tensor]:
     if knn not in _pairs:
-        _pairs[knn] = tuple(torch.tensor(ranks, dtype=torch.int32) for ranks in _candidate_pairs(knn))
+        _pairs[knn] = tuple(torch.tensor(ranks, dtype=torch.int32) for ranks in candidate_pairs(knn))
     return _pairs[knn]
 
 
 def _torch_selection(subkey_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same selection with torch ops (`ProductKeyMemory.search`'s own path)."""
     half_scores, half_indices = subkey_scores.topk(knn, dim=-1)
-    scores, indices = _combine_halves(half_scores, half_indices, subkey_scores.shape[-1], knn, prune=True)
+    scores, indices = combine_halves(half_scores, half_indices, subkey_scores.shape[-1], knn, prune=True)
     return scores.transpose(0, 1).contiguous(), indices.transpose(0, 1).contiguous()
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from .configuration_bert_pkm import AUTO_MAP, PKM_CODE_VERSION, REMOTE_CODE_FILES
+from ..configuration_bert_pkm import AUTO_MAP, PKM_CODE_VERSION, REMOTE_CODE_FILES
 
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the package root: the remote-code files
 CHECK_TOLERANCE = 1e-5
 
 # Runs in a fresh interpreter that cannot import the package: the folder's own code only. Prints the outputs as JSON.

@@ -1,0 +1,371 @@
+"""The fast paths of `product_key_memory.py` (shipped with it as remote code): autograd functions whose backward is
+cheaper than torch's generic one, the buffers they reuse between steps, and the CSR helpers. Each path computes what
+the reference torch ops compute (tests/test_performance_paths.py compares them); the switches below choose.
+
+Switches (the one place they are documented; each is a class or module attribute, set it to compare paths):
+
+| switch                                   | default | True / set                                                  | off: the reference                      |
+|------------------------------------------|---------|-------------------------------------------------------------|-----------------------------------------|
+| `ProductKeyValues.fused_backward`        | True    | `WeightedRowSum`: value and per-sample-weight gradients from one sort of the lookups | EmbeddingBag's backward |
+| `ProductKeyValues.triton_devices`        | ()      | device types whose gathers run in the Triton ops `torch.ops.pkm_bert.bag_sum` / `row_dots` (`kernels/triton_gathers.py`, once registered) | EmbeddingBag |
+| `CPU_SPARSE_KERNELS` (this module)       | True    | CPU fp32/fp64 value backward in torch's sparse CSR kernels  | the EmbeddingBag-style kernels          |
+| `ProductKeyMemory.prune_candidates`      | True    | only the `(a + 1) * (b + 1) <= knn` pairs of the halves' top-knn lists are scored (exact) | all `knn ** 2` pairs |
+| `ProductKeyMemory.fused_search_backward` | True    | `SubkeyTopk`: sub-key score backward through the `knn` selected keys only | dense bmm backward |
+| `ProductKeyMemory.native_search`         | True    | fp32 CPU: `NativeProductKeySearch`, the selection in `torch.ops.pkm_bert.select_product_keys` once registered (`kernels/cpu.py`) | the torch ops |
+| `ProductKeyMemory.trace_training_lookup` | False   | under torch.compile, trace a lookup that needs gradients (one graph, `fullgraph=True`, dense value gradients) | run it eagerly: one graph break per memory |
+
+Imports torch only (remote code: no other module of the package).
+"""
+
+import warnings
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+
+# torch.export sets it (torch >= 2.5; older versions: never exporting through this check)
+is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+_CANDIDATE_PAIRS: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+
+def candidate_pairs(knn: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Ranks `(a, b)` in the two halves' descending top-`knn` lists whose sum can be among the best `knn` products.
+
+    Pair `(a, b)` is matched or beaten by every pair `(a', b')` with `a' <= a` and `b' <= b`, that is by
+    `(a + 1) * (b + 1) - 1` others, so only pairs with `(a + 1) * (b + 1) <= knn` can make the top `knn`:
+    119 of the 1024 pairs for `knn=32` (about `knn * ln(knn)`).
+    """
+    if knn not in _CANDIDATE_PAIRS:
+        pairs = [(a, b) for a in range(knn) for b in range(knn // (a + 1))]
+        _CANDIDATE_PAIRS[knn] = tuple(a for a, _ in pairs), tuple(b for _, b in pairs)
+    return _CANDIDATE_PAIRS[knn]
+
+
+def _reusable_buffer(
+    cache: dict, name: str, numel: int, dtype: torch.dtype, device: torch.device, spare: float = 0.0
+) -> torch.Tensor:
+    """A flat CPU buffer of `numel` elements, the previous one when nothing else holds it any more.
+
+    A fresh allocation of hundreds of MiB costs its page faults on every step on CPU (a 768 MiB value gradient: as
+    long as the whole step); reusing the last step's buffer, once the optimizer has dropped the gradient that lived
+    in it, avoids them. A buffer still referenced elsewhere (a kept `.grad`, gradient accumulation) is never reused:
+    a new one is made and kept instead. `spare`: extra room for sizes that vary from step to step.
+    """
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # no way to tell whether the last buffer is free: always a new one
+        return torch.empty(numel, dtype=dtype, device=device)
+    entry = cache.get(name)
+    if entry is not None:
+        buffer, free_count = entry
+        if (
+            buffer.dtype == dtype
+            and buffer.device == device
+            and buffer.numel() >= numel
+            and use_count(buffer.untyped_storage()._cdata) == free_count
+        ):
+            return buffer[:numel]
+    buffer = torch.empty(numel + int(numel * spare), dtype=dtype, device=device)
+    cache[name] = (buffer, use_count(buffer.untyped_storage()._cdata))
+    return buffer[:numel]
+
+
+# CPU fp32/fp64: torch's sparse CSR kernels for the value backward (False: the EmbeddingBag-style kernels used elsewhere)
+CPU_SPARSE_KERNELS = True
+
+
+def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch's once-per-process notice that sparse CSR support is in beta: noise here
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
+        return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
+
+
+class SharedGradient:
+    """What the value gradient of a table needs across its lookups of one backward pass (memories sharing the table).
+
+    Autograd would add each lookup's gradient out of place into a fresh table-sized buffer; instead every lookup but
+    the last one the pass differentiates leaves its gradient here (`partial`, per backward pass and weight) and the
+    next one adds its row sums into it, so the table's gradient is one reused buffer. `lookups`: the lookups not yet
+    differentiated, weakly held (a graph dropped without backward leaves nothing behind).
+    """
+
+    def __init__(self):
+        self.lookups = {}  # id(ctx) -> weakref to ctx
+        self.partial = {}  # (graph task id, weight key) -> (gradient so far, position of each table row in a sparse one)
+
+    def add(self, ctx):
+        key, lookups = id(ctx), self.lookups
+        lookups[key] = weakref.ref(ctx, lambda _: lookups.pop(key, None))
+
+
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+_will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
+
+
+def _pending_lookups(ctx) -> list:
+    """The other lookups of ctx's weight that the running backward pass is still to differentiate."""
+    lookups = ctx.shared.lookups
+    lookups.pop(id(ctx), None)
+    if _current_graph_task_id is None or _will_engine_execute_node is None:
+        return []
+    others = (ref() for ref in list(lookups.values()))  # (a DataParallel replica reads its own copy of the weight)
+    return [n for n in others if n is not None and n.weight_key == ctx.weight_key and _will_engine_execute_node(n)]
+
+
+class WeightedRowSum(torch.autograd.Function):
+    """`output[t] = sum_j per_sample_weights[t, j] * weight[indices[t, j]]`, with a cheaper backward than EmbeddingBag's.
+
+    The lookups are sorted by row once; then
+    - the weight gradient (row r: the sum of `per_sample_weight * grad_output[token]` over the lookups of r) is a
+      (rows x tokens) sparse matrix times `grad_output`: the coalesced rows only, as a sparse COO tensor (`sparse=True`),
+      or all rows, dense (`sparse=False`), without a separate zero-fill and scatter;
+    - the gradient of each per-sample weight, `dot(weight[indices[t, j]], grad_output[t])`, is a sampled matrix
+      product over the same pattern, which reads the value rows in ascending order.
+    On CPU in fp32/fp64 both are torch sparse CSR kernels; elsewhere EmbeddingBag-style kernels do the same sums: with
+    `triton`, the Triton ops `torch.ops.pkm_bert.bag_sum` and `row_dots` (`kernels/triton_gathers.py`), else EmbeddingBag's.
+    """
+
+    @staticmethod
+    def forward(ctx, weight, indices, per_sample_weights, sparse, workspaces, triton=False, shared=None):
+        ctx.save_for_backward(weight, indices, per_sample_weights)
+        ctx.sparse, ctx.workspaces, ctx.triton, ctx.shared = sparse, workspaces, triton, shared
+        if shared is not None and ctx.needs_input_grad[0]:
+            ctx.weight_key, ctx.indices = (weight.device, weight.data_ptr()), indices
+            shared.add(ctx)
+        if triton:
+            return triton_bag_sum(weight, indices, per_sample_weights)
+        return F.embedding_bag(indices, weight, mode="sum", per_sample_weights=per_sample_weights)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        weight, indices, per_sample_weights = ctx.saved_tensors
+        need_weight, need_per_sample_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        grad_output = grad_output.contiguous()
+        n_rows, dim = weight.shape
+        tokens, bag = indices.shape
+        device, dtype = weight.device, grad_output.dtype
+        flat = indices.reshape(-1)
+        sorted_rows, order = flat.sort(stable=True)
+        tokens_of_lookups = torch.div(order, bag, rounding_mode="floor")
+        weights_of_lookups = per_sample_weights.reshape(-1)[order].to(dtype)
+        grad_weight = grad_per_sample_weights = None
+        # a table shared by several memories: the gradient of its lookups this pass already differentiated, and those
+        # it is still to differentiate (then this lookup's gradient waits for them in ctx.shared)
+        partial = position = task = None
+        pending = []
+        if need_weight and ctx.shared is not None:
+            pending = _pending_lookups(ctx)
+            if _current_graph_task_id is not None:
+                task = (_current_graph_task_id(), ctx.weight_key)
+                partial, position = ctx.shared.partial.pop(task, (None, None))
+
+        cpu_kernels = not ctx.triton and device.type == "cpu" and dtype in (torch.float32, torch.float64)
+        cpu_kernels = cpu_kernels and weight.dtype == dtype
+        if CPU_SPARSE_KERNELS and cpu_kernels:
+            index_dtype = torch.int32 if flat.numel() < 2**31 else torch.int64
+            tokens_of_lookups = tokens_of_lookups.to(index_dtype)
+            crow = torch.zeros(n_rows + 1, dtype=index_dtype, device=device)
+            torch.cumsum(torch.bincount(flat, minlength=n_rows), 0, dtype=index_dtype, out=crow[1:])
+            lookups = _csr(crow, tokens_of_lookups, weights_of_lookups, (n_rows, tokens))
+            if need_per_sample_weights:
+                dots = torch.sparse.sampled_addmm(lookups, weight, grad_output.t(), beta=0.0).values()
+                grad_per_sample_weights = torch.empty_like(dots).index_copy_(0, order, dots).view(tokens, bag)
+            if need_weight and not ctx.sparse:
+                if partial is not None and not partial.is_sparse:
+                    # partial + this lookup's row sums, bitwise the sum autograd forms (each row is summed first)
+                    grad_weight, partial = torch.addmm(partial, lookups, grad_output, out=partial), None
+                else:
+                    out = _reusable_buffer(ctx.workspaces, "dense_grad", n_rows * dim, dtype, device).view(n_rows, dim)
+                    grad_weight = torch.addmm(out, lookups, grad_output, beta=0, out=out)
+            elif need_weight:
+                del lookups, crow
+                rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+                layout = None  # (position of each table row among the gradient's rows, those rows)
+                if partial is not None and partial.is_sparse and position is not None:
+                    union = partial._indices()[0]  # laid out for every lookup of this pass (checked)
+                    if bool((union[position[rows].clamp(min=0)] == rows).all()):
+                        layout = position, union
+                elif partial is None and pending:  # the first lookup of a shared table: rows for all of them
+                    read = torch.zeros(n_rows, dtype=torch.bool, device=device)
+                    read[rows] = True
+                    for node in pending:
+                        read[node.indices.reshape(-1)] = True
+                    layout = read.cumsum(0) - 1, read.nonzero().squeeze(1)
+                if layout is not None:
+                    counts = counts.new_zeros(layout[1].numel()).index_copy_(0, layout[0][rows], counts)
+                    rows = layout[1]
+                crow = torch.zeros(rows.numel() + 1, dtype=index_dtype, device=device)
+                torch.cumsum(counts, 0, dtype=index_dtype, out=crow[1:])
+                compact = _csr(crow, tokens_of_lookups, weights_of_lookups, (rows.numel(), tokens))
+                if layout is not None and partial is not None:  # partial + these row sums in place, as dense above
+                    out, partial = torch.addmm(partial._values(), compact, grad_output, out=partial._values()), None
+                else:  # the number of rows used changes from step to step: 1/8 spare room
+                    out = _reusable_buffer(ctx.workspaces, "sparse_grad", rows.numel() * dim, dtype, device, spare=0.125)
+                    out = out.view(rows.numel(), dim)
+                    out = torch.addmm(out, compact, grad_output, beta=0, out=out)
+                grad_weight = _sparse_rows(rows, out, n_rows)
+                position = layout[0] if layout is not None else None
+            grad_weight = _shared_gradient(ctx, task, grad_weight, partial, pending, position)
+            return grad_weight, None, grad_per_sample_weights, None, None, None, None
+
+        if need_per_sample_weights and ctx.triton:
+            grad_per_sample_weights = torch.ops.pkm_bert.row_dots(weight, flat, grad_output, bag).view(tokens, bag)
+            grad_per_sample_weights = grad_per_sample_weights.to(per_sample_weights.dtype)
+        elif need_per_sample_weights:
+            offsets = torch.arange(0, tokens * bag, bag, device=device)
+            offset2bag = torch.arange(tokens, device=device).repeat_interleave(bag)
+            grad_per_sample_weights = torch.ops.aten._embedding_bag_per_sample_weights_backward(
+                grad_output, weight, flat, offsets, offset2bag, 0, -1
+            ).view(tokens, bag)
+        if need_weight:
+            used, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+            ends = torch.cumsum(counts, 0)
+            if ctx.triton:  # bags: the lookups of each used row; rows of the bags: tokens of grad_output
+                bounds = F.pad(ends, (1, 0))
+                grad_rows = torch.ops.pkm_bert.bag_sum(grad_output, tokens_of_lookups, weights_of_lookups, bounds)
+            else:
+                grad_rows = F.embedding_bag(
+                    tokens_of_lookups, grad_output, ends - counts, mode="sum", per_sample_weights=weights_of_lookups
+                )
+            grad_rows = grad_rows.to(weight.dtype)
+            if ctx.sparse:
+                grad_weight = _sparse_rows(used, grad_rows, n_rows)
+            else:
+                grad_weight = grad_rows.new_zeros(n_rows, dim).index_copy_(0, used, grad_rows)
+        grad_weight = _shared_gradient(ctx, task, grad_weight, partial, pending)
+        return grad_weight, None, grad_per_sample_weights, None, None, None, None
+
+
+def _shared_gradient(ctx, task, grad_weight, partial, pending, position=None):
+    """The table gradient a lookup returns: None while other lookups of its table are `pending` in this pass (the
+    gradient waits in `ctx.shared` for them), else the whole sum. `partial`: a gradient not yet added."""
+    if partial is not None:  # a kind the in-place paths do not take: autograd's own out-of-place sum
+        grad_weight, position = partial + grad_weight, None
+    if pending and task is not None:
+        ctx.shared.partial[task] = (grad_weight, position)
+        return None
+    return grad_weight
+
+
+def triton_bag_sum(weight: torch.Tensor, indices: torch.Tensor, per_sample_weights: torch.Tensor) -> torch.Tensor:
+    """`F.embedding_bag(indices, weight, mode="sum", per_sample_weights=...)` for 2-d `indices`, in the Triton op."""
+    tokens, bag = indices.shape
+    bounds = torch.arange(0, tokens * bag + 1, bag, device=indices.device)
+    return torch.ops.pkm_bert.bag_sum(weight, indices.reshape(-1), per_sample_weights.reshape(-1), bounds)
+
+
+class SubkeyTopk(torch.autograd.Function):
+    """`(bmm(halves, keys^T)).topk(knn)` for every head-half at once, whose backward touches the selected keys only.
+
+    The dense backward multiplies an (n_keys)-wide gradient that is zero but for `knn` entries per row; this one reads
+    the `knn` selected sub-keys and queries only ([`_subkey_score_gradients`]).
+    """
+
+    @staticmethod
+    def forward(ctx, halves, keys, knn):
+        scores, indices = torch.bmm(halves, keys.transpose(1, 2)).topk(knn, dim=-1)
+        ctx.save_for_backward(halves, keys, indices)
+        ctx.mark_non_differentiable(indices)
+        return scores, indices
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_scores, _grad_indices):
+        halves, keys, indices = ctx.saved_tensors
+        return *_subkey_score_gradients(ctx.needs_input_grad, halves, keys, indices, grad_scores), None
+
+
+def _subkey_score_gradients(needs_input_grad, halves, keys, indices, grad_scores):
+    """Gradients of `halves` and `keys` from those of the selected sub-key scores `bmm(halves, keys^T)[g, t, indices]`.
+
+    The query gradient sums the `knn` selected sub-keys of each row (an EmbeddingBag) and the key gradient sums, per
+    sub-key, the queries that selected it (an EmbeddingBag over the selections sorted by key); a sub-key selected twice
+    in a row counts twice.
+    """
+    groups, tokens, half = halves.shape
+    n_keys, knn = keys.shape[1], indices.shape[-1]
+    # rows of keys.reshape(groups * n_keys, half)
+    rows = (indices + torch.arange(0, groups * n_keys, n_keys, device=indices.device).view(groups, 1, 1)).reshape(-1, knn)
+    grad_scores = grad_scores.reshape(-1, knn).to(keys.dtype)
+    grad_halves = grad_keys = None
+    if needs_input_grad[0]:
+        grad_halves = F.embedding_bag(rows, keys.reshape(-1, half), mode="sum", per_sample_weights=grad_scores)
+        grad_halves = grad_halves.view(groups, tokens, half)
+    if needs_input_grad[1]:
+        flat = rows.reshape(-1)
+        _, order = flat.sort(stable=True)
+        counts = torch.bincount(flat, minlength=groups * n_keys)
+        grad_keys = F.embedding_bag(
+            torch.div(order, knn, rounding_mode="floor"),
+            halves.reshape(groups * tokens, half).to(keys.dtype),
+            torch.cumsum(counts, 0) - counts,
+            mode="sum",
+            per_sample_weights=grad_scores.reshape(-1)[order],
+        ).view(groups, n_keys, half)
+    return grad_halves, grad_keys
+
+
+class NativeProductKeySearch(torch.autograd.Function):
+    """The native selection (`kernels/cpu.py`) of the top-`knn` product keys, with the gradient of their scores.
+
+    The score of product key `i1 * n_keys + i2` is the sum of sub-key scores `i1` (first half) and `i2` (second half),
+    so its gradient goes to those two scores, then to the queries and keys as in [`SubkeyTopk`].
+    """
+
+    @staticmethod
+    def forward(ctx, halves, keys, knn, select):
+        scores, indices = select(torch.bmm(halves, keys.transpose(1, 2)), knn)  # (tokens, heads, knn)
+        ctx.save_for_backward(halves, keys, indices)
+        ctx.mark_non_differentiable(indices)
+        return scores, indices
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_scores, _grad_indices):
+        halves, keys, indices = ctx.saved_tensors
+        n_keys = keys.shape[1]
+        # (tokens, heads, 2, knn) -> (heads * 2, tokens, knn): the sub-keys of each half and the gradient they get
+        subkeys = torch.stack((indices.div(n_keys, rounding_mode="floor"), indices.remainder(n_keys)), 2)
+        grad_subkey_scores = grad_scores.unsqueeze(2).expand(-1, -1, 2, -1)
+        subkeys, grad_subkey_scores = (t.flatten(1, 2).transpose(0, 1) for t in (subkeys, grad_subkey_scores))
+        return *_subkey_score_gradients(ctx.needs_input_grad, halves, keys, subkeys, grad_subkey_scores), None, None
+
+
+def combine_halves(
+    half_scores: torch.Tensor, half_indices: torch.Tensor, n_keys: int, knn: int, prune: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best `knn` product keys from each half's sorted top-`knn`: `(heads * 2, tokens, knn)` -> `(heads, tokens, knn)`.
+
+    A product key is the concatenation of its two sub-keys, so its score is the sum of the halves' scores; with
+    `prune`, only the rank pairs `(a, b)` with `(a + 1) * (b + 1) <= knn` are scored (exact), else all `knn ** 2`, as XLM.
+    """
+    half_scores, half_indices = half_scores.unflatten(0, (-1, 2)), half_indices.unflatten(0, (-1, 2))
+    if prune:
+        first, second = (torch.tensor(ranks, device=half_scores.device) for ranks in candidate_pairs(knn))
+        candidate_scores = half_scores[:, 0].index_select(-1, first) + half_scores[:, 1].index_select(-1, second)
+        scores, best = candidate_scores.topk(knn, dim=-1)  # (heads, tokens, knn)
+        indices = half_indices[:, 0].gather(-1, first[best]) * n_keys + half_indices[:, 1].gather(-1, second[best])
+    else:
+        candidate_scores = half_scores[:, 0, :, :, None] + half_scores[:, 1, :, None, :]  # (heads, tokens, knn, knn)
+        candidate_indices = half_indices[:, 0, :, :, None] * n_keys + half_indices[:, 1, :, None, :]
+        scores, best = candidate_scores.flatten(-2).topk(knn, dim=-1)
+        indices = candidate_indices.flatten(-2).gather(-1, best)
+    return scores, indices
+
+
+def native_selection(halves: torch.Tensor):
+    """`torch.ops.pkm_bert.select_product_keys` for fp32 CPU queries once `modeling_pkm_bert` registered it, else None.
+
+    Never under `torch.export`: an exported program (and the ONNX made from it) holds standard ops only, so that it runs
+    where this package is not installed."""
+    if halves.dtype != torch.float32 or halves.device.type != "cpu" or is_exporting():
+        return None
+    return getattr(torch.ops.pkm_bert, "select_product_keys", None)
+
+
+def _sparse_rows(rows: torch.Tensor, values: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """The sparse COO gradient of a `(n_rows, dim)` table from its sorted distinct `rows` and their `values`."""
+    return torch.sparse_coo_tensor(
+        rows.unsqueeze(0), values, (n_rows, values.shape[1]), is_coalesced=True, check_invariants=False
+    )
