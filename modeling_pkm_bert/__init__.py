@@ -16,6 +16,7 @@ import os
 import torch
 
 from .product_key_memory import ProductKeyMemory
+from .parallel import shard_memory_values
 from . import cpu_kernels
 from .cpu_kernels import use_huge_pages
 
@@ -55,5 +56,6 @@ __all__ = [
     "BertPkmPreTrainedModel",
     "ProductKeyMemory",
     "register_auto_classes",
+    "shard_memory_values",
     "use_huge_pages",
 ]
