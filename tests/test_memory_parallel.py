@@ -40,10 +40,27 @@ def config(shared: bool):
     return tiny_config(pkm_layers=[0, 2], pkm_shared_values=shared, pkm_query_batchnorm=True)
 
 
-def reference(shared: bool):
-    """One process, the whole batch: logits, loss, gradients, and the parameters after 2 Adam steps (values: their own
-    group at 1e-3, as the scripts)."""
+def optimizers_for(model, memory_optimizer="adam"):
+    """AdamW for the model, the values' own group at 1e-3 (Adam or SparseRowAdam), as the scripts."""
+    from modeling_pkm_bert.optimization import SparseRowAdam
     from modeling_pkm_bert.training import optimizer_param_groups
+
+    main, memory = optimizer_param_groups(model, weight_decay=0.01)
+    memory_class = SparseRowAdam if memory_optimizer == "sparse_row_adam" else torch.optim.Adam
+    return [torch.optim.AdamW(main, lr=1e-2), memory_class(memory, lr=1e-3)]
+
+
+def train_steps(model, inputs, optimizers, steps=2):
+    for _ in range(steps):
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        model(**inputs).loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+
+
+def reference(shared: bool, memory_optimizer="adam"):
+    """One process, the whole batch: logits, loss, gradients, and the parameters after 2 steps."""
 
     torch.manual_seed(0)
     model = BertPkmForMaskedLM(config(shared)).eval()  # eval: the query BatchNorm uses its running statistics
@@ -52,14 +69,7 @@ def reference(shared: bool):
     output.loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     logits, loss = output.logits.detach(), output.loss.detach()
-    main, memory = optimizer_param_groups(model, weight_decay=0.01)
-    optimizers = [torch.optim.AdamW(main, lr=1e-2), torch.optim.Adam(memory, lr=1e-3)]
-    for _ in range(2):
-        for optimizer in optimizers:
-            optimizer.zero_grad()
-        model(**inputs).loss.backward()
-        for optimizer in optimizers:
-            optimizer.step()
+    train_steps(model, inputs, optimizers_for(model, memory_optimizer))
     return model, logits, loss, grads, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -111,14 +121,8 @@ def _worker(rank, port, out_dir):
         # 2 optimizer steps from the same start
         for p in model.parameters():
             p.grad = None
-        main, memory = optimizer_param_groups(model, weight_decay=0.01)
-        optimizers = [torch.optim.AdamW(main, lr=1e-2), torch.optim.Adam(memory, lr=1e-3)]
-        for _ in range(2):
-            for optimizer in optimizers:
-                optimizer.zero_grad()
-            model(**inputs).loss.backward()
-            for optimizer in optimizers:
-                optimizer.step()
+        optimizers = optimizers_for(model)
+        train_steps(model, inputs, optimizers)
         after = {name: max_diff(p, ref_after[name]) for name, p in model.named_parameters()}
         # checkpoint (DCP, sharded: each process writes its shards), then a fresh sharded model resumes from it
         checkpoint = os.path.join(out_dir, f"dcp_{int(shared)}")
@@ -156,6 +160,14 @@ def _worker(rank, port, out_dir):
             "resumed_moments_nonzero": all(float(m.to_local().abs().sum()) > 0 for m in moments),
         }
         dist.barrier()
+    # SparseRowAdam on the sharded tables: the same rows on every process, whole-row second moments
+    after_sparse_row = reference(False, "sparse_row_adam")[4]
+    torch.manual_seed(0)
+    model = BertPkmForMaskedLM(config(False)).eval()
+    fully_shard_with_memory_parallel(model, mesh)
+    inputs = {k: v[2 * rank : 2 * rank + 2] for k, v in batch(model.config.vocab_size).items()}
+    train_steps(model, inputs, optimizers_for(model, "sparse_row_adam"))
+    results["sparse_row_adam"] = {name: max_diff(p, after_sparse_row[name]) for name, p in model.named_parameters()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as file:
         json.dump(results, file)
     dist.destroy_process_group()
@@ -183,6 +195,13 @@ def test_two_processes_equal_one(two_processes, shared):
         assert result["loss_diff"] < 1e-5 and result["logits_diff"] < 1e-5
         assert max(result["grad_diff"].values()) < 1e-5, result["grad_diff"]
         assert max(result["after_diff"].values()) < 1e-5, result["after_diff"]
+
+
+def test_sparse_row_adam_on_sharded_tables(two_processes):
+    """SparseRowAdam (the values' row-wise lazy Adam) on column shards: each process updates its columns of the rows
+    touched on any process, with the whole row's second moment: 2 steps equal the one-process run."""
+    for results in two_processes[1]:
+        assert max(results["sparse_row_adam"].values()) < 1e-5, results["sparse_row_adam"]
 
 
 @pytest.mark.parametrize("shared", [False, True])
