@@ -73,6 +73,48 @@ def reference(shared: bool, memory_optimizer="adam"):
     return model, logits, loss, grads, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def smf_run(rank, mesh):
+    from torch.distributed.tensor import DTensor
+
+    from modeling_pkm_bert.parallel import fully_shard_with_memory_parallel
+    from modeling_pkm_bert.sparse_finetuning import (
+        SparseMemoryFinetuning,
+        compute_background_statistics,
+        freeze_all_but_values,
+    )
+
+    runs = {}
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model = BertPkmForMaskedLM(config(False))
+        inputs = batch(model.config.vocab_size)
+        statistics = compute_background_statistics(model, [inputs])
+        freeze_all_but_values(model)
+        if sharded:
+            fully_shard_with_memory_parallel(model, mesh)
+            inputs = {k: v[2 * rank : 2 * rank + 2] for k, v in inputs.items()}
+        optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        smf = SparseMemoryFinetuning(model, statistics, top_t=5).attach(optimizer)
+        chosen = []
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(**inputs).loss.backward()
+            optimizer.step()
+            chosen.append({name: rows.tolist() for name, rows in smf.chosen.items()})
+        values = {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+            for name, p in model.named_parameters()
+            if p.requires_grad
+        }
+        runs[sharded] = chosen, values
+    (chosen_one, values_one), (chosen_two, values_two) = runs[False], runs[True]
+    return {
+        "chosen": chosen_two,
+        "chosen_equal": chosen_one == chosen_two,
+        "values_diff": max(float((values_two[name] - values_one[name]).abs().max()) for name in values_one),
+    }
+
+
 def _worker(rank, port, out_dir):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -168,6 +210,9 @@ def _worker(rank, port, out_dir):
     inputs = {k: v[2 * rank : 2 * rank + 2] for k, v in batch(model.config.vocab_size).items()}
     train_steps(model, inputs, optimizers_for(model, "sparse_row_adam"))
     results["sparse_row_adam"] = {name: max_diff(p, after_sparse_row[name]) for name, p in model.named_parameters()}
+    # sparse memory finetuning: the same rows chosen on every process (reads counted on each process's tokens,
+    # summed), and the values after 2 steps equal the one-process run
+    results["smf"] = smf_run(rank, mesh)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as file:
         json.dump(results, file)
     dist.destroy_process_group()
@@ -202,6 +247,17 @@ def test_sparse_row_adam_on_sharded_tables(two_processes):
     touched on any process, with the whole row's second moment: 2 steps equal the one-process run."""
     for results in two_processes[1]:
         assert max(results["sparse_row_adam"].values()) < 1e-5, results["sparse_row_adam"]
+
+
+def test_sparse_memory_finetuning_chooses_the_same_rows_everywhere(two_processes):
+    """SMF under memory parallel: every process chooses the same rows (the reads of all processes' tokens, summed), the
+    one-process choice, and the values after 2 restricted steps equal the one-process run."""
+    ranks = two_processes[1]
+    assert ranks[0]["smf"]["chosen"] == ranks[1]["smf"]["chosen"]
+    assert all(len(rows) == 5 for step in ranks[0]["smf"]["chosen"] for rows in step.values())
+    for results in ranks:
+        assert results["smf"]["chosen_equal"]
+        assert results["smf"]["values_diff"] < 1e-5
 
 
 @pytest.mark.parametrize("shared", [False, True])
