@@ -102,7 +102,9 @@ def create_memory_optimizer(
         from .optimization import SparseRowAdam, set_sparse_values
 
         if model is not None:
-            set_sparse_values(model, sparse_gradients_supported())
+            # FSDP2 / memory parallel (parameters are DTensors) take dense gradients only
+            dtensors = any(hasattr(p, "placements") for p in model.parameters())
+            set_sparse_values(model, sparse_gradients_supported() and not dtensors)
         return SparseRowAdam(memory_groups, lr=args.memory_learning_rate)
     return torch.optim.Adam(memory_groups, lr=args.memory_learning_rate)
 

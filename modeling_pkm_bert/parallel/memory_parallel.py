@@ -248,7 +248,25 @@ def fully_shard_with_memory_parallel(model: nn.Module, device_mesh, memory_paral
         if type(module).__name__ == "BertPkmLayer":
             fully_shard(module, mesh=device_mesh, ignored_params=(ignored | shared) or None, **fsdp_kwargs)
     fully_shard(model, mesh=device_mesh, ignored_params=ignored or None, **fsdp_kwargs)
+    # as DDP (broadcast_buffers): the buffers (the query BatchNorms' running statistics, which each process updates
+    # from its own tokens) are rank 0's at the start of every training forward, so checkpoints and the saved model
+    # hold one consistent set
+    model.register_forward_pre_hook(lambda module, args: sync_buffers(module, device_mesh) if module.training else None)
     return model
+
+
+@torch.no_grad()
+def sync_buffers(model: nn.Module, device_mesh) -> None:
+    """Broadcasts the floating-point and integer buffers of `model` from the mesh's first process (a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    group = device_mesh.get_group() if device_mesh.ndim == 1 else None
+    if dist.get_world_size(group) == 1:
+        return
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    for buffer in model.buffers():
+        if not isinstance(buffer, DTensor):
+            dist.broadcast(buffer, src=source, group=group)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
