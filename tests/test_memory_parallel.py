@@ -4,6 +4,7 @@ One spawn of 2 processes runs every distributed check (start-up dominates on 2 c
 JSON file; the tests read them."""
 
 import json
+import math
 import os
 import socket
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import tiny_config
+from conftest import REPO_ROOT, tiny_config
 from modeling_pkm_bert import BertPkmForMaskedLM, shard_memory_values
 from modeling_pkm_bert.parallel import ShardedProductKeyValues
 
@@ -342,3 +343,81 @@ def test_shared_table_with_mismatched_shape_is_refused():
     memories[1].v_dim = 16  # a memory that disagrees with the shared table it reads
     with pytest.raises(ValueError, match=r"shared table's shards would not match"):
         shard_memory_values(model, _FakeMesh(2))
+
+
+# --- the scripts: run_mlm.py and run_clm.py under torchrun, 2 CPU processes (gloo) --------------------------------
+
+
+def _script_tiny(folder):
+    """The word-level tokenizer and tiny config of tests/test_run_mlm.py (memory at layer 1)."""
+    import collections
+    import re
+
+    from transformers import BertTokenizer
+
+    text = (REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
+    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
+    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(folder)
+    tiny_config(vocab_size=200, max_position_embeddings=64, hidden_dropout_prob=0.1).save_pretrained(folder)
+    return str(folder)
+
+
+def _torchrun(script, tiny, output_dir, options):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    common = f"--config_name {tiny} --tokenizer_name {tiny} --output_dir {output_dir} --seed 3 --max_train_steps 2"
+    common += " --per_device_train_batch_size 4 --per_device_eval_batch_size 4 --max_eval_samples 8"
+    common += " --max_seq_length 32" if script == "run_mlm.py" else " --block_size 32"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += [str(REPO_ROOT / "run_scripts" / script), *common.split(), *options.split()]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "MULTI_CPU" in done.stderr and "[RANK 1]" in done.stderr
+    return done
+
+
+@pytest.fixture(scope="module")
+def script_tiny(tmp_path_factory):
+    return _script_tiny(tmp_path_factory.mktemp("script_tiny"))
+
+
+def test_run_mlm_memory_parallel_trains_checkpoints_and_resumes_exactly(script_tiny, tmp_path):
+    """run_mlm.py --memory_parallel on 2 processes: trains, writes sharded checkpoints (DCP) and a normal Hub folder;
+    resuming from the step-1 checkpoint ends with the uninterrupted run's weights, bitwise."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForMaskedLM
+
+    options = "--max_train_samples 16 --checkpointing_steps 1 --memory_parallel"
+    _torchrun("run_mlm.py", script_tiny, tmp_path / "straight", options)
+    straight = tmp_path / "straight"
+    assert json.loads((straight / "all_results.json").read_text())["step"] == 2
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(straight / "step_1" / "sharded_state"))
+    model = AutoModelForMaskedLM.from_pretrained(straight, trust_remote_code=True)
+    assert type(model).__module__.startswith("transformers_modules")
+    _torchrun("run_mlm.py", script_tiny, tmp_path / "resumed", f"{options} --resume_from_checkpoint {straight / 'step_1'}")
+    one, two = load_file(straight / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
+    assert one.keys() == two.keys() and all(torch.equal(one[key], two[key]) for key in one)
+
+
+@pytest.mark.parametrize("flag", ["--fsdp2", "--memory_parallel"])
+def test_run_clm_trains_with_fsdp2_and_memory_parallel(script_tiny, tmp_path, flag):
+    from transformers import AutoModelForCausalLM
+
+    _torchrun("run_clm.py", script_tiny, tmp_path / "out", f"{flag} --max_train_samples 16")
+    results = json.loads((tmp_path / "out" / "all_results.json").read_text())
+    assert results["step"] == 2 and math.isfinite(results["perplexity"])
+    AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)
+
+
+def test_run_mlm_fsdp2_flag_is_in_help():
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "run_scripts" / "run_mlm.py"), "--help"], capture_output=True, text=True
+    )
+    assert "--memory_parallel" in done.stdout and "--fsdp2" in done.stdout
