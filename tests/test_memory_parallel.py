@@ -337,6 +337,18 @@ def test_sparse_gradients_are_refused():
     assert memories[0].values is table
 
 
+def test_sparse_gradients_under_fsdp2_are_refused():
+    """FSDP2 without memory parallel: sparse value gradients are refused before anything is wrapped."""
+    from modeling_pkm_bert.parallel import fully_shard_with_memory_parallel
+
+    model = BertPkmForMaskedLM(tiny_config())
+    memories = [m for m in model.modules() if type(m).__name__ == "ProductKeyMemory"]
+    memories[0].sparse_values = True
+    with pytest.raises(ValueError, match=r"sparse=True .*FSDP2 refuses sparse gradients"):
+        fully_shard_with_memory_parallel(model, _FakeMesh(2), memory_parallel=False)
+    assert not any(type(m).__name__.startswith("FSDP") for m in model.modules())
+
+
 def test_shared_table_with_mismatched_shape_is_refused():
     model = BertPkmForMaskedLM(tiny_config(pkm_layers=[0, 2], pkm_shared_values=True))
     memories = [m for m in model.modules() if type(m).__name__ == "ProductKeyMemory"]
