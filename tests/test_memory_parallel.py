@@ -327,6 +327,15 @@ def test_v_dim_not_divisible_is_refused():
     assert memories[0].values is table  # nothing replaced
 
 
+def test_two_dimensional_mesh_is_refused():
+    model = BertPkmForMaskedLM(tiny_config())
+    mesh = _FakeMesh(2)
+    mesh.ndim, mesh.mesh_dim_names = 2, ("replicate", "shard")
+    with pytest.raises(ValueError, match=r"2-D device mesh .*not supported yet"):
+        shard_memory_values(model, mesh, mesh_dim="shard")
+    assert all(type(m.values).__name__ == "ProductKeyValues" for m in model.modules() if hasattr(m, "keys") and hasattr(m, "values"))
+
+
 def test_sparse_gradients_are_refused():
     model = BertPkmForMaskedLM(tiny_config())
     memories = [m for m in model.modules() if type(m).__name__ == "ProductKeyMemory"]

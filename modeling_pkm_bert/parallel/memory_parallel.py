@@ -30,13 +30,12 @@ def _memories(model: nn.Module) -> list[tuple[str, ProductKeyMemory]]:
 def _mesh_group(device_mesh, mesh_dim):
     if device_mesh.ndim == 1:
         return device_mesh, device_mesh.get_group()
-    if mesh_dim is None:
-        raise ValueError(
-            f"device_mesh has {device_mesh.ndim} dimensions {device_mesh.mesh_dim_names}: name the one the value "
-            "columns are sharded over (mesh_dim=...)"
-        )
-    sub = device_mesh[mesh_dim]
-    return sub, sub.get_group()
+    # a table sharded over one dimension and replicated over another would need its column gradients all-reduced over
+    # the replicas, which nothing does yet: refused rather than silently unsynchronised
+    raise ValueError(
+        f"memory parallel on a {device_mesh.ndim}-D device mesh {device_mesh.mesh_dim_names} (mesh_dim={mesh_dim!r}) is "
+        "not supported yet (the replicas' column gradients would not be averaged): pass a 1-D mesh over all processes"
+    )
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -173,7 +172,7 @@ def shard_memory_values(
     r"""
     Memory parallel: replaces the value table of every `ProductKeyMemory` in `model` (in place) by a
     [`ShardedProductKeyValues`] that keeps on each process all rows but `v_dim / world` columns of it, `world` being the
-    size of `device_mesh` (or of its dimension `mesh_dim`). Call it on every process, on identical models (the
+    size of the 1-D `device_mesh` (a 2-D mesh, `mesh_dim`, is refused for now: ValueError). Call it on every process, on identical models (the
     table is taken from rank 0 of the mesh), before `fully_shard` / the optimizer; pass the returned tables' weights
     to `fully_shard(..., ignored_params=...)` ([`fully_shard_with_memory_parallel`] does both).
 
@@ -185,7 +184,7 @@ def shard_memory_values(
     memories = _memories(model)
     if not memories:
         raise ValueError("shard_memory_values: the model has no ProductKeyMemory")
-    world = _mesh_group(device_mesh, mesh_dim)[0].size() if device_mesh.ndim > 1 else device_mesh.size()
+    world = _mesh_group(device_mesh, mesh_dim)[0].size()
     for name, memory in memories:  # every check before any table is replaced: a refused model stays as it was
         values = memory.values
         if isinstance(values, ShardedProductKeyValues):
