@@ -450,3 +450,15 @@ def test_run_mlm_fsdp2_flag_is_in_help():
         [sys.executable, str(REPO_ROOT / "run_scripts" / "run_mlm.py"), "--help"], capture_output=True, text=True
     )
     assert "--memory_parallel" in done.stdout and "--fsdp2" in done.stdout
+
+
+def test_fsdp2_with_sparse_row_adam_is_refused_before_sharding():
+    import argparse
+
+    from modeling_pkm_bert.parallel import prepare_memory_parallel
+
+    model = BertPkmForMaskedLM(tiny_config())
+    args = argparse.Namespace(fsdp2=True, memory_parallel=False, memory_optimizer="sparse_row_adam")
+    with pytest.raises(ValueError, match=r"--fsdp2 with --memory_optimizer sparse_row_adam"):
+        prepare_memory_parallel(None, model, args)
+    assert not type(model).__name__.startswith("FSDP")

@@ -34,6 +34,12 @@ def prepare_memory_parallel(accelerator, model: nn.Module, args) -> nn.Module:
         return model
     from torch.distributed.device_mesh import init_device_mesh
 
+    memory_parallel = getattr(args, "memory_parallel", False)
+    if not memory_parallel and getattr(args, "memory_optimizer", "adam") == "sparse_row_adam":
+        raise ValueError(
+            "--fsdp2 with --memory_optimizer sparse_row_adam: FSDP2 shards the value tables by rows, which SparseRowAdam "
+            "does not update; use --memory_parallel (column shards, which it does) or --memory_optimizer adam"
+        )
     if accelerator.num_processes > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ValueError("--fsdp2/--memory_parallel need torch.distributed (launch with torchrun or accelerate launch)")
     if not torch.distributed.is_initialized():  # one process: a group of one, the same code path
@@ -43,7 +49,7 @@ def prepare_memory_parallel(accelerator, model: nn.Module, args) -> nn.Module:
         torch.distributed.init_process_group(backend, rank=0, world_size=1)
     model = model.to(accelerator.device)
     mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
-    fully_shard_with_memory_parallel(model, mesh, memory_parallel=getattr(args, "memory_parallel", False))
+    fully_shard_with_memory_parallel(model, mesh, memory_parallel=memory_parallel)
     model._is_accelerate_prepared = True  # FSDP2 replaces DDP: accelerate.prepare keeps the model as it is
     return model
 
