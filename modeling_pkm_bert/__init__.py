@@ -3,12 +3,13 @@
 Layout: the flat `.py` files beside this one are the Hub remote code, exactly `REMOTE_CODE_FILES`
 (`configuration_bert_pkm.REMOTE_CODE_FILES`); everything else lives in a subpackage named for its job:
 `kernels` (native CPU selection, Triton gathers), `training` (script support), `hub` (conversion, model cards,
-upload), `analysis` (memory usage and reports), `integrations` (export, PEFT, Trainer).
+upload), `analysis` (memory usage and reports), `integrations` (export, PEFT, Trainer), `parallel` (FSDP2 and
+memory-parallel value tables).
 
 The import is lazy: `import modeling_pkm_bert` imports neither torch nor transformers and registers no op. A public
 name is resolved on first use (module `__getattr__`); resolving a model class, `ProductKeyMemory` or
 `register_auto_classes` registers the native CPU kernels first (`kernels.register()`; `PKM_BERT_NATIVE=0`: off).
-The module paths of release 0.2.0 (`modeling_pkm_bert.optimization`, `.conversion`, ...) still import, with a
+The module paths of release 0.1.0 (`modeling_pkm_bert.optimization`, `.conversion`, ...) still import, with a
 DeprecationWarning, through `LEGACY_MODULES`.
 """
 
@@ -40,9 +41,10 @@ _PUBLIC = {
     "ProductKeyMemory": ("product_key_memory", True),
     "ProductKeyValues": ("product_key_memory", True),
     "use_huge_pages": ("kernels.cpu", True),
+    "shard_memory_values": ("parallel", False),
 }
 
-# the module paths of release 0.2.0 -> their places now (kept for one release)
+# the module paths of release 0.1.0 -> their places now (kept for one release)
 LEGACY_MODULES = {
     "modeling_pkm_bert.arguments": "modeling_pkm_bert.training.arguments",
     "modeling_pkm_bert.code_refresh": "modeling_pkm_bert.hub.refresh",
@@ -114,4 +116,4 @@ def register_auto_classes() -> None:
             getattr(transformers, auto_class).register(BertPkmConfig, model_class, exist_ok=True)
 
 
-__all__ = sorted(["BertPkmConfig", *_MODEL_NAMES, "ProductKeyMemory", "register_auto_classes", "use_huge_pages"])
+__all__ = sorted(["BertPkmConfig", *_MODEL_NAMES, "ProductKeyMemory", "register_auto_classes", "shard_memory_values", "use_huge_pages"])

@@ -63,6 +63,7 @@ from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_trime_arguments,
     card_command,
 )
+from modeling_pkm_bert.parallel.arguments import add_parallel_arguments  # noqa: E402
 
 
 if HELP:
@@ -91,6 +92,11 @@ else:
     from modeling_pkm_bert.training.lm_data import check_data_file, load_raw_datasets, parse_validation_sets
     from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
     from modeling_pkm_bert.analysis.staleness import STALENESS_FILE, StalenessTracker
+    from modeling_pkm_bert.parallel import (
+        prepare_memory_parallel,
+        register_sharded_checkpointing,
+        save_sharded_model,
+    )
     from modeling_pkm_bert.training import (
         atomic_write_json,
         check_checkpoint,
@@ -259,6 +265,7 @@ def parse_args(argv=None):
         "--report_to", type=str, default="all", help="The trackers of --with_tracking (tensorboard, wandb, ... all)."
     )
     add_pkm_arguments(parser)
+    add_parallel_arguments(parser)  # --fsdp2, --memory_parallel
     add_reliability_arguments(parser)
     add_model_card_arguments(parser)
     add_trime_arguments(parser, causal=True)
@@ -546,6 +553,8 @@ def main(argv=None):
             generator=torch.Generator().manual_seed(args.seed),
         )
 
+    # --fsdp2 / --memory_parallel: the model sharded across the processes (FSDP2; value tables column-wise)
+    model = prepare_memory_parallel(accelerator, model, args)
     # Optimizer: AdamW with warm-up and decay; the memory values in their own optimizer at a constant rate.
     main_groups, memory_groups = optimizer_param_groups(model, args.weight_decay)
     optimizer = torch.optim.AdamW(main_groups, lr=args.learning_rate)
@@ -562,6 +571,7 @@ def main(argv=None):
     memory_optimizer = rest.pop(0) if memory_optimizer is not None else None
     train_dataloader = rest.pop(0) if do_train else None
     optimizers = [o for o in (optimizer, memory_optimizer) if o is not None]
+    register_sharded_checkpointing(accelerator, model, optimizers, args)  # --fsdp2: model and optimizers via DCP
 
     # The prepared scheduler advances once per process at each optimizer step, hence the factor num_processes.
     num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps) if do_train else 1
@@ -766,9 +776,10 @@ def main(argv=None):
         unwrapped_model = accelerator.unwrap_model(model)
 
         def write_final(folder):
-            unwrapped_model.save_pretrained(
-                folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save
-            )
+            if not save_sharded_model(accelerator, unwrapped_model, folder, args):  # --fsdp2: consolidated
+                unwrapped_model.save_pretrained(
+                    folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save
+                )
             if accelerator.is_main_process:
                 tokenizer.save_pretrained(folder)
                 if staleness is not None:

@@ -78,6 +78,7 @@ from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_trime_arguments,
     card_command,
 )
+from modeling_pkm_bert.parallel.arguments import add_parallel_arguments  # noqa: E402
 
 
 if HELP:
@@ -114,6 +115,11 @@ else:
     from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
     from modeling_pkm_bert.training.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
     from modeling_pkm_bert.analysis import MetricsLog, write_run_memory_report
+    from modeling_pkm_bert.parallel import (
+        prepare_memory_parallel,
+        register_sharded_checkpointing,
+        save_sharded_model,
+    )
     from modeling_pkm_bert.training import (
         atomic_write_json,
         check_checkpoint,
@@ -362,6 +368,7 @@ def parse_args(argv=None):
         '"all". Only applicable when `--with_tracking` is passed.',
     )
     add_pkm_arguments(parser)
+    add_parallel_arguments(parser)  # --fsdp2, --memory_parallel
     add_reliability_arguments(parser)
     add_model_card_arguments(parser)
     add_trime_arguments(parser, causal=False)
@@ -672,6 +679,8 @@ def main(argv=None):
 
     # Sparse memory finetuning: background statistics (from the resumed checkpoint, a file, or computed now with the
     # frozen model), everything but the memory values frozen unless --smf_train_rest.
+    # --fsdp2 / --memory_parallel: the model sharded across the processes (FSDP2; value tables column-wise)
+    model = prepare_memory_parallel(accelerator, model, args)
     smf = None
     if args.sparse_memory_finetuning and do_train:
         checkpoint = None
@@ -699,6 +708,7 @@ def main(argv=None):
     memory_optimizer = rest.pop(0) if memory_optimizer is not None else None
     train_dataloader = rest.pop(0) if do_train else None
     optimizers = [o for o in (optimizer, memory_optimizer) if o is not None]
+    register_sharded_checkpointing(accelerator, model, optimizers, args)  # --fsdp2: model and optimizers via DCP
     if smf is not None:  # each value step trains only the chosen rows; the statistics go into every checkpoint
         smf.attach(memory_optimizer)
         smf.register_for_checkpointing(accelerator)
@@ -920,9 +930,10 @@ def main(argv=None):
         unwrapped_model = accelerator.unwrap_model(model)
 
         def write_final(folder):
-            unwrapped_model.save_pretrained(
-                folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save
-            )
+            if not save_sharded_model(accelerator, unwrapped_model, folder, args):  # --fsdp2: consolidated
+                unwrapped_model.save_pretrained(
+                    folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save
+                )
             if accelerator.is_main_process:
                 tokenizer.save_pretrained(folder)
                 if staleness is not None:

@@ -192,6 +192,28 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     return total
 
 
+def _local(tensor):
+    """The local shard of a DTensor (memory parallel), else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _column_shards(p: torch.Tensor):
+    """(process group of the column shards or None, the table's full number of columns, the local table to write)."""
+    placements = getattr(p, "placements", None)
+    if placements is None:
+        return None, p.shape[1], p
+    from torch.distributed.tensor import Shard
+
+    dims = [i for i, placement in enumerate(placements) if isinstance(placement, Shard)]
+    if any(placements[i].dim != 1 for i in dims) or len(dims) > 1:
+        raise ValueError(
+            f"SparseRowAdam updates whole rows: a table sharded as {placements} is not supported (only column-wise, "
+            "Shard(1), as memory parallel does; FSDP's row sharding needs dense Adam)"
+        )
+    group = p.device_mesh.get_group(dims[0]) if dims else None
+    return group, p.shape[1], p._local_tensor
+
+
 class SparseRowAdam(torch.optim.Optimizer):
     r"""Lazy, row-wise Adam for embedding-like tables such as PKM values (`(rows, dim)` parameters).
 
@@ -260,8 +282,10 @@ class SparseRowAdam(torch.optim.Optimizer):
             state["step"] = torch.tensor(0.0)
             if group["betas"][0] > 0:  # beta1 = 0: no first moment at all
                 state["exp_avg"] = torch.zeros_like(p, dtype=group["exp_avg_dtype"], memory_format=torch.contiguous_format)
-            shape = (p.shape[0],) if group["rowwise"] else p.shape
-            state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
+            if group["rowwise"]:  # one per row: the same on every process of a column-sharded table
+                state["exp_avg_sq"] = torch.zeros((p.shape[0],), dtype=torch.float32, device=p.device)
+            else:
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -275,12 +299,18 @@ class SparseRowAdam(torch.optim.Optimizer):
                     state["exp_avg"] = state["exp_avg"].to(group["exp_avg_dtype"])
 
     @staticmethod
-    def _touched(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(rows, their gradient rows or None to read them from the dense gradient)."""
+    def _touched(grad: torch.Tensor, column_group=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rows, their gradient rows or None to read them from the dense gradient). `column_group`: the processes
+        that hold the other columns of a column-sharded table; a row is touched where any of them sees it touched."""
         if grad.is_sparse:
             grad = _coalesced(grad)
             return grad._indices()[0], grad._values()
-        return grad.any(dim=1).nonzero().squeeze(1), None
+        touched = grad.any(dim=1)
+        if column_group is not None:
+            touched = touched.to(torch.int32)
+            torch.distributed.all_reduce(touched, group=column_group)
+            touched = touched.bool()
+        return touched.nonzero().squeeze(1), None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -302,12 +332,16 @@ class SparseRowAdam(torch.optim.Optimizer):
                 bias_correction1 = 1 - beta1**step
                 bias_correction2_sqrt = (1 - beta2**step) ** 0.5
                 step_size = lr / bias_correction1
-                rows, grad_rows = self._touched(p.grad)
-                exp_avg, exp_avg_sq = state.get("exp_avg"), state["exp_avg_sq"]
+                # a table sharded column-wise (memory parallel: a DTensor placed Shard(1)): each process updates its
+                # columns of the rows touched on any process; the row-wise second moment takes the whole row's mean
+                column_group, columns, table = _column_shards(p)
+                rows, grad_rows = self._touched(_local(p.grad), column_group)
+                exp_avg, exp_avg_sq = _local(state.get("exp_avg")), _local(state["exp_avg_sq"])
+                full_grad = p.grad
                 for start in range(0, rows.numel(), group["chunk_rows"]):
                     index = rows[start : start + group["chunk_rows"]]
                     if grad_rows is None:
-                        grad = p.grad.index_select(0, index)
+                        grad = _local(full_grad).index_select(0, index)
                     else:
                         grad = grad_rows[start : start + group["chunk_rows"]]
                     grad = grad.to(torch.float32) if grad.dtype != torch.float32 else grad
@@ -319,18 +353,21 @@ class SparseRowAdam(torch.optim.Optimizer):
                         moment1.lerp_(grad, 1 - beta1)
                     moment2 = exp_avg_sq.index_select(0, index)
                     if rowwise:
-                        mean_square = torch.linalg.vector_norm(grad, dim=1).square_().div_(grad.shape[1])
+                        mean_square = torch.linalg.vector_norm(grad, dim=1).square_()
+                        if column_group is not None:
+                            torch.distributed.all_reduce(mean_square, group=column_group)
+                        mean_square.div_(columns)
                         moment2.mul_(beta2).add_(mean_square, alpha=1 - beta2)
                         denom = (moment2.sqrt() / bias_correction2_sqrt).add_(eps).unsqueeze(1)
                     else:
                         moment2.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                         denom = (moment2.sqrt() / bias_correction2_sqrt).add_(eps)
-                    weights = p.index_select(0, index)
+                    weights = table.index_select(0, index)
                     weights = weights.float() if weights.dtype != torch.float32 else weights
                     if weight_decay:
                         weights.mul_(1 - lr * weight_decay)
                     weights.addcdiv_(moment1, denom, value=-step_size)
-                    p.index_copy_(0, index, weights.to(p.dtype))
+                    table.index_copy_(0, index, weights.to(p.dtype))
                     if exp_avg is not None:
                         exp_avg.index_copy_(0, index, moment1.to(exp_avg.dtype))
                     exp_avg_sq.index_copy_(0, index, moment2)
@@ -405,7 +442,9 @@ def create_memory_optimizer(
         return torch.optim.SGD(memory_groups, lr=args.memory_learning_rate)
     if getattr(args, "memory_optimizer", "adam") == "sparse_row_adam":
         if model is not None:
-            set_sparse_values(model, sparse_gradients_supported())
+            # FSDP2 / memory parallel (parameters are DTensors) take dense gradients only
+            dtensors = any(hasattr(p, "placements") for p in model.parameters())
+            set_sparse_values(model, sparse_gradients_supported() and not dtensors)
         return SparseRowAdam(memory_groups, lr=args.memory_learning_rate)
     return torch.optim.Adam(memory_groups, lr=args.memory_learning_rate)
 

@@ -578,6 +578,7 @@ class SparseMemoryFinetuning:
             grad, mask = weight.grad, masks[key]
             if grad is None:
                 continue
+            grad = getattr(grad, "_local_tensor", grad)  # a column-sharded table (memory parallel): its columns
             if grad.is_sparse:
                 grad = grad.coalesce()
                 rows, values = grad.indices(), grad.values()
@@ -595,6 +596,7 @@ class SparseMemoryFinetuning:
             saved = self._saved_tables.get(key)
             if saved is not None:
                 unchosen = ~self._masks[key]
+                weight, saved = getattr(weight, "_local_tensor", weight), getattr(saved, "_local_tensor", saved)
                 weight[unchosen] = saved[unchosen]
         self._saved_tables = {}
 
