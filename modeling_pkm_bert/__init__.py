@@ -18,6 +18,7 @@ import torch
 from .product_key_memory import ProductKeyMemory
 from . import cpu_kernels
 from .cpu_kernels import use_huge_pages
+from .serving import quantize_memory_values
 
 
 cpu_kernels.register()  # the native product-key selection for CPU inference (PKM_BERT_NATIVE=0: off)
@@ -54,6 +55,7 @@ __all__ = [
     "BertPkmModel",
     "BertPkmPreTrainedModel",
     "ProductKeyMemory",
+    "quantize_memory_values",
     "register_auto_classes",
     "use_huge_pages",
 ]
