@@ -804,16 +804,39 @@ def packed_row_bytes(dim: int, bits: int) -> int:
     return dim + 8 if bits == 8 else (dim + 1) // 2 + 4
 
 
+def _decode_floats(raw: torch.Tensor, width: int) -> torch.Tensor:
+    """Little-endian IEEE floats of `width` bytes (4: fp32, 2: fp16) from uint8 `(n, k * width)` -> fp32 `(n, k)`, by
+    arithmetic on the bits (no dtype view: ONNX has no bitcast for it)."""
+    exponent_bits, mantissa_bits = (8, 23) if width == 4 else (5, 10)
+    parts = raw.long().unflatten(-1, (-1, width))
+    scale = torch.tensor([256**i for i in range(width)], dtype=torch.long, device=raw.device)
+    word = (parts * scale).sum(-1)
+    mantissa = torch.remainder(word, 2**mantissa_bits).float() / 2**mantissa_bits
+    exponent = torch.remainder(torch.div(word, 2**mantissa_bits, rounding_mode="floor"), 2**exponent_bits)
+    sign = 1.0 - 2.0 * torch.div(word, 2 ** (8 * width - 1), rounding_mode="floor").float()
+    bias = 2 ** (exponent_bits - 1) - 1
+    normal = (1.0 + mantissa) * torch.pow(2.0, (exponent - bias).float())
+    subnormal = mantissa * 2.0 ** (1 - bias)
+    return sign * torch.where(exponent == 0, subnormal, normal)
+
+
 def dequantize_rows(rows: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
     """Packed rows `(n, packed_row_bytes)` (uint8) -> fp32 `(n, dim)`: `code * scale + bias`, per row (standard ops
-    only, so it also runs where FBGEMM's kernels do not: other devices, torch.export)."""
+    only, so it also runs where FBGEMM's kernels do not: other devices, torch.export; ONNX-exportable there)."""
+    exporting = _is_exporting()
     if bits == 8:
-        codes, qparams = rows[:, :dim], rows[:, dim : dim + 8].contiguous().view(torch.float32)
+        codes, raw = rows[:, :dim], rows[:, dim : dim + 8]
+        qparams = _decode_floats(raw, 4) if exporting else raw.contiguous().view(torch.float32)
     else:
-        packed = rows[:, : (dim + 1) // 2]
-        codes = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)[:, :dim]  # low nibble first
         start = (dim + 1) // 2
-        qparams = rows[:, start : start + 4].contiguous().view(torch.float16).float()
+        packed, raw = rows[:, :start], rows[:, start : start + 4]
+        if exporting:  # integer arithmetic rather than bit ops on uint8
+            packed = packed.long()
+            nibbles = (torch.remainder(packed, 16), torch.div(packed, 16, rounding_mode="floor"))
+        else:
+            nibbles = (packed & 15, packed >> 4)
+        codes = torch.stack(nibbles, dim=-1).flatten(-2)[:, :dim]  # low nibble first
+        qparams = _decode_floats(raw, 2) if exporting else raw.contiguous().view(torch.float16).float()
     return codes.float() * qparams[:, :1] + qparams[:, 1:2]
 
 

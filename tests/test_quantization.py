@@ -237,3 +237,27 @@ def test_torch_export_of_a_quantized_model():
     with torch.no_grad():
         out = program.module()(input_ids=INPUTS, attention_mask=MASK).last_hidden_state
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_export_decoding_of_scales_equals_the_dtype_view(bits, monkeypatch):
+    weight = torch.randn(50, 16) * 10
+    weight[0] = 0  # a constant row: scale 0 (int8) / 1 (4-bit)
+    weight[1, :3] = 1e-6
+    packed = prepack_rows(weight, bits)
+    eager = dequantize_rows(packed, 16, bits)
+    monkeypatch.setattr(product_key_memory, "_is_exporting", lambda: True)  # the arithmetic (ONNX-exportable) decoding
+    assert torch.equal(dequantize_rows(packed, 16, bits), eager)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_onnx_export_of_a_quantized_model(tmp_path, bits):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from modeling_pkm_bert.integrations.export import export_onnx
+
+    model = BertPkmModel(tiny_config()).eval()
+    quantize_memory_values(model, bits=bits)
+    # verify=True: onnxruntime's outputs must match the eager (FBGEMM) model's
+    path = export_onnx(model, tmp_path / "model.onnx", {"input_ids": INPUTS, "attention_mask": MASK})
+    assert path.is_file()
