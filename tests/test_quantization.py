@@ -294,3 +294,17 @@ def test_convert_and_push_scripts_quantize_values(tmp_path, capsys):
     assert "Would upload" in capsys.readouterr().out
     assert json.loads((tmp_path / "fp32-int8" / "config.json").read_text())["pkm_values_quantization"] == "int8"
     assert json.loads((tmp_path / "fp32" / "config.json").read_text()).get("pkm_values_quantization") is None
+
+
+def test_serving_docs_python_blocks_run_as_written(tmp_path):
+    import re
+
+    from conftest import REPO_ROOT
+
+    text = (REPO_ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    assert blocks
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    for code in blocks:
+        done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
