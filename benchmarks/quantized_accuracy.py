@@ -91,14 +91,30 @@ def accuracy(model, tokenizer, dev_file):
 
 
 RSS_SCRIPT = r"""
-import json, resource, sys
+import json, os, sys, threading, time
 sys.modules["modeling_pkm_bert"] = None  # as a user of the Hub folder: remote code only
-import torch
 from transformers import AutoModelForMaskedLM
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+# warm-up: the same load on the meta device (imports, remote code, no tensors): then only the tensors are measured
+AutoModelForMaskedLM.from_pretrained(sys.argv[1], trust_remote_code=True, device_map="meta")
+before, peak, done = rss(), [0], []
+def sample():
+    while not done:
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.002)
+thread = threading.Thread(target=sample)
+thread.start()
 model = AutoModelForMaskedLM.from_pretrained(sys.argv[1], trust_remote_code=True)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"growth": (peak - before) * 1024, "bytes": sum(t.nbytes for t in model.state_dict().values())}))
+for t in model.state_dict().values():  # every page of every tensor resident (a mapped file counts once touched)
+    t.reshape(-1)[::512].float().sum()
+done.append(1)
+thread.join()
+nbytes = sum(t.nbytes for t in {t.data_ptr(): t for t in model.state_dict().values()}.values())  # tied tensors once
+print(json.dumps({"growth": max(peak[0], rss()) - before, "bytes": nbytes}))
 """
 
 
@@ -201,8 +217,8 @@ def main():
         "",
         "bf16: `cast_pkm_values(model, torch.bfloat16)` (not saved: a bf16 folder is the fp32 folder loaded in bf16). "
         "int8/4-bit: `quantize_memory_values(model, bits=8|4)`. RSS: a fresh process without the package loads the "
-        "saved folder with `trust_remote_code=True`; `ru_maxrss` after minus before `from_pretrained`, over the bytes of "
-        "the loaded model's tensors.",
+        "saved folder with `trust_remote_code=True`; after a warm-up load on the meta device, the peak RSS (sampled every 2 ms) during `from_pretrained` and a read of "
+        "every page of every tensor, minus the RSS before, over the bytes of the loaded model's tensors (tied ones once).",
         "",
     ]
     Path(args.output).write_text("\n".join(lines) + "\n")

@@ -90,7 +90,8 @@ def quantize_memory_values(model: nn.Module, bits: int = 8) -> int:
     of the model are unchanged, and `model.config.pkm_values_quantization` records the format ("int8" | "4bit"), so
     `save_pretrained` writes a folder that loads as it is (with `trust_remote_code=True` where this package is not
     installed). Inference only: a quantized model refuses training-mode forwards with gradients and training
-    checkpoints. The packed rows live on the CPU, where the kernels run (elsewhere a dequantising torch path reads them).
+    checkpoints. The packed rows stay on the table's device; FBGEMM's kernels run on the CPU, elsewhere a dequantising
+    torch path reads the rows.
 
     Raises ValueError for bits other than 8 or 4, a model without memories, and a model already quantized.
     """
@@ -112,7 +113,7 @@ def quantize_memory_values(model: nn.Module, bits: int = 8) -> int:
             rows, dim = values.weight.shape
             if bits == 4 and dim % 2:
                 raise ValueError(f"4-bit rows need an even row size; this table has {dim} values a row: use bits=8")
-            table = QuantizedProductKeyValues(rows, dim, bits, packed=prepack_rows(values.weight, bits))
+            table = QuantizedProductKeyValues(rows, dim, bits, packed=prepack_rows(values.weight, bits).to(values.weight.device))
             packed[id(values)] = table.train(values.training)
         memory.values = packed[id(values)]
     config = getattr(model, "config", None)
