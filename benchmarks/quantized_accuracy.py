@@ -165,11 +165,12 @@ def main():
     parser.add_argument("--command", default=None, help="how the models were trained (written to the report)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
+    from transformers import BertTokenizerFast as AutoTokenizer  # the folders hold a BERT tokenizer (no remote code)
 
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(args.mlm_model)
     batches = masked_batches(tokenizer, args.eval_file, args.sequences, args.seed)
+    glue_tokenizer = AutoTokenizer.from_pretrained(args.glue_model) if args.glue_model else None
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         for variant in VARIANTS:
@@ -181,7 +182,7 @@ def main():
             del model
             if args.glue_model:
                 model = load_variant(BertPkmForSequenceClassification, args.glue_model, variant)
-                results[variant]["acc"], results[variant]["dev"] = accuracy(model, AutoTokenizer.from_pretrained(args.glue_model), args.sst2_dev)
+                results[variant]["acc"], results[variant]["dev"] = accuracy(model, glue_tokenizer, args.sst2_dev)
                 print(variant, "acc", results[variant]["acc"], flush=True)
                 del model
     base = results["fp32"]
