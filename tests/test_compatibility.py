@@ -152,7 +152,8 @@ def test_refresh_code_writes_nothing_when_the_refreshed_folder_computes_somethin
     with pytest.raises(RuntimeError, match="outputs differ from the package's by .*nothing was changed"):
         code_refresh.refresh_code(folder)
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
-    assert code_refresh.refresh_code(folder, dry_run=True) == ["configuration_bert_pkm.py", "modeling_bert_pkm.py", "config.json"]
+    changed = code_refresh.refresh_code(folder, dry_run=True)  # product_key_memory.py too where it changed since 0.1.0
+    assert [name for name in changed if name != "product_key_memory.py"] == ["configuration_bert_pkm.py", "modeling_bert_pkm.py", "config.json"]
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
 
 
