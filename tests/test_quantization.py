@@ -325,3 +325,17 @@ def test_serving_docs_python_blocks_run_as_written(tmp_path):
     for code in blocks:
         done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_quantized_folder_loads_and_runs_on_a_torch_without_the_kernels(tmp_path, monkeypatch):
+    model = BertPkmForMaskedLM(tiny_config(pkm_layers=[0, 2])).eval()
+    quantize_memory_values(model, bits=8)
+    expected = logits(model)  # FBGEMM's kernels (where this torch has them)
+    model.save_pretrained(tmp_path)
+    monkeypatch.setattr(product_key_memory, "quantized_ops_available", lambda bits: False)
+    monkeypatch.setattr(product_key_memory, "_fallback_warned", set())
+    loaded = BertPkmForMaskedLM.from_pretrained(tmp_path).eval()
+    with pytest.warns(UserWarning, match="no torch.ops.quantized.embedding_bag_byte_rowwise_offsets") as record:
+        fallback = logits(loaded)  # two memories, one warning
+    assert len([w for w in record if "dequantising" in str(w.message)]) == 1
+    torch.testing.assert_close(fallback, expected, atol=1e-5, rtol=1e-5)
