@@ -560,9 +560,9 @@ def write_report(args, stage0_summary, mlm, glue, elapsed) -> None:
 
 
 def plot_figure4(figure4: dict, path: Path) -> str:
-    from modeling_pkm_bert.analysis.report import _pyplot, _save
+    from modeling_pkm_bert.analysis.report import pyplot_module, save_figure
 
-    plt = _pyplot()
+    plt = pyplot_module()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     bars = [(label, when, per_layer) for label, whens in figure4.items() for when, per_layer in whens.items()]
     layers = sorted({layer for _, _, per_layer in bars for layer in per_layer})
@@ -587,7 +587,7 @@ def plot_figure4(figure4: dict, path: Path) -> str:
                  fontsize=11)
     fig.tight_layout()
     fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=8)
-    return _save(fig, str(path))
+    return save_figure(fig, str(path))
 
 
 def unlearned_tasks(args, table) -> dict[str, float]:

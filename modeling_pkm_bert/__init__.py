@@ -4,7 +4,7 @@ Layout: the flat `.py` files beside this one are the Hub remote code, exactly `R
 (`configuration_bert_pkm.REMOTE_CODE_FILES`); everything else lives in a subpackage named for its job:
 `kernels` (native CPU selection, Triton gathers), `training` (script support), `hub` (conversion, model cards,
 upload), `analysis` (memory usage and reports), `integrations` (export, PEFT, Trainer), `parallel` (FSDP2 and
-memory-parallel value tables).
+memory-parallel value tables), `serving` (int8 / 4-bit value tables).
 
 The import is lazy: `import modeling_pkm_bert` imports neither torch nor transformers and registers no op. A public
 name is resolved on first use (module `__getattr__`); resolving a model class, `ProductKeyMemory` or
@@ -42,6 +42,7 @@ _PUBLIC = {
     "ProductKeyValues": ("product_key_memory", True),
     "use_huge_pages": ("kernels.cpu", True),
     "shard_memory_values": ("parallel", False),
+    "quantize_memory_values": ("serving", True),
 }
 
 # the module paths of release 0.1.0 -> their places now (kept for one release)
@@ -116,4 +117,4 @@ def register_auto_classes() -> None:
             getattr(transformers, auto_class).register(BertPkmConfig, model_class, exist_ok=True)
 
 
-__all__ = sorted(["BertPkmConfig", *_MODEL_NAMES, "ProductKeyMemory", "register_auto_classes", "shard_memory_values", "use_huge_pages"])
+__all__ = sorted(["BertPkmConfig", *_MODEL_NAMES, "ProductKeyMemory", "quantize_memory_values", "register_auto_classes", "shard_memory_values", "use_huge_pages"])

@@ -46,6 +46,7 @@ PKM_MAX_VALUE_TABLE_BYTES = 2**40
 # defined once, beside the layer that reads them
 PKM_OUTPUT_GATES = OUTPUT_GATES
 PKM_SCORE_ACTIVATIONS = SCORE_ACTIVATIONS
+PKM_VALUES_QUANTIZATIONS = (None, "int8", "4bit")  # None and the keys of VALUE_QUANTIZATIONS (a literal: arguments.py reads it)
 
 # Written into every saved config so that each saved folder loads through any Auto class as remote code.
 AUTO_MAP = {
@@ -105,6 +106,10 @@ class BertPkmConfig(BertConfig):
         `"relu"`: non-competitive weights `relu(score)` over the selected slots instead of their softmax.
     pkm_memory_scale (`float`, *optional*):
         A learned scalar on the memory output, initialised to this value (e.g. 0.01 beside a pretrained FFN); None: none.
+    pkm_values_quantization (`str`, *optional*):
+        How the value tables are stored: None (default): floating point, trainable; `"int8"`: row-wise int8 (an fp32
+        scale and bias per row), `"4bit"`: row-wise 4-bit (fp16 scale and bias), FBGEMM's packed rows, inference only.
+        Written by `modeling_pkm_bert.quantize_memory_values` (`--quantize_values 8|4`); not set by hand.
     """
 
     model_type = "bert_pkm"
@@ -129,6 +134,7 @@ class BertPkmConfig(BertConfig):
     pkm_qk_norm: bool = False
     pkm_score_activation: str = "softmax"
     pkm_memory_scale: float | int | None = None
+    pkm_values_quantization: str | None = None
 
     def __post_init__(self, **kwargs):
         if self.pkm_layers is None:
@@ -193,6 +199,8 @@ class BertPkmConfig(BertConfig):
             fail("pkm_output_gate", f"must be one of {PKM_OUTPUT_GATES}")
         if self.pkm_score_activation not in PKM_SCORE_ACTIVATIONS:
             fail("pkm_score_activation", f"must be one of {PKM_SCORE_ACTIVATIONS}")
+        if self.pkm_values_quantization not in PKM_VALUES_QUANTIZATIONS:
+            fail("pkm_values_quantization", f"must be one of {PKM_VALUES_QUANTIZATIONS} (written by quantize_memory_values)")
         scale = self.pkm_memory_scale
         if scale is not None and (isinstance(scale, bool) or not math.isfinite(scale) or scale == 0):
             fail("pkm_memory_scale", "must be a finite nonzero number (e.g. 0.01 for a near-zero start) or None")

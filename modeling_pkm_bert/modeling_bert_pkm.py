@@ -29,7 +29,7 @@ from transformers.modeling_outputs import (
 from transformers.utils import logging
 
 from .configuration_bert_pkm import PKM_CODE_VERSION, BertPkmConfig
-from .product_key_memory import ProductKeyMemory, ProductKeyValues
+from .product_key_memory import VALUE_QUANTIZATIONS, ProductKeyMemory, ProductKeyValues, QuantizedProductKeyValues
 from .product_key_memory_ops import is_exporting
 
 
@@ -392,6 +392,15 @@ def memory_options(config, shared_values: ProductKeyValues | None = None) -> dic
     return options
 
 
+def value_table(config) -> ProductKeyValues | QuantizedProductKeyValues:
+    """A memory's value table for `config`: fp32 rows, or empty packed ones with `pkm_values_quantization` (filled by
+    `from_pretrained`)."""
+    quantization = getattr(config, "pkm_values_quantization", None)
+    if quantization:
+        return QuantizedProductKeyValues(config.pkm_mem_size, config.hidden_size, VALUE_QUANTIZATIONS[quantization])
+    return ProductKeyValues(config.pkm_mem_size, config.hidden_size)
+
+
 def shared_values_names(config, prefix: str = "") -> list[str]:
     """With `pkm_shared_values`, the names under which the one value table appears, the first memory's first."""
     if not (getattr(config, "pkm_shared_values", False) and config.pkm_layers):
@@ -415,6 +424,8 @@ class BertPkmLayer(nn.Module):
             self.crossattention = BertPkmAttention(config, is_causal=False, layer_idx=layer_idx, is_cross_attention=True)
 
         has_memory = layer_idx in config.pkm_layers
+        if has_memory and shared_values is None and getattr(config, "pkm_values_quantization", None):
+            shared_values = value_table(config)  # a quantized table of its own (not shared)
         self.memory = (
             ProductKeyMemory(
                 config.hidden_size,
@@ -517,7 +528,7 @@ class BertPkmEncoder(nn.Module):
         super().__init__()
         self.config = config
         # pkm_shared_values: one table, the same module object in every memory layer (Memory+)
-        shared = ProductKeyValues(config.pkm_mem_size, config.hidden_size) if shared_values_names(config) else None
+        shared = value_table(config) if shared_values_names(config) else None
         self.layer = nn.ModuleList(
             [BertPkmLayer(config, layer_idx=i, shared_values=shared) for i in range(config.num_hidden_layers)]
         )
@@ -846,7 +857,9 @@ class BertPkmPreTrainedModel(PreTrainedModel):
             # every memory alike); the options' parameters as their papers'
             bound = (module.k_dim // 2) ** -0.5
             init.uniform_(module.keys, -bound, bound)
-            if module.value_init == "zeros":
+            if isinstance(module.values, QuantizedProductKeyValues):
+                pass  # packed rows (pkm_values_quantization): only ever loaded, never initialised
+            elif module.value_init == "zeros":
                 init.zeros_(module.values.weight)
             else:
                 init.normal_(module.values.weight, mean=0.0, std=module.v_dim**-0.5)

@@ -6,6 +6,7 @@ those paths and the reference torch ops are in `product_key_memory_ops.py`, docu
 """
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -140,6 +141,11 @@ class ProductKeyMemory(nn.Module):
         self.reset_parameters()
 
     def _check_shared_values(self, values, sparse):
+        if isinstance(values, QuantizedProductKeyValues):  # a quantized table (serving; defined at the end)
+            if (values.num_embeddings, values.embedding_dim) != (self.n_keys**2, self.v_dim):
+                raise ValueError(f"values: a quantized table of {values.num_embeddings} x {values.embedding_dim} does not fit"
+                                 f" this memory's (n_keys ** 2, v_dim) = ({self.n_keys**2}, {self.v_dim})")
+            return
         if not isinstance(values, nn.EmbeddingBag) or values.mode != "sum":
             raise ValueError(f"values must be a ProductKeyValues (an nn.EmbeddingBag in 'sum' mode), got {type(values).__name__}")
         if tuple(values.weight.shape) != (self.n_keys**2, self.v_dim):
@@ -266,7 +272,7 @@ class ProductKeyMemory(nn.Module):
         scores, indices = self.search(queries.unflatten(-1, (self.heads, self.k_dim)))
         weights = self.score_weights(scores)
         output = self.values(
-            indices.flatten(1), per_sample_weights=weights.flatten(1).to(self.values.weight.dtype)
+            indices.flatten(1), per_sample_weights=weights.flatten(1).to(lookup_dtype(self.values.weight))
         )  # the bag sums knn rows of every head: heads are summed
         output = output.to(hidden_states.dtype)
         if self.output_gate == "swilu" or self.memory_scale is not None:
@@ -355,9 +361,6 @@ class ProductKeyMemory(nn.Module):
         )
 
 
-__all__ = ["ProductKeyMemory", "ProductKeyValues"]
-
-
 class ProductKeyValues(nn.EmbeddingBag):
     r"""
     The value table of a [`ProductKeyMemory`]: an `nn.EmbeddingBag(num_slots, v_dim, mode="sum")` (same `weight`, same
@@ -436,3 +439,142 @@ class ProductKeyValues(nn.EmbeddingBag):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, mode='sum', sparse={self.sparse}"
+
+
+# ---- compact value tables for serving (issue 26): int8 / 4-bit rows in FBGEMM's row-wise layout ----
+
+VALUE_QUANTIZATIONS = {"int8": 8, "4bit": 4}  # config `pkm_values_quantization` -> bits
+_QUANTIZED_OPS = {8: "embedding_bag_byte_rowwise_offsets", 4: "embedding_bag_4bit_rowwise_offsets"}
+_fallback_warned = set()
+
+
+def lookup_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The per-sample weights' dtype for a table: its own, fp32 for a quantized (uint8) one."""
+    return weight.dtype if weight.is_floating_point() else torch.float32
+
+
+def quantized_ops_available(bits: int) -> bool:
+    """Whether this torch build has FBGEMM's row-wise quantized EmbeddingBag for `bits` (8 or 4) on CPU."""
+    try:
+        return hasattr(torch.ops.quantized, _QUANTIZED_OPS[bits])
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def packed_row_bytes(dim: int, bits: int) -> int:
+    """Bytes of one packed row: int8: `dim` codes + fp32 scale + fp32 bias; 4-bit: `dim / 2` bytes + fp16 scale + bias."""
+    return dim + 8 if bits == 8 else (dim + 1) // 2 + 4
+
+
+def _decode_floats(raw: torch.Tensor, width: int) -> torch.Tensor:
+    """Little-endian IEEE floats of `width` bytes (4: fp32, 2: fp16) from uint8 `(n, k * width)` -> fp32 `(n, k)`, by
+    arithmetic on the bits (no dtype view: ONNX has no bitcast for it)."""
+    exponent_bits, mantissa_bits = (8, 23) if width == 4 else (5, 10)
+    parts = raw.long().unflatten(-1, (-1, width))
+    scale = torch.tensor([256**i for i in range(width)], dtype=torch.long, device=raw.device)
+    word = (parts * scale).sum(-1)
+    mantissa = torch.remainder(word, 2**mantissa_bits).float() / 2**mantissa_bits
+    exponent = torch.remainder(torch.div(word, 2**mantissa_bits, rounding_mode="floor"), 2**exponent_bits)
+    sign = 1.0 - 2.0 * torch.div(word, 2 ** (8 * width - 1), rounding_mode="floor").float()
+    bias = 2 ** (exponent_bits - 1) - 1
+    normal = (1.0 + mantissa) * torch.pow(2.0, (exponent - bias).float())
+    subnormal = mantissa * 2.0 ** (1 - bias)
+    return sign * torch.where(exponent == 0, subnormal, normal)
+
+
+def dequantize_rows(rows: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
+    """Packed rows `(n, packed_row_bytes)` (uint8) -> fp32 `(n, dim)`: `code * scale + bias`, per row (standard ops
+    only, so it also runs where FBGEMM's kernels do not: other devices, torch.export; ONNX-exportable there)."""
+    exporting = is_exporting()
+    if bits == 8:
+        codes, raw = rows[:, :dim], rows[:, dim : dim + 8]
+        qparams = _decode_floats(raw, 4) if exporting else raw.contiguous().view(torch.float32)
+    else:
+        start = (dim + 1) // 2
+        packed, raw = rows[:, :start], rows[:, start : start + 4]
+        if exporting:  # integer arithmetic rather than bit ops on uint8
+            packed = packed.long()
+            nibbles = (torch.remainder(packed, 16), torch.div(packed, 16, rounding_mode="floor"))
+        else:
+            nibbles = (packed & 15, packed >> 4)
+        codes = torch.stack(nibbles, dim=-1).flatten(-2)[:, :dim]  # low nibble first
+        qparams = _decode_floats(raw, 2) if exporting else raw.contiguous().view(torch.float16).float()
+    return codes.float() * qparams[:, :1] + qparams[:, 1:2]
+
+
+class QuantizedProductKeyValues(nn.Module):
+    r"""
+    A value table stored row-wise quantized for inference: `weight` holds FBGEMM's packed rows (uint8, `(num_slots,
+    packed_row_bytes)`: int8 codes with an fp32 scale and bias per row, or 4-bit codes with fp16 ones), read by
+    `torch.ops.quantized.embedding_bag_{byte,4bit}_rowwise_offsets` with the softmax weights as per-sample weights:
+    the same call and output as [`ProductKeyValues`] (`values(indices, per_sample_weights=weights)`, fp32). Where a torch
+    build lacks those kernels, on other devices and under `torch.export`, the rows read are dequantised with standard
+    ops (the same numbers; a one-time warning where a kernel was expected). Inference only: the table has no gradient,
+    and a training-mode forward with gradients enabled is refused. Made by `modeling_pkm_bert.quantize_memory_values`,
+    or built empty for a config with `pkm_values_quantization` and filled by `from_pretrained`.
+    """
+
+    sparse = False
+    mode = "sum"
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bits: int = 8, packed: torch.Tensor | None = None):
+        super().__init__()
+        if bits not in (4, 8):
+            raise ValueError(f"bits={bits!r}: quantized value tables have 8 (int8) or 4 (4-bit) bits per value")
+        self.num_embeddings, self.embedding_dim, self.bits = num_embeddings, embedding_dim, bits
+        shape = (num_embeddings, packed_row_bytes(embedding_dim, bits))
+        if packed is None:
+            packed = torch.zeros(shape, dtype=torch.uint8)
+        elif tuple(packed.shape) != shape or packed.dtype != torch.uint8:
+            raise ValueError(f"packed rows must be uint8 of shape {shape}, got {packed.dtype} {tuple(packed.shape)}")
+        self.weight = nn.Parameter(packed, requires_grad=False)
+
+    @property
+    def quantization(self) -> str:
+        return "int8" if self.bits == 8 else "4bit"
+
+    def forward(self, input, offsets=None, per_sample_weights=None):
+        if self.training and torch.is_grad_enabled() and not is_exporting():
+            raise RuntimeError(
+                f"this memory's value table is {self.quantization}-quantized (inference only): it cannot be trained."
+                " Call model.eval() (or run under torch.no_grad()/inference_mode) to use it; to train, start from the"
+                " fp32 model (the folder converted before quantize_memory_values / --quantize_values)"
+            )
+        if offsets is not None or input.dim() != 2:
+            raise ValueError("QuantizedProductKeyValues takes 2-d indices (bags of equal size) and no offsets")
+        tokens, bag = input.shape
+        if per_sample_weights is None:
+            per_sample_weights = torch.ones(input.shape, dtype=torch.float32, device=input.device)
+        weights = per_sample_weights.reshape(-1).float()
+        if self._use_kernel():
+            offsets = torch.arange(0, tokens * bag, bag, device=input.device)
+            kernel = getattr(torch.ops.quantized, _QUANTIZED_OPS[self.bits])
+            return kernel(self.weight, input.reshape(-1), offsets, False, 0, False, weights, None, False)
+        rows = dequantize_rows(self.weight.index_select(0, input.reshape(-1)), self.embedding_dim, self.bits)
+        return (rows.view(tokens, bag, -1) * weights.view(tokens, bag, 1)).sum(1)
+
+    def _use_kernel(self) -> bool:
+        if is_exporting() or torch.compiler.is_compiling():  # standard ops only in exported/compiled graphs
+            return False
+        if self.weight.device.type != "cpu":
+            return False
+        if quantized_ops_available(self.bits):
+            return True
+        if self.bits not in _fallback_warned:
+            _fallback_warned.add(self.bits)
+            warnings.warn(
+                f"this torch build has no torch.ops.quantized.{_QUANTIZED_OPS[self.bits]} (FBGEMM): the {self.quantization}"
+                " value tables are read by a dequantising torch path instead (same results, slower)",
+                stacklevel=3,
+            )
+        return False
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole table in fp32, `(num_embeddings, embedding_dim)` (for checks; as large as the fp32 table)."""
+        return dequantize_rows(self.weight, self.embedding_dim, self.bits)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.quantization} rows, mode='sum' (inference only)"
+
+
+__all__ = ["ProductKeyMemory", "ProductKeyValues", "QuantizedProductKeyValues"]

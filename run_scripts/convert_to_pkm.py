@@ -74,6 +74,13 @@ def parse_args(argv=None):
         default=None,
         help="License for the model card (default: the source's, from its card or config, else apache-2.0).",
     )
+    parser.add_argument(
+        "--quantize_values",
+        type=int,
+        default=None,
+        choices=(8, 4),
+        help="Store the value tables as int8 (8) or 4-bit (4) rows for serving (inference only; docs/serving.md).",
+    )
     parser.add_argument("--push_to_hub", action="store_true", help="Upload the output folder to the Hub.")
     parser.add_argument(
         "--hub_model_id", type=str, default=None, help="Repository to push to (default: the --output_dir name)."
@@ -110,6 +117,11 @@ def main(argv=None):
         args.model_name_or_path, args.target_class, config_overrides=config_overrides, **pkm_kwargs_from_args(args)
     )
     print(report)
+    if args.quantize_values:
+        from modeling_pkm_bert import quantize_memory_values
+
+        tables = quantize_memory_values(model, bits=args.quantize_values)
+        logger.info(f"Quantized {tables} value table(s) to {model.config.pkm_values_quantization} rows")
 
     # Save the Hub folder: weights, code, config, tokenizer, model card
     tokenizer = load_source_tokenizer(args.model_name_or_path)

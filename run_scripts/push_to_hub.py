@@ -48,6 +48,15 @@ def parse_args(argv=None):
         help="Replace the folder's code files by the installed package's (checked to compute the same outputs) first;"
         " without --hub_model_id, only that.",
     )
+    parser.add_argument(
+        "--quantize_values",
+        type=int,
+        default=None,
+        choices=(8, 4),
+        help="Publish the model with int8 (8) or 4-bit (4) value tables: written to --quantized_dir first (default:"
+        " MODEL_DIR-int8 / MODEL_DIR-4bit), MODEL_DIR is left as it is (docs/serving.md).",
+    )
+    parser.add_argument("--quantized_dir", type=str, default=None, help="Where --quantize_values writes its folder.")
     parser.add_argument("--private", action="store_true", help="Create the repository as private.")
     parser.add_argument("--hub_token", type=str, default=None, help="Hub token (default: HF_TOKEN or the login).")
     parser.add_argument("--commit_message", type=str, default="Upload BertPkm model")
@@ -57,6 +66,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if not Path(args.model_dir).is_dir():
         parser.error(f"--model_dir {args.model_dir} is not a folder")
+    if args.quantized_dir and not args.quantize_values:
+        parser.error("--quantized_dir needs --quantize_values")
     if args.hub_model_id is None and not args.refresh_code:
         parser.error("--hub_model_id is required (or --refresh_code alone, to refresh the folder's code files)")
     return args
@@ -72,6 +83,13 @@ def main(argv=None):
         print(f"{verb} {', '.join(changed)} in {args.model_dir}" if changed else f"{args.model_dir}: code files up to date")
         if args.hub_model_id is None:
             return None
+    if args.quantize_values:
+        from modeling_pkm_bert.serving.quantization import quantize_folder
+
+        suffix = "int8" if args.quantize_values == 8 else "4bit"
+        quantized_dir = args.quantized_dir or f"{str(args.model_dir).rstrip('/')}-{suffix}"
+        args.model_dir = quantize_folder(args.model_dir, quantized_dir, bits=args.quantize_values)
+        logger.info(f"Wrote the {suffix} model to {args.model_dir}")
     check_hub_folder(args.model_dir)
     if not any((Path(args.model_dir) / name).is_file() for name in TOKENIZER_FILES):
         logger.warning(f"{args.model_dir} has no tokenizer: users of the repository will need another one")

@@ -8,6 +8,7 @@ PKM_COMPAT_MIN_PYTHON); `make test-latest` sets PKM_COMPAT_NEWEST_PYTHON to a fr
 
 import ast
 import json
+import re
 import os
 import subprocess
 import sys

@@ -290,7 +290,7 @@ def check_run_dir(run_dir: str) -> dict:
 # ---- figures ----
 
 
-def _pyplot():
+def pyplot_module():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -299,15 +299,15 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: str) -> str:
+def save_figure(fig, path: str) -> str:
     fig.savefig(path, dpi=DPI, bbox_inches="tight")
-    _pyplot().close(fig)
+    pyplot_module().close(fig)
     return path
 
 
 def plot_slot_heatmaps(accumulator, n_keys: int, layer: str, path: str) -> str:
     """Top-1 counts and weight sums of every slot on the `n_keys x n_keys` product-key grid, log colour scale."""
-    plt = _pyplot()
+    plt = pyplot_module()
     import numpy as np
     from matplotlib.colors import LogNorm
 
@@ -332,12 +332,12 @@ def plot_slot_heatmaps(accumulator, n_keys: int, layer: str, path: str) -> str:
         ax.set_title(f"{unit.split(' (')[0]}; white = never ({unused:.1f}% of slots)", fontsize=10)
         fig.colorbar(image, ax=ax, label=f"{unit}, log scale", shrink=0.85)
     fig.suptitle(f"{layer}: usage of the {n_keys}x{n_keys} memory slots over {tokens:,} tokens", fontsize=11)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_usage_curve(accumulator, metrics: dict, layer: str, path: str) -> str:
     """Share of lookups held by the most-used share of slots (a Lorenz-style curve), for u, w and top-1 counts."""
-    plt = _pyplot()
+    plt = pyplot_module()
     fig, ax = plt.subplots(figsize=(6, 4.4))
     size = accumulator.mem_size
     curves = (
@@ -362,12 +362,12 @@ def plot_usage_curve(accumulator, metrics: dict, layer: str, path: str) -> str:
     ax.set_ylim(0, 101)
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title(f"{layer}: sorted slot usage ({size:,} slots, {int(accumulator.tokens):,} tokens)", fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_staleness(histograms: dict[str, dict[str, dict[str, int]]], labels: list[str], path: str, title: str) -> str:
     """Figure 2: per run and layer, the share of slots by the step range of their last top-1 pick (and never)."""
-    plt = _pyplot()
+    plt = pyplot_module()
     import numpy as np
 
     series = [(run, layer, counts) for run, layers in histograms.items() for layer, counts in layers.items()]
@@ -384,12 +384,12 @@ def plot_staleness(histograms: dict[str, dict[str, dict[str, int]]], labels: lis
     ax.set_ylabel("memory slots (%)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, ncol=2 if len(series) > 4 else 1)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_class_usage(results: dict[str, dict], label_names: list[str], path: str, title: str) -> str:
     """Figure 4: per layer, each class's top-1 MU, and the top-1 KL and IOU between the two classes."""
-    plt = _pyplot()
+    plt = pyplot_module()
     import numpy as np
 
     layers = list(results)
@@ -417,13 +417,13 @@ def plot_class_usage(results: dict[str, dict], label_names: list[str], path: str
         ax.set_xlabel("memory layer")
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_training_curves(runs: dict[str, list[dict]], path: str, title: str, max_perplexity: float | None = None) -> str:
     """Figure 3: training loss per step (smoothed) and the perplexity of every validation set at each evaluation,
     one colour per run."""
-    plt = _pyplot()
+    plt = pyplot_module()
     sets = sorted({key[5:-11] for records in runs.values() for r in records for key in r if _is_perplexity(key, r)})
     panels = 1 + len(sets)
     columns = min(panels, 2)
@@ -464,7 +464,7 @@ def plot_training_curves(runs: dict[str, list[dict]], path: str, title: str, max
         ax.set_title(f"held-out perplexity: {name}", fontsize=10)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _handles(axes):

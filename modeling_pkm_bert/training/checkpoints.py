@@ -21,6 +21,10 @@ def save_checkpoint(
     pickle), both inside the folder before it is renamed."""
     import shutil
 
+    from ..serving import check_not_quantized
+
+    for model in getattr(accelerator, "_models", []):  # quantized value tables are inference only: no checkpoint
+        check_not_quantized(accelerator.unwrap_model(model))
     final = os.path.join(output_dir, name) if output_dir else name
     temporary = f"{final}.tmp"
     if accelerator.is_main_process and os.path.exists(temporary):
