@@ -6,7 +6,7 @@ import transformers
 from huggingface_hub.dataclasses import strict
 from transformers import BertConfig
 
-from .product_key_memory import OUTPUT_GATES, SCORE_ACTIVATIONS
+from .product_key_memory_ops import OUTPUT_GATES, SCORE_ACTIVATIONS
 
 
 # The version of these code files, recorded in every saved config (`pkm_code_version`), and the transformers releases

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .product_key_memory_ops import (
+    OUTPUT_GATES,
+    SCORE_ACTIVATIONS,
     NativeProductKeySearch,
     SharedGradient,
     SubkeyTopk,
@@ -24,8 +26,6 @@ from .product_key_memory_ops import (
 )
 
 
-SCORE_ACTIVATIONS = ("softmax", "relu")
-OUTPUT_GATES = ("none", "swilu")
 
 
 def check_memory_scale(name: str, value) -> None:

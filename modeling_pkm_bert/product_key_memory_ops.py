@@ -24,6 +24,11 @@ import torch
 import torch.nn.functional as F
 
 
+# the layer's options, defined once (the config imports them from here: a file that imports only torch, so that
+# transformers < 5.24, which copies only the direct relative imports of a remote-code file, finds all it needs)
+SCORE_ACTIVATIONS = ("softmax", "relu")
+OUTPUT_GATES = ("none", "swilu")
+
 # torch.export sets it (torch >= 2.5; older versions: never exporting through this check)
 is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 

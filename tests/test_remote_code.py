@@ -175,3 +175,19 @@ def test_remote_code_files_import_only_allowed_modules():
             else:
                 continue
             assert roots <= allowed, f"{name} imports {roots - allowed}"
+
+
+def relative_imports(name: str) -> set[str]:
+    tree = ast.parse((REPO_ROOT / "modeling_pkm_bert" / name).read_text())
+    return {f"{node.module}.py" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level}
+
+
+def test_each_remote_code_file_imports_directly_every_file_it_needs():
+    """transformers before 5.24 copies only the direct relative imports of the file it loads (configuration or
+    modeling) into its module cache: a file needed through another one is missing there (FileNotFoundError)."""
+    from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
+
+    for name in REMOTE_CODE_FILES:
+        direct = relative_imports(name)
+        for needed in direct:
+            assert relative_imports(needed) <= direct | {name}, f"{name} needs {relative_imports(needed) - direct} through {needed}"

@@ -34,8 +34,8 @@ def _config_source() -> tuple[dict[str, tuple[str, object]], dict[str, str], dic
                     if item.target.id != "pkm_weights_checksum":
                         default = ast.literal_eval(item.value) if item.value is not None else None
                         fields[item.target.id] = (ast.unparse(item.annotation), default)
-    # the option tuples of the layer (defined once, in product_key_memory.py; the config imports them)
-    layer = ast.parse((Path(__file__).parent.parent / "product_key_memory.py").read_text(encoding="utf-8"))
+    # the option tuples of the layer (defined once, in product_key_memory_ops.py; the config imports them)
+    layer = ast.parse((Path(__file__).parent.parent / "product_key_memory_ops.py").read_text(encoding="utf-8"))
     for node in layer.body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             if isinstance(node.value, ast.Tuple):
