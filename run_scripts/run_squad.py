@@ -30,6 +30,7 @@ HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.arg
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
+from modeling_pkm_bert.parallel.arguments import add_parallel_arguments  # noqa: E402
 from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_memory_report_arguments,
     add_model_card_arguments,
@@ -73,6 +74,7 @@ else:
     from modeling_pkm_bert.training.squad_metrics import squad_scores
     from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
     from modeling_pkm_bert.training.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
+    from modeling_pkm_bert.parallel import prepare_memory_parallel, register_sharded_checkpointing, save_sharded_model
     from modeling_pkm_bert.analysis import MetricsLog, write_run_memory_report
     from modeling_pkm_bert.training import (
         atomic_write_json,
@@ -220,6 +222,7 @@ def parse_args(argv=None):
         help="Allow code from the Hub for models and datasets (only for repositories you trust).",
     )
     add_pkm_arguments(parser)
+    add_parallel_arguments(parser)  # --fsdp2, --memory_parallel
     add_reliability_arguments(parser)
     add_model_card_arguments(parser)
     add_smf_arguments(parser)
@@ -521,6 +524,8 @@ def main(argv=None):
             # which a resumed run would otherwise draw at a different point
             generator=torch.Generator().manual_seed(args.seed if args.seed is not None else 0),
         )
+    # --fsdp2 / --memory_parallel: the model sharded across the processes (FSDP2; value tables column-wise)
+    model = prepare_memory_parallel(accelerator, model, args)
     if do_train:
         # Sparse memory finetuning: background statistics, everything but the memory values frozen (--smf_*).
         checkpoint = None
@@ -562,6 +567,7 @@ def main(argv=None):
         if memory_optimizer is not None:
             memory_optimizer = accelerator.prepare(memory_optimizer)
         optimizers = [o for o in (optimizer, memory_optimizer) if o is not None]
+        register_sharded_checkpointing(accelerator, model, optimizers, args)  # --fsdp2: model and optimizers via DCP
         if smf is not None:  # each value step trains only the chosen rows; the statistics go into every checkpoint
             smf.attach(memory_optimizer)
             smf.register_for_checkpointing(accelerator)
@@ -727,9 +733,10 @@ def main(argv=None):
         unwrapped_model = accelerator.unwrap_model(model)
 
         def write_final(folder):
-            unwrapped_model.save_pretrained(
-                folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save
-            )
+            if not save_sharded_model(accelerator, unwrapped_model, folder, args):  # --fsdp2: consolidated
+                unwrapped_model.save_pretrained(
+                    folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save
+                )
             if accelerator.is_main_process:
                 tokenizer.save_pretrained(folder)
 

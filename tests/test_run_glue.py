@@ -307,3 +307,21 @@ def test_two_processes(tiny_pkm, data, tmp_path):
     single = run_glue.main(glue_args(tiny_pkm, data, tmp_path / "single", "--max_train_steps 0"))
     assert results["eval_memory/layer_1/tokens"] == single["eval_memory/layer_1/tokens"]
     assert results["eval_class_memory/layer_1/tokens_1"] == single["eval_class_memory/layer_1/tokens_1"]
+
+
+def test_two_processes_with_memory_parallel(tiny_pkm, data, tmp_path):
+    """FSDP2 with the value tables sharded column-wise (--memory_parallel) on 2 CPU processes: trains, evaluates every
+    dev example once, and writes a consolidated Hub folder that loads through remote code."""
+    from transformers import AutoModelForSequenceClassification
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT), "ACCELERATE_USE_CPU": "1"}
+    output_dir = tmp_path / "memory_parallel"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SCRIPTS / "run_glue.py")]
+    command += glue_args(tiny_pkm, data, output_dir, "--max_train_steps 2 --per_device_train_batch_size 4 --memory_parallel")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "MULTI_CPU" in done.stderr and "Process index: 1" in done.stderr
+    results = json.loads((output_dir / "all_results.json").read_text())
+    assert results["eval_samples"] == 32 and results["step"] == 2 and 0 <= results["eval_accuracy"] <= 1
+    model = AutoModelForSequenceClassification.from_pretrained(output_dir, trust_remote_code=True)
+    assert type(model).__module__.startswith("transformers_modules")

@@ -371,3 +371,27 @@ def test_two_processes_match_one(squad_slice, tmp_path):
     assert results["eval_memory/layer_1/tokens"] == two_results["eval_memory/layer_1/tokens"] == 1182
     memory = [k for k in two_results if k.startswith("eval_memory/")]
     assert all(results[k] == pytest.approx(two_results[k], rel=0.02) for k in memory)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="torchrun needs a POSIX system")
+def test_two_processes_with_memory_parallel_match_one(squad_slice, tmp_path):
+    """FSDP2 with the value tables sharded column-wise (--memory_parallel) on 2 CPU processes: trains, and its
+    consolidated folder evaluated in 1 process gives the same predictions."""
+    two = tmp_path / "two"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(REPO_ROOT / "run_scripts" / "run_squad.py"),
+               *tiny_args(squad_slice, two, "--max_train_steps", "2", "--per_device_eval_batch_size", "4", "--memory_parallel")]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "Num processes: 2" in completed.stderr
+    two_results = json.loads((two / "all_results.json").read_text())
+    one = tmp_path / "one"
+    args = tiny_args(squad_slice, one)
+    args[args.index("--model_name_or_path") + 1] = str(two)
+    args.remove("--train_file")
+    args.remove(squad_slice["train"])
+    results = run_squad.main(args)  # the consolidated folder, evaluated in one process
+    assert json.loads((one / "eval_predictions.json").read_text()) == json.loads((two / "eval_predictions.json").read_text())
+    assert results["eval_f1"] == two_results["eval_f1"]
