@@ -56,3 +56,16 @@ def minilm_path() -> Path:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def remote_code_model(folder, auto_class: str = "AutoModelForMaskedLM"):
+    """The model of `folder` built from the folder's own code (the Hub cache module), as `trust_remote_code=True`
+    loads it where the package is not registered with the Auto classes (another test may have registered it)."""
+    from transformers import AutoConfig
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    model_class = get_class_from_dynamic_module(config.auto_map[auto_class], folder)
+    model = model_class.from_pretrained(folder)
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    return model

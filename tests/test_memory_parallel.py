@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import REPO_ROOT, tiny_config
+from conftest import REPO_ROOT, remote_code_model, tiny_config
 from modeling_pkm_bert import BertPkmForMaskedLM, shard_memory_values
 from modeling_pkm_bert.parallel import ShardedProductKeyValues
 
@@ -277,7 +277,6 @@ def test_checkpoint_resume_and_consolidated_folder(two_processes, shared):
     loads in one process, without the package (trust_remote_code), with the sharded model's outputs; and the DCP
     checkpoint of 2 processes loads into 1 (resharded by torch.distributed.checkpoint)."""
     import torch.distributed.checkpoint as dcp
-    from transformers import AutoModelForMaskedLM
 
     out_dir, ranks = two_processes
     for results in ranks:
@@ -285,8 +284,7 @@ def test_checkpoint_resume_and_consolidated_folder(two_processes, shared):
         assert results[f"shared={shared}"]["resumed_moments_nonzero"]
     folder = out_dir / f"hub_{int(shared)}"
     assert (folder / "model.safetensors").is_file() and (folder / "modeling_bert_pkm.py").is_file()
-    loaded = AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True).eval()
-    assert type(loaded).__module__.startswith("transformers_modules")  # the folder's code, not the package
+    loaded = remote_code_model(folder).eval()  # the folder's code, not the package
     inputs = batch(loaded.config.vocab_size)
     with torch.no_grad():
         logits = loaded(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
@@ -410,15 +408,13 @@ def test_run_mlm_memory_parallel_trains_checkpoints_and_resumes_exactly(script_t
     """run_mlm.py --memory_parallel on 2 processes: trains, writes sharded checkpoints (DCP) and a normal Hub folder;
     resuming from the step-1 checkpoint ends with the uninterrupted run's weights, bitwise."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForMaskedLM
 
     options = "--max_train_samples 16 --checkpointing_steps 1 --memory_parallel"
     _torchrun("run_mlm.py", script_tiny, tmp_path / "straight", options)
     straight = tmp_path / "straight"
     assert json.loads((straight / "all_results.json").read_text())["step"] == 2
     assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(straight / "step_1" / "sharded_state"))
-    model = AutoModelForMaskedLM.from_pretrained(straight, trust_remote_code=True)
-    assert type(model).__module__.startswith("transformers_modules")
+    remote_code_model(straight)  # the folder's code, not the package
     _torchrun("run_mlm.py", script_tiny, tmp_path / "resumed", f"{options} --resume_from_checkpoint {straight / 'step_1'}")
     one, two = load_file(straight / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
     assert one.keys() == two.keys() and all(torch.equal(one[key], two[key]) for key in one)

@@ -312,7 +312,7 @@ def test_two_processes(tiny_pkm, data, tmp_path):
 def test_two_processes_with_memory_parallel(tiny_pkm, data, tmp_path):
     """FSDP2 with the value tables sharded column-wise (--memory_parallel) on 2 CPU processes: trains, evaluates every
     dev example once, and writes a consolidated Hub folder that loads through remote code."""
-    from transformers import AutoModelForSequenceClassification
+    from conftest import remote_code_model
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT), "ACCELERATE_USE_CPU": "1"}
     output_dir = tmp_path / "memory_parallel"
@@ -323,5 +323,4 @@ def test_two_processes_with_memory_parallel(tiny_pkm, data, tmp_path):
     assert "MULTI_CPU" in done.stderr and "Process index: 1" in done.stderr
     results = json.loads((output_dir / "all_results.json").read_text())
     assert results["eval_samples"] == 32 and results["step"] == 2 and 0 <= results["eval_accuracy"] <= 1
-    model = AutoModelForSequenceClassification.from_pretrained(output_dir, trust_remote_code=True)
-    assert type(model).__module__.startswith("transformers_modules")
+    remote_code_model(output_dir, "AutoModelForSequenceClassification")  # the folder's code, not the package
