@@ -90,32 +90,8 @@ def accuracy(model, tokenizer, dev_file):
     return 100.0 * correct / len(rows), len(rows)
 
 
-RSS_SCRIPT = r"""
-import json, os, sys, threading, time
-sys.modules["modeling_pkm_bert"] = None  # as a user of the Hub folder: remote code only
-from transformers import AutoModelForMaskedLM
-
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-# warm-up: the same load on the meta device (imports, remote code, no tensors): then only the tensors are measured
-AutoModelForMaskedLM.from_pretrained(sys.argv[1], trust_remote_code=True, device_map="meta")
-before, peak, done = rss(), [0], []
-def sample():
-    while not done:
-        peak[0] = max(peak[0], rss())
-        time.sleep(0.002)
-thread = threading.Thread(target=sample)
-thread.start()
-model = AutoModelForMaskedLM.from_pretrained(sys.argv[1], trust_remote_code=True)
-for t in model.state_dict().values():  # every page of every tensor resident (a mapped file counts once touched)
-    t.reshape(-1)[::512].float().sum()
-done.append(1)
-thread.join()
-nbytes = sum(t.nbytes for t in {t.data_ptr(): t for t in model.state_dict().values()}.values())  # tied tensors once
-print(json.dumps({"growth": max(peak[0], rss()) - before, "bytes": nbytes}))
-"""
+# peak RSS growth while a process without the package loads a folder: benchmarks/load_rss.py measures it
+LOAD_RSS = Path(__file__).parent / "load_rss.py"
 
 
 def folder_sizes(model, folder):
@@ -132,7 +108,7 @@ def folder_sizes(model, folder):
     on_disk = sum(p.stat().st_size for p in Path(folder).iterdir() if p.is_file())
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(Path(folder) / ".hf_home"))
-    completed = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(folder)], env=env, capture_output=True, text=True,
+    completed = subprocess.run([sys.executable, str(LOAD_RSS), str(folder)], env=env, capture_output=True, text=True,
                                timeout=600, cwd=str(Path(folder).parent))
     rss = json.loads(completed.stdout.strip().splitlines()[-1]) if completed.returncode == 0 else None
     if rss is None:
@@ -211,7 +187,7 @@ def main():
         values = f"{r['values'] / 2**20:.0f}" if r["values"] else "-"
         ratio = f"{r['values'] / base['values']:.3f}" if r["values"] else "-"
         disk = f"{r['disk'] / 2**20:.0f}" if r["disk"] else "-"
-        rss = f"{r['rss']['growth'] / r['rss']['bytes']:.2f}" if r.get("rss") else "-"
+        rss = f"{r['rss']['ratio']:.2f}" if r.get("rss") else "-"
         lines.append(f"| {variant} | {r['ppl']:.3f} | {100 * (r['ppl'] / base['ppl'] - 1):+.2f}% | {acc} | {dacc} | "
                      f"{values} | {ratio} | {disk} | {rss} |")
     lines += [

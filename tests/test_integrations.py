@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoConfig, Trainer, TrainingArguments
-from transformers.dynamic_module_utils import get_class_from_dynamic_module
+from transformers import Trainer, TrainingArguments
 
-from conftest import tiny_config
+from conftest import remote_code_model, tiny_config
 from modeling_pkm_bert import BertPkmForMaskedLM, BertPkmForSequenceClassification
 from modeling_pkm_bert.integrations.lora import pkm_lora_config
 from modeling_pkm_bert.integrations.trainer import PkmCombinedOptimizer, PkmTrainer, pkm_optimizers, pkm_trainer_class
@@ -30,17 +29,7 @@ from modeling_pkm_bert.analysis.staleness import StalenessTracker
 from modeling_pkm_bert.training import freeze_memory
 
 
-# ---- helpers on remote-code models ----
-
-
-def remote_code_model(folder):
-    """The model of `folder` built from the folder's own code (the Hub cache module), as `trust_remote_code=True`
-    loads it where the package is not registered with the Auto classes."""
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
-    model_class = get_class_from_dynamic_module(config.auto_map["AutoModelForMaskedLM"], folder)
-    model = model_class.from_pretrained(folder)
-    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-    return model
+# ---- remote-code models (conftest.remote_code_model: the folder's own code) ----
 
 
 def test_every_helper_finds_the_memories_of_a_remote_code_model(tmp_path):
