@@ -58,8 +58,8 @@ from modeling_pkm_bert.training.optimization import (  # noqa: E402
     pkm_value_parameters,
     set_sparse_values,
 )
-from modeling_pkm_bert.kernels.cpu import use_huge_pages  # noqa: E402
-from modeling_pkm_bert.product_key_memory import ProductKeyMemory, ProductKeyValues  # noqa: E402
+# through the package: resolving these registers the native CPU selection (the modules alone would not)
+from modeling_pkm_bert import ProductKeyMemory, ProductKeyValues, use_huge_pages  # noqa: E402
 
 
 PAPER = dict(n_keys=512, heads=4, knn=32, k_dim=256)
