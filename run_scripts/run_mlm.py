@@ -49,12 +49,9 @@ every evaluation of every run (any seed, any number of processes) scores the sam
 from __future__ import annotations  # annotations name torch/datasets types that `--help` does not import
 
 import argparse
-import collections
 import contextlib
 import importlib.util
-import json
 import logging
-import math
 import os
 import random
 import sys
@@ -63,27 +60,26 @@ from itertools import chain
 from pathlib import Path
 
 
-# `--help` prints every flag in a fraction of a second: it imports the flag module only (standard library; the
-# package's import is lazy), not torch, transformers, datasets, accelerate (~6 s of CPU together)
-HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
+from modeling_pkm_bert.parallel.arguments import add_parallel_arguments  # noqa: E402
 from modeling_pkm_bert.training.arguments import (  # noqa: E402
+    add_language_modeling_arguments,
     add_memory_report_arguments,
     add_model_card_arguments,
     add_pkm_arguments,
     add_reliability_arguments,
     add_smf_arguments,
+    add_training_arguments,
     add_trime_arguments,
     card_command,
 )
-from modeling_pkm_bert.parallel.arguments import add_parallel_arguments  # noqa: E402
 
 
-if HELP:
-    SchedulerType = str  # parse_args() only prints the help
-else:
+# `--help` answers in a fraction of a second from the flag modules above (standard library only): torch,
+# transformers, datasets and accelerate take ~6 s of CPU to import, so they load only for a run.
+if not (__name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])):
     import datasets
     import numpy as np
     import torch
@@ -91,7 +87,6 @@ else:
     from accelerate.logging import get_logger
     from accelerate.utils import broadcast_object_list, set_seed
     from torch.utils.data import DataLoader
-    from tqdm.auto import tqdm
 
     import transformers
     from transformers import (
@@ -101,55 +96,37 @@ else:
         DataCollatorForLanguageModeling,
         DataCollatorForTokenClassification,
         DataCollatorWithPadding,
-        SchedulerType,
-        get_scheduler,
     )
 
     from modeling_pkm_bert import register_auto_classes
-    from modeling_pkm_bert.hub.model_card import card_base_model, card_license
+    from modeling_pkm_bert.analysis import write_run_memory_report
     from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
-    from modeling_pkm_bert.analysis.staleness import STALENESS_FILE, StalenessTracker
+    from modeling_pkm_bert.parallel import prepare_memory_parallel, register_sharded_checkpointing
     from modeling_pkm_bert.training import trime
-    from modeling_pkm_bert.training.lm_data import check_data_file, load_raw_datasets, parse_validation_sets
-    from modeling_pkm_bert.training.trime import check_trime_model, model_trime_losses, resolve_trime_arguments
+    from modeling_pkm_bert.training.lm_data import check_language_modeling_arguments, load_raw_datasets
+    from modeling_pkm_bert.training.loop import TrainingLoop, create_scheduler, finish_run, plan_training_steps
     from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
     from modeling_pkm_bert.training.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
-    from modeling_pkm_bert.analysis import MetricsLog, write_run_memory_report
-    from modeling_pkm_bert.parallel import (
-        prepare_memory_parallel,
-        register_sharded_checkpointing,
-        save_sharded_model,
-    )
+    from modeling_pkm_bert.training.trime import check_trime_model, model_trime_losses, resolve_trime_arguments
     from modeling_pkm_bert.training import (
-        atomic_write_json,
-        check_checkpoint,
-        check_data_files,
         check_freeze_memory,
-        clip_memory_gradients,
         config_from_scratch,
         create_memory_optimizer,
         freeze_memory,
         load_model,
         memory_modules,
-        memory_optimizer_summary,
         optimizer_param_groups,
-        peak_memory_mb,
         pkm_kwargs_from_args,
         prepare_output_dir,
         resolve_checkpoint,
-        resume_position,
         run_settings,
-        save_checkpoint,
-        save_final_outputs,
         tracker_config,
         validate_training_arguments,
-        write_results_model_card,
     )
 
     logger = get_logger(__name__)
 
-    MODEL_CONFIG_CLASSES = list(MODEL_MAPPING.keys())
-    MODEL_TYPES = tuple(conf.model_type for conf in MODEL_CONFIG_CLASSES)
+    MODEL_TYPES = tuple(config.model_type for config in MODEL_MAPPING.keys())
 
 # The embedded default data: public-domain excerpts (see run_scripts/data/README.md).
 EMBEDDED_DATA = Path(__file__).resolve().parent / "data"
@@ -166,128 +143,12 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="Masked language modeling (continued pretraining) of BERT/BertPkm models"
     )
-    parser.add_argument(
-        "--dataset_name", type=str, default=None, help="The name of the dataset to use (via the datasets library)."
-    )
-    parser.add_argument(
-        "--dataset_config_name", type=str, default=None, help="The configuration name of the dataset to use."
-    )
-    parser.add_argument("--train_file", type=str, default=None, help="Training data: a txt, csv or json file.")
-    parser.add_argument(
-        "--validation_file",
-        type=str,
-        default=None,
-        help="An evaluation file (txt, csv or json); see --validation_files.",
-    )
-    parser.add_argument(
-        "--validation_files",
-        type=str,
-        nargs="+",
-        default=None,
-        metavar="[NAME=]FILE",
-        help="Several evaluation sets, each reported with its own loss and perplexity (Table 2: WikiText-2, "
-        "WikiText-103, PG-19), e.g. `wt2=wiki.test.raw pg19=book.txt`; the name defaults to the file's name. "
-        "The memory usage is measured on the first one.",
-    )
-    parser.add_argument(
-        "--text_column_name",
-        type=str,
-        default=None,
-        help="The column of a csv/json file holding the text (default: `text`, or the file's only column).",
-    )
-    parser.add_argument(
-        "--validation_split_percentage",
-        type=int,
-        default=5,
-        help="The percentage of the train set used as validation set when there is no validation split or file.",
-    )
-    parser.add_argument(
-        "--max_train_samples", type=int, default=None, help="Keep the first n training examples (after grouping)."
-    )
-    parser.add_argument(
-        "--max_eval_samples", type=int, default=None, help="Keep the first n examples of each evaluation set."
-    )
+    add_language_modeling_arguments(parser)  # data, model, tokenizer
+    add_training_arguments(parser)  # batch sizes, optimisation, checkpoints, evaluation cadence, staleness, Hub
     parser.add_argument(
         "--pad_to_max_length",
         action="store_true",
         help="With --line_by_line, pad all samples to `max_seq_length` (default: dynamic padding).",
-    )
-    parser.add_argument(
-        "--model_name_or_path",
-        type=str,
-        default=None,
-        help="A BERT/DistilBERT checkpoint (converted to BertPkm on load when any --pkm_* flag is given), a BertPkm "
-        "checkpoint, or any masked LM; without it a model is trained from scratch from --config_name/--model_type.",
-    )
-    parser.add_argument(
-        "--config_name", type=str, default=None, help="Pretrained config name or path if not the same as model_name."
-    )
-    parser.add_argument(
-        "--tokenizer_name",
-        type=str,
-        default=None,
-        help="Pretrained tokenizer name or path if not the same as model_name.",
-    )
-    parser.add_argument(
-        "--use_slow_tokenizer",
-        action="store_true",
-        help="Use a slow tokenizer (not backed by the 🤗 Tokenizers library).",
-    )
-    parser.add_argument(
-        "--per_device_train_batch_size",
-        type=int,
-        default=8,
-        help="Batch size (per device) for the training dataloader.",
-    )
-    parser.add_argument(
-        "--per_device_eval_batch_size",
-        type=int,
-        default=8,
-        help="Batch size (per device) for the evaluation dataloader.",
-    )
-    parser.add_argument(
-        "--learning_rate", type=float, default=5e-5, help="Initial learning rate (after warm-up; paper: 1e-4)."
-    )
-    parser.add_argument("--weight_decay", type=float, default=0.0, help="Weight decay to use (BERT: 0.01).")
-    parser.add_argument("--num_train_epochs", type=int, default=3, help="Total number of training epochs to perform.")
-    parser.add_argument(
-        "--max_train_steps", type=int, default=None, help="Total number of training steps; overrides num_train_epochs."
-    )
-    parser.add_argument(
-        "--gradient_accumulation_steps",
-        type=int,
-        default=1,
-        help="Number of updates steps to accumulate before performing a backward/update pass.",
-    )
-    parser.add_argument(
-        "--lr_scheduler_type",
-        type=SchedulerType,
-        default="linear",
-        help="The scheduler type to use (the main optimizer only; the memory values keep a constant rate).",
-        choices=["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"],
-    )
-    parser.add_argument(
-        "--num_warmup_steps", type=int, default=0, help="Number of steps for the warm-up (paper: 10,000 of 500,000)."
-    )
-    parser.add_argument(
-        "--mixed_precision",
-        type=str,
-        default=None,
-        choices=["no", "fp16", "bf16"],
-        help="Mixed precision (default: accelerate's configuration or ACCELERATE_MIXED_PRECISION, else fp32).",
-    )
-    parser.add_argument("--output_dir", type=str, default=None, help="Where to store the final model.")
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="A seed for reproducible training; without one a seed is drawn and logged. Resume with the same seed.",
-    )
-    parser.add_argument(
-        "--model_type",
-        type=str,
-        default=None,
-        help="Model type to use if training from scratch (a transformers model type, e.g. bert).",
     )
     parser.add_argument(
         "--max_seq_length",
@@ -302,70 +163,10 @@ def parse_args(argv=None):
         help="Whether distinct lines of text in the dataset are to be handled as distinct sequences.",
     )
     parser.add_argument(
-        "--preprocessing_num_workers", type=int, default=None, help="The number of processes to use for preprocessing."
-    )
-    parser.add_argument(
-        "--overwrite_cache", action="store_true", help="Overwrite the cached training and evaluation sets."
-    )
-    parser.add_argument(
         "--mlm_probability",
         type=float,
         default=0.15,
         help="Ratio of tokens to mask for masked language modeling loss.",
-    )
-    parser.add_argument(
-        "--checkpointing_steps",
-        type=str,
-        default=None,
-        help="Save the complete training state every n optimizer steps (an integer), or 'epoch' at each epoch's end.",
-    )
-    parser.add_argument(
-        "--resume_from_checkpoint",
-        type=str,
-        default=None,
-        help="A step_<N> or epoch_<E> folder to continue from, or 'latest' for the newest one in output_dir.",
-    )
-    parser.add_argument(
-        "--eval_steps",
-        type=int,
-        default=None,
-        help="Evaluate every n optimizer steps instead of at the end of every epoch (the final evaluation, with the "
-        "memory usage, always runs).",
-    )
-    parser.add_argument(
-        "--evaluate_before_training",
-        action="store_true",
-        help="Also evaluate the model as loaded (perplexities and memory usage, `initial_*` in the results): the "
-        "starting point of Figure 3. Skipped when resuming.",
-    )
-    parser.add_argument(
-        "--track_staleness",
-        action="store_true",
-        help="Record for every memory slot the last training step at which it was a top-1 pick (Figure 2).",
-    )
-    parser.add_argument(
-        "--staleness_bins", type=int, default=5, help="Step ranges of the staleness histogram (the paper: 5)."
-    )
-    parser.add_argument(
-        "--trust_remote_code",
-        action="store_true",
-        help="Allow custom code from the Hub for datasets, configs, tokenizers and models (trusted repos only).",
-    )
-    parser.add_argument("--push_to_hub", action="store_true", help="Whether or not to push the model to the Hub.")
-    parser.add_argument(
-        "--hub_model_id", type=str, help="The name of the repository to keep in sync with the local `output_dir`."
-    )
-    parser.add_argument("--hub_token", type=str, help="The token to use to push to the Model Hub.")
-    parser.add_argument("--hub_private_repo", action="store_true", help="Create the Hub repository as private.")
-    parser.add_argument(
-        "--with_tracking", action="store_true", help="Whether to enable experiment trackers for logging."
-    )
-    parser.add_argument(
-        "--report_to",
-        type=str,
-        default="all",
-        help='The integration to report the results and logs to: "tensorboard", "wandb", "comet_ml", "clearml" or '
-        '"all". Only applicable when `--with_tracking` is passed.',
     )
     add_pkm_arguments(parser)
     add_parallel_arguments(parser)  # --fsdp2, --memory_parallel
@@ -377,46 +178,11 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     resolve_trime_arguments(args, causal=False)
 
-    # Sanity checks
+    # Sanity checks, before any work
     validate_training_arguments(parser, args)
-    args.embedded_data = args.dataset_name is None and not any(
-        (args.train_file, args.validation_file, args.validation_files)
-    )
-    if args.validation_file is not None and args.validation_files is not None:
-        parser.error("give the evaluation sets either with --validation_file or with --validation_files, not both")
-    if args.dataset_name is not None and args.train_file is not None:
-        parser.error("give the training data either with --dataset_name or with --train_file, not both")
-    args.validation_sets = parse_validation_sets(parser, args)
-    if args.embedded_data:
-        args.train_file = str(EMBEDDED_TRAIN_FILE)
-        args.validation_sets = {name: str(path) for name, path in EMBEDDED_VALIDATION_FILES.items()}
-    files = [("--train_file", args.train_file)] + [
-        (f"--validation_files {n}", p) for n, p in args.validation_sets.items()
-    ]
-    for option, path in files:
-        if path is not None:
-            check_data_file(parser, option, path)
-    check_data_files(parser, files)  # UTF-8, well-formed json / csv, before any work
-    if args.model_type is not None and args.model_type not in MODEL_TYPES:
-        parser.error(f"unknown --model_type {args.model_type!r}")
-    if args.model_name_or_path is None and args.config_name is None and args.model_type is None:
-        parser.error("give --model_name_or_path, or --config_name / --model_type to train a model from scratch")
-    if args.model_name_or_path is None and args.tokenizer_name is None:
-        parser.error("training from scratch needs --tokenizer_name (this script does not train tokenizers)")
-    if args.checkpointing_steps is not None and not (
-        args.checkpointing_steps == "epoch" or args.checkpointing_steps.isdigit()
-    ):
-        parser.error(f"--checkpointing_steps must be an integer or 'epoch', got {args.checkpointing_steps!r}")
-    if (args.checkpointing_steps or args.resume_from_checkpoint == "latest") and args.output_dir is None:
-        parser.error("--checkpointing_steps and --resume_from_checkpoint latest need an --output_dir")
-    if args.push_to_hub and args.output_dir is None:
-        parser.error("Need an `output_dir` to create a repo when `--push_to_hub` is passed.")
-    if args.memory_report and args.output_dir is None:
-        parser.error("--memory_report writes into <output_dir>/memory_report: give an --output_dir")
+    check_language_modeling_arguments(parser, args, EMBEDDED_TRAIN_FILE, EMBEDDED_VALIDATION_FILES, MODEL_TYPES)
     if not 0 < args.mlm_probability < 1:
         parser.error(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
-    if args.eval_steps is not None and args.eval_steps < 1:
-        parser.error("--eval_steps must be >= 1")
     try:
         check_smf_arguments(args)
     except ValueError as error:
@@ -696,11 +462,6 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(main_groups or [{"params": []}], lr=args.learning_rate)  # empty: all frozen (SMF)
     memory_optimizer = create_memory_optimizer(memory_groups, args, model) if do_train else None
 
-    # Staleness (Figure 2): the last step each memory slot was a top-1 pick, kept in checkpoints (as safetensors).
-    staleness = None
-    if args.track_staleness and memory_modules(model) and do_train:
-        staleness = StalenessTracker(model).attach()
-
     # Prepare everything with our `accelerator`.
     model, optimizer, *rest = accelerator.prepare(
         model, optimizer, *(x for x in (memory_optimizer, train_dataloader) if x is not None)
@@ -713,265 +474,90 @@ def main(argv=None):
         smf.attach(memory_optimizer)
         smf.register_for_checkpointing(accelerator)
 
-    # Scheduler and math around the number of training steps, from the prepared (per-process) dataloader. The
-    # prepared scheduler advances once per process at each optimizer step, hence the factor num_processes.
-    num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps) if do_train else 1
-    if args.max_train_steps is None:
-        args.max_train_steps = args.num_train_epochs * num_update_steps_per_epoch if do_train else 0
-    args.num_train_epochs = math.ceil(args.max_train_steps / num_update_steps_per_epoch)
-    lr_scheduler = accelerator.prepare(
-        get_scheduler(
-            name=args.lr_scheduler_type,
-            optimizer=optimizer,
-            num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
-            num_training_steps=max(args.max_train_steps, 1) * accelerator.num_processes,
-        )
-    )
-
-    checkpointing_steps = args.checkpointing_steps
-    if checkpointing_steps is not None and checkpointing_steps.isdigit():
-        checkpointing_steps = int(checkpointing_steps)
-    # what an exact resume depends on, saved in every checkpoint and compared on resume
-    settings = run_settings(args, accelerator, train_dataset) if do_train else None
+    # Scheduler and math around the number of training steps (from the prepared, per-process dataloader).
+    steps_per_epoch = plan_training_steps(args, train_dataloader)
+    lr_scheduler = create_scheduler(accelerator, args, optimizer, args.num_warmup_steps)
 
     # We need to initialize the trackers we use, and also store our configuration (secrets removed).
     if args.with_tracking:
         accelerator.init_trackers("mlm_no_trainer", tracker_config(args))
 
-    def report_evaluation(metrics, usage, when):
+    def evaluate_and_report(when, measure_memory_usage=False):
+        metrics, usage = evaluate(args, accelerator, model, eval_datasets, eval_collator, measure_memory_usage)
         logger.info(
             f"{when}: "
             + ", ".join(f"{name} perplexity {metrics[f'eval_{name}_perplexity']:.2f}" for name in eval_datasets)
         )
         if usage:
             logger.info(f"Memory usage on {next(iter(eval_datasets))} ({when}):\n{format_memory_usage(usage)}")
+        return metrics, usage
 
+    # The training loop's bookkeeping (resume, evaluation cadence, checkpoints, metrics log, staleness): the loop
+    # below computes the loss.
+    loop = TrainingLoop(
+        accelerator, args, model, optimizers, lr_scheduler, train_dataloader,
+        steps_per_epoch=steps_per_epoch,
+        settings=run_settings(args, accelerator, train_dataset) if do_train else None,  # what a resume must match
+        evaluate=(lambda when: evaluate_and_report(when)[0]) if eval_datasets else None,
+        memory_optimizer=memory_optimizer, smf=smf, logger=logger, desc="MLM steps",
+    )  # fmt: skip
     results = {}
-    metrics_log = MetricsLog(args.output_dir, accelerator.is_main_process, resume=bool(args.resume_from_checkpoint))
 
     # The model as loaded, before any update (Figure 3 starts here; a converted MiniLM has a new MLM head, so its
     # perplexity is very high before training).
     if args.evaluate_before_training and eval_datasets and not args.resume_from_checkpoint:
-        metrics, usage = evaluate(args, accelerator, model, eval_datasets, eval_collator, measure_memory_usage=True)
-        report_evaluation(metrics, usage, "before training")
+        metrics, usage = evaluate_and_report("before training", measure_memory_usage=True)
         results.update({f"initial_{k}": v for k, v in metrics.items()})
         results.update(flatten_memory_usage(usage, prefix="initial_eval_memory"))
-        metrics_log.log(metrics, step=0)
-        if args.with_tracking:
-            accelerator.log({**metrics, **flatten_memory_usage(usage, prefix="eval_memory")}, step=0)
+        loop.log_evaluation({**metrics, **flatten_memory_usage(usage, prefix="eval_memory")})
 
     # Train!
-    completed_steps, starting_epoch, resume_batches = 0, 0, 0
-    train_time, steps_timed, train_loss = 0.0, 0, None
     if do_train:
-        total_batch_size = (
-            args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
-        )
-        logger.info("***** Running training *****")
-        logger.info(f"  Num examples = {len(train_dataset)} (sequences of up to {max_seq_length} tokens)")
-        logger.info(f"  Num Epochs = {args.num_train_epochs}")
-        logger.info(f"  Instantaneous batch size per device = {args.per_device_train_batch_size}")
-        logger.info(f"  Total train batch size (w. parallel, distributed & accumulation) = {total_batch_size}")
-        logger.info(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
-        logger.info(f"  Total optimization steps = {args.max_train_steps} (warm-up {args.num_warmup_steps})")
-        if memory_optimizer is not None:
-            logger.info("  " + memory_optimizer_summary(memory_optimizer, model, args.memory_learning_rate))
-
-        # Potentially load in the weights and states from a previous save
-        if args.resume_from_checkpoint:
-            checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
-            if staleness is not None and not os.path.isfile(os.path.join(checkpoint, STALENESS_FILE)):
-                raise ValueError(f"{checkpoint} holds no staleness state: resume it without --track_staleness")
-            check_checkpoint(checkpoint, settings, args.allow_inexact_resume, accelerator.process_index, logger)
-            accelerator.print(f"Resumed from checkpoint: {checkpoint}")
-            accelerator.load_state(checkpoint)
-            if staleness is not None:
-                staleness.load(os.path.join(checkpoint, STALENESS_FILE))
-            starting_epoch, completed_steps, resume_batches = resume_position(
-                checkpoint, num_update_steps_per_epoch, args.gradient_accumulation_steps
-            )
-
-        # Only show the progress bar once on each machine.
-        progress_bar = tqdm(
-            range(args.max_train_steps), disable=not accelerator.is_local_main_process, desc="MLM steps"
-        )
-        progress_bar.update(completed_steps)
-        running_loss, running_batches = 0.0, 0  # since the last evaluation: the reported train_loss
-        recent_losses = collections.deque(maxlen=20)  # the progress bar's loss
-        for epoch in range(starting_epoch, args.num_train_epochs):
-            model.train()
-            train_dataloader.set_epoch(epoch)
-            if epoch == starting_epoch and resume_batches:
-                # We skip the first `n` batches in the dataloader when resuming from a checkpoint
-                active_dataloader = accelerator.skip_first_batches(train_dataloader, resume_batches)
-                active_dataloader.set_epoch(epoch)
-                batch_index = resume_batches
-            else:
-                active_dataloader = train_dataloader
-                batch_index = 0
-            step_start = time.perf_counter()
-            for batch in active_dataloader:
+        loop.announce(f"{len(train_dataset)} (sequences of up to {max_seq_length} tokens)")
+        loop.resume()  # Potentially load in the weights and states from a previous save
+        for epoch in loop.epochs():
+            for batch in loop.batches(epoch):
                 # The masks of this batch depend on (seed, process, epoch, batch) only.
-                seed = mask_seed(args.seed, accelerator.process_index, epoch, batch_index)
+                seed = mask_seed(args.seed, accelerator.process_index, epoch, loop.batch_index)
                 input_ids, labels = mask_tokens(masker, batch["input_ids"], batch.pop("special_tokens_mask"), seed)
                 batch["input_ids"], batch["labels"] = input_ids.to(accelerator.device), labels.to(accelerator.device)
-                batch_index += 1
-                if staleness is not None:
-                    staleness.step = completed_steps + 1
                 with accelerator.accumulate(model):
                     if args.trime:  # TRIME: the other masked positions of the batch are a memory
                         labels = batch.pop("labels")
-                        chunk_size = args.trime_chunk_size
-                        loss = model_trime_losses(model, batch, labels, args.trime, chunk_size=chunk_size)[1]
+                        loss = model_trime_losses(model, batch, labels, args.trime, chunk_size=args.trime_chunk_size)[1]
                     else:
                         loss = model(**batch).loss
-                    recent_losses.append(loss.detach().float().item())
-                    running_loss += recent_losses[-1]
-                    running_batches += 1
-                    accelerator.backward(loss)
-                    clip_memory_gradients(accelerator, model, memory_optimizer, args.memory_max_grad_norm, smf)
-                    for o in optimizers:
-                        o.step()
-                    lr_scheduler.step()
-                    for o in optimizers:
-                        o.zero_grad()
-
-                # Checks if the accelerator has performed an optimization step behind the scenes
-                if accelerator.sync_gradients:
-                    train_time += time.perf_counter() - step_start
-                    steps_timed += 1
-                    progress_bar.update(1)
-                    completed_steps += 1
-                    train_loss = running_loss / running_batches
-                    progress_bar.set_postfix(loss=f"{sum(recent_losses) / len(recent_losses):.3f}", refresh=False)
-                    metrics_log.log({"loss": recent_losses[-1]}, step=completed_steps)
-                    if isinstance(checkpointing_steps, int) and completed_steps % checkpointing_steps == 0:
-                        if staleness is not None:
-                            staleness.synchronize()
-                        save_checkpoint(accelerator, args.output_dir, f"step_{completed_steps}", settings, staleness)
-                    if (
-                        args.eval_steps
-                        and completed_steps % args.eval_steps == 0
-                        and completed_steps < args.max_train_steps
-                    ):
-                        metrics, _ = evaluate(args, accelerator, model, eval_datasets, eval_collator)
-                        report_evaluation(metrics, None, f"step {completed_steps}")
-                        metrics_log.log({**metrics, "train_loss": train_loss}, step=completed_steps)
-                        if args.with_tracking:
-                            accelerator.log(
-                                {**metrics, "train_loss": train_loss, "epoch": epoch}, step=completed_steps
-                            )
-                        running_loss, running_batches = 0.0, 0
-                    step_start = time.perf_counter()
-
-                if completed_steps >= args.max_train_steps:
-                    break
-
-            last_epoch = epoch == args.num_train_epochs - 1 or completed_steps >= args.max_train_steps
-            if not args.eval_steps and not last_epoch and eval_datasets:  # the last one is evaluated below
-                metrics, _ = evaluate(args, accelerator, model, eval_datasets, eval_collator)
-                report_evaluation(metrics, None, f"epoch {epoch}")
-                metrics_log.log({**metrics, "train_loss": train_loss}, step=completed_steps)
-                if args.with_tracking:
-                    accelerator.log({**metrics, "train_loss": train_loss, "epoch": epoch}, step=completed_steps)
-                running_loss, running_batches = 0.0, 0
-            if args.checkpointing_steps == "epoch":
-                if staleness is not None:
-                    staleness.synchronize()
-                save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", settings, staleness)
-            if last_epoch:
-                break
-        progress_bar.close()
-        results.update(
-            {
-                "train_loss": train_loss,
-                "train_samples": len(train_dataset),
-                "epoch": args.num_train_epochs,
-                "step": completed_steps,
-                "train_time": round(train_time, 2),
-                "train_steps_per_second": round(steps_timed / train_time, 4) if train_time else None,
-                "train_samples_per_second": round(steps_timed * total_batch_size / train_time, 3)
-                if train_time
-                else None,
-            }
-        )
+                    loop.step(loss)
+        results.update(loop.results(), train_samples=len(train_dataset))
 
     # Evaluation: the perplexity on every evaluation set and the memory usage on the first one (section 3.2).
     if eval_datasets:
         eval_start = time.perf_counter()
-        metrics, usage = evaluate(args, accelerator, model, eval_datasets, eval_collator, measure_memory_usage=True)
-        report_evaluation(metrics, usage, "after training" if do_train else "evaluation")
-        first = next(iter(eval_datasets))
-        results["perplexity"] = metrics[f"eval_{first}_perplexity"]  # the official script's key
-        metrics_log.log({**metrics, "train_loss": train_loss}, step=completed_steps)
+        metrics, usage = evaluate_and_report("after training" if do_train else "evaluation", measure_memory_usage=True)
+        results["perplexity"] = metrics[f"eval_{next(iter(eval_datasets))}_perplexity"]  # the official script's key
+        loop.log_evaluation(metrics, final=True)
         results.update(metrics)
         results.update(flatten_memory_usage(usage, prefix="eval_memory"))
         for name, dataset in eval_datasets.items():
             results[f"eval_{name}_samples"] = len(dataset)
         results["eval_runtime"] = round(time.perf_counter() - eval_start, 2)
-    if staleness is not None:
-        staleness.synchronize()
-        histogram = staleness.results(completed_steps, args.staleness_bins)
-        logger.info(
-            "Staleness (fraction of slots by the step range of their last top-1 pick):\n"
-            + json.dumps(histogram, indent=2)
-        )
-        results.update(flatten_memory_usage(histogram, prefix="staleness"))
-    peak = peak_memory_mb(accelerator.device)
-    results["peak_memory_mb"] = round(peak, 1) if peak is not None else None
 
-    if args.with_tracking:
-        accelerator.log({k: v for k, v in results.items() if isinstance(v, (int, float))}, step=completed_steps)
-        accelerator.end_training()
+    # Save the model (a BertPkm folder is a complete Hub repository: code files, auto_map, tokenizer, model card with
+    # the results), all_results.json, the memory report; push to the Hub.
+    def memory_report(trained_model):
+        first_set = next(iter(args.validation_sets.values()), None)
+        write_run_memory_report(args, trained_model, tokenizer, validation_file=first_set)
 
-    # Save the model (a BertPkm folder is a complete Hub repository: code files, auto_map, tokenizer, model card),
-    # staged in output_dir/.final.tmp and renamed into place file by file: a crash never leaves a torn file.
-    if args.output_dir is not None:
-        unwrapped_model = accelerator.unwrap_model(model)
-
-        def write_final(folder):
-            if not save_sharded_model(accelerator, unwrapped_model, folder, args):  # --fsdp2: consolidated
-                unwrapped_model.save_pretrained(
-                    folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save
-                )
-            if accelerator.is_main_process:
-                tokenizer.save_pretrained(folder)
-                if staleness is not None:
-                    staleness.save(os.path.join(folder, STALENESS_FILE), step=completed_steps)
-                write_results_model_card(
-                    folder,
-                    results,
-                    repo_id=args.hub_model_id,
-                    base_model=card_base_model(args.model_name_or_path, args.base_model),
-                    license=card_license(args.model_name_or_path, args.license),
-                    dataset=args.dataset_name or args.train_file or "run_scripts/data/pride_and_prejudice_train.txt",
-                    task="fill-mask",
-                    command=command,
-                    title="Masked language modeling results",
-                )
-
-        if do_train:
-            save_final_outputs(accelerator, args.output_dir, write_final)
-        if accelerator.is_main_process:
-            results["total_runtime"] = round(time.perf_counter() - start_time, 2)
-            atomic_write_json(os.path.join(args.output_dir, "all_results.json"), results)
-            if args.memory_report:
-                first_set = next(iter(args.validation_sets.values()), None)
-                write_run_memory_report(args, accelerator.unwrap_model(model), tokenizer, validation_file=first_set)
-            if args.push_to_hub and do_train:
-                from modeling_pkm_bert.hub.upload import push_folder_to_hub
-
-                repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
-                push_folder_to_hub(
-                    args.output_dir,
-                    repo_id,
-                    private=args.hub_private_repo,
-                    token=args.hub_token,
-                    commit_message="End of training",
-                )
-    logger.info(json.dumps(results, indent=4))
-    return results
-
+    card = dict(
+        dataset=args.dataset_name or args.train_file or "run_scripts/data/pride_and_prejudice_train.txt",
+        task="fill-mask",
+        command=command,
+        title="Masked language modeling results",
+    )
+    return finish_run(
+        accelerator, args, model, tokenizer, results,
+        loop=loop, card=card, start_time=start_time, logger=logger, memory_report=memory_report,
+    )  # fmt: skip
 
 if __name__ == "__main__":
     main()

@@ -130,6 +130,158 @@ def add_pkm_arguments(parser: argparse.ArgumentParser, training_options: bool = 
     return parser
 
 
+# transformers' SchedulerType values the scripts offer (the memory values keep a constant rate whatever is chosen)
+LR_SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
+
+
+def add_training_arguments(parser: argparse.ArgumentParser, warmup_ratio: float | None = None, **defaults):
+    """The flags of `training.loop.TrainingLoop` and of the official no_trainer examples that all four scripts share:
+    batch sizes, optimisation and schedule, precision, output, seed, checkpoints and resume, evaluation cadence,
+    staleness, trackers, Hub. `defaults` overrides a default (`learning_rate=2e-5`); `warmup_ratio` adds
+    `--warmup_ratio` (then `--num_warmup_steps` defaults to None: the ratio decides)."""
+    add = parser.add_argument
+    add("--per_device_train_batch_size", type=int, default=8, help="Batch size (per device) for training.")
+    add("--per_device_eval_batch_size", type=int, default=8, help="Batch size (per device) for evaluation.")
+    add("--learning_rate", type=float, default=5e-5, help="Initial learning rate after warm-up (default: %(default)s).")
+    add("--weight_decay", type=float, default=0.0, help="Weight decay of the main optimizer (default: %(default)s).")
+    add("--num_train_epochs", type=int, default=3, help="Total number of training epochs (default: %(default)s).")
+    add("--max_train_steps", type=int, default=None, help="Total number of optimizer steps; overrides num_train_epochs.")
+    add(
+        "--gradient_accumulation_steps",
+        type=int,
+        default=1,
+        help="Number of batches to accumulate before each optimizer step.",
+    )
+    add(
+        "--lr_scheduler_type",
+        type=str,
+        default="linear",
+        choices=LR_SCHEDULER_TYPES,
+        help="The main optimizer's schedule (the memory values keep a constant learning rate).",
+    )
+    if warmup_ratio is not None:
+        add("--warmup_ratio", type=float, default=warmup_ratio, help="Warm-up fraction of the steps (default: %(default)s).")
+    add(
+        "--num_warmup_steps",
+        type=int,
+        default=None if warmup_ratio is not None else 0,
+        help="Warm-up steps" + ("; overrides --warmup_ratio when given." if warmup_ratio is not None else "."),
+    )
+    add(
+        "--mixed_precision",
+        type=str,
+        default=None,
+        choices=["no", "fp16", "bf16"],
+        help="Mixed precision (default: accelerate's configuration or ACCELERATE_MIXED_PRECISION, else fp32).",
+    )
+    add("--output_dir", type=str, default=None, help="Where to store the final model, results and checkpoints.")
+    add(
+        "--seed",
+        type=int,
+        default=None,
+        help="A seed for reproducible training; without one a seed is drawn and logged. Resume with the same seed.",
+    )
+    add(
+        "--checkpointing_steps",
+        type=str,
+        default=None,
+        help="Save the complete training state every n optimizer steps (an integer), or 'epoch' at each epoch's end.",
+    )
+    add(
+        "--resume_from_checkpoint",
+        type=str,
+        default=None,
+        help="A step_<N> or epoch_<E> folder to continue from, or 'latest' for the newest one in output_dir.",
+    )
+    add(
+        "--eval_steps",
+        type=int,
+        default=None,
+        help="Evaluate every n optimizer steps instead of at the end of every epoch (the final evaluation, with the "
+        "memory usage, always runs).",
+    )
+    add(
+        "--track_staleness",
+        action="store_true",
+        help="Record for every memory slot the last training step at which it was a top-1 pick (Figure 2).",
+    )
+    add("--staleness_bins", type=int, default=5, help="Step ranges of the staleness histogram (the paper: 5).")
+    add(
+        "--trust_remote_code",
+        action="store_true",
+        help="Allow custom code from the Hub for datasets, configs, tokenizers and models (trusted repos only).",
+    )
+    add("--with_tracking", action="store_true", help="Whether to enable experiment trackers for logging.")
+    add(
+        "--report_to",
+        type=str,
+        default="all",
+        help='The integration to report the results and logs to: "tensorboard", "wandb", "comet_ml", "clearml" or '
+        '"all". Only applicable when `--with_tracking` is passed.',
+    )
+    add("--push_to_hub", action="store_true", help="Whether or not to push the model to the Hub.")
+    add("--hub_model_id", type=str, help="The name of the repository to keep in sync with the local `output_dir`.")
+    add("--hub_token", type=str, help="The token to use to push to the Model Hub.")
+    add("--hub_private_repo", action="store_true", help="Create the Hub repository as private.")
+    parser.set_defaults(**defaults)
+    return parser
+
+
+def add_language_modeling_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The data and model flags of run_mlm.py and run_clm.py (`lm_data.check_language_modeling_arguments` checks
+    them together)."""
+    add = parser.add_argument
+    add("--dataset_name", type=str, default=None, help="The name of the dataset to use (via the datasets library).")
+    add("--dataset_config_name", type=str, default=None, help="The configuration name of the dataset to use.")
+    add("--train_file", type=str, default=None, help="Training data: a txt, csv or json file.")
+    add("--validation_file", type=str, default=None, help="An evaluation file (txt, csv or json); see --validation_files.")
+    add(
+        "--validation_files",
+        type=str,
+        nargs="+",
+        default=None,
+        metavar="[NAME=]FILE",
+        help="Several evaluation sets, each reported with its own loss and perplexity (Table 2: WikiText-2, "
+        "WikiText-103, PG-19), e.g. `wt2=wiki.test.raw pg19=book.txt`; the name defaults to the file's name. "
+        "The memory usage is measured on the first one.",
+    )
+    add(
+        "--text_column_name",
+        type=str,
+        default=None,
+        help="The column of a csv/json file holding the text (default: `text`, or the file's only column).",
+    )
+    add(
+        "--validation_split_percentage",
+        type=int,
+        default=5,
+        help="The percentage of the train set used as validation set when there is no validation split or file.",
+    )
+    add("--max_train_samples", type=int, default=None, help="Keep the first n training examples (after grouping).")
+    add("--max_eval_samples", type=int, default=None, help="Keep the first n examples of each evaluation set.")
+    add(
+        "--model_name_or_path",
+        type=str,
+        default=None,
+        help="A BERT/DistilBERT checkpoint (converted to BertPkm on load when any --pkm_* flag is given), a BertPkm "
+        "checkpoint, or any model of the task; without it a model is trained from scratch from --config_name / "
+        "--model_type.",
+    )
+    add("--config_name", type=str, default=None, help="Pretrained config name or path if not the same as model_name.")
+    add("--model_type", type=str, default=None, help="Model type to use if training from scratch (e.g. bert).")
+    add("--tokenizer_name", type=str, default=None, help="Pretrained tokenizer name or path if not the same as model.")
+    add("--use_slow_tokenizer", action="store_true", help="Use a slow tokenizer (not backed by 🤗 Tokenizers).")
+    add("--preprocessing_num_workers", type=int, default=None, help="The number of processes for preprocessing.")
+    add("--overwrite_cache", action="store_true", help="Overwrite the cached training and evaluation sets.")
+    add(
+        "--evaluate_before_training",
+        action="store_true",
+        help="Also evaluate the model as loaded (perplexities and memory usage, `initial_*` in the results): the "
+        "starting point of Figure 3. Skipped when resuming.",
+    )
+    return parser
+
+
 def add_reliability_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--allow_inexact_resume",

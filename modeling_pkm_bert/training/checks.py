@@ -59,6 +59,18 @@ def validate_training_arguments(parser: argparse.ArgumentParser, args: argparse.
     if resume is not None and resume != "latest" and not os.path.isdir(resume):
         parser.error(f"--resume_from_checkpoint {resume!r} is not a folder (a step_<N>/epoch_<E> folder, or 'latest')")
     output_dir = getattr(args, "output_dir", None)
+    needs_output_dir = [
+        flag
+        for flag, given in (
+            ("--checkpointing_steps", checkpointing is not None),
+            ("--resume_from_checkpoint latest", resume == "latest"),
+            ("--push_to_hub", getattr(args, "push_to_hub", False)),
+            ("--memory_report", getattr(args, "memory_report", False)),
+        )
+        if given
+    ]
+    if needs_output_dir and output_dir is None:
+        parser.error(f"{' and '.join(needs_output_dir)} write into the output folder: give an --output_dir")
     if output_dir is not None:
         problem = output_dir_problem(output_dir)
         if problem:

@@ -28,6 +28,38 @@ def parse_validation_sets(parser, args) -> dict[str, str]:
     return sets
 
 
+def check_language_modeling_arguments(parser, args, embedded_train: Path, embedded_validation: dict, model_types):
+    """The data and model flags of `arguments.add_language_modeling_arguments`, checked together before any work
+    (`parser.error`). Without data arguments the run uses the embedded excerpt: `embedded_train` and
+    `embedded_validation` ({name: path}). Sets `args.embedded_data` and `args.validation_sets` ({name: path})."""
+    from .checks import check_data_files
+
+    args.embedded_data = args.dataset_name is None and not any(
+        (args.train_file, args.validation_file, args.validation_files)
+    )
+    if args.validation_file is not None and args.validation_files is not None:
+        parser.error("give the evaluation sets either with --validation_file or with --validation_files, not both")
+    if args.dataset_name is not None and args.train_file is not None:
+        parser.error("give the training data either with --dataset_name or with --train_file, not both")
+    args.validation_sets = parse_validation_sets(parser, args)
+    if args.embedded_data:
+        args.train_file = str(embedded_train)
+        args.validation_sets = {name: str(path) for name, path in embedded_validation.items()}
+    files = [("--train_file", args.train_file)] + [
+        (f"--validation_files {n}", p) for n, p in args.validation_sets.items()
+    ]
+    for option, path in files:
+        if path is not None:
+            check_data_file(parser, option, path)
+    check_data_files(parser, files)  # UTF-8, well-formed json / csv, before any work
+    if args.model_type is not None and args.model_type not in model_types:
+        parser.error(f"unknown --model_type {args.model_type!r} (one of {', '.join(sorted(model_types))})")
+    if args.model_name_or_path is None and args.config_name is None and args.model_type is None:
+        parser.error("give --model_name_or_path, or --config_name / --model_type to train a model from scratch")
+    if args.model_name_or_path is None and args.tokenizer_name is None:
+        parser.error("training from scratch needs --tokenizer_name (this script does not train tokenizers)")
+
+
 def check_data_file(parser, option: str, path: str) -> None:
     """A clear error, before any training, for a data file that is missing, empty or of an unknown kind."""
     extension = path.rsplit(".", 1)[-1].lower() if "." in os.path.basename(path) else ""

@@ -1,0 +1,357 @@
+"""The training loop of the four scripts: everything around the loss that each script computes in its own `main()`.
+
+    loop = TrainingLoop(accelerator, args, model, optimizers, lr_scheduler, train_dataloader, ...)
+    for epoch in loop.epochs():
+        for batch in loop.batches(epoch):
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                loop.step(loss)
+    results.update(loop.results())
+
+`TrainingLoop` owns what the scripts share: the exact resume (`--resume_from_checkpoint`: state, staleness, position
+in the epoch), gradient accumulation's optimizer steps (memory gradients clipped, sparse memory finetuning's rows
+chosen, every optimizer stepped and zeroed), the evaluation cadence (`--eval_steps`, else at every epoch's end but
+the last, which the script evaluates itself), atomic checkpoints (`--checkpointing_steps N|epoch`), the metrics log
+and trackers, the progress bar and the step timer.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import time
+from typing import Callable
+
+from ..analysis.metrics_log import MetricsLog
+from .checkpoints import check_checkpoint, resolve_checkpoint, resume_position, save_checkpoint
+from .optimization import clip_memory_gradients, memory_optimizer_summary
+
+
+def plan_training_steps(args, train_dataloader) -> int:
+    """The optimizer steps of an epoch, from the prepared (per-process) dataloader, and `args.max_train_steps` /
+    `args.num_train_epochs` made consistent (`--max_train_steps` wins). No dataloader: no training."""
+    if train_dataloader is None:
+        args.max_train_steps = 0
+        return 1
+    steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+    if args.max_train_steps is None:
+        args.max_train_steps = args.num_train_epochs * steps_per_epoch
+    args.num_train_epochs = math.ceil(args.max_train_steps / steps_per_epoch)
+    return steps_per_epoch
+
+
+def create_scheduler(accelerator, args, optimizer, num_warmup_steps: int):
+    """The main optimizer's learning-rate schedule (`--lr_scheduler_type`), prepared. A prepared scheduler advances
+    once per process at each optimizer step, hence the factor num_processes."""
+    from transformers import get_scheduler
+
+    return accelerator.prepare(
+        get_scheduler(
+            name=args.lr_scheduler_type,
+            optimizer=optimizer,
+            num_warmup_steps=num_warmup_steps * accelerator.num_processes,
+            num_training_steps=max(args.max_train_steps, 1) * accelerator.num_processes,
+        )
+    )
+
+
+class TrainingLoop:
+    """The shared loop of `run_mlm`, `run_clm`, `run_glue` and `run_squad` (see the module docstring).
+
+    `evaluate(when)` evaluates the model during training and returns its metrics (the script logs them as it likes);
+    the loop logs them with the training loss to the metrics log and the trackers. `memory_optimizer` and `smf` (a
+    `SparseMemoryFinetuning`) are optional; `settings` (`run_settings`) go into every checkpoint and are compared on
+    resume. With `--track_staleness` the loop keeps a `StalenessTracker` (`loop.staleness`).
+    """
+
+    def __init__(
+        self,
+        accelerator,
+        args,
+        model,
+        optimizers: list,
+        lr_scheduler,
+        train_dataloader,
+        *,
+        steps_per_epoch: int,
+        settings: dict,
+        logger,
+        evaluate: Callable[[str], dict] | None = None,
+        memory_optimizer=None,
+        smf=None,
+        desc: str = "steps",
+    ):
+        self.accelerator, self.args, self.model = accelerator, args, model
+        self.optimizers, self.lr_scheduler, self.train_dataloader = optimizers, lr_scheduler, train_dataloader
+        self.steps_per_epoch, self.settings, self.logger = steps_per_epoch, settings, logger
+        self.evaluate, self.memory_optimizer = evaluate, memory_optimizer
+        self.smf, self.desc = smf, desc
+        # --track_staleness (Figure 2): the last step each memory slot was a top-1 pick, kept in checkpoints
+        self.staleness = None
+        if args.track_staleness and train_dataloader is not None:
+            from ..analysis.staleness import StalenessTracker
+            from .optimization import memory_modules
+
+            if memory_modules(accelerator.unwrap_model(model)):
+                self.staleness = StalenessTracker(accelerator.unwrap_model(model)).attach()
+        steps = args.checkpointing_steps
+        self.checkpointing_steps = int(steps) if steps is not None and steps.isdigit() else steps
+        self.eval_steps = getattr(args, "eval_steps", None)
+        # metrics.jsonl in output_dir: every step's loss and every evaluation (continued by a resumed run)
+        self.metrics_log = MetricsLog(args.output_dir, accelerator.is_main_process, resume=bool(args.resume_from_checkpoint))
+        self.completed_steps, self.starting_epoch, self.resume_batches = 0, 0, 0
+        self.batch_index = 0  # of the current batch in its epoch, skipped batches of a resumed epoch counted
+        self.train_loss = None  # the mean loss of the batches since the last evaluation (or epoch end)
+        self._running, self._step_losses = [0.0, 0], []
+        self._recent = collections.deque(maxlen=20)  # the progress bar's loss
+        self._train_time, self._steps_timed, self._runtime = 0.0, 0, 0.0
+
+    # ------------------------------------------------------------------------------------------------ the narrative
+
+    def announce(self, examples: str, *extra: str) -> None:
+        """The official scripts' "Running training" block; `examples` says what one example is."""
+        args, accelerator = self.args, self.accelerator
+        log = self.logger.info
+        log("***** Running training *****")
+        log(f"  Num examples = {examples}")
+        log(f"  Num Epochs = {args.num_train_epochs}")
+        log(f"  Instantaneous batch size per device = {args.per_device_train_batch_size}")
+        log(f"  Total train batch size (w. parallel, distributed & accumulation) = {self.total_batch_size}")
+        log(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
+        log(f"  Total optimization steps = {args.max_train_steps}")
+        for line in extra:
+            log(f"  {line}")
+        if self.memory_optimizer is not None:
+            memory_model = accelerator.unwrap_model(self.model)
+            log("  " + memory_optimizer_summary(self.memory_optimizer, memory_model, args.memory_learning_rate))
+
+    @property
+    def total_batch_size(self) -> int:
+        args = self.args
+        return args.per_device_train_batch_size * self.accelerator.num_processes * args.gradient_accumulation_steps
+
+    def resume(self) -> None:
+        """`--resume_from_checkpoint`: the complete state (models, optimizers, scheduler, random states, sparse
+        memory finetuning's statistics, staleness) and the position in the run, checked against this run's settings."""
+        args, accelerator = self.args, self.accelerator
+        if not args.resume_from_checkpoint:
+            return
+        from ..analysis.staleness import STALENESS_FILE
+
+        checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+        if self.staleness is not None and not os.path.isfile(os.path.join(checkpoint, STALENESS_FILE)):
+            raise ValueError(f"{checkpoint} holds no staleness state: resume it without --track_staleness")
+        check_checkpoint(checkpoint, self.settings, args.allow_inexact_resume, accelerator.process_index, self.logger)
+        accelerator.print(f"Resumed from checkpoint: {checkpoint}")
+        accelerator.load_state(checkpoint)
+        if self.staleness is not None:
+            self.staleness.load(os.path.join(checkpoint, STALENESS_FILE))
+        self.starting_epoch, self.completed_steps, self.resume_batches = resume_position(
+            checkpoint, self.steps_per_epoch, args.gradient_accumulation_steps
+        )
+
+    def epochs(self):
+        """The epochs still to run; after each: the evaluation (not after the last), the log, an epoch checkpoint."""
+        from tqdm.auto import tqdm
+
+        args, accelerator = self.args, self.accelerator
+        start = time.perf_counter()
+        self.progress_bar = tqdm(
+            range(args.max_train_steps), disable=not accelerator.is_local_main_process, desc=self.desc
+        )
+        self.progress_bar.update(self.completed_steps)
+        for epoch in range(self.starting_epoch, args.num_train_epochs):
+            self.epoch = epoch
+            yield epoch
+            last_epoch = epoch == args.num_train_epochs - 1 or self.done
+            if not self.eval_steps and not last_epoch:  # the last one is the script's final evaluation
+                self._evaluate(f"epoch {epoch}")
+            if args.checkpointing_steps == "epoch":
+                self._checkpoint(f"epoch_{epoch}")
+            if last_epoch:
+                break
+        self.progress_bar.close()
+        self._runtime = time.perf_counter() - start
+
+    def batches(self, epoch: int):
+        """The batches of `epoch` in training mode (a resumed epoch starts after the batches already trained); after
+        each optimizer step: the step's log, a step checkpoint, an evaluation (`--eval_steps`); stops at
+        `--max_train_steps`."""
+        accelerator = self.accelerator
+        self.model.train()
+        self.train_dataloader.set_epoch(epoch)
+        dataloader, self.batch_index = self.train_dataloader, 0
+        if epoch == self.starting_epoch and self.resume_batches:
+            dataloader = accelerator.skip_first_batches(self.train_dataloader, self.resume_batches)
+            dataloader.set_epoch(epoch)
+            self.batch_index = self.resume_batches
+        step_start = time.perf_counter()
+        for batch in dataloader:
+            if self.staleness is not None:
+                self.staleness.step = self.completed_steps + 1
+            yield batch
+            self.batch_index += 1
+            if accelerator.sync_gradients:  # the accelerator has performed an optimizer step
+                self._train_time += time.perf_counter() - step_start
+                self._steps_timed += 1
+                self._after_step()
+                step_start = time.perf_counter()
+            if self.done:
+                break
+
+    def step(self, loss) -> None:
+        """Backward, and at the end of an accumulation: the memory gradients clipped (and SMF's rows chosen), every
+        optimizer stepped, the schedule advanced, the gradients zeroed. Call it inside `accelerator.accumulate`."""
+        accelerator = self.accelerator
+        value = loss.detach().float().item()
+        self._recent.append(value)
+        self._step_losses.append(value)
+        self._running[0] += value
+        self._running[1] += 1
+        accelerator.backward(loss)
+        clip_memory_gradients(accelerator, self.model, self.memory_optimizer, self.args.memory_max_grad_norm, self.smf)
+        for optimizer in self.optimizers:
+            optimizer.step()
+        self.lr_scheduler.step()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    @property
+    def done(self) -> bool:
+        return self.completed_steps >= self.args.max_train_steps
+
+    def log_evaluation(self, metrics: dict, final: bool = False) -> None:
+        """`metrics` with the training loss since the last evaluation, into the metrics log and the trackers. The
+        scripts call it with `final=True` for their last evaluation, which reaches the trackers with all the results
+        (`finish_run`)."""
+        if self._running[1]:
+            self.train_loss = self._running[0] / self._running[1]
+        self._running = [0.0, 0]
+        record = {**metrics, "train_loss": self.train_loss} if self.train_loss is not None else dict(metrics)
+        self.metrics_log.log(record, step=self.completed_steps)
+        if self.args.with_tracking and not final:
+            self.accelerator.log({**record, "epoch": getattr(self, "epoch", 0)}, step=self.completed_steps)
+
+    def results(self) -> dict:
+        """The training figures of `all_results.json` (the loss since the last evaluation; times in seconds: the
+        whole loop, and the optimizer steps alone, which the rates count)."""
+        if self._running[1]:
+            self.train_loss = self._running[0] / self._running[1]
+        timed = self._train_time
+        return {
+            "train_loss": self.train_loss,
+            "epoch": self.args.num_train_epochs,
+            "step": self.completed_steps,
+            "train_runtime": round(self._runtime, 2),
+            "train_time": round(timed, 2),
+            "train_steps_per_second": round(self._steps_timed / timed, 4) if timed else None,
+            "train_samples_per_second": round(self._steps_timed * self.total_batch_size / timed, 3) if timed else None,
+        }
+
+    # -------------------------------------------------------------------------------------------------- bookkeeping
+
+    def _after_step(self) -> None:
+        self.completed_steps += 1
+        self.progress_bar.update(1)
+        self.progress_bar.set_postfix(loss=f"{sum(self._recent) / len(self._recent):.3f}", refresh=False)
+        self.metrics_log.log({"loss": sum(self._step_losses) / len(self._step_losses)}, step=self.completed_steps)
+        self._step_losses = []
+        steps = self.completed_steps
+        if isinstance(self.checkpointing_steps, int) and steps % self.checkpointing_steps == 0:
+            self._checkpoint(f"step_{steps}")
+        if self.eval_steps and steps % self.eval_steps == 0 and not self.done:  # the final one is the script's
+            self._evaluate(f"step {steps}")
+
+    def _evaluate(self, when: str) -> None:
+        self.log_evaluation(self.evaluate(when) if self.evaluate is not None else {})
+
+    def _checkpoint(self, name: str) -> None:
+        if self.staleness is not None:
+            self.staleness.synchronize()
+        save_checkpoint(self.accelerator, self.args.output_dir, name, self.settings, self.staleness)
+
+
+def finish_run(
+    accelerator,
+    args,
+    model,
+    tokenizer,
+    results: dict,
+    *,
+    loop: TrainingLoop,
+    card: dict,
+    start_time: float,
+    logger,
+    memory_report: Callable | None = None,
+) -> dict:
+    """The end of a run, the same in every script: the staleness histogram and the peak memory into `results`, the
+    trackers closed, the trained model saved (a complete Hub folder: code files, tokenizer, staleness, a model card
+    with the results, `card` giving its dataset, task and title), `all_results.json`, the memory report
+    (`memory_report(model)`, with `--memory_report`) and the upload (`--push_to_hub`). Returns `results`."""
+    import json
+
+    from ..analysis.memory_usage import flatten_memory_usage
+    from ..analysis.staleness import STALENESS_FILE
+    from ..hub.model_card import card_base_model, card_license
+    from ..parallel import save_sharded_model
+    from .results import atomic_write_json, peak_memory_mb, save_final_outputs, write_results_model_card
+
+    steps, staleness = loop.completed_steps, loop.staleness
+    if staleness is not None:
+        staleness.synchronize()
+        histogram = staleness.results(steps, args.staleness_bins)
+        logger.info(
+            "Staleness (fraction of slots by the step range of their last top-1 pick):\n"
+            + json.dumps(histogram, indent=2)
+        )
+        results.update(flatten_memory_usage(histogram, prefix="staleness"))
+    peak = peak_memory_mb(accelerator.device)
+    results["peak_memory_mb"] = round(peak, 1) if peak is not None else None
+    if args.with_tracking:
+        accelerator.log({k: v for k, v in results.items() if isinstance(v, (int, float))}, step=steps)
+        accelerator.end_training()
+    if args.output_dir is None:
+        logger.info(json.dumps(results, indent=4))
+        return results
+
+    # The trained model, staged in output_dir/.final.tmp and renamed into place file by file: a crash never leaves a
+    # torn file.
+    unwrapped_model = accelerator.unwrap_model(model)
+
+    def write_final(folder):
+        if not save_sharded_model(accelerator, unwrapped_model, folder, args):  # --fsdp2: consolidated
+            unwrapped_model.save_pretrained(
+                folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save
+            )
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(folder)
+            if staleness is not None:
+                staleness.save(os.path.join(folder, STALENESS_FILE), step=steps)
+            write_results_model_card(
+                folder,
+                results,
+                repo_id=args.hub_model_id,
+                base_model=card_base_model(args.model_name_or_path, args.base_model),
+                license=card_license(args.model_name_or_path, args.license),
+                **card,
+            )
+
+    trained = loop.completed_steps > 0
+    if trained:
+        save_final_outputs(accelerator, args.output_dir, write_final)
+    if accelerator.is_main_process:
+        results["total_runtime"] = round(time.perf_counter() - start_time, 2)
+        atomic_write_json(os.path.join(args.output_dir, "all_results.json"), results)
+        if args.memory_report and memory_report is not None:
+            memory_report(unwrapped_model)
+        if args.push_to_hub and trained:
+            from ..hub.upload import push_folder_to_hub
+
+            repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
+            push_folder_to_hub(
+                args.output_dir, repo_id, private=args.hub_private_repo, token=args.hub_token,
+                commit_message="End of training",
+            )  # fmt: skip
+    logger.info(json.dumps(results, indent=4))
+    return results
