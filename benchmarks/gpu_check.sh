@@ -8,7 +8,7 @@
 # 2. the CUDA tests: `pytest -m cuda tests/test_devices.py` and tests/test_triton_kernels.py;
 # 3. the GPU section of the benchmarks, written to $OUT/gpu_results.md (benchmarks/RESULTS.md is left alone).
 # Each part has its own time limit and log in $OUT, and a failing part does not stop the next; $OUT/summary.txt
-# lists each part's exit status and seconds. About 4 min on an H100 (worst case, every limit reached: 9.5 min).
+# lists each part's exit status and seconds. About 4 min on an H100 (worst case, every limit reached: 9 min).
 # On a machine without CUDA it runs end to end too (the cuda tests skip, the benchmark says "No CUDA device");
 # PYTHON picks the interpreter (default python3).
 set -u
@@ -62,9 +62,9 @@ EOF
 if [ -d .whl ]; then export PYTHONPATH=/tmp/site:$PYTHONPATH; fi
 export PYTHON
 export -f environment
-part environment 90 bash -c environment
+part environment 60 bash -c environment
 part tests_cuda 180 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m cuda tests/test_devices.py
-part tests_triton 90 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py
-part benchmark_gpu 300 "$PYTHON" benchmarks/run_benchmarks.py --sections gpu --threads "$(nproc)" \
+part tests_triton 60 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py
+part benchmark_gpu 240 "$PYTHON" benchmarks/run_benchmarks.py --sections gpu --threads "$(nproc)" \
     --output "$OUT/gpu_results.md" ${QUICK:+--quick}
 cat "$SUMMARY"
