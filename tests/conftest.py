@@ -17,6 +17,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("PKM_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cuda: runs on a CUDA device, skipped without one (`pytest -m cuda`: the GPU checks, e.g. tests/test_devices.py)"
+    )
+
+
 def tiny_config(**overrides) -> BertPkmConfig:
     """A BertPkm config small enough for unit tests (3 layers, hidden 32, a memory of 8**2 slots at layer 1)."""
     kwargs = dict(

@@ -42,17 +42,20 @@ def _fresh_accelerate_state():
     GradientState._reset_state()
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def make_tiny_folder(folder) -> str:
     """A tiny BertPkm config (memory at layer 1, dropout on: a resume must restore the RNG) and a word-level tokenizer
-    made from the embedded training text, saved in one folder."""
-    folder = tmp_path_factory.mktemp("tiny")
+    made from the embedded training text, saved in `folder` (also used by tests/test_devices.py)."""
     text = (DATA / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
     words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
     BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(folder)
     tiny_config(vocab_size=200, max_position_embeddings=64, hidden_dropout_prob=0.1).save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_folder(tmp_path_factory.mktemp("tiny"))
 
 
 def mlm_args(tiny, output_dir, options=""):

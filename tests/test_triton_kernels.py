@@ -37,7 +37,11 @@ def test_off_by_default_and_cpu_fallback_without_registered_kernels():
     """`triton_devices` is empty by default; asked for on CPU without the ops registered (no interpreter), the lookup
     and its gradients are EmbeddingBag's."""
     assert ProductKeyValues.triton_devices == ()
-    assert not hasattr(torch.ops.pkm_bert, "bag_sum") or torch.cuda.is_available()
+    registered = hasattr(torch.ops.pkm_bert, "bag_sum")
+    assert not registered or torch.cuda.is_available()  # registered only where CUDA is (no interpreter in this process)
+    if registered:
+        pytest.skip("the Triton ops are registered here (CUDA tensors only): no fallback to check; tests/test_devices.py "
+                    "checks them on CUDA against EmbeddingBag")
     torch.manual_seed(0)
     memory = ProductKeyMemory(16, 12, n_keys=8, heads=2, knn=4, k_dim=8).train()
     memory.values.triton_devices = ("cpu",)

@@ -1,0 +1,243 @@
+"""Every model class and memory path on each device: "cpu" always (CI) and "cuda" (marker `cuda`; `pytest -m cuda`
+runs only those, benchmarks/gpu_check.sh) where torch sees a GPU. Results are compared with a CPU copy of the same
+weights on the reference paths (EmbeddingBag's own backward, torch.topk selection, no candidate pruning): the cpu cases
+check the fast CPU paths against it, the cuda cases the GPU."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from conftest import remote_code_model, tiny_config
+from modeling_pkm_bert import (
+    BertPkmForCausalLM,
+    BertPkmForMaskedLM,
+    BertPkmForMultipleChoice,
+    BertPkmForQuestionAnswering,
+    BertPkmForSequenceClassification,
+    BertPkmForTokenClassification,
+    BertPkmModel,
+    ProductKeyMemory,
+)
+from modeling_pkm_bert.kernels import triton_gathers
+from modeling_pkm_bert.training.optimization import memory_modules, set_sparse_values
+from test_modeling import batch
+
+
+NO_CUDA = "no CUDA device (torch.cuda.is_available() is False)"
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)])]
+MODEL_CLASSES = [
+    BertPkmModel,
+    BertPkmForMaskedLM,
+    BertPkmForCausalLM,
+    BertPkmForSequenceClassification,
+    BertPkmForQuestionAnswering,
+    BertPkmForTokenClassification,
+    BertPkmForMultipleChoice,
+]
+VARIANTS = {
+    "resm": dict(pkm_mode="resm"),
+    "replace": dict(pkm_mode="replace"),
+    "memory_plus": dict(pkm_layers=[0, 2], pkm_shared_values=True, pkm_output_gate="swilu", pkm_qk_norm=True,
+                        pkm_score_activation="relu", pkm_memory_scale=0.5),
+}  # fmt: skip
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    return torch.device(request.param)
+
+
+def reference_on_cpu(model):
+    """A CPU copy of `model` on the reference paths of its memories."""
+    model = copy.deepcopy(model).cpu()
+    for memory in memory_modules(model).values():
+        memory.sparse_values = False
+        memory.values.fused_backward = memory.fused_search_backward = memory.prune_candidates = memory.native_search = False
+        memory.values.triton_devices = ()
+    return model
+
+
+def model_inputs(model_class) -> dict:
+    ids, mask = batch()
+    labels = {
+        BertPkmModel: {},
+        BertPkmForMaskedLM: dict(labels=ids.masked_fill(mask == 0, -100)),
+        BertPkmForCausalLM: dict(labels=ids.masked_fill(mask == 0, -100)),
+        BertPkmForSequenceClassification: dict(labels=torch.tensor([0, 2, 1])),
+        BertPkmForQuestionAnswering: dict(start_positions=torch.tensor([1, 2, 3]), end_positions=torch.tensor([2, 4, 3])),
+        BertPkmForTokenClassification: dict(labels=torch.randint(0, 3, ids.shape)),
+        BertPkmForMultipleChoice: dict(labels=torch.tensor([0, 2])),  # 2 questions of 3 choices
+    }[model_class]
+    if model_class is BertPkmForMultipleChoice:
+        ids, mask = ids[None].expand(2, -1, -1), mask[None].expand(2, -1, -1)
+    return dict(input_ids=ids, attention_mask=mask, **labels)
+
+
+def forward_backward(model, inputs: dict, device):
+    """The loss, every output tensor and every gradient (dense, on CPU, fp32) of one training step of `model`."""
+    model.zero_grad(set_to_none=True)
+    output = model(**{k: v.to(device) for k, v in inputs.items()})
+    loss = output.loss if output.get("loss") is not None else output.last_hidden_state.square().mean()
+    loss.backward()
+    tensors = [t.detach().float().cpu() for t in output.to_tuple() if isinstance(t, torch.Tensor)]
+    grads = {n: (p.grad.to_dense() if p.grad.is_sparse else p.grad).float().cpu()
+             for n, p in model.named_parameters() if p.grad is not None}  # fmt: skip
+    return loss.detach().float().cpu(), tensors, grads
+
+
+def assert_near(actual, expected, msg=None):
+    """Equal within fp32 rounding of a different summation order: 1e-4 relative, plus 1e-5 of the tensor's largest
+    magnitude (gradients can be small everywhere: a fixed atol would hide a wrong one)."""
+    assert_close(actual, expected, rtol=1e-4, atol=1e-5 * max(expected.abs().max().item(), 1e-3), msg=msg)
+
+
+def value_grads(grads: dict) -> dict:
+    found = {n: g for n, g in grads.items() if "memory.values" in n}
+    assert found, list(grads)
+    return found
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("model_class", MODEL_CLASSES, ids=lambda c: c.__name__)
+def test_training_step_equals_the_cpu_reference(device, model_class, variant):
+    qa = model_class is BertPkmForQuestionAnswering
+    config = tiny_config(num_labels=2 if qa else 3, is_decoder=model_class is BertPkmForCausalLM, **VARIANTS[variant])
+    model = model_class(config).train()
+    reference, inputs = reference_on_cpu(model), model_inputs(model_class)
+    loss, outputs, grads = forward_backward(model.to(device), inputs, device)
+    assert torch.isfinite(loss)
+    for name, grad in value_grads(grads).items():
+        assert grad.isfinite().all() and grad.abs().sum() > 0, name
+    expected_loss, expected_outputs, expected_grads = forward_backward(reference, inputs, "cpu")
+    assert_near(loss, expected_loss)
+    assert len(outputs) == len(expected_outputs)
+    for out, expected in zip(outputs, expected_outputs):
+        assert_near(out, expected)
+    assert grads.keys() == expected_grads.keys()
+    for name in grads:
+        assert_near(grads[name], expected_grads[name], msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_autocast_gives_finite_outputs_and_gradients(device, dtype):
+    model = BertPkmForMaskedLM(tiny_config(pkm_layers=[0, 2])).train().to(device)
+    inputs = {k: v.to(device) for k, v in model_inputs(BertPkmForMaskedLM).items()}
+    fp32_loss = model(**inputs).loss.item()
+    try:
+        autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    except RuntimeError as error:  # a torch without this autocast dtype on this device
+        pytest.skip(f"torch.autocast({device.type!r}, dtype={dtype}) refused: {error}")
+    model.zero_grad(set_to_none=True)
+    with autocast:
+        output = model(**inputs)
+    assert output.logits.dtype == dtype  # autocast took effect
+    assert math.isfinite(output.loss.item()) and abs(output.loss.item() - fp32_loss) <= 0.05 * fp32_loss
+    output.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert all(g.dtype == torch.float32 and g.isfinite().all() for g in grads.values())
+    assert all(g.abs().sum() > 0 for g in value_grads(grads).values())
+
+
+@pytest.mark.parametrize("variant", ["resm", "memory_plus"])
+def test_sparse_value_gradients_equal_dense(device, variant):
+    config = tiny_config(**VARIANTS[variant])
+    dense = BertPkmForMaskedLM(config).train().to(device)
+    sparse = copy.deepcopy(dense)
+    assert set_sparse_values(sparse, True) == len(config.pkm_layers)
+    inputs = model_inputs(BertPkmForMaskedLM)
+    _, _, dense_grads = forward_backward(dense, inputs, device)
+    assert not any(p.grad.is_sparse for p in dense.parameters() if p.grad is not None)
+    _, _, sparse_grads = forward_backward(sparse, inputs, device)
+    assert all(memory.values.weight.grad.is_sparse for memory in memory_modules(sparse).values())
+    assert sparse_grads.keys() == dense_grads.keys()
+    for name in value_grads(dense_grads):
+        assert_close(sparse_grads[name], dense_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_greedy_generation_equals_the_cpu_reference(device):
+    model = BertPkmForCausalLM(tiny_config(is_decoder=True, pkm_layers=[0, 2])).eval()
+    reference = reference_on_cpu(model)
+    prompt = torch.randint(1, 99, (2, 4))
+    settings = dict(max_new_tokens=6, do_sample=False)
+    expected = reference.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
+    prompt = prompt.to(device)
+    tokens = model.to(device).generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
+    assert tokens.device.type == device.type and tokens.shape == (2, 10)
+    assert torch.equal(tokens.cpu(), expected)
+
+
+def test_saved_folder_loads_onto_the_device(device, tmp_path):
+    model = BertPkmForMaskedLM(tiny_config(pkm_layers=[0, 2])).eval()
+    model.save_pretrained(tmp_path)
+    ids, mask = batch()
+    with torch.no_grad():
+        expected = reference_on_cpu(model)(ids, attention_mask=mask).logits
+        for loaded in (
+            remote_code_model(tmp_path).to(device).eval(),  # the folder's own code, as trust_remote_code loads it
+            BertPkmForMaskedLM.from_pretrained(tmp_path, device_map=device.type).eval(),  # built on the device
+        ):
+            assert {p.device.type for p in loaded.parameters()} == {device.type}
+            assert_near(loaded(ids.to(device), attention_mask=mask.to(device)).logits.cpu(), expected)
+
+
+def op_calls(function) -> dict:
+    with torch.profiler.profile() as profile:
+        function()
+    names = ("pkm_bert::bag_sum", "pkm_bert::row_dots")
+    return {name: sum(e.count for e in profile.key_averages() if e.key == name) for name in names}
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_triton_gathers_equal_embedding_bag(device, sparse):
+    if device.type != "cuda":
+        pytest.skip("the Triton gathers run on CUDA; on CPU tests/test_triton_kernels.py checks them under the interpreter")
+    if not triton_gathers.available():
+        pytest.skip("the triton package is not installed: the gathers stay on EmbeddingBag")
+    assert hasattr(torch.ops.pkm_bert, "bag_sum") and hasattr(torch.ops.pkm_bert, "row_dots")
+    memory = ProductKeyMemory(64, 48, n_keys=16, heads=2, knn=8, k_dim=16).train().to(device)
+    triton = copy.deepcopy(memory)
+    triton.values.triton_devices, triton.sparse_values = ("cuda",), sparse
+    x, g = torch.randn(3, 7, 64, device=device), torch.randn(3, 7, 48, device=device)
+    mask = torch.ones(3, 7, device=device)
+    mask[1, 4:] = 0
+    results = []
+    for module in (triton, memory):
+        xx = x.clone().requires_grad_()
+        outputs = []
+        calls = op_calls(lambda: outputs.append(module(xx, mask)) or (outputs[0] * g).sum().backward())  # noqa: B023
+        grads = {n: (p.grad.to_dense() if p.grad.is_sparse else p.grad) for n, p in module.named_parameters()}
+        results.append((calls, outputs[0], xx.grad, grads))
+    (calls, out, x_grad, grads), (no_calls, expected, expected_x_grad, expected_grads) = results
+    assert calls == {"pkm_bert::bag_sum": 2, "pkm_bert::row_dots": 1}  # lookup and value gradient; weight gradients
+    assert no_calls == {"pkm_bert::bag_sum": 0, "pkm_bert::row_dots": 0}  # off by default
+    assert triton.values.weight.grad.is_sparse == sparse
+    assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert_close(x_grad, expected_x_grad, rtol=1e-5, atol=1e-5)
+    for name in expected_grads:
+        assert_close(grads[name], expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+    with torch.no_grad():
+        inference = op_calls(lambda: assert_close(triton.eval()(x), memory.eval()(x), rtol=1e-5, atol=1e-5))
+    assert inference == {"pkm_bert::bag_sum": 1, "pkm_bert::row_dots": 0}
+
+
+def cuda_allocations() -> int:
+    return torch.cuda.memory_stats().get("allocation.all.allocated", 0) if torch.cuda.is_available() else 0
+
+
+def test_run_mlm_trains_on_the_device(device, tmp_path, monkeypatch):
+    """run_mlm's main() for 3 steps: accelerate puts it on the GPU where there is one (ACCELERATE_USE_CPU: on CPU)."""
+    pytest.importorskip("datasets", reason="run_scripts/run_mlm.py needs the datasets package")
+    import test_run_mlm
+
+    if device.type == "cpu":
+        monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    folder = test_run_mlm.make_tiny_folder(tmp_path / "tiny")
+    options = "--max_train_samples 8 --max_train_steps 3 --max_eval_samples 8"
+    before = cuda_allocations()
+    results = test_run_mlm.run(test_run_mlm.mlm_args(folder, tmp_path / "out", options))
+    assert results["step"] == 3 and math.isfinite(results["train_loss"]) and math.isfinite(results["perplexity"])
+    assert (cuda_allocations() > before) == (device.type == "cuda")
+    assert (tmp_path / "out" / "model.safetensors").exists()
