@@ -755,14 +755,7 @@ def background_batches(
 
 
 def statistics_from_args(
-    args,
-    accelerator,
-    model,
-    tokenizer,
-    max_seq_length: int,
-    checkpoint: str | None = None,
-    logger=None,
-    causal: bool = False,
+    args, accelerator, model, tokenizer, max_seq_length: int, checkpoint: str | None = None, logger=None, causal=False
 ) -> BackgroundStatistics:
     """The background statistics a script trains with: from the checkpoint being resumed, a statistics file
     (`--smf_background_file x.safetensors`, or the one beside the model), or computed from background text with the
@@ -813,14 +806,7 @@ def statistics_from_args(
 
 
 def setup_from_args(
-    args,
-    accelerator,
-    model,
-    tokenizer,
-    max_seq_length: int,
-    checkpoint: str | None = None,
-    logger=None,
-    causal: bool = False,
+    args, accelerator, model, tokenizer, max_seq_length: int, checkpoint: str | None = None, logger=None, causal=False
 ) -> "SparseMemoryFinetuning | None":
     """For the scripts, before the optimizers are made: checks the flags, gets the background statistics (background
     text in blocks of `max_seq_length` tokens, cut as a causal LM's with `causal=True`), freezes everything but the
