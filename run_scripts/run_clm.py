@@ -377,11 +377,11 @@ def main(argv=None):
             generator=torch.Generator().manual_seed(args.seed),
         )
 
+    # --fsdp2 / --memory_parallel: the model sharded across the processes (FSDP2; value tables column-wise)
+    model = prepare_memory_parallel(accelerator, model, args)
     # Sparse memory finetuning: background statistics (from the resumed checkpoint, a file, or computed now with the
     # frozen model on background blocks cut as the training blocks are), everything but the memory values frozen
     # unless --smf_train_rest.
-    # --fsdp2 / --memory_parallel: the model sharded across the processes (FSDP2; value tables column-wise)
-    model = prepare_memory_parallel(accelerator, model, args)
     smf = None
     if args.sparse_memory_finetuning and do_train:
         checkpoint = None
