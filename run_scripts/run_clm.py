@@ -5,15 +5,18 @@ Causal language modeling of BertPkm models (Lample et al. 2019: product key memo
 causal models (`AutoModelForCausalLM`: BertLMHeadModel, GPT-2, ...) with 🤗 Accelerate, optionally with TRIME's
 in-batch memory objective (Zhong et al. 2022).
 
-Follows the transformers `run_clm_no_trainer.py` example and shares with `run_mlm.py`:
+Follows the transformers `run_clm_no_trainer.py` example and shares with `run_mlm.py` (the same flags, the same
+training loop: `modeling_pkm_bert.training.loop`):
 * product key memory: `--pkm_*` flags (a BERT config or checkpoint becomes a BertPkm model with memories), the values
   in their own optimizer at a constant `--memory_learning_rate`, `--memory_optimizer`, `--freeze_memory`;
 * several evaluation sets (`--validation_files wt2=wiki.test.raw pg19=book.txt`), each with its loss and perplexity,
   the memory usage of every memory layer on the first one, `--track_staleness`;
+* `--sparse_memory_finetuning` (Lin et al. 2025): only the memory value rows that each step reads much more than
+  background text does are trained (the background text cut into blocks as the training text is);
 * exact resume (`--checkpointing_steps`, `--resume_from_checkpoint`; a resume with other settings or data stops
-  unless `--allow_inexact_resume`), two or more processes, `all_results.json` and the model folder written
-  atomically, a model card (`--base_model`, `--license`; its command without secrets or local paths),
-  `--push_to_hub`; `--memory_max_grad_norm`;
+  unless `--allow_inexact_resume`), two or more processes, `metrics.jsonl` (every step's loss, every evaluation),
+  `all_results.json` and the model folder written atomically, a model card (`--base_model`, `--license`; its command
+  without secrets or local paths), `--memory_report`, `--push_to_hub`; `--memory_max_grad_norm`;
 * with no data arguments, the public-domain excerpt shipped with the project (`run_scripts/data/`).
 
 TRIME (`--trime local|long`, `modeling_pkm_bert/trime.py`): the training loss scores each next token against the
@@ -37,12 +40,8 @@ A BERT config or checkpoint is made a decoder (`is_decoder=True`: causal self-at
 from __future__ import annotations  # annotations name torch types that `--help` does not import
 
 import argparse
-import collections
-import contextlib
 import importlib.util
-import json
 import logging
-import math
 import os
 import random
 import sys
@@ -50,89 +49,68 @@ import time
 from pathlib import Path
 
 
-# `--help` prints every flag in a fraction of a second: it imports the flag module only (standard library; the
-# package's import is lazy), not torch, transformers, datasets, accelerate (as run_mlm.py does)
-HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
+from modeling_pkm_bert.parallel.arguments import add_parallel_arguments  # noqa: E402
 from modeling_pkm_bert.training.arguments import (  # noqa: E402
+    add_language_modeling_arguments,
+    add_memory_report_arguments,
     add_model_card_arguments,
     add_pkm_arguments,
     add_reliability_arguments,
+    add_smf_arguments,
+    add_training_arguments,
     add_trime_arguments,
     card_command,
 )
-from modeling_pkm_bert.parallel.arguments import add_parallel_arguments  # noqa: E402
 
 
-if HELP:
-    SchedulerType = str  # parse_args() only prints the help
-else:
+# `--help` answers in a fraction of a second from the flag modules above (standard library only): torch,
+# transformers, datasets and accelerate take ~6 s of CPU to import, so they load only for a run.
+if not (__name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])):
     import datasets
     import torch
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.logging import get_logger
     from accelerate.utils import broadcast_object_list, set_seed
     from torch.utils.data import DataLoader
-    from tqdm.auto import tqdm
 
     import transformers
-    from transformers import (
-        MODEL_FOR_CAUSAL_LM_MAPPING,
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        SchedulerType,
-        get_scheduler,
-    )
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from modeling_pkm_bert import BertPkmConfig, register_auto_classes
-    from modeling_pkm_bert.hub.model_card import card_base_model, card_license
-    from modeling_pkm_bert.training.lm_data import check_data_file, load_raw_datasets, parse_validation_sets
-    from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
-    from modeling_pkm_bert.analysis.staleness import STALENESS_FILE, StalenessTracker
-    from modeling_pkm_bert.parallel import (
-        prepare_memory_parallel,
-        register_sharded_checkpointing,
-        save_sharded_model,
+    from modeling_pkm_bert.analysis import write_run_memory_report
+    from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage
+    from modeling_pkm_bert.parallel import prepare_memory_parallel, register_sharded_checkpointing
+    from modeling_pkm_bert.training.lm_data import (
+        check_language_modeling_arguments,
+        evaluate_language_model,
+        load_raw_datasets,
     )
+    from modeling_pkm_bert.training.loop import TrainingLoop, create_scheduler, finish_run, plan_training_steps
+    from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
+    from modeling_pkm_bert.training.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
+    from modeling_pkm_bert.training.trime import causal_targets, check_trime_model, model_trime_losses
+    from modeling_pkm_bert.training.trime import resolve_trime_arguments
     from modeling_pkm_bert.training import (
-        atomic_write_json,
-        check_checkpoint,
-        check_data_files,
         check_freeze_memory,
-        clip_memory_gradients,
         config_from_scratch,
         create_memory_optimizer,
         freeze_memory,
         load_model,
-        memory_modules,
-        memory_optimizer_summary,
         optimizer_param_groups,
-        peak_memory_mb,
         pkm_kwargs_from_args,
         prepare_output_dir,
         resolve_checkpoint,
-        resume_position,
         run_settings,
-        save_checkpoint,
-        save_final_outputs,
         tracker_config,
         validate_training_arguments,
-        write_results_model_card,
-    )
-    from modeling_pkm_bert.training.trime import (
-        causal_targets,
-        check_trime_model,
-        model_trime_losses,
-        perplexity,
-        resolve_trime_arguments,
     )
 
     logger = get_logger(__name__)
 
-    MODEL_TYPES = (*(conf.model_type for conf in MODEL_FOR_CAUSAL_LM_MAPPING.keys()), BertPkmConfig.model_type)
+    MODEL_TYPES = (*(config.model_type for config in MODEL_FOR_CAUSAL_LM_MAPPING.keys()), BertPkmConfig.model_type)
     # BERT-family configs are bidirectional unless made decoders
     DECODER_MODEL_TYPES = ("bert", BertPkmConfig.model_type)
 
@@ -147,42 +125,8 @@ EMBEDDED_VALIDATION_FILES = {
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Causal language modeling of BertPkm and other causal models")
-    parser.add_argument("--dataset_name", type=str, default=None, help="A dataset of the datasets library (Hub).")
-    parser.add_argument("--dataset_config_name", type=str, default=None, help="The configuration of the dataset.")
-    parser.add_argument("--train_file", type=str, default=None, help="Training data: a txt, csv or json file.")
-    parser.add_argument(
-        "--validation_file", type=str, default=None, help="An evaluation file; see --validation_files."
-    )
-    parser.add_argument(
-        "--validation_files",
-        type=str,
-        nargs="+",
-        default=None,
-        metavar="[NAME=]FILE",
-        help="Several evaluation sets, each with its own loss and perplexity, e.g. `wt2=wiki.test.raw pg19=book.txt`; "
-        "the name defaults to the file's name. The memory usage is measured on the first one.",
-    )
-    parser.add_argument(
-        "--text_column_name", type=str, default=None, help="The text column of csv/json files (default: `text`)."
-    )
-    parser.add_argument(
-        "--validation_split_percentage",
-        type=int,
-        default=5,
-        help="The percentage of the train set used as validation set when there is no validation split or file.",
-    )
-    parser.add_argument(
-        "--max_train_samples", type=int, default=None, help="Keep the first n training blocks (after grouping)."
-    )
-    parser.add_argument("--max_eval_samples", type=int, default=None, help="Keep the first n blocks of each set.")
-    parser.add_argument(
-        "--model_name_or_path",
-        type=str,
-        default=None,
-        help="A checkpoint: BertPkm, BERT (made a decoder; converted to BertPkm on load when --pkm_* flags are given) "
-        "or any causal LM; without it a model is trained from scratch from --config_name/--model_type.",
-    )
-    parser.add_argument("--config_name", type=str, default=None, help="A config name or path (training from scratch).")
+    add_language_modeling_arguments(parser)  # data, model, tokenizer
+    add_training_arguments(parser)  # batch sizes, optimisation, checkpoints, evaluation cadence, staleness, Hub
     parser.add_argument(
         "--config_overrides",
         type=str,
@@ -190,128 +134,33 @@ def parse_args(argv=None):
         help="Override config fields of a model trained from scratch: "
         '"num_hidden_layers=4,hidden_size=256,num_attention_heads=4,intermediate_size=1024".',
     )
-    parser.add_argument("--model_type", type=str, default=None, help="A model type, to train from scratch.")
-    parser.add_argument("--tokenizer_name", type=str, default=None, help="A tokenizer name or path.")
-    parser.add_argument("--use_slow_tokenizer", action="store_true", help="Use a slow (Python) tokenizer.")
     parser.add_argument(
         "--block_size",
         type=int,
         default=None,
         help="Training and evaluation blocks of this many tokens (default: the model's positions, at most 1024).",
     )
-    parser.add_argument("--per_device_train_batch_size", type=int, default=8, help="Training blocks per device.")
-    parser.add_argument("--per_device_eval_batch_size", type=int, default=8, help="Evaluation blocks per device.")
-    parser.add_argument("--learning_rate", type=float, default=5e-5, help="Initial learning rate (after warm-up).")
-    parser.add_argument("--weight_decay", type=float, default=0.0, help="Weight decay to use.")
-    parser.add_argument("--num_train_epochs", type=int, default=3, help="Total number of training epochs to perform.")
-    parser.add_argument(
-        "--max_train_steps", type=int, default=None, help="Total number of training steps; overrides num_train_epochs."
-    )
-    parser.add_argument(
-        "--gradient_accumulation_steps", type=int, default=1, help="Batches accumulated before each optimizer step."
-    )
-    parser.add_argument(
-        "--lr_scheduler_type",
-        type=SchedulerType,
-        default="linear",
-        help="The scheduler of the main optimizer (the memory values keep a constant rate).",
-        choices=["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"],
-    )
-    parser.add_argument("--num_warmup_steps", type=int, default=0, help="Number of steps for the warm-up.")
-    parser.add_argument(
-        "--mixed_precision", type=str, default=None, choices=["no", "fp16", "bf16"], help="Mixed precision."
-    )
-    parser.add_argument("--output_dir", type=str, default=None, help="Where to store the final model.")
-    parser.add_argument(
-        "--seed", type=int, default=None, help="A seed (drawn and logged if not given). Resume with the same seed."
-    )
-    parser.add_argument(
-        "--preprocessing_num_workers", type=int, default=None, help="The number of processes to use for preprocessing."
-    )
-    parser.add_argument("--overwrite_cache", action="store_true", help="Overwrite the cached datasets.")
-    parser.add_argument(
-        "--checkpointing_steps",
-        type=str,
-        default=None,
-        help="Save the complete training state every n optimizer steps (an integer), or 'epoch' at each epoch's end.",
-    )
-    parser.add_argument(
-        "--resume_from_checkpoint",
-        type=str,
-        default=None,
-        help="A step_<N> or epoch_<E> folder to continue from, or 'latest' for the newest one in output_dir.",
-    )
-    parser.add_argument(
-        "--eval_steps", type=int, default=None, help="Evaluate every n optimizer steps instead of every epoch."
-    )
-    parser.add_argument(
-        "--evaluate_before_training", action="store_true", help="Also evaluate the model as loaded (`initial_*`)."
-    )
-    parser.add_argument(
-        "--track_staleness",
-        action="store_true",
-        help="Record for every memory slot the last training step at which it was a top-1 pick.",
-    )
-    parser.add_argument("--staleness_bins", type=int, default=5, help="Step ranges of the staleness histogram.")
-    parser.add_argument(
-        "--trust_remote_code", action="store_true", help="Allow custom code from the Hub (trusted repos only)."
-    )
-    parser.add_argument("--push_to_hub", action="store_true", help="Whether or not to push the model to the Hub.")
-    parser.add_argument("--hub_model_id", type=str, help="The Hub repository of the output_dir.")
-    parser.add_argument("--hub_token", type=str, help="The token to use to push to the Model Hub.")
-    parser.add_argument("--hub_private_repo", action="store_true", help="Create the Hub repository as private.")
-    parser.add_argument("--with_tracking", action="store_true", help="Enable experiment trackers for logging.")
-    parser.add_argument(
-        "--report_to", type=str, default="all", help="The trackers of --with_tracking (tensorboard, wandb, ... all)."
-    )
     add_pkm_arguments(parser)
     add_parallel_arguments(parser)  # --fsdp2, --memory_parallel
     add_reliability_arguments(parser)
     add_model_card_arguments(parser)
     add_trime_arguments(parser, causal=True)
+    add_smf_arguments(parser)
+    add_memory_report_arguments(parser)
     args = parser.parse_args(argv)
     resolve_trime_arguments(args)
 
-    # Sanity checks
+    # Sanity checks, before any work
     validate_training_arguments(parser, args)
-    args.embedded_data = args.dataset_name is None and not any(
-        (args.train_file, args.validation_file, args.validation_files)
-    )
-    if args.validation_file is not None and args.validation_files is not None:
-        parser.error("give the evaluation sets either with --validation_file or with --validation_files, not both")
-    if args.dataset_name is not None and args.train_file is not None:
-        parser.error("give the training data either with --dataset_name or with --train_file, not both")
-    args.validation_sets = parse_validation_sets(parser, args)
-    if args.embedded_data:
-        args.train_file = str(EMBEDDED_TRAIN_FILE)
-        args.validation_sets = {name: str(path) for name, path in EMBEDDED_VALIDATION_FILES.items()}
-    files = [("--train_file", args.train_file)] + [
-        (f"--validation_files {n}", p) for n, p in args.validation_sets.items()
-    ]
-    for option, path in files:
-        if path is not None:
-            check_data_file(parser, option, path)
-    check_data_files(parser, files)  # UTF-8, well-formed json / csv, before any work
-    if args.model_type is not None and args.model_type not in MODEL_TYPES:
-        parser.error(f"unknown --model_type {args.model_type!r} (a causal LM type, e.g. bert or gpt2)")
-    if args.model_name_or_path is None and args.config_name is None and args.model_type is None:
-        parser.error("give --model_name_or_path, or --config_name / --model_type to train a model from scratch")
-    if args.model_name_or_path is None and args.tokenizer_name is None:
-        parser.error("training from scratch needs --tokenizer_name (this script does not train tokenizers)")
+    check_language_modeling_arguments(parser, args, EMBEDDED_TRAIN_FILE, EMBEDDED_VALIDATION_FILES, MODEL_TYPES)
     if args.config_overrides is not None and args.model_name_or_path is not None:
         parser.error("--config_overrides applies to a model trained from scratch, not with --model_name_or_path")
     if args.block_size is not None and args.block_size < 2:
         parser.error(f"--block_size must be at least 2 (a token and its successor), got {args.block_size}")
-    if args.checkpointing_steps is not None and not (
-        args.checkpointing_steps == "epoch" or args.checkpointing_steps.isdigit()
-    ):
-        parser.error(f"--checkpointing_steps must be an integer or 'epoch', got {args.checkpointing_steps!r}")
-    if (args.checkpointing_steps or args.resume_from_checkpoint == "latest") and args.output_dir is None:
-        parser.error("--checkpointing_steps and --resume_from_checkpoint latest need an --output_dir")
-    if args.push_to_hub and args.output_dir is None:
-        parser.error("Need an `output_dir` to create a repo when `--push_to_hub` is passed.")
-    if args.eval_steps is not None and args.eval_steps < 1:
-        parser.error("--eval_steps must be >= 1")
+    try:
+        check_smf_arguments(args)
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
@@ -322,52 +171,27 @@ def lm_targets(batch: dict) -> torch.Tensor:
 
 def evaluate(args, accelerator, model, eval_datasets, collate_fn, measure_memory_usage=False):
     """Loss and perplexity of every evaluation set, with the TRIME memory at test time too (`--trime_eval`), and the
-    memory usage of every memory layer on the first set: (metrics, {layer: usage}).
+    memory usage of every memory layer on the first set: (metrics, {layer: usage}). Each process scores its own
+    contiguous shard in order: every token counts once, and the blocks of a batch are consecutive in the text
+    (TRIME_long's memory). Losses are summed over tokens and processes."""
 
-    Each process scores its own contiguous shard in order with the unwrapped model: every token counts once, and the
-    blocks of a batch are consecutive in the text (TRIME_long's memory). Losses are summed over tokens and processes.
-    """
-    model = accelerator.unwrap_model(model)
-    was_training = model.training
-    model.eval()
-    metrics, usage = {}, {}
-    with torch.random.fork_rng(devices=[]):  # evaluation never draws from the training random streams
-        for index, (name, dataset) in enumerate(eval_datasets.items()):
-            shard = dataset.shard(
-                num_shards=accelerator.num_processes, index=accelerator.process_index, contiguous=True
-            )
-            dataloader = DataLoader(shard, collate_fn=collate_fn, batch_size=args.per_device_eval_batch_size)
-            track = measure_memory_usage and index == 0 and memory_modules(model)
-            totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # (loss, TRIME loss, tokens)
-            with track_memory_usage(model) if track else contextlib.nullcontext() as tracker:
-                for batch in dataloader:
-                    batch = {key: value.to(accelerator.device) for key, value in batch.items()}
-                    targets = lm_targets(batch)
-                    with torch.no_grad(), accelerator.autocast():
-                        if args.trime_eval:
-                            loss, trime = model_trime_losses(
-                                model, {"input_ids": batch["input_ids"]}, targets, args.trime_eval,
-                                reduction="sum", chunk_size=args.trime_chunk_size,
-                            )
-                        else:
-                            logits = model(input_ids=batch["input_ids"]).logits
-                            loss = torch.nn.functional.cross_entropy(
-                                logits.float().flatten(0, 1), targets.flatten(), reduction="sum"
-                            )
-                            trime = torch.zeros_like(loss)
-                    totals += torch.stack([loss.double(), trime.double(), (targets != -100).sum().double()])
-            totals = accelerator.reduce(totals, reduction="sum")
-            metrics[f"eval_{name}_loss"] = (totals[0] / totals[2]).item()
-            metrics[f"eval_{name}_perplexity"] = perplexity(metrics[f"eval_{name}_loss"])
-            if args.trime_eval:
-                metrics[f"eval_{name}_trime_loss"] = (totals[1] / totals[2]).item()
-                metrics[f"eval_{name}_trime_perplexity"] = perplexity(metrics[f"eval_{name}_trime_loss"])
-            if track:
-                gather(tracker, accelerator)
-                usage = tracker.results()
-    if was_training:
-        model.train()
-    return metrics, usage
+    def score(model, batch):  # (summed loss, summed TRIME loss, scored tokens)
+        targets = lm_targets(batch)
+        if args.trime_eval:
+            loss, trime_loss = model_trime_losses(
+                model, {"input_ids": batch["input_ids"]}, targets, args.trime_eval,
+                reduction="sum", chunk_size=args.trime_chunk_size,
+            )  # fmt: skip
+        else:
+            logits = model(input_ids=batch["input_ids"]).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+            trime_loss = torch.zeros_like(loss)
+        return loss, trime_loss, (targets != -100).sum()
+
+    return evaluate_language_model(
+        accelerator, model, eval_datasets, collate_fn, args.per_device_eval_batch_size, score,
+        trime=bool(args.trime_eval), measure_memory_usage=measure_memory_usage,
+    )  # fmt: skip
 
 
 def main(argv=None):
@@ -555,16 +379,24 @@ def main(argv=None):
 
     # --fsdp2 / --memory_parallel: the model sharded across the processes (FSDP2; value tables column-wise)
     model = prepare_memory_parallel(accelerator, model, args)
+    # Sparse memory finetuning: background statistics (from the resumed checkpoint, a file, or computed now with the
+    # frozen model on background blocks cut as the training blocks are), everything but the memory values frozen
+    # unless --smf_train_rest.
+    smf = None
+    if args.sparse_memory_finetuning and do_train:
+        checkpoint = None
+        if args.resume_from_checkpoint:
+            checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+        smf = setup_sparse_memory_finetuning(
+            args, accelerator, model, tokenizer, block_size, checkpoint, logger, causal=True
+        )
+
     # Optimizer: AdamW with warm-up and decay; the memory values in their own optimizer at a constant rate.
     main_groups, memory_groups = optimizer_param_groups(model, args.weight_decay)
-    optimizer = torch.optim.AdamW(main_groups, lr=args.learning_rate)
+    optimizer = torch.optim.AdamW(main_groups or [{"params": []}], lr=args.learning_rate)  # empty: all frozen (SMF)
     memory_optimizer = create_memory_optimizer(memory_groups, args, model) if do_train else None
 
-    # Staleness: the last step each memory slot was a top-1 pick, kept in checkpoints (as safetensors).
-    staleness = None
-    if args.track_staleness and memory_modules(model) and do_train:
-        staleness = StalenessTracker(model).attach()
-
+    # Prepare everything with our `accelerator`.
     model, optimizer, *rest = accelerator.prepare(
         model, optimizer, *(x for x in (memory_optimizer, train_dataloader) if x is not None)
     )
@@ -572,32 +404,20 @@ def main(argv=None):
     train_dataloader = rest.pop(0) if do_train else None
     optimizers = [o for o in (optimizer, memory_optimizer) if o is not None]
     register_sharded_checkpointing(accelerator, model, optimizers, args)  # --fsdp2: model and optimizers via DCP
+    if smf is not None:  # each value step trains only the chosen rows; the statistics go into every checkpoint
+        smf.attach(memory_optimizer)
+        smf.register_for_checkpointing(accelerator)
 
-    # The prepared scheduler advances once per process at each optimizer step, hence the factor num_processes.
-    num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps) if do_train else 1
-    if args.max_train_steps is None:
-        args.max_train_steps = args.num_train_epochs * num_update_steps_per_epoch if do_train else 0
-    args.num_train_epochs = math.ceil(args.max_train_steps / num_update_steps_per_epoch)
-    lr_scheduler = accelerator.prepare(
-        get_scheduler(
-            name=args.lr_scheduler_type,
-            optimizer=optimizer,
-            num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
-            num_training_steps=max(args.max_train_steps, 1) * accelerator.num_processes,
-        )
-    )
-    checkpointing_steps = args.checkpointing_steps
-    if checkpointing_steps is not None and checkpointing_steps.isdigit():
-        checkpointing_steps = int(checkpointing_steps)
-    # what an exact resume depends on (the blocks as sampled: TRIME_long's groups), saved in every checkpoint and
-    # compared on resume
-    settings = run_settings(args, accelerator, train_dataset) if do_train else None
+    # Scheduler and math around the number of training steps (from the prepared, per-process dataloader).
+    steps_per_epoch = plan_training_steps(args, train_dataloader)
+    lr_scheduler = create_scheduler(accelerator, args, optimizer, args.num_warmup_steps)
 
     # We need to initialize the trackers we use, and also store our configuration (secrets removed).
     if args.with_tracking:
         accelerator.init_trackers("clm_no_trainer", tracker_config(args))
 
-    def report_evaluation(metrics, usage, when):
+    def evaluate_and_report(when, measure_memory_usage=False):
+        metrics, usage = evaluate(args, accelerator, model, eval_datasets, eval_collator, measure_memory_usage)
         parts = []
         for name in eval_datasets:
             part = f"{name} perplexity {metrics[f'eval_{name}_perplexity']:.2f}"
@@ -607,213 +427,75 @@ def main(argv=None):
         logger.info(f"{when}: " + ", ".join(parts))
         if usage:
             logger.info(f"Memory usage on {next(iter(eval_datasets))} ({when}):\n{format_memory_usage(usage)}")
+        return metrics, usage
 
+    # The training loop's bookkeeping (resume, evaluation cadence, checkpoints, metrics log, staleness): the loop
+    # below computes the loss. What an exact resume must match includes the blocks as sampled (TRIME_long's groups).
+    loop = TrainingLoop(
+        accelerator, args, model, optimizers, lr_scheduler, train_dataloader,
+        steps_per_epoch=steps_per_epoch,
+        settings=run_settings(args, accelerator, train_dataset) if do_train else None,
+        evaluate=(lambda when: evaluate_and_report(when)[0]) if eval_datasets else None,
+        memory_optimizer=memory_optimizer, smf=smf, logger=logger, desc="CLM steps",
+    )  # fmt: skip
     results = {}
+
+    # The model as loaded, before any update.
     if args.evaluate_before_training and eval_datasets and not args.resume_from_checkpoint:
-        metrics, usage = evaluate(args, accelerator, model, eval_datasets, eval_collator, measure_memory_usage=True)
-        report_evaluation(metrics, usage, "before training")
+        metrics, usage = evaluate_and_report("before training", measure_memory_usage=True)
         results.update({f"initial_{k}": v for k, v in metrics.items()})
         results.update(flatten_memory_usage(usage, prefix="initial_eval_memory"))
-        if args.with_tracking:
-            accelerator.log({**metrics, **flatten_memory_usage(usage, prefix="eval_memory")}, step=0)
+        loop.log_evaluation({**metrics, **flatten_memory_usage(usage, prefix="eval_memory")})
 
     # Train!
-    completed_steps, starting_epoch, resume_batches = 0, 0, 0
-    train_time, steps_timed, train_loss = 0.0, 0, None
     if do_train:
-        total_batch_size = (
-            args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+        loop.announce(
+            f"{train_blocks} blocks of {block_size} tokens",
+            f"Loss = {f'TRIME with the {args.trime} memory' if args.trime else 'cross-entropy'}",
         )
-        logger.info("***** Running training *****")
-        logger.info(f"  Num examples = {train_blocks} blocks of {block_size} tokens")
-        logger.info(f"  Num Epochs = {args.num_train_epochs}")
-        logger.info(f"  Instantaneous batch size per device = {args.per_device_train_batch_size}")
-        logger.info(f"  Total train batch size (w. parallel, distributed & accumulation) = {total_batch_size}")
-        logger.info(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
-        logger.info(f"  Total optimization steps = {args.max_train_steps} (warm-up {args.num_warmup_steps})")
-        logger.info(f"  Loss = {f'TRIME with the {args.trime} memory' if args.trime else 'cross-entropy'}")
-        if memory_optimizer is not None:
-            logger.info("  " + memory_optimizer_summary(memory_optimizer, model, args.memory_learning_rate))
-
-        if args.resume_from_checkpoint:
-            checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
-            if staleness is not None and not os.path.isfile(os.path.join(checkpoint, STALENESS_FILE)):
-                raise ValueError(f"{checkpoint} holds no staleness state: resume it without --track_staleness")
-            check_checkpoint(checkpoint, settings, args.allow_inexact_resume, accelerator.process_index, logger)
-            accelerator.print(f"Resumed from checkpoint: {checkpoint}")
-            accelerator.load_state(checkpoint)
-            if staleness is not None:
-                staleness.load(os.path.join(checkpoint, STALENESS_FILE))
-            starting_epoch, completed_steps, resume_batches = resume_position(
-                checkpoint, num_update_steps_per_epoch, args.gradient_accumulation_steps
-            )
-
-        progress_bar = tqdm(
-            range(args.max_train_steps), disable=not accelerator.is_local_main_process, desc="CLM steps"
-        )
-        progress_bar.update(completed_steps)
-        running_loss, running_batches = 0.0, 0  # since the last evaluation: the reported train_loss
-        recent_losses = collections.deque(maxlen=20)  # the progress bar's loss
-        for epoch in range(starting_epoch, args.num_train_epochs):
-            model.train()
-            train_dataloader.set_epoch(epoch)
-            if epoch == starting_epoch and resume_batches:
-                active_dataloader = accelerator.skip_first_batches(train_dataloader, resume_batches)
-                active_dataloader.set_epoch(epoch)
-            else:
-                active_dataloader = train_dataloader
-            step_start = time.perf_counter()
-            for batch in active_dataloader:
-                if staleness is not None:
-                    staleness.step = completed_steps + 1
+        loop.resume()  # Potentially load in the weights and states from a previous save
+        for epoch in loop.epochs():
+            for batch in loop.batches(epoch):
                 with accelerator.accumulate(model):
-                    if args.trime:
-                        targets = lm_targets(batch)
-                        inputs = {"input_ids": batch["input_ids"]}
-                        loss = model_trime_losses(
-                            model, inputs, targets, args.trime, chunk_size=args.trime_chunk_size
-                        )[1]
+                    if args.trime:  # TRIME: the other positions of the batch (local, or also earlier blocks: long)
+                        inputs, targets = {"input_ids": batch["input_ids"]}, lm_targets(batch)
+                        chunk_size = args.trime_chunk_size
+                        loss = model_trime_losses(model, inputs, targets, args.trime, chunk_size=chunk_size)[1]
                     else:
                         loss = model(**batch).loss
-                    recent_losses.append(loss.detach().float().item())
-                    running_loss += recent_losses[-1]
-                    running_batches += 1
-                    accelerator.backward(loss)
-                    clip_memory_gradients(accelerator, model, memory_optimizer, args.memory_max_grad_norm)
-                    for o in optimizers:
-                        o.step()
-                    lr_scheduler.step()
-                    for o in optimizers:
-                        o.zero_grad()
-
-                if accelerator.sync_gradients:
-                    train_time += time.perf_counter() - step_start
-                    steps_timed += 1
-                    progress_bar.update(1)
-                    completed_steps += 1
-                    train_loss = running_loss / running_batches
-                    progress_bar.set_postfix(loss=f"{sum(recent_losses) / len(recent_losses):.3f}", refresh=False)
-                    if isinstance(checkpointing_steps, int) and completed_steps % checkpointing_steps == 0:
-                        if staleness is not None:
-                            staleness.synchronize()
-                        save_checkpoint(accelerator, args.output_dir, f"step_{completed_steps}", settings, staleness)
-                    if (
-                        args.eval_steps
-                        and completed_steps % args.eval_steps == 0
-                        and completed_steps < args.max_train_steps
-                    ):
-                        metrics, _ = evaluate(args, accelerator, model, eval_datasets, eval_collator)
-                        report_evaluation(metrics, None, f"step {completed_steps}")
-                        if args.with_tracking:
-                            accelerator.log(
-                                {**metrics, "train_loss": train_loss, "epoch": epoch}, step=completed_steps
-                            )
-                        running_loss, running_batches = 0.0, 0
-                    step_start = time.perf_counter()
-
-                if completed_steps >= args.max_train_steps:
-                    break
-
-            last_epoch = epoch == args.num_train_epochs - 1 or completed_steps >= args.max_train_steps
-            if not args.eval_steps and not last_epoch and eval_datasets:  # the last one is evaluated below
-                metrics, _ = evaluate(args, accelerator, model, eval_datasets, eval_collator)
-                report_evaluation(metrics, None, f"epoch {epoch}")
-                if args.with_tracking:
-                    accelerator.log({**metrics, "train_loss": train_loss, "epoch": epoch}, step=completed_steps)
-                running_loss, running_batches = 0.0, 0
-            if args.checkpointing_steps == "epoch":
-                if staleness is not None:
-                    staleness.synchronize()
-                save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", settings, staleness)
-            if last_epoch:
-                break
-        progress_bar.close()
+                    loop.step(loss)
         results.update(
-            {
-                "train_loss": train_loss,
-                "train_samples": train_blocks,
-                "epoch": args.num_train_epochs,
-                "step": completed_steps,
-                "train_time": round(train_time, 2),
-                "train_steps_per_second": round(steps_timed / train_time, 4) if train_time else None,
-                "train_samples_per_second": round(steps_timed * total_batch_size / train_time, 3)
-                if train_time
-                else None,
-                "train_tokens_per_step": total_batch_size * block_size,
-            }
+            loop.results(), train_samples=train_blocks, train_tokens_per_step=loop.total_batch_size * block_size
         )
 
     # Evaluation: the perplexity of every set (with and without the TRIME memory) and the memory usage on the first.
     if eval_datasets:
         eval_start = time.perf_counter()
-        metrics, usage = evaluate(args, accelerator, model, eval_datasets, eval_collator, measure_memory_usage=True)
-        report_evaluation(metrics, usage, "after training" if do_train else "evaluation")
-        first = next(iter(eval_datasets))
-        results["perplexity"] = metrics[f"eval_{first}_perplexity"]  # the official script's key
+        metrics, usage = evaluate_and_report("after training" if do_train else "evaluation", measure_memory_usage=True)
+        results["perplexity"] = metrics[f"eval_{next(iter(eval_datasets))}_perplexity"]  # the official script's key
+        loop.log_evaluation(metrics, final=True)
         results.update(metrics)
         results.update(flatten_memory_usage(usage, prefix="eval_memory"))
         for name, dataset in eval_datasets.items():
             results[f"eval_{name}_samples"] = len(dataset)
         results["eval_runtime"] = round(time.perf_counter() - eval_start, 2)
-    if staleness is not None:
-        staleness.synchronize()
-        histogram = staleness.results(completed_steps, args.staleness_bins)
-        logger.info(
-            "Staleness (fraction of slots by the step range of their last top-1 pick):\n"
-            + json.dumps(histogram, indent=2)
-        )
-        results.update(flatten_memory_usage(histogram, prefix="staleness"))
-    peak = peak_memory_mb(accelerator.device)
-    results["peak_memory_mb"] = round(peak, 1) if peak is not None else None
 
-    if args.with_tracking:
-        accelerator.log({k: v for k, v in results.items() if isinstance(v, (int, float))}, step=completed_steps)
-        accelerator.end_training()
+    # Save the model (a BertPkm folder is a complete Hub repository: code files, auto_map, tokenizer, model card with
+    # the results), all_results.json, the memory report; push to the Hub.
+    def memory_report(trained_model):
+        first_set = next(iter(args.validation_sets.values()), None)
+        write_run_memory_report(args, trained_model, tokenizer, validation_file=first_set, max_seq_length=block_size)
 
-    # Save the model (a BertPkm folder is a complete Hub repository: code files, auto_map, tokenizer, model card),
-    # staged in output_dir/.final.tmp and renamed into place file by file: a crash never leaves a torn file.
-    if args.output_dir is not None:
-        unwrapped_model = accelerator.unwrap_model(model)
-
-        def write_final(folder):
-            if not save_sharded_model(accelerator, unwrapped_model, folder, args):  # --fsdp2: consolidated
-                unwrapped_model.save_pretrained(
-                    folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save
-                )
-            if accelerator.is_main_process:
-                tokenizer.save_pretrained(folder)
-                if staleness is not None:
-                    staleness.save(os.path.join(folder, STALENESS_FILE), step=completed_steps)
-                write_results_model_card(
-                    folder,
-                    results,
-                    repo_id=args.hub_model_id,
-                    base_model=card_base_model(args.model_name_or_path, args.base_model),
-                    license=card_license(args.model_name_or_path, args.license),
-                    dataset=args.dataset_name or args.train_file or "run_scripts/data/pride_and_prejudice_train.txt",
-                    task="text-generation",
-                    command=command,
-                    title="Causal language modeling results",
-                )
-
-        if do_train:
-            save_final_outputs(accelerator, args.output_dir, write_final)
-        if accelerator.is_main_process:
-            results["total_runtime"] = round(time.perf_counter() - start_time, 2)
-            atomic_write_json(os.path.join(args.output_dir, "all_results.json"), results)
-            if args.push_to_hub and do_train:
-                from modeling_pkm_bert.hub.upload import push_folder_to_hub
-
-                repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
-                push_folder_to_hub(
-                    args.output_dir,
-                    repo_id,
-                    private=args.hub_private_repo,
-                    token=args.hub_token,
-                    commit_message="End of training",
-                )
-    logger.info(json.dumps(results, indent=4))
-    return results
+    card = dict(
+        dataset=args.dataset_name or args.train_file or "run_scripts/data/pride_and_prejudice_train.txt",
+        task="text-generation",
+        command=command,
+        title="Causal language modeling results",
+    )
+    return finish_run(
+        accelerator, args, model, tokenizer, results,
+        loop=loop, card=card, start_time=start_time, logger=logger, memory_report=memory_report,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

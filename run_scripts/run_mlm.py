@@ -49,7 +49,6 @@ every evaluation of every run (any seed, any number of processes) scores the sam
 from __future__ import annotations  # annotations name torch/datasets types that `--help` does not import
 
 import argparse
-import contextlib
 import importlib.util
 import logging
 import os
@@ -100,10 +99,13 @@ if not (__name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.ar
 
     from modeling_pkm_bert import register_auto_classes
     from modeling_pkm_bert.analysis import write_run_memory_report
-    from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
+    from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage
     from modeling_pkm_bert.parallel import prepare_memory_parallel, register_sharded_checkpointing
-    from modeling_pkm_bert.training import trime
-    from modeling_pkm_bert.training.lm_data import check_language_modeling_arguments, load_raw_datasets
+    from modeling_pkm_bert.training.lm_data import (
+        check_language_modeling_arguments,
+        evaluate_language_model,
+        load_raw_datasets,
+    )
     from modeling_pkm_bert.training.loop import TrainingLoop, create_scheduler, finish_run, plan_training_steps
     from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
     from modeling_pkm_bert.training.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
@@ -114,7 +116,6 @@ if not (__name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.ar
         create_memory_optimizer,
         freeze_memory,
         load_model,
-        memory_modules,
         optimizer_param_groups,
         pkm_kwargs_from_args,
         prepare_output_dir,
@@ -204,55 +205,26 @@ def mask_tokens(masker: DataCollatorForLanguageModeling, input_ids, special_toke
 
 def evaluate(args, accelerator, model, eval_datasets, collate_fn, measure_memory_usage=False):
     """Masked-LM loss and perplexity on every evaluation set, and the memory usage of every memory layer on the first
-    one: (metrics, {layer: usage}).
+    one: (metrics, {layer: usage}). Each process evaluates its own contiguous shard with the unwrapped model, so every
+    example counts exactly once; the loss is the mean over all masked tokens, summed across processes."""
 
-    Each process evaluates its own contiguous shard with the unwrapped model, so every example counts exactly once
-    (a prepared dataloader repeats examples to even out the last batch, which would count their memory lookups twice)
-    and no collective runs per batch. The loss is the mean over all masked tokens, summed across processes.
-    """
-    model = accelerator.unwrap_model(model)
-    was_training = model.training
-    model.eval()
-    metrics, usage = {}, {}
-    # evaluation never draws from the training random streams (an exact resume depends on them)
-    with torch.random.fork_rng(devices=[]):
-        for index, (name, dataset) in enumerate(eval_datasets.items()):
-            shard = dataset.shard(
-                num_shards=accelerator.num_processes, index=accelerator.process_index, contiguous=True
+    def score(model, batch):  # (summed loss, summed TRIME loss with the in-batch memory, masked tokens)
+        trime_loss = torch.zeros((), device=accelerator.device)
+        if args.trime_eval:
+            labels = batch.pop("labels")
+            loss, trime_loss = model_trime_losses(
+                model, batch, labels, args.trime_eval, chunk_size=args.trime_chunk_size
             )
-            dataloader = DataLoader(shard, collate_fn=collate_fn, batch_size=args.per_device_eval_batch_size)
-            track = measure_memory_usage and index == 0 and memory_modules(model)
-            # (summed loss, masked tokens, summed TRIME loss with the in-batch memory)
-            totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
-            with track_memory_usage(model) if track else contextlib.nullcontext() as tracker:
-                for batch in dataloader:
-                    batch = {key: value.to(accelerator.device) for key, value in batch.items()}
-                    trime_loss = torch.zeros((), device=accelerator.device)
-                    with torch.no_grad(), accelerator.autocast():
-                        if args.trime_eval:
-                            labels = batch.pop("labels")
-                            loss, trime_loss = model_trime_losses(
-                                model, batch, labels, args.trime_eval, chunk_size=args.trime_chunk_size
-                            )
-                            batch["labels"] = labels
-                        else:
-                            loss = model(**batch).loss
-                    masked = (batch["labels"] != -100).sum()
-                    if masked > 0:
-                        totals += torch.stack([loss.double() * masked, masked.double(), trime_loss.double() * masked])
-            totals = accelerator.reduce(totals, reduction="sum")
-            eval_loss = (totals[0] / totals[1]).item()
-            metrics[f"eval_{name}_loss"] = eval_loss
-            metrics[f"eval_{name}_perplexity"] = trime.perplexity(eval_loss)
-            if args.trime_eval:  # the same positions scored with the visible positions of the batch as memory
-                metrics[f"eval_{name}_trime_loss"] = (totals[2] / totals[1]).item()
-                metrics[f"eval_{name}_trime_perplexity"] = trime.perplexity(metrics[f"eval_{name}_trime_loss"])
-            if track:
-                gather(tracker, accelerator)
-                usage = tracker.results()
-    if was_training:
-        model.train()
-    return metrics, usage
+            batch["labels"] = labels
+        else:
+            loss = model(**batch).loss
+        masked = (batch["labels"] != -100).sum()
+        return loss.double() * masked, trime_loss.double() * masked, masked
+
+    return evaluate_language_model(
+        accelerator, model, eval_datasets, collate_fn, args.per_device_eval_batch_size, score,
+        trime=bool(args.trime_eval), measure_memory_usage=measure_memory_usage,
+    )  # fmt: skip
 
 
 def main(argv=None):

@@ -1,6 +1,6 @@
 """run_clm.py on a tiny BertPkm causal LM and the embedded text: training with and without TRIME, both perplexities,
-consecutive blocks for TRIME_long, exact resume, 2 CPU processes, a plain BertLMHeadModel, clear errors on bad
-input."""
+consecutive blocks for TRIME_long, exact resume, 2 CPU processes, a plain BertLMHeadModel, the metrics log and
+`--memory_report`, sparse memory finetuning, clear errors on bad input."""
 
 import collections
 import importlib.util
@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, BertTokenizer
 
 from modeling_pkm_bert import BertPkmForCausalLM, register_auto_classes
+from modeling_pkm_bert.training.sparse_finetuning import STATISTICS_NAME, BackgroundStatistics
 
 
 SCRIPTS = REPO_ROOT / "run_scripts"
@@ -187,10 +188,10 @@ def test_local_memory_and_plain_bert_lm_head_model(tiny, tmp_path):
 
 def test_config_overrides_and_pkm_flags_build_the_model(tiny, tmp_path, monkeypatch):
     """--config_overrides and --pkm_* build the model; --memory_max_grad_norm clips the value table's gradient."""
-    from modeling_pkm_bert.training import pkm_value_parameters
+    from modeling_pkm_bert.training import loop, pkm_value_parameters
 
     norms = []
-    original = run_clm.clip_memory_gradients
+    original = loop.clip_memory_gradients  # the training loop clips (TrainingLoop.step)
 
     def clip_and_measure(accelerator, model, *args):
         before = original(accelerator, model, *args)
@@ -198,7 +199,7 @@ def test_config_overrides_and_pkm_flags_build_the_model(tiny, tmp_path, monkeypa
         grad = values.grad.to_dense() if values.grad.is_sparse else values.grad
         norms.append((before.item(), grad.norm().item()))
 
-    monkeypatch.setattr(run_clm, "clip_memory_gradients", clip_and_measure)
+    monkeypatch.setattr(loop, "clip_memory_gradients", clip_and_measure)
     options = "--config_overrides num_hidden_layers=4,intermediate_size=48 --pkm_layers 3 --pkm_n_keys 4"
     options += " --max_train_steps 1 --max_eval_samples 2 --memory_max_grad_norm 1e-4"
     results = run(clm_args(tiny, tmp_path / "out", options))
@@ -207,6 +208,80 @@ def test_config_overrides_and_pkm_flags_build_the_model(tiny, tmp_path, monkeypa
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["num_hidden_layers"], config["intermediate_size"], config["pkm_layers"]) == (4, 48, [3])
     assert config["is_decoder"] and "eval_memory/layer_3/mu" in results and "eval_moby_dick_trime_loss" not in results
+
+
+def test_metrics_log_and_memory_report(tiny, tmp_path):
+    """metrics.jsonl holds every optimizer step's loss and every evaluation (--eval_steps 2, then the final one) with
+    the training loss since the previous one; --memory_report writes the final model's report (blocks of
+    --block_size tokens: the tiny model has 64 positions) with the training curves."""
+    options = "--max_train_samples 16 --max_train_steps 4 --eval_steps 2 --max_eval_samples 4 --memory_report"
+    results = run(clm_args(tiny, tmp_path / "out", options))
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    evaluations = [r for r in records if "eval_moby_dick_perplexity" in r]
+    assert [r["step"] for r in evaluations] == [2, 4] and all(r["train_loss"] > 0 for r in evaluations)
+    assert evaluations[-1]["eval_moby_dick_perplexity"] == pytest.approx(results["eval_moby_dick_perplexity"])
+    assert results["train_runtime"] >= results["train_time"] > 0
+    report = json.loads((tmp_path / "out" / "memory_report" / "memory_report.json").read_text())
+    assert report["usage"]["layer_1"]["tokens"] > 0
+    assert "training_curves.png" in (tmp_path / "out" / "memory_report" / "memory_report.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def causal_checkpoint(tiny, tmp_path_factory):
+    """A tiny BertPkmForCausalLM (a decoder, dropout on) saved with the word-level tokenizer."""
+    folder = tmp_path_factory.mktemp("causal")
+    BertTokenizer.from_pretrained(tiny).save_pretrained(folder)
+    torch.manual_seed(0)
+    BertPkmForCausalLM(tiny_config(vocab_size=200, hidden_dropout_prob=0.1, is_decoder=True)).save_pretrained(folder)
+    return folder
+
+
+def smf_args(checkpoint, output_dir, options=""):
+    background = DATA / "pride_and_prejudice_validation.txt"
+    smf = f"--sparse_memory_finetuning --smf_background_file {background} --smf_background_batches 5 --smf_top_t 6"
+    smf += " --memory_optimizer sgd --memory_learning_rate 1.0"
+    training = "--max_train_samples 12 --max_eval_samples 4 --gradient_accumulation_steps 2 --max_train_steps 6"
+    return ["--model_name_or_path", str(checkpoint), *clm_args(None, output_dir, f"{training} {smf} {options}")[4:]]
+
+
+def test_sparse_memory_finetuning_trains_only_chosen_rows_and_resumes_exactly(causal_checkpoint, tmp_path, monkeypatch):
+    """--sparse_memory_finetuning: everything but the memory values stays fixed, only rows chosen at some step change
+    (at most --smf_top_t a step), the background statistics (causal blocks) go beside the model and into every
+    checkpoint, and a resumed run ends with the weights of the straight one."""
+    chosen = []
+    setup = run_clm.setup_sparse_memory_finetuning
+
+    def spy(*args, **kwargs):  # records the rows chosen at every step
+        smf = setup(*args, **kwargs)
+        select = smf.select
+
+        def select_and_record():
+            masks = select()
+            chosen.append(set(smf.chosen["layer_1"].tolist()))
+            return masks
+
+        smf.select = select_and_record
+        return smf
+
+    monkeypatch.setattr(run_clm, "setup_sparse_memory_finetuning", spy)
+    straight = tmp_path / "straight"
+    run(smf_args(causal_checkpoint, straight, "--checkpointing_steps 3"))
+    initial, trained = load_file(causal_checkpoint / "model.safetensors"), load_file(straight / "model.safetensors")
+    moved = [n for n in trained if not torch.equal(trained[n], initial[n]) and not n.endswith("num_batches_tracked")]
+    assert moved == ["bert.encoder.layer.1.memory.values.weight"]
+    changed = set((trained[moved[0]] != initial[moved[0]]).any(1).nonzero().flatten().tolist())
+    assert len(chosen) == 6 and all(0 < len(rows) <= 6 for rows in chosen)
+    assert changed and changed <= set().union(*chosen)
+    statistics = BackgroundStatistics.load(straight / STATISTICS_NAME)
+    assert statistics.num_batches == 5
+    assert statistics.reads["layer_1"].sum() == 5 * (4 * 2) * 32 * 2 * 4  # documents x blocks x tokens x heads x knn
+    assert BackgroundStatistics.load(straight / "step_3" / STATISTICS_NAME) == statistics
+    # the resumed run takes the statistics from the checkpoint and ends with the weights of the straight run
+    resumed = tmp_path / "resumed"
+    run(smf_args(causal_checkpoint, resumed, f"--resume_from_checkpoint {straight / 'step_3'}"))
+    expected, got = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert [n for n in expected if not torch.equal(expected[n], got[n])] == []
 
 
 def test_two_cpu_processes_match_one(long_run, tiny, tmp_path):

@@ -1,6 +1,7 @@
 """Sparse memory finetuning: rankers against hand-computed examples, only the chosen value rows change (each value
 optimizer, dense and sparse gradients, shared tables), background statistics (padding, merge, reload, errors), the
-transformers.Trainer callback, run_mlm.py (exact resume, 2 processes) and the benchmark's --quick mode."""
+background blocks of a masked and of a causal LM, the transformers.Trainer callback, run_mlm.py (exact resume, 2
+processes; run_clm.py's are in test_run_clm.py) and the benchmark's --quick mode."""
 
 import math
 import os
@@ -19,6 +20,7 @@ from modeling_pkm_bert.training.sparse_finetuning import (
     ReadCounter,
     SparseMemoryFinetuning,
     SparseMemoryFinetuningCallback,
+    background_batches,
     choose_slots,
     compute_background_statistics,
     freeze_all_but_values,
@@ -112,6 +114,30 @@ def test_statistics_merge_equals_one_pass_over_all_batches():
     whole = compute_background_statistics(model, data)
     merged = compute_background_statistics(model, data[0::2]).merge(compute_background_statistics(model, data[1::2]))
     assert merged == whole and merged.num_batches == 5
+
+
+class _DigitTokenizer:
+    """Each word is its own id; the special tokens given (None: the tokenizer has none, as GPT-2 has no [CLS])."""
+
+    def __init__(self, cls_token_id=None, sep_token_id=None, eos_token_id=None):
+        self.cls_token_id, self.sep_token_id, self.eos_token_id = cls_token_id, sep_token_id, eos_token_id
+
+    def __call__(self, texts, add_special_tokens=True):
+        assert not add_special_tokens
+        return {"input_ids": [[int(word) for word in text.split()] for text in texts]}
+
+
+def test_background_blocks_are_cut_as_the_script_cuts_its_training_text():
+    """A masked LM's blocks lie between [CLS] and [SEP] (run_mlm.py); a causal LM's have no special token, each text
+    followed by the end-of-text token, else [SEP] (run_clm.py)."""
+    texts = ["1 2 3", "4 5"]
+    mlm = background_batches(_DigitTokenizer(cls_token_id=7, sep_token_id=9), texts, 4, batch_size=2)
+    assert [b["input_ids"].tolist() for b in mlm] == [[[7, 1, 2, 9], [7, 3, 4, 9]]]
+    gpt = background_batches(_DigitTokenizer(eos_token_id=0), texts, 3, batch_size=1, causal=True)
+    assert [b["input_ids"].tolist() for b in gpt] == [[[1, 2, 3]], [[0, 4, 5]]]  # the last partial block dropped
+    bert = background_batches(_DigitTokenizer(cls_token_id=7, sep_token_id=9), texts, 3, batch_size=2, causal=True)
+    assert [b["input_ids"].tolist() for b in bert] == [[[1, 2, 3], [9, 4, 5]]]
+    assert all(torch.equal(b["attention_mask"], torch.ones_like(b["input_ids"])) for b in gpt + bert)
 
 
 def test_bad_statistics_and_arguments_are_clear_errors(tmp_path):

@@ -55,7 +55,7 @@ def read_metrics_log(run_dir: str) -> list[dict]:
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"{run_dir} has no {METRICS_LOG_NAME}: the training curves need the metrics log that run_mlm.py, "
-            "run_glue.py and run_squad.py write into their --output_dir"
+            "run_clm.py, run_glue.py and run_squad.py write into their --output_dir"
         )
     records = []
     with open(path, encoding="utf-8") as handle:

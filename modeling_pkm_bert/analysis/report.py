@@ -635,12 +635,15 @@ def _write_report_files(
     return report
 
 
-def write_run_memory_report(args, model, tokenizer, validation_file=None, texts=None, class_data=None) -> dict:
+def write_run_memory_report(
+    args, model, tokenizer, validation_file=None, texts=None, class_data=None, max_seq_length: int | None = None
+) -> dict:
     """The scripts' `--memory_report`: the report of the final model into `<output_dir>/memory_report`, with the run's
-    staleness and training curves."""
+    staleness and training curves; sequences of `max_seq_length` tokens (default: the script's `--max_seq_length` or
+    `--max_length`, else 128)."""
     if texts is None and validation_file is not None:
         texts = read_texts(validation_file)
-    max_length = getattr(args, "max_seq_length", None) or getattr(args, "max_length", None) or 128
+    max_length = max_seq_length or getattr(args, "max_seq_length", None) or getattr(args, "max_length", None) or 128
     return write_memory_report(
         model,
         tokenizer,

@@ -1,8 +1,11 @@
 """The text data of the language-modeling scripts (run_mlm.py, run_clm.py): data files checked before anything runs,
-`--dataset_name` / `--train_file` / `--validation_files` loaded as datasets with one `text` column."""
+`--dataset_name` / `--train_file` / `--validation_files` loaded as datasets with one `text` column, and their
+evaluation on every set (`evaluate_language_model`: the script scores a batch, this counts every token once)."""
 
+import contextlib
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import datasets
@@ -161,3 +164,62 @@ def load_raw_datasets(args) -> tuple[datasets.Dataset | None, dict[str, datasets
     for name, path in args.validation_sets.items():
         validation[name] = load_text_file(path, name, args.text_column_name)
     return train, validation
+
+
+def evaluate_language_model(
+    accelerator,
+    model,
+    eval_datasets: dict,
+    collate_fn,
+    batch_size: int,
+    score: Callable,
+    trime: bool = False,
+    measure_memory_usage: bool = False,
+) -> tuple[dict, dict]:
+    """Loss and perplexity of every evaluation set (with `trime`, also the TRIME loss and perplexity), and the memory
+    usage of every memory layer on the first set: (metrics, {layer: usage}). `score(model, batch)` gives a batch's
+    (summed loss, summed TRIME loss, scored tokens); a batch without a scored token is skipped.
+
+    Each process scores its own contiguous shard in order with the unwrapped model, so every example counts exactly
+    once (a prepared dataloader repeats examples to even out the last batch, which would count their memory lookups
+    twice) and no collective runs per batch; the sums are reduced across processes at the end of each set.
+    Evaluation never draws from the training random streams (an exact resume depends on them).
+    """
+    import torch
+    from torch.utils.data import DataLoader
+
+    from ..analysis.memory_usage import gather, track_memory_usage
+    from .optimization import memory_modules
+    from .trime import perplexity
+
+    model = accelerator.unwrap_model(model)
+    was_training = model.training
+    model.eval()
+    metrics, usage = {}, {}
+    with torch.random.fork_rng(devices=[]):
+        for index, (name, dataset) in enumerate(eval_datasets.items()):
+            shard = dataset.shard(
+                num_shards=accelerator.num_processes, index=accelerator.process_index, contiguous=True
+            )
+            dataloader = DataLoader(shard, collate_fn=collate_fn, batch_size=batch_size)
+            track = measure_memory_usage and index == 0 and memory_modules(model)
+            totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # (loss, TRIME loss, tokens)
+            with track_memory_usage(model) if track else contextlib.nullcontext() as tracker:
+                for batch in dataloader:
+                    batch = {key: value.to(accelerator.device) for key, value in batch.items()}
+                    with torch.no_grad(), accelerator.autocast():
+                        loss, trime_loss, tokens = score(model, batch)
+                    if tokens > 0:
+                        totals += torch.stack([loss.double(), trime_loss.double(), tokens.double()])
+            totals = accelerator.reduce(totals, reduction="sum")
+            metrics[f"eval_{name}_loss"] = (totals[0] / totals[2]).item()
+            metrics[f"eval_{name}_perplexity"] = perplexity(metrics[f"eval_{name}_loss"])
+            if trime:  # the same positions scored with the TRIME memory
+                metrics[f"eval_{name}_trime_loss"] = (totals[1] / totals[2]).item()
+                metrics[f"eval_{name}_trime_perplexity"] = perplexity(metrics[f"eval_{name}_trime_loss"])
+            if track:
+                gather(tracker, accelerator)
+                usage = tracker.results()
+    if was_training:
+        model.train()
+    return metrics, usage

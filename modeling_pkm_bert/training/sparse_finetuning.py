@@ -717,20 +717,34 @@ def _background_texts(args) -> list[str]:
 
 
 def background_batches(
-    tokenizer, texts: list[str], max_seq_length: int, batch_size: int, max_batches: int | None = None
+    tokenizer,
+    texts: list[str],
+    max_seq_length: int,
+    batch_size: int,
+    max_batches: int | None = None,
+    causal: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
-    """Background batches: the texts tokenized, concatenated and cut into blocks of `max_seq_length` tokens (as
-    `run_mlm.py` does), each between [CLS] and [SEP], `batch_size` blocks a batch (the last one may be short)."""
+    """Background batches: the texts tokenized, concatenated and cut into blocks of `max_seq_length` tokens, as the
+    script's training blocks are, `batch_size` blocks a batch (the last one may be short). A masked LM's blocks lie
+    between [CLS] and [SEP] (`run_mlm.py`); a causal LM's (`causal=True`, `run_clm.py`) have no special token, each
+    text followed by the separator (the tokenizer's end-of-text token, else [SEP])."""
     if not texts:
         return []
-    ids = [token for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] for token in ids]
-    inner = max_seq_length - 2  # [CLS] ... [SEP]
-    if inner < 1:
-        raise ValueError(f"max_seq_length={max_seq_length} is too short for a background block")
-    blocks = [
-        [tokenizer.cls_token_id, *ids[start : start + inner], tokenizer.sep_token_id]
-        for start in range(0, len(ids) - inner + 1, inner)
-    ]
+    lines = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    if causal:
+        separator = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+        ids = [token for line in lines for token in (line + [separator] if separator is not None else line)]
+        starts = range(0, len(ids) - max_seq_length + 1, max_seq_length)
+        blocks = [ids[start : start + max_seq_length] for start in starts]
+    else:
+        ids = [token for line in lines for token in line]
+        inner = max_seq_length - 2  # [CLS] ... [SEP]
+        if inner < 1:
+            raise ValueError(f"max_seq_length={max_seq_length} is too short for a background block")
+        blocks = [
+            [tokenizer.cls_token_id, *ids[start : start + inner], tokenizer.sep_token_id]
+            for start in range(0, len(ids) - inner + 1, inner)
+        ]
     batches = []
     for start in range(0, len(blocks), batch_size):
         input_ids = torch.tensor(blocks[start : start + batch_size])
@@ -741,11 +755,12 @@ def background_batches(
 
 
 def statistics_from_args(
-    args, accelerator, model, tokenizer, max_seq_length: int, checkpoint: str | None = None, logger=None
+    args, accelerator, model, tokenizer, max_seq_length: int, checkpoint: str | None = None, logger=None, causal=False
 ) -> BackgroundStatistics:
     """The background statistics a script trains with: from the checkpoint being resumed, a statistics file
     (`--smf_background_file x.safetensors`, or the one beside the model), or computed from background text with the
-    frozen model (each process its share of the batches, then summed). Checked against the model."""
+    frozen model (each process its share of the batches, then summed; blocks of a causal LM with `causal=True`, see
+    `background_batches`). Checked against the model."""
     unwrapped = accelerator.unwrap_model(model).to(accelerator.device)  # prepare() would move it there anyway
     source = None
     if checkpoint and os.path.isfile(os.path.join(checkpoint, STATISTICS_NAME)):
@@ -770,7 +785,7 @@ def statistics_from_args(
     # a background document is what one optimizer step ranks: its global batch (module docstring)
     document = args.per_device_train_batch_size * getattr(args, "gradient_accumulation_steps", 1)
     batches = background_batches(
-        tokenizer, texts, max_seq_length, document * accelerator.num_processes, args.smf_background_batches
+        tokenizer, texts, max_seq_length, document * accelerator.num_processes, args.smf_background_batches, causal
     )
     if not batches:
         raise ValueError(
@@ -791,12 +806,13 @@ def statistics_from_args(
 
 
 def setup_from_args(
-    args, accelerator, model, tokenizer, max_seq_length: int, checkpoint: str | None = None, logger=None
+    args, accelerator, model, tokenizer, max_seq_length: int, checkpoint: str | None = None, logger=None, causal=False
 ) -> "SparseMemoryFinetuning | None":
-    """For the scripts, before the optimizers are made: checks the flags, gets the background statistics, freezes
-    everything but the values (unless `--smf_train_rest`), and returns the `SparseMemoryFinetuning` (call `.attach(
-    memory_optimizer)` and `.register_for_checkpointing(accelerator)` after `accelerator.prepare`), or None when
-    `--sparse_memory_finetuning` is off."""
+    """For the scripts, before the optimizers are made: checks the flags, gets the background statistics (background
+    text in blocks of `max_seq_length` tokens, cut as a causal LM's with `causal=True`), freezes everything but the
+    values (unless `--smf_train_rest`), and returns the `SparseMemoryFinetuning` (call `.attach(memory_optimizer)` and
+    `.register_for_checkpointing(accelerator)` after `accelerator.prepare`), or None when `--sparse_memory_finetuning`
+    is off."""
     if not args.sparse_memory_finetuning:
         return None
     check_smf_arguments(args)
@@ -805,7 +821,7 @@ def setup_from_args(
         trainable = freeze_all_but_values(model)
         if logger:
             logger.info(f"SMF: everything but the memory values frozen ({trainable:,} value parameters)")
-    statistics = statistics_from_args(args, accelerator, model, tokenizer, max_seq_length, checkpoint, logger)
+    statistics = statistics_from_args(args, accelerator, model, tokenizer, max_seq_length, checkpoint, logger, causal)
     if accelerator.is_main_process and args.output_dir:
         os.makedirs(args.output_dir, exist_ok=True)
         statistics.save(os.path.join(args.output_dir, STATISTICS_NAME))  # beside the trained model
