@@ -22,6 +22,8 @@ HERE = Path(__file__).resolve().parent
 def test_kernels_under_the_triton_interpreter():
     if not triton_kernels.available():
         pytest.skip("the triton package is not installed (pip install -e '.[dev]' installs it): kernels not checked")
+    if torch.cuda.is_available():  # the interpreter of triton 3.6 (torch 2.11's CUDA wheels) cannot run them either
+        pytest.skip("CUDA is here: tests/test_devices.py checks the compiled kernels (the interpreter stands in for them)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "triton_interpreted.py")],
