@@ -1,0 +1,55 @@
+"""The optimizers of a training script and `accelerator.prepare`, the same in every script (`prepare_training`).
+
+    model, optimizer, memory_optimizer, train_dataloader, smf = prepare_training(
+        accelerator, args, model, train_dataloader, tokenizer=tokenizer, max_seq_length=128, logger=logger
+    )
+
+The main AdamW (weight decay on the weights, not on biases and norms) on the schedule the script creates next; the
+memory values in their own optimizer (`--memory_optimizer`) at a constant `--memory_learning_rate` without weight decay
+(XLM and the paper). Before the optimizers: the model sharded with `--fsdp2` / `--memory_parallel`, and sparse memory
+finetuning's background statistics (`--sparse_memory_finetuning`).
+"""
+
+from __future__ import annotations
+
+
+def prepare_training(accelerator, args, model, train_dataloader, *, tokenizer, max_seq_length: int, logger):
+    """The model sharded (`--fsdp2`, `--memory_parallel`), sparse memory finetuning set up (training only), the main
+    AdamW and the memory values' optimizer (training only) created, and everything prepared by `accelerator`;
+    returns `(model, optimizer, memory_optimizer, train_dataloader, smf)` (None where absent). Without a
+    `train_dataloader` (evaluation only) the model is prepared alone with an empty AdamW."""
+    import torch
+
+    from ..parallel import prepare_memory_parallel, register_sharded_checkpointing
+    from .checkpoints import resolve_checkpoint
+    from .optimization import create_memory_optimizer, optimizer_param_groups
+    from .sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
+
+    training = train_dataloader is not None
+    # --fsdp2 / --memory_parallel: the model sharded across the processes (FSDP2; value tables column-wise)
+    model = prepare_memory_parallel(accelerator, model, args)
+    # Sparse memory finetuning: background statistics (from the resumed checkpoint, a file, or computed now with the
+    # frozen model), everything but the memory values frozen unless --smf_train_rest.
+    smf = None
+    if training and args.sparse_memory_finetuning:
+        checkpoint = None
+        if args.resume_from_checkpoint:
+            checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+        smf = setup_sparse_memory_finetuning(args, accelerator, model, tokenizer, max_seq_length, checkpoint, logger)
+
+    main_groups, memory_groups = optimizer_param_groups(model, args.weight_decay)
+    optimizer = torch.optim.AdamW(main_groups or [{"params": []}], lr=args.learning_rate)  # empty: all frozen (SMF)
+    # before prepare: DDP reads the sparse-gradient flags of --memory_optimizer sparse_row_adam when it wraps the model
+    memory_optimizer = create_memory_optimizer(memory_groups, args, model) if training else None
+
+    model, optimizer, *rest = accelerator.prepare(
+        model, optimizer, *(x for x in (memory_optimizer, train_dataloader) if x is not None)
+    )
+    memory_optimizer = rest.pop(0) if memory_optimizer is not None else None
+    train_dataloader = rest.pop(0) if training else None
+    optimizers = [o for o in (optimizer, memory_optimizer) if o is not None]
+    register_sharded_checkpointing(accelerator, model, optimizers, args)  # --fsdp2: model and optimizers via DCP
+    if smf is not None:  # each value step trains only the chosen rows; the statistics go into every checkpoint
+        smf.attach(memory_optimizer)
+        smf.register_for_checkpointing(accelerator)
+    return model, optimizer, memory_optimizer, train_dataloader, smf
