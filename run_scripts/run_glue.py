@@ -34,7 +34,6 @@ from __future__ import annotations  # annotations name torch/datasets types that
 
 import argparse
 import importlib.util
-import logging
 import math
 import os
 import random
@@ -61,12 +60,9 @@ from modeling_pkm_bert.training.glue_data import GLUE_TASKS  # noqa: E402  (stan
 # `--help` answers in a fraction of a second from the flag modules above (standard library only): torch,
 # transformers, datasets and accelerate take ~6 s of CPU to import, so they load only for a run.
 if not (__name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])):
-    import datasets
     import torch
-    import transformers
-    from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.logging import get_logger
-    from accelerate.utils import broadcast_object_list, gather_object, set_seed
+    from accelerate.utils import gather_object
     from datasets import DatasetDict
     from torch.utils.data import DataLoader
     from transformers import AutoConfig, AutoTokenizer, DataCollatorWithPadding
@@ -83,7 +79,7 @@ if not (__name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.ar
         glue_compute_metrics,
     )
     from modeling_pkm_bert.training.loop import TrainingLoop, create_scheduler, finish_run, plan_training_steps
-    from modeling_pkm_bert.training.preparation import prepare_training
+    from modeling_pkm_bert.training.preparation import prepare_training, start_run
     from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
     from modeling_pkm_bert.training import (
         check_data_files,
@@ -92,7 +88,6 @@ if not (__name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.ar
         load_model,
         memory_modules,
         pkm_kwargs_from_args,
-        prepare_output_dir,
         run_settings,
         tracker_config,
         validate_training_arguments,
@@ -270,43 +265,9 @@ def main(argv=None):
     command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir)  # secrets, paths removed
     start_time = time.perf_counter()
 
-    # Initialize the accelerator. The seedable sampler draws each epoch's order from (seed, epoch), so that a resumed
-    # run sees the batches the uninterrupted one would.
-    accelerator_log_kwargs = {}
-    if args.with_tracking:
-        accelerator_log_kwargs["log_with"] = args.report_to
-        accelerator_log_kwargs["project_dir"] = args.output_dir
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        mixed_precision=args.mixed_precision,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        **accelerator_log_kwargs,
-    )
-
-    # Make one log on every process with the configuration for debugging.
-    logging.basicConfig(
-        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
-        datefmt="%m/%d/%Y %H:%M:%S",
-        level=logging.INFO,
-    )
-    logger.info(accelerator.state, main_process_only=False)
-    if accelerator.is_local_main_process:
-        datasets.utils.logging.set_verbosity_warning()
-        transformers.utils.logging.set_verbosity_warning()
-    else:
-        datasets.utils.logging.set_verbosity_error()
-        transformers.utils.logging.set_verbosity_error()
-
-    # Set the training seed now; without --seed one is drawn (the same on every process) and logged, since the data
-    # order derives from it.
-    if args.seed is None:
-        args.seed = broadcast_object_list([random.SystemRandom().randrange(2**31)])[0]
-        logger.info(f"No --seed given: using seed {args.seed}")
-    set_seed(args.seed)
-
-    if args.output_dir is not None:
-        prepare_output_dir(args.output_dir)  # before any data or step: a trained model must be savable
-    accelerator.wait_for_everyone()
+    # Initialize the accelerator (a resumed run sees the batches the uninterrupted one would), the logging, the seed
+    # (drawn and logged without --seed) and the output folder (proven writable before any work).
+    accelerator = start_run(args, logger)
 
     # Get the datasets: a GLUE task from the Hub, GLUE's own TSV files of a task, or your csv/tsv/json files.
     with accelerator.main_process_first():

@@ -1,5 +1,8 @@
-"""The optimizers of a training script and `accelerator.prepare`, the same in every script (`prepare_training`).
+"""What every training script does before its loop, the same in each: the accelerator, the logging, the seed and the
+output folder (`start_run`); the optimizers and `accelerator.prepare` (`prepare_training`).
 
+    accelerator = start_run(args, logger)
+    ...  # data, model, preprocessing, training dataloader
     model, optimizer, memory_optimizer, train_dataloader, smf = prepare_training(
         accelerator, args, model, train_dataloader, tokenizer=tokenizer, max_seq_length=128, logger=logger
     )
@@ -11,6 +14,58 @@ finetuning's background statistics (`--sparse_memory_finetuning`).
 """
 
 from __future__ import annotations
+
+
+def start_run(args, logger):
+    """The run's `Accelerator` (`--gradient_accumulation_steps`, `--mixed_precision`, trackers with `--with_tracking`;
+    the seedable sampler draws each epoch's order from (seed, epoch), so that a resumed run sees the batches the
+    uninterrupted one would), one log on every process with its configuration, the seed set (without `--seed` one is
+    drawn, the same on every process, logged and written into `args.seed`: the data order derives from it), and the
+    output folder created and proven writable before any data is loaded or any step trained. Returns the accelerator."""
+    import logging
+    import random
+
+    import datasets
+    import transformers
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import broadcast_object_list, set_seed
+
+    from .checks import prepare_output_dir
+
+    accelerator_log_kwargs = {}
+    if args.with_tracking:
+        accelerator_log_kwargs["log_with"] = args.report_to
+        accelerator_log_kwargs["project_dir"] = args.output_dir
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=args.mixed_precision,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        **accelerator_log_kwargs,
+    )
+
+    # Make one log on every process with the configuration for debugging.
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%m/%d/%Y %H:%M:%S",
+        level=logging.INFO,
+    )
+    logger.info(accelerator.state, main_process_only=False)
+    if accelerator.is_local_main_process:
+        datasets.utils.logging.set_verbosity_warning()
+        transformers.utils.logging.set_verbosity_warning()
+    else:
+        datasets.utils.logging.set_verbosity_error()
+        transformers.utils.logging.set_verbosity_error()
+
+    if args.seed is None:
+        args.seed = broadcast_object_list([random.SystemRandom().randrange(2**31)])[0]
+        logger.info(f"No --seed given: using seed {args.seed}")
+    set_seed(args.seed)
+
+    if args.output_dir is not None:
+        prepare_output_dir(args.output_dir)  # before any data or step: a trained model must be savable
+    accelerator.wait_for_everyone()
+    return accelerator
 
 
 def prepare_training(accelerator, args, model, train_dataloader, *, tokenizer, max_seq_length: int, logger):
