@@ -60,11 +60,9 @@ from modeling_pkm_bert.training.glue_data import GLUE_TASKS  # noqa: E402  (stan
 # `--help` answers in a fraction of a second from the flag modules above (standard library only): torch,
 # transformers, datasets and accelerate take ~6 s of CPU to import, so they load only for a run.
 if not (__name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])):
-    import torch
     from accelerate.logging import get_logger
     from accelerate.utils import gather_object
     from datasets import DatasetDict
-    from torch.utils.data import DataLoader
     from transformers import AutoConfig, AutoTokenizer, DataCollatorWithPadding
 
     from modeling_pkm_bert import register_auto_classes
@@ -390,26 +388,16 @@ def main(argv=None):
         for index in random.sample(range(len(train_dataset)), min(3, len(train_dataset))):
             logger.info(f"Sample {index} of the training set: {train_dataset[index]}.")
 
-    # DataLoaders creation: dynamic padding unless everything was padded to max_length.
+    # The collator: dynamic padding unless everything was padded to max_length.
     pad_to_multiple_of = None if args.pad_to_max_length or accelerator.mixed_precision == "no" else 8
     data_collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
-    train_dataloader = None
-    if do_train:
-        train_dataloader = DataLoader(
-            train_dataset,
-            shuffle=True,
-            collate_fn=data_collator,
-            batch_size=args.per_device_train_batch_size,
-            # its own generator: creating an epoch's iterator then draws no number from the global RNG (dropout),
-            # which a resumed run would otherwise draw at a different point
-            generator=torch.Generator().manual_seed(args.seed),
-        )
 
-    # Optimizer: the main AdamW with a warm-up + decay schedule; the memory values in their own optimizer at a
-    # constant learning rate without weight decay (XLM and the paper). Prepare everything with our `accelerator`
-    # (the model sharded first with --fsdp2 / --memory_parallel; sparse memory finetuning set up with --smf_*).
+    # The training dataloader; the optimizer: the main AdamW with a warm-up + decay schedule, the memory values in
+    # their own optimizer at a constant learning rate without weight decay (XLM and the paper). Prepare everything
+    # with our `accelerator` (the model sharded first with --fsdp2 / --memory_parallel; SMF set up with --smf_*).
     model, optimizer, memory_optimizer, train_dataloader, smf = prepare_training(
-        accelerator, args, model, train_dataloader, tokenizer=tokenizer, max_seq_length=args.max_length, logger=logger
+        accelerator, args, model, train_dataset, data_collator,
+        tokenizer=tokenizer, max_seq_length=args.max_length, logger=logger,
     )
 
     # Scheduler and math around the number of training steps (from the prepared, per-process dataloader).

@@ -82,7 +82,6 @@ if not (__name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.ar
     import numpy as np
     import torch
     from accelerate.logging import get_logger
-    from torch.utils.data import DataLoader
     from transformers import (
         MODEL_MAPPING,
         AutoModelForMaskedLM,
@@ -98,6 +97,7 @@ if not (__name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.ar
     from modeling_pkm_bert.training import trime
     from modeling_pkm_bert.training.lm_data import check_language_modeling_arguments, load_raw_datasets
     from modeling_pkm_bert.training.loop import TrainingLoop, create_scheduler, finish_run, plan_training_steps
+    from modeling_pkm_bert.training.evaluation import evaluating, shard_batches
     from modeling_pkm_bert.training.preparation import prepare_training, start_run
     from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
     from modeling_pkm_bert.training.trime import check_trime_model, model_trime_losses, resolve_trime_arguments
@@ -195,37 +195,27 @@ def evaluate(args, accelerator, model, eval_datasets, collate_fn, measure_memory
     """Masked-LM loss and perplexity on every evaluation set, and the memory usage of every memory layer on the first
     one: (metrics, {layer: usage}).
 
-    Each process evaluates its own contiguous shard with the unwrapped model, so every example counts exactly once
-    (a prepared dataloader repeats examples to even out the last batch, which would count their memory lookups twice)
-    and no collective runs per batch. The loss is the mean over all masked tokens, summed across processes.
+    Each process evaluates its own shard (`training.evaluation`: every example, and its memory lookups, counted
+    once); the training random streams are left as they were. The loss is the mean over all masked tokens, summed
+    across processes.
     """
-    model = accelerator.unwrap_model(model)
-    was_training = model.training
-    model.eval()
     metrics, usage = {}, {}
-    # evaluation never draws from the training random streams (an exact resume depends on them)
-    with torch.random.fork_rng(devices=[]):
+    with evaluating(accelerator, model) as unwrapped:
         for index, (name, dataset) in enumerate(eval_datasets.items()):
-            shard = dataset.shard(
-                num_shards=accelerator.num_processes, index=accelerator.process_index, contiguous=True
-            )
-            dataloader = DataLoader(shard, collate_fn=collate_fn, batch_size=args.per_device_eval_batch_size)
-            track = measure_memory_usage and index == 0 and memory_modules(model)
+            track = measure_memory_usage and index == 0 and memory_modules(unwrapped)
             # (summed loss, masked tokens, summed TRIME loss with the in-batch memory)
             totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
-            with track_memory_usage(model) if track else contextlib.nullcontext() as tracker:
-                for batch in dataloader:
-                    batch = {key: value.to(accelerator.device) for key, value in batch.items()}
+            with track_memory_usage(unwrapped) if track else contextlib.nullcontext() as tracker:
+                for batch in shard_batches(accelerator, dataset, collate_fn, args.per_device_eval_batch_size):
                     trime_loss = torch.zeros((), device=accelerator.device)
-                    with torch.no_grad(), accelerator.autocast():
-                        if args.trime_eval:
-                            labels = batch.pop("labels")
-                            loss, trime_loss = model_trime_losses(
-                                model, batch, labels, args.trime_eval, chunk_size=args.trime_chunk_size
-                            )
-                            batch["labels"] = labels
-                        else:
-                            loss = model(**batch).loss
+                    if args.trime_eval:
+                        labels = batch.pop("labels")
+                        loss, trime_loss = model_trime_losses(
+                            unwrapped, batch, labels, args.trime_eval, chunk_size=args.trime_chunk_size
+                        )
+                        batch["labels"] = labels
+                    else:
+                        loss = unwrapped(**batch).loss
                     masked = (batch["labels"] != -100).sum()
                     if masked > 0:
                         totals += torch.stack([loss.double() * masked, masked.double(), trime_loss.double() * masked])
@@ -239,8 +229,6 @@ def evaluate(args, accelerator, model, eval_datasets, collate_fn, measure_memory
             if track:
                 gather(tracker, accelerator)
                 usage = tracker.results()
-    if was_training:
-        model.train()
     return metrics, usage
 
 
@@ -381,29 +369,19 @@ def main(argv=None):
                 f"Sample {index} of the training set: {tokenizer.decode(train_dataset[index]['input_ids'])!r}."
             )
 
-    # DataLoaders creation: the training collator only pads (the masks are drawn per batch in the loop below), the
-    # evaluation one also pads the fixed labels with -100.
+    # The collators: the training one only pads (the masks are drawn per batch in the loop below), the evaluation one
+    # also pads the fixed labels with -100.
     pad_to_multiple_of = 8 if accelerator.mixed_precision != "no" else None
     train_collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
     eval_collator = DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
-    train_dataloader = None
-    if do_train:
-        train_dataloader = DataLoader(
-            train_dataset,
-            shuffle=True,
-            collate_fn=train_collator,
-            batch_size=args.per_device_train_batch_size,
-            # its own generator: creating an epoch's iterator then draws no number from the global RNG (dropout),
-            # which a resumed run would otherwise draw at a different point
-            generator=torch.Generator().manual_seed(args.seed),
-        )
 
-    # Optimizer: the main AdamW with a warm-up + decay schedule; the memory values in their own optimizer at a
-    # constant learning rate without weight decay (XLM and the paper; --memory_optimizer sparse_row_adam: row-wise
-    # updates). Prepare everything with our `accelerator` (the model sharded first with --fsdp2 / --memory_parallel;
-    # sparse memory finetuning set up with --smf_*).
+    # The training dataloader; the optimizer: the main AdamW with a warm-up + decay schedule, the memory values in
+    # their own optimizer at a constant learning rate without weight decay (XLM and the paper; --memory_optimizer
+    # sparse_row_adam: row-wise updates). Prepare everything with our `accelerator` (the model sharded first with
+    # --fsdp2 / --memory_parallel; sparse memory finetuning set up with --smf_*).
     model, optimizer, memory_optimizer, train_dataloader, smf = prepare_training(
-        accelerator, args, model, train_dataloader, tokenizer=tokenizer, max_seq_length=max_seq_length, logger=logger
+        accelerator, args, model, train_dataset if do_train else None, train_collator,
+        tokenizer=tokenizer, max_seq_length=max_seq_length, logger=logger,
     )
     optimizers = [o for o in (optimizer, memory_optimizer) if o is not None]
 

@@ -41,11 +41,9 @@ from modeling_pkm_bert.training.arguments import (  # noqa: E402
 # transformers, datasets and accelerate take ~6 s of CPU to import, so they load only for a run.
 if not (__name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])):
     import numpy as np
-    import torch
     from accelerate.logging import get_logger
     from accelerate.utils import gather_object
     from datasets import Dataset, DatasetDict, load_dataset
-    from torch.utils.data import DataLoader
 
     from transformers import AutoTokenizer, DataCollatorWithPadding, default_data_collator
 
@@ -340,32 +338,28 @@ def main(argv=None):
     def check(example):
         return check_answers(example, fix_answer_starts=args.fix_answer_starts)
 
+    def examples_and_features(split, max_samples, prepare_features):
+        examples = raw_datasets[split]
+        if max_samples is not None:
+            examples = examples.select(range(min(max_samples, len(examples))))
+        examples = examples.map(check, desc=f"Checking the {split} answers")
+        features = examples.map(
+            prepare_features,
+            batched=True,
+            num_proc=args.preprocessing_num_workers,
+            remove_columns=examples.column_names,
+            load_from_cache_file=not args.overwrite_cache,
+            desc=f"Running tokenizer on {split} dataset",
+        )
+        return examples, features
+
+    train_dataset = None
     with accelerator.main_process_first():
         if do_train:
-            train_examples = raw_datasets["train"]
-            if args.max_train_samples is not None:
-                train_examples = train_examples.select(range(min(args.max_train_samples, len(train_examples))))
-            train_examples = train_examples.map(check, desc="Checking the training answers")
-            train_dataset = train_examples.map(
-                prepare_train_features,
-                batched=True,
-                num_proc=args.preprocessing_num_workers,
-                remove_columns=train_examples.column_names,
-                load_from_cache_file=not args.overwrite_cache,
-                desc="Running tokenizer on train dataset",
-            )
+            train_examples, train_dataset = examples_and_features("train", args.max_train_samples, prepare_train_features)
         if do_eval:
-            eval_examples = raw_datasets["validation"]
-            if args.max_eval_samples is not None:
-                eval_examples = eval_examples.select(range(min(args.max_eval_samples, len(eval_examples))))
-            eval_examples = eval_examples.map(check, desc="Checking the evaluation answers")
-            eval_dataset = eval_examples.map(
-                prepare_validation_features,
-                batched=True,
-                num_proc=args.preprocessing_num_workers,
-                remove_columns=eval_examples.column_names,
-                load_from_cache_file=not args.overwrite_cache,
-                desc="Running tokenizer on validation dataset",
+            eval_examples, eval_dataset = examples_and_features(
+                "validation", args.max_eval_samples, prepare_validation_features
             )
 
     if do_train:
@@ -373,7 +367,7 @@ def main(argv=None):
         for index in random.Random(0).sample(range(len(train_dataset)), min(3, len(train_dataset))):
             logger.info(f"Sample {index} of the training set: {train_dataset[index]}.")
 
-    # DataLoaders creation:
+    # The collator: dynamic padding unless everything was padded to max_length.
     if args.pad_to_max_length:
         data_collator = default_data_collator
     else:
@@ -385,23 +379,13 @@ def main(argv=None):
         else:
             pad_to_multiple_of = None
         data_collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
-    train_dataloader = None
-    if do_train:
-        train_dataloader = DataLoader(
-            train_dataset,
-            shuffle=True,
-            collate_fn=data_collator,
-            batch_size=args.per_device_train_batch_size,
-            # its own generator: creating an epoch's iterator then draws no number from the global RNG (dropout),
-            # which a resumed run would otherwise draw at a different point
-            generator=torch.Generator().manual_seed(args.seed),
-        )
 
-    # Optimizer: the main AdamW with a warm-up + decay schedule; the memory values in their own optimizer at a
-    # constant learning rate without weight decay (XLM and the paper). Prepare everything with our `accelerator`
-    # (the model sharded first with --fsdp2 / --memory_parallel; sparse memory finetuning set up with --smf_*).
+    # The training dataloader; the optimizer: the main AdamW with a warm-up + decay schedule, the memory values in
+    # their own optimizer at a constant learning rate without weight decay (XLM and the paper). Prepare everything
+    # with our `accelerator` (the model sharded first with --fsdp2 / --memory_parallel; SMF set up with --smf_*).
     model, optimizer, memory_optimizer, train_dataloader, smf = prepare_training(
-        accelerator, args, model, train_dataloader, tokenizer=tokenizer, max_seq_length=max_seq_length, logger=logger
+        accelerator, args, model, train_dataset, data_collator,
+        tokenizer=tokenizer, max_seq_length=max_seq_length, logger=logger,
     )
 
     # Scheduler and math around the number of training steps (from the prepared, per-process dataloader).

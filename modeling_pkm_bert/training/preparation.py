@@ -1,10 +1,10 @@
 """What every training script does before its loop, the same in each: the accelerator, the logging, the seed and the
-output folder (`start_run`); the optimizers and `accelerator.prepare` (`prepare_training`).
+output folder (`start_run`); the training dataloader, the optimizers and `accelerator.prepare` (`prepare_training`).
 
     accelerator = start_run(args, logger)
-    ...  # data, model, preprocessing, training dataloader
+    ...  # data, model, preprocessing, collator
     model, optimizer, memory_optimizer, train_dataloader, smf = prepare_training(
-        accelerator, args, model, train_dataloader, tokenizer=tokenizer, max_seq_length=128, logger=logger
+        accelerator, args, model, train_dataset, collator, tokenizer=tokenizer, max_seq_length=128, logger=logger
     )
 
 The main AdamW (weight decay on the weights, not on biases and norms) on the schedule the script creates next; the
@@ -68,19 +68,31 @@ def start_run(args, logger):
     return accelerator
 
 
-def prepare_training(accelerator, args, model, train_dataloader, *, tokenizer, max_seq_length: int, logger):
-    """The model sharded (`--fsdp2`, `--memory_parallel`), sparse memory finetuning set up (training only), the main
-    AdamW and the memory values' optimizer (training only) created, and everything prepared by `accelerator`;
-    returns `(model, optimizer, memory_optimizer, train_dataloader, smf)` (None where absent). Without a
-    `train_dataloader` (evaluation only) the model is prepared alone with an empty AdamW."""
+def prepare_training(accelerator, args, model, train_dataset, collate_fn, *, tokenizer, max_seq_length: int, logger):
+    """The training dataloader (shuffled from its own generator seeded with `--seed`), the model sharded (`--fsdp2`,
+    `--memory_parallel`), sparse memory finetuning set up, the main AdamW and the memory values' optimizer created,
+    and everything prepared by `accelerator`; returns `(model, optimizer, memory_optimizer, train_dataloader, smf)`
+    (None where absent). Without a `train_dataset` (evaluation only) the model is prepared alone with an empty AdamW."""
     import torch
+    from torch.utils.data import DataLoader
 
     from ..parallel import prepare_memory_parallel, register_sharded_checkpointing
     from .checkpoints import resolve_checkpoint
     from .optimization import create_memory_optimizer, optimizer_param_groups
     from .sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
 
-    training = train_dataloader is not None
+    training = train_dataset is not None
+    train_dataloader = None
+    if training:
+        train_dataloader = DataLoader(
+            train_dataset,
+            shuffle=True,
+            collate_fn=collate_fn,
+            batch_size=args.per_device_train_batch_size,
+            # its own generator: creating an epoch's iterator then draws no number from the global RNG (dropout),
+            # which a resumed run would otherwise draw at a different point
+            generator=torch.Generator().manual_seed(args.seed),
+        )
     # --fsdp2 / --memory_parallel: the model sharded across the processes (FSDP2; value tables column-wise)
     model = prepare_memory_parallel(accelerator, model, args)
     # Sparse memory finetuning: background statistics (from the resumed checkpoint, a file, or computed now with the
