@@ -469,7 +469,7 @@ def test_run_mlm_trains_memory_plus_from_flags_and_clips_the_values(tmp_path, mo
         norms.append((max_norm, norm))
         return norm
 
-    monkeypatch.setattr(run_mlm, "clip_memory_gradients", recording_clip)
+    monkeypatch.setattr("modeling_pkm_bert.training.loop.clip_memory_gradients", recording_clip)  # the shared loop
     flags = (
         "--pkm_layers 0 2 --pkm_n_keys 8 --pkm_knn 4 --pkm_heads 2 --pkm_k_dim 16 --pkm_shared_values true "
         "--pkm_output_gate swilu --pkm_qk_norm true --pkm_score_activation relu --pkm_memory_scale 0.1 "
