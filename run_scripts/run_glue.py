@@ -7,7 +7,9 @@ Follows the transformers `run_glue_no_trainer.py` example and adds: the product 
 BERT checkpoint on load with any `--pkm_*` flag, the memory values' own optimizer, `--freeze_memory` for the paper's
 Table 5), GLUE's own TSV files (`--task_name` + `--train_file train.tsv`), the GLUE metrics computed locally with
 scikit-learn and scipy, the memory usage after fine-tuning (Table 6) and, for two-class tasks, the IOU and KL between
-the memory usage of the two classes (Figure 4), atomic checkpoints with exact resume, and `all_results.json`.
+the memory usage of the two classes (Figure 4), and the training loop the four scripts share (`training/loop.py`:
+evaluation at each epoch's end or every `--eval_steps`, `--track_staleness`, `--mixed_precision`, atomic checkpoints
+with exact resume, `metrics.jsonl`, `all_results.json`, a saved folder with a model card carrying the results).
 
 The defaults are the paper's recipe for GLUE (Kim & Jung 2020, Table 3): learning rate 2e-5, 10 epochs, warm-up
 ratio 0.06, weight decay 0.1, max sequence length 128; the memory values train with Adam at a constant 1e-3; results

@@ -5,7 +5,9 @@ Fine-tunes a BERT or BertPkm model on SQuAD v1.1 (or v2.0 with `--version_2_with
 
 Follows the transformers `run_qa_no_trainer.py` example; adds the product key memory options (convert a plain BERT
 checkpoint on load with any `--pkm_*` flag, the memory values' own optimizer, `--freeze_memory`), the official SQuAD
-evaluation computed locally (no Hub metric), the memory usage after fine-tuning, atomic checkpoints and exact resume.
+evaluation computed locally (no Hub metric), the memory usage after fine-tuning, and the training loop the four
+scripts share (`training/loop.py`: `--eval_steps` for SQuAD scores during training, `--track_staleness`,
+`--mixed_precision`, atomic checkpoints with exact resume, `metrics.jsonl`, a saved folder with a results model card).
 
     python run_squad.py --model_name_or_path bert-base-uncased --pkm_layers 4 8 \
         --train_file train-v1.1.json --validation_file dev-v1.1.json --output_dir out/squad
