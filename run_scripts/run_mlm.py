@@ -50,7 +50,6 @@ from __future__ import annotations  # annotations name torch/datasets types that
 
 import argparse
 import importlib.util
-import logging
 import os
 import random
 import sys
@@ -79,15 +78,9 @@ from modeling_pkm_bert.training.arguments import (  # noqa: E402
 # `--help` answers in a fraction of a second from the flag modules above (standard library only): torch,
 # transformers, datasets and accelerate take ~6 s of CPU to import, so they load only for a run.
 if not (__name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])):
-    import datasets
     import numpy as np
     import torch
-    from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.logging import get_logger
-    from accelerate.utils import broadcast_object_list, set_seed
-    from torch.utils.data import DataLoader
-
-    import transformers
     from transformers import (
         MODEL_MAPPING,
         AutoModelForMaskedLM,
@@ -100,26 +93,21 @@ if not (__name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.ar
     from modeling_pkm_bert import register_auto_classes
     from modeling_pkm_bert.analysis import write_run_memory_report
     from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage
-    from modeling_pkm_bert.parallel import prepare_memory_parallel, register_sharded_checkpointing
     from modeling_pkm_bert.training.lm_data import (
         check_language_modeling_arguments,
         evaluate_language_model,
         load_raw_datasets,
     )
     from modeling_pkm_bert.training.loop import TrainingLoop, create_scheduler, finish_run, plan_training_steps
+    from modeling_pkm_bert.training.preparation import prepare_training, start_run
     from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
-    from modeling_pkm_bert.training.sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
     from modeling_pkm_bert.training.trime import check_trime_model, model_trime_losses, resolve_trime_arguments
     from modeling_pkm_bert.training import (
         check_freeze_memory,
         config_from_scratch,
-        create_memory_optimizer,
         freeze_memory,
         load_model,
-        optimizer_param_groups,
         pkm_kwargs_from_args,
-        prepare_output_dir,
-        resolve_checkpoint,
         run_settings,
         tracker_config,
         validate_training_arguments,
@@ -232,43 +220,9 @@ def main(argv=None):
     command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir)  # secrets, paths removed
     start_time = time.perf_counter()
 
-    # Initialize the accelerator. The seedable sampler draws each epoch's order from (seed, epoch), so that a resumed
-    # run sees the batches the uninterrupted one would. We will let the accelerator handle device placement for us.
-    accelerator_log_kwargs = {}
-    if args.with_tracking:
-        accelerator_log_kwargs["log_with"] = args.report_to
-        accelerator_log_kwargs["project_dir"] = args.output_dir
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        mixed_precision=args.mixed_precision,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        **accelerator_log_kwargs,
-    )
-
-    # Make one log on every process with the configuration for debugging.
-    logging.basicConfig(
-        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
-        datefmt="%m/%d/%Y %H:%M:%S",
-        level=logging.INFO,
-    )
-    logger.info(accelerator.state, main_process_only=False)
-    if accelerator.is_local_main_process:
-        datasets.utils.logging.set_verbosity_warning()
-        transformers.utils.logging.set_verbosity_warning()
-    else:
-        datasets.utils.logging.set_verbosity_error()
-        transformers.utils.logging.set_verbosity_error()
-
-    # Set the training seed now; without --seed one is drawn (the same on every process) and logged, since the data
-    # order and the masks derive from it.
-    if args.seed is None:
-        args.seed = broadcast_object_list([random.SystemRandom().randrange(2**31)])[0]
-        logger.info(f"No --seed given: using seed {args.seed}")
-    set_seed(args.seed)
-
-    if args.output_dir is not None:
-        prepare_output_dir(args.output_dir)  # before any data or step: a trained model must be savable
-    accelerator.wait_for_everyone()
+    # Initialize the accelerator (a resumed run sees the batches the uninterrupted one would), the logging, the seed
+    # (drawn and logged without --seed) and the output folder (proven writable before any work).
+    accelerator = start_run(args, logger)
 
     # Get the datasets: a dataset from the Hub, your own txt/csv/json files, or the embedded public-domain excerpt.
     if args.embedded_data:
@@ -398,53 +352,21 @@ def main(argv=None):
                 f"Sample {index} of the training set: {tokenizer.decode(train_dataset[index]['input_ids'])!r}."
             )
 
-    # DataLoaders creation: the training collator only pads (the masks are drawn per batch in the loop below), the
-    # evaluation one also pads the fixed labels with -100.
+    # The collators: the training one only pads (the masks are drawn per batch in the loop below), the evaluation one
+    # also pads the fixed labels with -100.
     pad_to_multiple_of = 8 if accelerator.mixed_precision != "no" else None
     train_collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
     eval_collator = DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
-    train_dataloader = None
-    if do_train:
-        train_dataloader = DataLoader(
-            train_dataset,
-            shuffle=True,
-            collate_fn=train_collator,
-            batch_size=args.per_device_train_batch_size,
-            # its own generator: creating an epoch's iterator then draws no number from the global RNG (dropout),
-            # which a resumed run would otherwise draw at a different point
-            generator=torch.Generator().manual_seed(args.seed),
-        )
 
-    # Sparse memory finetuning: background statistics (from the resumed checkpoint, a file, or computed now with the
-    # frozen model), everything but the memory values frozen unless --smf_train_rest.
-    # --fsdp2 / --memory_parallel: the model sharded across the processes (FSDP2; value tables column-wise)
-    model = prepare_memory_parallel(accelerator, model, args)
-    smf = None
-    if args.sparse_memory_finetuning and do_train:
-        checkpoint = None
-        if args.resume_from_checkpoint:
-            checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
-        smf = setup_sparse_memory_finetuning(
-            args, accelerator, model, tokenizer, max_seq_length, checkpoint, logger
-        )
-
-    # Optimizer: the main AdamW with a warm-up + decay schedule; the memory values in their own Adam at a constant
-    # learning rate without weight decay (XLM and the paper; --memory_optimizer sparse_row_adam: row-wise updates).
-    main_groups, memory_groups = optimizer_param_groups(model, args.weight_decay)
-    optimizer = torch.optim.AdamW(main_groups or [{"params": []}], lr=args.learning_rate)  # empty: all frozen (SMF)
-    memory_optimizer = create_memory_optimizer(memory_groups, args, model) if do_train else None
-
-    # Prepare everything with our `accelerator`.
-    model, optimizer, *rest = accelerator.prepare(
-        model, optimizer, *(x for x in (memory_optimizer, train_dataloader) if x is not None)
+    # The training dataloader; the optimizer: the main AdamW with a warm-up + decay schedule, the memory values in
+    # their own optimizer at a constant learning rate without weight decay (XLM and the paper; --memory_optimizer
+    # sparse_row_adam: row-wise updates). Prepare everything with our `accelerator` (the model sharded first with
+    # --fsdp2 / --memory_parallel; sparse memory finetuning set up with --smf_*).
+    model, optimizer, memory_optimizer, train_dataloader, smf = prepare_training(
+        accelerator, args, model, train_dataset if do_train else None, train_collator,
+        tokenizer=tokenizer, max_seq_length=max_seq_length, logger=logger,
     )
-    memory_optimizer = rest.pop(0) if memory_optimizer is not None else None
-    train_dataloader = rest.pop(0) if do_train else None
     optimizers = [o for o in (optimizer, memory_optimizer) if o is not None]
-    register_sharded_checkpointing(accelerator, model, optimizers, args)  # --fsdp2: model and optimizers via DCP
-    if smf is not None:  # each value step trains only the chosen rows; the statistics go into every checkpoint
-        smf.attach(memory_optimizer)
-        smf.register_for_checkpointing(accelerator)
 
     # Scheduler and math around the number of training steps (from the prepared, per-process dataloader).
     steps_per_epoch = plan_training_steps(args, train_dataloader)

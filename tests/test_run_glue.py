@@ -147,7 +147,7 @@ def test_convert_on_load_baseline_and_frozen_memory(data, tmp_path):
     data["tokenizer"].save_pretrained(bert_dir)
 
     baseline = run_glue.main(glue_args(str(bert_dir), data, tmp_path / "baseline", "--max_train_steps 2"))
-    assert "eval_accuracy" in baseline and not any("memory" in key for key in baseline)
+    assert "eval_accuracy" in baseline and not any("memory/" in key for key in baseline)  # peak_memory_mb: device
     assert json.loads((tmp_path / "baseline" / "config.json").read_text())["model_type"] == "bert"
 
     pkm_flags = "--pkm_layers 1 --pkm_n_keys 8 --pkm_heads 2 --pkm_knn 4 --pkm_k_dim 16"
@@ -324,3 +324,31 @@ def test_two_processes_with_memory_parallel(tiny_pkm, data, tmp_path):
     results = json.loads((output_dir / "all_results.json").read_text())
     assert results["eval_samples"] == 32 and results["step"] == 2 and 0 <= results["eval_accuracy"] <= 1
     remote_code_model(output_dir, "AutoModelForSequenceClassification")  # the folder's code, not the package
+
+
+def test_eval_steps_staleness_and_mixed_precision(tiny_pkm, data, tmp_path):
+    """The shared loop's flags: an evaluation every --eval_steps (none at epoch ends; the final one at the last step)
+    with the training loss since the previous one in metrics.jsonl, --track_staleness, --mixed_precision bf16. An
+    evaluation leaves the training random streams alone: resuming at a step that evaluated ends with the same weights."""
+    output_dir = tmp_path / "out"
+    options = "--max_train_steps 10 --eval_steps 2 --track_staleness --checkpointing_steps 4"  # 8 steps an epoch
+    results = run_glue.main(glue_args(tiny_pkm, data, output_dir, options))
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval_accuracy" in r] == [2, 4, 6, 8, 10]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 11))
+    assert all(r["train_loss"] > 0 for r in records if "eval_accuracy" in r)
+    assert results["eval_accuracy"] == records[-1]["eval_accuracy"] and results["step"] == 10
+    assert (output_dir / "staleness.safetensors").is_file() and (output_dir / "step_4" / "staleness.safetensors").is_file()
+    assert any(key.startswith("staleness/layer_1/") for key in results)
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    resumed_dir = tmp_path / "resumed"
+    run_glue.main(glue_args(tiny_pkm, data, resumed_dir, f"{options} --resume_from_checkpoint {output_dir / 'step_4'}"))
+    reference, resumed = load_file(output_dir / "model.safetensors"), load_file(resumed_dir / "model.safetensors")
+    assert all(torch.equal(reference[name], resumed[name]) for name in reference)
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # a new Accelerator with another precision
+    GradientState._reset_state()
+    bf16 = run_glue.main(glue_args(tiny_pkm, data, tmp_path / "bf16", "--max_train_steps 2 --mixed_precision bf16"))
+    assert 0 <= bf16["eval_accuracy"] <= 1 and bf16["step"] == 2

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import accelerate
 import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
@@ -206,7 +207,7 @@ def test_trackers_get_perplexities_and_memory_usage(tiny, tmp_path, monkeypatch)
     perplexity of each set; the memory usage at step 0 and at the end."""
     logged = []
     monkeypatch.setattr(
-        run_mlm.Accelerator, "log", lambda self, values, step=None, **kw: logged.append((step, values))
+        accelerate.Accelerator, "log", lambda self, values, step=None, **kw: logged.append((step, values))
     )
     options = "--max_train_steps 4 --eval_steps 2 --max_eval_samples 4 --with_tracking --evaluate_before_training"
     run(mlm_args(tiny, tmp_path / "out", options))

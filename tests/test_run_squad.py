@@ -257,6 +257,19 @@ def test_end_to_end_and_exact_resume(squad_slice, tmp_path, monkeypatch):
         assert json.loads((resumed_dir / "eval_predictions.json").read_text()) == predictions
 
 
+def test_eval_steps_and_staleness(squad_slice, tmp_path):
+    """--eval_steps evaluates during training (SQuAD scores in metrics.jsonl; none at epoch ends without it), and
+    --track_staleness writes the per-slot staleness beside the model."""
+    out = tmp_path / "out"
+    results = run_squad.main(tiny_args(squad_slice, out, "--max_train_steps", "4", "--eval_steps", "2",
+                                       "--track_staleness"))  # fmt: skip
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [r for r in records if "eval_f1" in r]
+    assert [r["step"] for r in evaluations] == [2, 4] and evaluations[-1]["eval_f1"] == results["eval_f1"]
+    assert all({"eval_exact_match", "train_loss"} <= set(r) for r in evaluations)
+    assert (out / "staleness.safetensors").is_file() and any(k.startswith("staleness/") for k in results)
+
+
 def test_plain_bert_converted_on_load_and_frozen_memory(squad_slice, tmp_path):
     from transformers import BertConfig, BertModel
 

@@ -6,6 +6,8 @@
 - `checks`: the arguments, output folder, data files and freezing, checked before a run starts;
 - `checkpoints`: atomic checkpoints, resume position, the run settings a resume must match;
 - `results`: final outputs, model card with results, tracker config, peak memory;
+- `preparation` (accelerator, seed, output folder; training dataloader, optimizers, `accelerator.prepare`), `loop` (the
+  training loop and the end of a run), `evaluation` (each process's shard, in eval mode, the random streams kept);
 - `lm_data`, `glue_data`: data; `glue_metrics`, `squad_metrics`: task metrics;
 - `trime` (TRIME losses), `sparse_finetuning` (sparse memory finetuning).
 

@@ -1,8 +1,8 @@
 """The GLUE tasks: their columns and labels as on the Hub (`nyu-mll/glue`), and readers of GLUE's own TSV files.
 
-`run_scripts/run_glue.py` gets every task into one shape, whatever the source: the Hub dataset's column names
-(`task.sentence_keys`) and a `label` column holding the Hub's class ids (`task.label_names` gives their order;
-a float score for STS-B). The TSV reader turns the files of GLUE's `download_glue_data.py` into that shape:
+`load_raw_datasets` (for `run_scripts/run_glue.py`) gets every task into one shape, whatever the source (the Hub,
+GLUE's TSV files, csv/json files): the Hub dataset's column names (`task.sentence_keys`) and a `label` column holding
+the Hub's class ids (`task.label_names` gives their order; a float score for STS-B). The TSV reader turns the files of GLUE's `download_glue_data.py` into that shape:
 
 | task | file layout (train.tsv / dev.tsv) | label |
 |---|---|---|
@@ -174,4 +174,100 @@ def load_glue_tsv(path: str | os.PathLike, task: GlueTask | str) -> datasets.Dat
     return datasets.Dataset.from_dict(read_glue_tsv(path, task), features=glue_features(task))
 
 
-__all__ = ["GLUE_TASKS", "GlueTask", "get_glue_task", "glue_features", "load_glue_tsv", "read_glue_tsv"]
+def load_raw_datasets(args) -> datasets.DatasetDict:
+    """Splits `train`, `validation` (and MNLI's `validation_mismatched`), with a `label` column of class ids/scores.
+
+    With a task, the columns and labels are the Hub's (`task.sentence_keys`, ClassLabel ids in `task.label_names`
+    order); without one, as the files have them. `args`: run_glue.py's `task_name`, `train_file`, `validation_file`,
+    `validation_mismatched_file`.
+    """
+    import datasets
+
+    task = get_glue_task(args.task_name) if args.task_name else None
+    files = {
+        split: path
+        for split, path in (
+            ("train", args.train_file),
+            ("validation", args.validation_file),
+            ("validation_mismatched", args.validation_mismatched_file),
+        )
+        if path is not None
+    }
+    if task is not None and not files:
+        # Downloading and loading a dataset from the hub.
+        try:
+            raw = datasets.load_dataset("nyu-mll/glue", task.name)
+        except Exception as error:  # offline: ConnectionError / LocalEntryNotFoundError / OfflineModeIsEnabled
+            raise RuntimeError(
+                f"could not load GLUE {task.name} from the Hub (nyu-mll/glue): {type(error).__name__}: {error}. "
+                "Offline (HF_HUB_OFFLINE=1, no network) give the task's files instead: --train_file train.tsv "
+                "--validation_file dev.tsv (GLUE's own TSV layout)."
+            ) from error
+        splits = {"train": raw["train"]}
+        for split in task.validation_splits:
+            splits["validation" if split == "validation_matched" else split] = raw[split]
+        return datasets.DatasetDict(splits)
+
+    splits = {}
+    for split, path in files.items():
+        extension = path.rsplit(".", 1)[-1]
+        if task is not None and extension == "tsv":
+            splits[split] = load_glue_tsv(path, task)
+            continue
+        if extension == "tsv":
+            dataset = datasets.load_dataset(
+                "csv", data_files={split: path}, delimiter="\t", quoting=csv.QUOTE_NONE, split=split
+            )
+        else:
+            dataset = datasets.load_dataset(
+                "json" if extension == "jsonl" else extension, data_files={split: path}, split=split
+            )
+        if "label" not in dataset.column_names:
+            raise ValueError(
+                f"{path} has no 'label' column (columns: {dataset.column_names}); every file needs its gold labels "
+                "in a column named 'label'"
+            )
+        if task is not None:
+            dataset = to_task_columns(dataset, task, path)
+        splits[split] = dataset
+    return datasets.DatasetDict(splits)
+
+
+def to_task_columns(dataset: datasets.Dataset, task, path: str) -> datasets.Dataset:
+    """A csv/json file of a GLUE task: checks the Hub's column names, turns label names into class ids."""
+    import datasets
+    import numpy as np
+
+    needed = [key for key in task.sentence_keys if key is not None]
+    missing = [key for key in needed if key not in dataset.column_names]
+    if missing:
+        raise ValueError(
+            f"{path}: GLUE {task.name} needs the columns {needed + ['label']}, missing {missing} "
+            f"(columns: {dataset.column_names})"
+        )
+    if task.is_regression:
+        return dataset.cast_column("label", datasets.Value("float32"))
+    names = list(task.label_names)
+
+    def label_id(example):
+        label = example["label"]
+        if isinstance(label, str) and label in names:
+            return {"label": names.index(label)}
+        if isinstance(label, (int, np.integer)) or (isinstance(label, str) and label.isdigit()):
+            if 0 <= int(label) < len(names):
+                return {"label": int(label)}
+        raise ValueError(f"{path}: label {label!r} is not a {task.name} label ({names} or 0..{len(names) - 1})")
+
+    dataset = dataset.map(label_id)
+    return dataset.cast_column("label", datasets.ClassLabel(names=names))
+
+
+__all__ = [
+    "GLUE_TASKS",
+    "GlueTask",
+    "get_glue_task",
+    "glue_features",
+    "load_glue_tsv",
+    "load_raw_datasets",
+    "read_glue_tsv",
+]

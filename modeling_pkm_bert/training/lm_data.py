@@ -180,35 +180,25 @@ def evaluate_language_model(
     usage of every memory layer on the first set: (metrics, {layer: usage}). `score(model, batch)` gives a batch's
     (summed loss, summed TRIME loss, scored tokens); a batch without a scored token is skipped.
 
-    Each process scores its own contiguous shard in order with the unwrapped model, so every example counts exactly
-    once (a prepared dataloader repeats examples to even out the last batch, which would count their memory lookups
-    twice) and no collective runs per batch; the sums are reduced across processes at the end of each set.
-    Evaluation never draws from the training random streams (an exact resume depends on them).
+    Each process scores its own contiguous shard with the unwrapped model (`training.evaluation`: every example, and
+    its memory lookups, counted once; the training random streams untouched); the sums are reduced across processes
+    at the end of each set.
     """
     import torch
-    from torch.utils.data import DataLoader
 
     from ..analysis.memory_usage import gather, track_memory_usage
+    from .evaluation import evaluating, shard_batches
     from .optimization import memory_modules
     from .trime import perplexity
 
-    model = accelerator.unwrap_model(model)
-    was_training = model.training
-    model.eval()
     metrics, usage = {}, {}
-    with torch.random.fork_rng(devices=[]):
+    with evaluating(accelerator, model) as unwrapped:
         for index, (name, dataset) in enumerate(eval_datasets.items()):
-            shard = dataset.shard(
-                num_shards=accelerator.num_processes, index=accelerator.process_index, contiguous=True
-            )
-            dataloader = DataLoader(shard, collate_fn=collate_fn, batch_size=batch_size)
-            track = measure_memory_usage and index == 0 and memory_modules(model)
+            track = measure_memory_usage and index == 0 and memory_modules(unwrapped)
             totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # (loss, TRIME loss, tokens)
-            with track_memory_usage(model) if track else contextlib.nullcontext() as tracker:
-                for batch in dataloader:
-                    batch = {key: value.to(accelerator.device) for key, value in batch.items()}
-                    with torch.no_grad(), accelerator.autocast():
-                        loss, trime_loss, tokens = score(model, batch)
+            with track_memory_usage(unwrapped) if track else contextlib.nullcontext() as tracker:
+                for batch in shard_batches(accelerator, dataset, collate_fn, batch_size):
+                    loss, trime_loss, tokens = score(unwrapped, batch)
                     if tokens > 0:
                         totals += torch.stack([loss.double(), trime_loss.double(), tokens.double()])
             totals = accelerator.reduce(totals, reduction="sum")
@@ -220,6 +210,4 @@ def evaluate_language_model(
             if track:
                 gather(tracker, accelerator)
                 usage = tracker.results()
-    if was_training:
-        model.train()
     return metrics, usage
