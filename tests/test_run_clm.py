@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, BertTokenizer
 
 from modeling_pkm_bert import BertPkmForCausalLM, register_auto_classes
+from modeling_pkm_bert.training import sparse_finetuning
 from modeling_pkm_bert.training.sparse_finetuning import STATISTICS_NAME, BackgroundStatistics
 
 
@@ -250,7 +251,7 @@ def test_sparse_memory_finetuning_trains_only_chosen_rows_and_resumes_exactly(ca
     (at most --smf_top_t a step), the background statistics (causal blocks) go beside the model and into every
     checkpoint, and a resumed run ends with the weights of the straight one."""
     chosen = []
-    setup = run_clm.setup_sparse_memory_finetuning
+    setup = sparse_finetuning.setup_from_args  # prepare_training calls it
 
     def spy(*args, **kwargs):  # records the rows chosen at every step
         smf = setup(*args, **kwargs)
@@ -264,7 +265,7 @@ def test_sparse_memory_finetuning_trains_only_chosen_rows_and_resumes_exactly(ca
         smf.select = select_and_record
         return smf
 
-    monkeypatch.setattr(run_clm, "setup_sparse_memory_finetuning", spy)
+    monkeypatch.setattr(sparse_finetuning, "setup_from_args", spy)
     straight = tmp_path / "straight"
     run(smf_args(causal_checkpoint, straight, "--checkpointing_steps 3"))
     initial, trained = load_file(causal_checkpoint / "model.safetensors"), load_file(straight / "model.safetensors")
