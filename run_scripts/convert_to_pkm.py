@@ -15,15 +15,19 @@ import sys
 from pathlib import Path
 
 
-# `--help` imports the flag module only (standard library; the package's import is lazy), not torch or transformers
-HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-from modeling_pkm_bert.training.arguments import TARGET_CLASSES, add_pkm_arguments, card_command, hub_model_id  # noqa: E402
+from modeling_pkm_bert.training.arguments import (  # noqa: E402
+    TARGET_CLASSES,
+    add_pkm_arguments,
+    card_command,
+    help_requested,
+    hub_model_id,
+)
 
 
-if not HELP:
+if not help_requested(__name__):  # `--help` prints at once: the libraries below load only for a run
     from transformers import set_seed
 
     from modeling_pkm_bert.hub.conversion import (

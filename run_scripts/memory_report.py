@@ -22,12 +22,12 @@ import sys
 from pathlib import Path
 
 
-# `--help` prints every flag at once: the package (torch, transformers) is imported only for a report
-HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-if not HELP:
+from modeling_pkm_bert.training.arguments import help_requested  # noqa: E402 (standard library only)
+
+if not help_requested(__name__):  # `--help` prints at once: the libraries below load only for a run
     from modeling_pkm_bert.analysis import (
         MemoryReportError,
         check_run_dir,

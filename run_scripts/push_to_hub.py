@@ -22,12 +22,12 @@ import sys
 from pathlib import Path
 
 
-# `--help` imports nothing heavy (the package's import is lazy; its modules below load torch and transformers)
-HELP = __name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-if not HELP:
+from modeling_pkm_bert.training.arguments import help_requested  # noqa: E402 (standard library only)
+
+if not help_requested(__name__):  # `--help` prints at once: the libraries below load only for a run
     from modeling_pkm_bert.hub.refresh import refresh_code
     from modeling_pkm_bert.hub.model_card import write_model_card
     from modeling_pkm_bert.hub.upload import TOKENIZER_FILES, check_hub_folder, files_to_upload, push_folder_to_hub

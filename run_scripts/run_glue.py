@@ -55,13 +55,12 @@ from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_smf_arguments,
     add_training_arguments,
     card_command,
+    help_requested,
 )
 from modeling_pkm_bert.training.glue_data import GLUE_TASKS  # noqa: E402  (standard library only until its loaders run)
 
 
-# `--help` answers in a fraction of a second from the flag modules above (standard library only): torch,
-# transformers, datasets and accelerate take ~6 s of CPU to import, so they load only for a run.
-if not (__name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])):
+if not help_requested(__name__):  # `--help` prints at once: the libraries below load only for a run
     from accelerate.logging import get_logger
     from accelerate.utils import gather_object
     from datasets import DatasetDict

@@ -36,12 +36,11 @@ from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_smf_arguments,
     add_training_arguments,
     card_command,
+    help_requested,
 )
 
 
-# `--help` answers in a fraction of a second from the flag modules above (standard library only): torch,
-# transformers, datasets and accelerate take ~6 s of CPU to import, so they load only for a run.
-if not (__name__ == "__main__" and any(arg in ("-h", "--help") for arg in sys.argv[1:])):
+if not help_requested(__name__):  # `--help` prints at once: the libraries below load only for a run
     import numpy as np
     from accelerate.logging import get_logger
     from accelerate.utils import gather_object
