@@ -36,7 +36,6 @@ from __future__ import annotations  # annotations name torch/datasets types that
 
 import argparse
 import importlib.util
-import math
 import os
 import random
 import sys
@@ -77,7 +76,13 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
         format_class_usage,
         glue_compute_metrics,
     )
-    from modeling_pkm_bert.training.loop import TrainingLoop, create_scheduler, finish_run, plan_training_steps
+    from modeling_pkm_bert.training.loop import (
+        TrainingLoop,
+        create_scheduler,
+        finish_run,
+        plan_training_steps,
+        warmup_steps,
+    )
     from modeling_pkm_bert.training.preparation import prepare_training, start_run
     from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
     from modeling_pkm_bert.training import (
@@ -403,10 +408,7 @@ def main(argv=None):
 
     # Scheduler and math around the number of training steps (from the prepared, per-process dataloader).
     steps_per_epoch = plan_training_steps(args, train_dataloader)
-    num_warmup_steps = args.num_warmup_steps
-    if num_warmup_steps is None:
-        num_warmup_steps = math.ceil(args.warmup_ratio * args.max_train_steps)
-    lr_scheduler = create_scheduler(accelerator, args, optimizer, num_warmup_steps)
+    lr_scheduler = create_scheduler(accelerator, args, optimizer)  # warm-up: --num_warmup_steps or --warmup_ratio
 
     # We need to initialize the trackers we use, and also store our configuration (secrets removed).
     if args.with_tracking:
@@ -459,7 +461,7 @@ def main(argv=None):
 
     # Train!
     if do_train:
-        loop.announce(str(len(train_dataset)), f"Warm-up steps = {num_warmup_steps}")
+        loop.announce(str(len(train_dataset)), f"Warm-up steps = {warmup_steps(args)}")
         loop.resume()  # Potentially load in the weights and states from a previous save
         for epoch in loop.epochs():
             for batch in loop.batches(epoch):

@@ -369,7 +369,7 @@ def main(argv=None):
 
     # Scheduler and math around the number of training steps (from the prepared, per-process dataloader).
     steps_per_epoch = plan_training_steps(args, train_dataloader)
-    lr_scheduler = create_scheduler(accelerator, args, optimizer, args.num_warmup_steps)
+    lr_scheduler = create_scheduler(accelerator, args, optimizer)
 
     # We need to initialize the trackers we use, and also store our configuration (secrets removed).
     if args.with_tracking:

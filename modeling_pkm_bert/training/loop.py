@@ -41,11 +41,20 @@ def plan_training_steps(args, train_dataloader) -> int:
     return steps_per_epoch
 
 
-def create_scheduler(accelerator, args, optimizer, num_warmup_steps: int):
-    """The main optimizer's learning-rate schedule (`--lr_scheduler_type`), prepared. A prepared scheduler advances
-    once per process at each optimizer step, hence the factor num_processes."""
+def warmup_steps(args) -> int:
+    """The main schedule's warm-up: `--num_warmup_steps`, else (run_glue, run_squad) `--warmup_ratio` of the steps."""
+    if args.num_warmup_steps is not None:
+        return args.num_warmup_steps
+    return math.ceil(args.warmup_ratio * args.max_train_steps)
+
+
+def create_scheduler(accelerator, args, optimizer, num_warmup_steps: int | None = None):
+    """The main optimizer's learning-rate schedule (`--lr_scheduler_type`, warm-up `warmup_steps(args)` unless given),
+    prepared. A prepared scheduler advances once per process at each optimizer step, hence the factor num_processes."""
     from transformers import get_scheduler
 
+    if num_warmup_steps is None:
+        num_warmup_steps = warmup_steps(args)
     return accelerator.prepare(
         get_scheduler(
             name=args.lr_scheduler_type,
