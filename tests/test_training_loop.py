@@ -104,3 +104,84 @@ def test_a_changed_setting_stops_the_resume(tmp_path):
     train(make_args(tmp_path, checkpointing_steps="4"))
     with pytest.raises(ValueError, match="learning_rate"):
         train(make_args(tmp_path, checkpointing_steps="4", learning_rate=0.2, resume_from_checkpoint="latest"))
+
+
+# ---------------------------------------------------------------------------------------------- fp16 loss scaling
+# CUDA's fp16 path simulated on CPU: a GradScaler("cpu") where accelerate keeps its scaler (`accelerator.scaler`), the
+# loop's step otherwise as the scripts run it. With two optimizers (main AdamW, the memory values' own) accelerate's
+# prepared optimizers each ran `scaler.step` and `scaler.update()`: a values' update 1/scale of the right one with
+# --memory_max_grad_norm, half of it when the scale grew that step.
+
+
+def fp16_run(memory_optimizer, max_norm, scaler=None, steps=2, poison_step=None):
+    """`steps` optimizer steps of a tiny BertPkmForMaskedLM through `TrainingLoop.step`, the values in their own
+    optimizer; with `scaler` injected where accelerate puts its own. `poison_step`: that step's gradient of one main
+    weight is made inf. Returns (value tables before, after, the other weights before, after, the loop)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from conftest import tiny_config
+    from modeling_pkm_bert import BertPkmForMaskedLM
+    from modeling_pkm_bert.training.optimization import create_memory_optimizer, optimizer_param_groups
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True)
+    if scaler is not None:  # where accelerate keeps the scaler of --mixed_precision fp16 on CUDA (no fp16 autocast
+        accelerator.scaler = scaler  # on CPU: the scaled and the plain run compute the same gradients)
+    torch.manual_seed(0)
+    model = BertPkmForMaskedLM(tiny_config(pkm_layers=[1]))
+    args = make_args(None, memory_optimizer=memory_optimizer, memory_max_grad_norm=max_norm, max_train_steps=steps)
+    main_groups, memory_groups = optimizer_param_groups(model, 0.01)
+    optimizer = torch.optim.AdamW(main_groups, lr=1e-3)
+    memory = create_memory_optimizer(memory_groups, args, model)
+    model, optimizer, memory = accelerator.prepare(model, optimizer, memory)
+    scheduler = create_scheduler(accelerator, args, optimizer, num_warmup_steps=0)
+    loop = TrainingLoop(
+        accelerator, args, model, [optimizer, memory], scheduler, None, steps_per_epoch=steps, settings={},
+        logger=LOGGER, memory_optimizer=memory,
+    )  # fmt: skip
+    unwrapped = accelerator.unwrap_model(model)
+    table = unwrapped.bert.encoder.layer[1].memory.values.weight
+    other = unwrapped.bert.encoder.layer[0].attention.self.query.weight
+    before = table.detach().clone(), other.detach().clone()
+    generator = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        input_ids = torch.randint(5, 99, (4, 8), generator=generator)
+        handle = None
+        if step == poison_step:
+            handle = other.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+        with accelerator.accumulate(model):
+            loop.step(model(input_ids=input_ids, labels=input_ids).loss)
+        if handle is not None:
+            handle.remove()
+    return before[0], table.detach().clone(), before[1], other.detach().clone(), loop
+
+
+@pytest.mark.parametrize("memory_optimizer", ["adam", "sgd", "sparse_row_adam"])
+@pytest.mark.parametrize("max_norm", [None, 1e-3])
+def test_fp16_loss_scaling_steps_every_optimizer_with_one_scale(memory_optimizer, max_norm):
+    """Under an injected GradScaler whose scale grows at every step (growth_interval=1), every optimizer's update equals
+    the scaler-free run's (to rounding), with and without --memory_max_grad_norm, for every memory optimizer; the scale
+    is updated once a step."""
+    table0, table, other0, other, _ = fp16_run(memory_optimizer, max_norm)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    scaled0, scaled, scaled_other0, scaled_other, _ = fp16_run(memory_optimizer, max_norm, scaler)
+    assert torch.equal(table0, scaled0) and torch.equal(other0, scaled_other0)
+    assert (table - table0).abs().max() > 0
+    torch.testing.assert_close(scaled - scaled0, table - table0, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(scaled_other - scaled_other0, other - other0, rtol=1e-4, atol=1e-7)
+    assert scaler.get_scale() == 1024.0 * 2**2  # two steps, each one growth: one update a step
+
+
+@pytest.mark.parametrize("memory_optimizer", ["adam", "sparse_row_adam"])
+@pytest.mark.parametrize("max_norm", [None, 1e-3])
+def test_fp16_overflow_skips_every_optimizer_and_the_schedule(memory_optimizer, max_norm):
+    """One non-finite gradient of a main weight: neither the main optimizer nor the memory's steps, the schedule stays,
+    the scale is halved once; the next step trains again."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=100)
+    table0, table, other0, other, loop = fp16_run(memory_optimizer, max_norm, scaler, steps=1, poison_step=0)
+    assert torch.equal(table, table0) and torch.equal(other, other0)
+    assert scaler.get_scale() == 512.0
+    assert loop.lr_scheduler.scheduler.last_epoch == 0  # not advanced by the skipped step
+    table0, table, other0, other, loop = fp16_run(memory_optimizer, max_norm, scaler, steps=2, poison_step=0)
+    assert not torch.equal(table, table0) and not torch.equal(other, other0)

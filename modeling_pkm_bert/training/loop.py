@@ -25,7 +25,7 @@ from typing import Callable
 
 from ..analysis.metrics_log import MetricsLog
 from .checkpoints import check_checkpoint, resolve_checkpoint, resume_position, save_checkpoint
-from .optimization import clip_memory_gradients, memory_optimizer_summary
+from .optimization import clip_memory_gradients, memory_optimizer_summary, step_optimizers
 
 
 def plan_training_steps(args, train_dataloader) -> int:
@@ -210,8 +210,9 @@ class TrainingLoop:
                 break
 
     def step(self, loss) -> None:
-        """Backward, and at the end of an accumulation: the memory gradients clipped (and SMF's rows chosen), every
-        optimizer stepped, the schedule advanced, the gradients zeroed. Call it inside `accelerator.accumulate`."""
+        """Backward, and at the end of an accumulation: sparse memory finetuning's rows chosen, the memory gradients
+        clipped, every optimizer stepped (under fp16 loss scaling all or none, the scale updated once), the schedule
+        advanced unless the step was skipped, the gradients zeroed. Call it inside `accelerator.accumulate`."""
         accelerator = self.accelerator
         value = loss.detach().float().item()
         self._recent.append(value)
@@ -219,10 +220,11 @@ class TrainingLoop:
         self._running[0] += value
         self._running[1] += 1
         accelerator.backward(loss)
-        clip_memory_gradients(accelerator, self.model, self.memory_optimizer, self.args.memory_max_grad_norm, self.smf)
-        for optimizer in self.optimizers:
-            optimizer.step()
-        self.lr_scheduler.step()
+        if self.smf is not None and accelerator.sync_gradients:
+            self.smf.mask_gradients()  # before the clipping: its norm counts only the rows the step trains
+        clip_memory_gradients(accelerator, self.model, self.memory_optimizer, self.args.memory_max_grad_norm)
+        if step_optimizers(accelerator, self.optimizers):
+            self.lr_scheduler.step()
         for optimizer in self.optimizers:
             optimizer.zero_grad()
 

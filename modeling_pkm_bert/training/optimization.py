@@ -380,10 +380,9 @@ class SparseRowAdam(torch.optim.Optimizer):
 
 def clip_memory_gradients(accelerator, model: torch.nn.Module, memory_optimizer, max_norm: float | None, smf=None):
     """`--memory_max_grad_norm`: clips the value tables' gradient to `max_norm` on its own (each shared table once),
-    after unscaling it under fp16 loss scaling; call it between `accelerator.backward` and the optimizer steps.
-    With sparse memory finetuning (`smf`, a `SparseMemoryFinetuning`), the step's rows are chosen and the gradient
-    masked first, at every optimizer step: the clipping norm counts only the rows the step trains, and the choice
-    uses up the step's reads even when the loss scaler then skips the step.
+    after unscaling it under fp16 loss scaling (once a step: `unscale_once`); call it between `accelerator.backward`
+    and `step_optimizers`. `smf` (a `SparseMemoryFinetuning`, for callers that mask here): the step's rows chosen and
+    the gradient masked first, so that the clipping norm counts only the rows the step trains.
     Returns the norm before clipping (None when there is nothing to clip)."""
     if not accelerator.sync_gradients:
         return None
@@ -391,10 +390,82 @@ def clip_memory_gradients(accelerator, model: torch.nn.Module, memory_optimizer,
         smf.mask_gradients()
     if not max_norm:
         return None
-    if getattr(accelerator, "scaler", None) is not None and memory_optimizer is not None:
-        accelerator.unscale_gradients(optimizer=memory_optimizer)
+    if memory_optimizer is not None:
+        unscale_once(getattr(accelerator, "scaler", None), memory_optimizer)
     parameters = [p for p in pkm_value_parameters(accelerator.unwrap_model(model)) if p.grad is not None]
     return clip_grad_norm_(parameters, max_norm) if parameters else None
+
+
+# fp16 loss scaling with several optimizers (the memory values' own beside the main one). accelerate's prepared
+# optimizer runs `scaler.step(optimizer)` and `scaler.update()` in each `step()`: with two optimizers the scale is
+# updated twice a step, the second optimizer's record of its unscaling is reset in between (a gradient unscaled for
+# clipping is unscaled again: 1/scale of its update) and its gradients are unscaled by a scale that may have grown
+# (half the update). Here: each optimizer unscaled once, every optimizer stepped or none (one non-finite gradient
+# skips them all), the scale updated once. Works with an injected scaler too (`accelerator.scaler`), as the tests do.
+
+
+def _torch_optimizer(optimizer):
+    """The torch optimizer inside accelerate's `AcceleratedOptimizer` (the object the scaler keeps records for)."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _scaler_record(scaler, optimizer) -> dict:
+    # torch.amp.GradScaler's per-optimizer record (stage, found_inf_per_device) since torch 1.6; it has no public
+    # accessor, and `update()` reads it to decide the next scale
+    return scaler._per_optimizer_states[id(optimizer)]
+
+
+def unscale_once(scaler, optimizer) -> None:
+    """Under loss scaling (`scaler`: `accelerator.scaler`, or the one of accelerate's prepared optimizer), divides
+    `optimizer`'s gradients by the scale unless already done this step; a no-op without a scaler."""
+    if scaler is None or not scaler.is_enabled():
+        return
+    from torch.amp.grad_scaler import OptState
+
+    optimizer = _torch_optimizer(optimizer)
+    if _scaler_record(scaler, optimizer)["stage"] is OptState.READY:
+        scaler.unscale_(optimizer)
+
+
+def _step_without_scaler(optimizer) -> None:
+    """accelerate's wrapper stepped as without loss scaling (its own `scaler.step` and `scaler.update()` left out: the
+    caller checked every optimizer's gradients and updates the scale once); its other duties (gradient accumulation,
+    the schedule's record of the step) stay."""
+    scaler = getattr(optimizer, "scaler", None)
+    if scaler is None:
+        optimizer.step()
+        return
+    optimizer.scaler = None
+    try:
+        optimizer.step()
+    finally:
+        optimizer.scaler = scaler
+
+
+def step_optimizers(accelerator, optimizers) -> bool:
+    """Steps every optimizer (accelerate's wrappers: only at the end of an accumulation). Under loss scaling: each
+    optimizer's gradients unscaled once, all stepped when every gradient is finite and none otherwise, then the scale
+    updated once. Returns whether the step was taken (False: a skipped step; the schedule must not advance)."""
+    scaler = getattr(accelerator, "scaler", None)
+    if scaler is None or not scaler.is_enabled() or not accelerator.sync_gradients:
+        for optimizer in optimizers:
+            optimizer.step()
+        return True
+    for optimizer in optimizers:
+        unscale_once(scaler, optimizer)
+    # an optimizer without any gradient (e.g. the main one while SMF freezes all but the values) has no record and
+    # nothing to step
+    checks = {id(o): _scaler_record(scaler, o)["found_inf_per_device"] for o in map(_torch_optimizer, optimizers)}
+    finite = not any(found.item() for record in checks.values() for found in record.values())
+    if finite:
+        for optimizer in optimizers:
+            if checks[id(_torch_optimizer(optimizer))]:
+                _step_without_scaler(optimizer)
+    if any(checks.values()):
+        scaler.update()  # halves the scale after a skipped step, grows it after `growth_interval` good ones
+    return finite
 
 
 def freeze_memory(model: torch.nn.Module) -> int:
@@ -476,4 +547,6 @@ __all__ = [
     "pkm_param_groups",
     "pkm_value_parameters",
     "set_sparse_values",
+    "step_optimizers",
+    "unscale_once",
 ]
