@@ -133,7 +133,7 @@ def quantize_folder(model_dir, output_dir, bits: int = 8) -> str:
     from pathlib import Path
 
     from .. import modeling_bert_pkm
-    from ..conversion import files_to_upload
+    from ..hub.upload import files_to_upload
 
     if isinstance(bits, bool) or bits not in BITS:
         raise ValueError(f"bits={bits!r}: quantize_memory_values packs 8 (int8) or 4 (4-bit) bits per value")
