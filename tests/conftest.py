@@ -75,3 +75,26 @@ def remote_code_model(folder, auto_class: str = "AutoModelForMaskedLM"):
     model = model_class.from_pretrained(folder)
     assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
     return model
+
+
+@pytest.fixture
+def simulate_fp16():
+    """`with simulate_fp16(accelerator, scaler): ...`: accelerate's `--mixed_precision fp16` path on CPU, the closest
+    simulation of CUDA's: `scaler` (a `torch.amp.GradScaler("cpu")`) where accelerate keeps its scaler, native AMP with
+    fp16 as the mixed precision (so accelerate unscales before clipping, as on a GPU), but autocast off, so that a
+    scaled and a plain run compute the same gradients and their updates agree to rounding. Undone on exit (the
+    accelerator state is shared by every Accelerator of the process)."""
+    import contextlib
+
+    from accelerate.utils import AutocastKwargs
+
+    @contextlib.contextmanager
+    def simulate(accelerator, scaler):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(accelerator, "scaler", scaler)
+            patch.setattr(accelerator, "native_amp", True)
+            patch.setattr(accelerator, "autocast_handler", AutocastKwargs(enabled=False))
+            patch.setattr(accelerator.state, "_mixed_precision", "fp16")
+            yield accelerator
+
+    return simulate

@@ -2,6 +2,7 @@
 transformers.Trainer (value group, checkpoint/resume), PEFT LoRA (exact reload), sentence-transformers (conversion,
 encode, fine-tune)."""
 
+import contextlib
 import copy
 import json
 import shutil
@@ -488,3 +489,26 @@ def test_malformed_or_missing_sentence_transformers_module_files_raise(tmp_path)
     shutil.rmtree(tmp_path / "1_Pooling")
     with pytest.raises(ValueError, match=r"module 1 \(sentence_transformers.models.Pooling\) is at '1_Pooling'.*missing"):
         sentence_transformers_files(tmp_path)
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1e-3])
+@pytest.mark.parametrize("memory_optimizer", ["adam", "sparse_row_adam"])
+def test_pkm_trainer_under_fp16_loss_scaling_updates_as_without_it(tmp_path, simulate_fp16, memory_optimizer, max_grad_norm):
+    """fp16 loss scaling simulated on CPU (an injected GradScaler("cpu") whose scale grows every step): PkmTrainer's
+    values and main weights move as in the scaler-free run, to rounding; one scale update per step."""
+    def train(scaler=None):
+        torch.manual_seed(0)
+        model = BertPkmForMaskedLM(tiny_config(pkm_layers=[0, 1]))
+        initial = [p.detach().clone() for p in model.parameters()]
+        args = training_args(tmp_path, max_steps=2, save_strategy="no", max_grad_norm=max_grad_norm, warmup_steps=0)
+        trainer = PkmTrainer(model=model, args=args, train_dataset=mlm_dataset(8), memory_optimizer=memory_optimizer)
+        with simulate_fp16(trainer.accelerator, scaler) if scaler is not None else contextlib.nullcontext():
+            trainer.train()
+        return [after.detach() - before for before, after in zip(initial, model.parameters())]
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    scaled, plain = train(scaler), train()
+    assert scaler.get_scale() == 1024.0 * 2**2
+    assert any(update.abs().max() > 0 for update in plain)
+    for update_scaled, update in zip(scaled, plain):  # Adam's update of a gradient at rounding level flips sign
+        torch.testing.assert_close(update_scaled, update, rtol=1e-3, atol=2e-6)

@@ -3,6 +3,7 @@ optimizer, dense and sparse gradients, shared tables), background statistics (pa
 background blocks of a masked and of a causal LM, the transformers.Trainer callback, run_mlm.py (exact resume, 2
 processes; run_clm.py's are in test_run_clm.py) and the benchmark's --quick mode."""
 
+import contextlib
 import math
 import os
 import subprocess
@@ -609,7 +610,10 @@ def test_scripts_mask_before_clipping_the_memory_gradient():
     torch.testing.assert_close(update_big, update, rtol=1e-6, atol=0)
 
 
-def test_trainer_callback_masks_before_clipping(tmp_path):
+@pytest.mark.parametrize("fp16", [False, True])
+def test_trainer_callback_masks_before_clipping(tmp_path, simulate_fp16, fp16):
+    """Also under fp16 loss scaling (simulated: an injected GradScaler), where Trainer has unscaled the gradients for
+    its gradient-norm log before the callback clips: unscaled once, the same update."""
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
@@ -627,7 +631,9 @@ def test_trainer_callback_masks_before_clipping(tmp_path):
         trainer = Trainer(
             model=model, args=arguments, train_dataset=dataset, callbacks=[callback], optimizers=(optimizer, scheduler)
         )
-        trainer.train()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        with simulate_fp16(trainer.accelerator, scaler) if fp16 else contextlib.nullcontext():
+            trainer.train()
         smf.chosen = callback.smf.chosen
         assert arguments.max_grad_norm == 1e-3  # given back
 
@@ -635,6 +641,11 @@ def test_trainer_callback_masks_before_clipping(tmp_path):
     chosen_big, update_big = _chosen_update(step, 1e3)
     assert torch.equal(chosen, chosen_big)
     torch.testing.assert_close(update_big, update, rtol=1e-6, atol=0)
+    if fp16:  # the scaler-free run's update
+        fp16 = False
+        plain_chosen, plain_update = _chosen_update(step, 0.0)
+        assert torch.equal(chosen, plain_chosen)
+        torch.testing.assert_close(update, plain_update, rtol=1e-5, atol=0)
 
 
 def eval_mode_reads(model, batch):

@@ -659,13 +659,12 @@ class SparseMemoryFinetuningCallback(_trainer_callback_base()):
         self.max_grad_norm, args.max_grad_norm = args.max_grad_norm, 0.0
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        from .optimization import clip_grad_norm_
+        from .optimization import clip_grad_norm_, unscale_once
 
         self.smf.mask_gradients()
         if self.max_grad_norm and self.max_grad_norm > 0:
-            scaler = getattr(self.optimizer, "scaler", None)  # accelerate's fp16 loss scaling: clip unscaled gradients
-            if scaler is not None:
-                scaler.unscale_(self.optimizer.optimizer)
+            # fp16 loss scaling: clip unscaled gradients (Trainer's gradient-norm log may have unscaled them already)
+            unscale_once(getattr(self.optimizer, "scaler", None), self.optimizer)
             clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], self.max_grad_norm)
 
     def on_train_end(self, args, state, control, **kwargs):
