@@ -185,3 +185,38 @@ def test_fp16_overflow_skips_every_optimizer_and_the_schedule(memory_optimizer, 
     assert loop.lr_scheduler.scheduler.last_epoch == 0  # not advanced by the skipped step
     table0, table, other0, other, loop = fp16_run(memory_optimizer, max_norm, scaler, steps=2, poison_step=0)
     assert not torch.equal(table, table0) and not torch.equal(other, other0)
+
+
+def test_max_train_steps_mid_epoch_writes_a_step_checkpoint_and_resumes_from_it(tmp_path):
+    """--checkpointing_steps epoch with --max_train_steps 13 (10 steps an epoch): epoch_0, then step_13 for the unfinished
+    epoch (an epoch_1 would say 20 steps were trained); `latest` picks it, and a resume with a larger budget trains the
+    7 batches left of epoch 1."""
+    _, loop, _, taken = train(make_args(tmp_path, checkpointing_steps="epoch", max_train_steps=13))
+    assert taken == 13
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["epoch_0", "step_13"]
+    resumed = make_args(
+        tmp_path, checkpointing_steps="epoch", max_train_steps=20, resume_from_checkpoint="latest",
+        allow_inexact_resume=True,  # the schedule's length changed
+    )  # fmt: skip
+    _, loop, _, taken = train(resumed)
+    assert taken == 7 and loop.completed_steps == 20
+    assert (tmp_path / "epoch_1").is_dir()
+
+
+def test_a_resumed_run_logs_as_the_uninterrupted_one(tmp_path):
+    """metrics.jsonl after a resume from step_4 of a run killed at step 6: the steps 5 and 6 of the killed run are gone,
+    each step and evaluation is logged once, in order, as in the uninterrupted run (a torn last line is dropped too)."""
+    options = dict(checkpointing_steps="4", eval_steps=3, num_train_epochs=1)
+    train(make_args(tmp_path / "full", **options))
+    train(make_args(tmp_path / "cut", **options), stop_after=6)
+    with open(tmp_path / "cut" / "metrics.jsonl", "a") as log:
+        log.write('{"step": 7, "lo')  # killed while writing
+    train(make_args(tmp_path / "cut", resume_from_checkpoint="latest", **options))
+
+    def records(run):
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k != "time"} for line in lines]
+
+    full, resumed = records("full"), records("cut")
+    assert [r["step"] for r in resumed] == [r["step"] for r in full] == sorted(r["step"] for r in full)
+    assert resumed == full

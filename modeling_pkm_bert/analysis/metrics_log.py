@@ -31,6 +31,18 @@ class MetricsLog:
             if not resume and os.path.exists(self.path):
                 os.remove(self.path)
 
+    def truncate(self, step: int) -> None:
+        """Drops the records after `step` (a resumed run continues from its checkpoint's step: the interrupted run's
+        later records are trained again), rewriting the log atomically."""
+        if self.path is None or not os.path.exists(self.path):
+            return
+        with open(self.path, encoding="utf-8") as handle:
+            lines = [line for line in handle if _step_of(line) is not None and _step_of(line) <= step]
+        temporary = f"{self.path}.tmp"
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.writelines(lines)
+        os.replace(temporary, self.path)
+
     def log(self, metrics: dict, step: int) -> None:
         if self.path is None:
             return
@@ -38,6 +50,15 @@ class MetricsLog:
         record.update({k: float(v) if isinstance(v, float) else v for k, v in metrics.items() if _is_scalar(v)})
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
+
+
+def _step_of(line: str) -> int | None:
+    """The step of a log line; None for a blank or torn one (a run killed while writing it)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record.get("step") if isinstance(record, dict) else None
 
 
 def _is_scalar(value) -> bool:

@@ -13,12 +13,14 @@ CHECKPOINT_NAME = re.compile(r"^(step|epoch)_(\d+)$")
 
 
 def save_checkpoint(
-    accelerator, output_dir: str | None, name: str, settings: dict | None = None, staleness=None
-) -> str:
+    accelerator, output_dir: str | None, name: str, settings: dict | None = None, staleness=None,
+    loss_state: dict | None = None,
+) -> str:  # fmt: skip
     """`accelerator.save_state` into `output_dir/name` atomically: written to `name.tmp`, then renamed, so an
     interrupted save never leaves a half-written `step_N`/`epoch_N` that a resume would pick up. `settings`
     (`run_settings`) go to `run_settings.json`, a `StalenessTracker`'s state to `staleness.safetensors` (never a
-    pickle), both inside the folder before it is renamed."""
+    pickle), the training loop's running loss (`loss_state`) to `loss_state.json`, all inside the folder before it is
+    renamed."""
     import shutil
 
     from ..serving import check_not_quantized
@@ -35,6 +37,8 @@ def save_checkpoint(
     if accelerator.is_main_process:
         if settings is not None:
             atomic_write_json(os.path.join(temporary, RUN_SETTINGS_FILE), settings)
+        if loss_state is not None:
+            atomic_write_json(os.path.join(temporary, LOSS_STATE_FILE), loss_state)
         if staleness is not None:
             from ..analysis.staleness import STALENESS_FILE
 
@@ -51,6 +55,20 @@ def save_checkpoint(
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+LOSS_STATE_FILE = "loss_state.json"
+
+
+def read_loss_state(checkpoint: str) -> dict | None:
+    """The training loop's running loss saved with `checkpoint` (`loss_state.json`), or None where it has none."""
+    import json
+
+    path = os.path.join(checkpoint, LOSS_STATE_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
 
 
 def _pause_for_tests(name: str, temporary: str) -> None:
@@ -83,26 +101,32 @@ def resume_position(
     return epoch, number, steps_into_epoch * gradient_accumulation_steps
 
 
-def latest_checkpoint(output_dir: str) -> str | None:
-    """The most advanced `step_N` / `epoch_E` folder in `output_dir` (by optimizer steps; an `epoch_E` counts as the
-    end of epoch E, after every step of it), or None. Half-written `*.tmp` folders are never picked."""
+def latest_checkpoint(output_dir: str, steps_per_epoch: int | None = None) -> str | None:
+    """The most advanced `step_N` / `epoch_E` folder in `output_dir`, or None. With `steps_per_epoch` both kinds are
+    ordered by the optimizer steps they hold (`epoch_E`: (E + 1) * steps_per_epoch), so the step checkpoint that a
+    `--max_train_steps` stop writes in an unfinished epoch comes after the finished epochs; without it an `epoch_E`
+    counts as after every `step_N` (SMF's statistics, read before the steps are planned, are the same in all).
+    Half-written `*.tmp` folders are never picked."""
     if not output_dir or not os.path.isdir(output_dir):
         return None
     found = []
     for name in os.listdir(output_dir):
         match = CHECKPOINT_NAME.match(name)
         if match and os.path.isdir(os.path.join(output_dir, name)):
-            number = int(match.group(2))
-            # order: by epoch for epoch_E (after its steps), by step for step_N; the two kinds are not mixed in a run
-            found.append(((match.group(1) == "epoch", number), name))
+            is_epoch, number = match.group(1) == "epoch", int(match.group(2))
+            if steps_per_epoch:
+                steps = (number + 1) * steps_per_epoch if is_epoch else number
+                found.append(((steps, is_epoch), name))
+            else:
+                found.append(((is_epoch, number), name))
     return os.path.join(output_dir, max(found)[1]) if found else None
 
 
-def resolve_checkpoint(resume_from_checkpoint: str, output_dir: str | None) -> str:
-    """The folder `--resume_from_checkpoint` names: a path, or `latest` for `latest_checkpoint(output_dir)`."""
+def resolve_checkpoint(resume_from_checkpoint: str, output_dir: str | None, steps_per_epoch: int | None = None) -> str:
+    """The folder `--resume_from_checkpoint` names: a path, or `latest` for `latest_checkpoint(output_dir, ...)`."""
     if resume_from_checkpoint != "latest":
         return resume_from_checkpoint
-    checkpoint = latest_checkpoint(output_dir)
+    checkpoint = latest_checkpoint(output_dir, steps_per_epoch)
     if checkpoint is None:
         raise ValueError(f"--resume_from_checkpoint latest: no step_<N>/epoch_<E> folder in {output_dir}")
     return checkpoint

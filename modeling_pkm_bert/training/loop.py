@@ -24,7 +24,7 @@ import time
 from typing import Callable
 
 from ..analysis.metrics_log import MetricsLog
-from .checkpoints import check_checkpoint, resolve_checkpoint, resume_position, save_checkpoint
+from .checkpoints import check_checkpoint, read_loss_state, resolve_checkpoint, resume_position, save_checkpoint
 from .optimization import clip_memory_gradients, memory_optimizer_summary, step_optimizers
 
 
@@ -112,7 +112,9 @@ class TrainingLoop:
         self.completed_steps, self.starting_epoch, self.resume_batches = 0, 0, 0
         self.batch_index = 0  # of the current batch in its epoch, skipped batches of a resumed epoch counted
         self.train_loss = None  # the mean loss of the batches since the last evaluation (or epoch end)
-        self._running, self._step_losses = [0.0, 0], []
+        # the losses since the last evaluation (their sum and count), kept in checkpoints: a resumed run logs the same
+        # train_loss at its next evaluation as the uninterrupted one
+        self.loss_sum, self.loss_count, self._step_losses = 0.0, 0, []
         self._recent = collections.deque(maxlen=20)  # the progress bar's loss
         self._train_time, self._steps_timed, self._runtime = 0.0, 0, 0.0
 
@@ -148,7 +150,7 @@ class TrainingLoop:
             return
         from ..analysis.staleness import STALENESS_FILE
 
-        checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+        checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir, self.steps_per_epoch)
         if self.staleness is not None and not os.path.isfile(os.path.join(checkpoint, STALENESS_FILE)):
             raise ValueError(f"{checkpoint} holds no staleness state: resume it without --track_staleness")
         check_checkpoint(checkpoint, self.settings, args.allow_inexact_resume, accelerator.process_index, self.logger)
@@ -159,6 +161,12 @@ class TrainingLoop:
         self.starting_epoch, self.completed_steps, self.resume_batches = resume_position(
             checkpoint, self.steps_per_epoch, args.gradient_accumulation_steps
         )
+        # the interrupted run's records past the checkpoint are trained again: the log reads as the uninterrupted one
+        self.metrics_log.truncate(self.completed_steps)
+        loss_state = read_loss_state(checkpoint)  # absent in checkpoints of earlier versions: counted from here
+        if loss_state is not None:
+            self.loss_sum, self.loss_count = loss_state["loss_sum"], loss_state["loss_count"]
+            self.train_loss = loss_state["train_loss"]
 
     def epochs(self):
         """The epochs still to run; after each: the evaluation (not after the last), the log, an epoch checkpoint."""
@@ -177,7 +185,10 @@ class TrainingLoop:
             if not self.eval_steps and not last_epoch:  # the last one is the script's final evaluation
                 self._evaluate(f"epoch {epoch}")
             if args.checkpointing_steps == "epoch":
-                self._checkpoint(f"epoch_{epoch}")
+                # an epoch cut short by --max_train_steps is saved as the steps it holds: an epoch_E folder would
+                # tell a resume that all of epoch E was trained
+                finished = self.completed_steps >= (epoch + 1) * self.steps_per_epoch
+                self._checkpoint(f"epoch_{epoch}" if finished else f"step_{self.completed_steps}")
             if last_epoch:
                 break
         self.progress_bar.close()
@@ -217,8 +228,8 @@ class TrainingLoop:
         value = loss.detach().float().item()
         self._recent.append(value)
         self._step_losses.append(value)
-        self._running[0] += value
-        self._running[1] += 1
+        self.loss_sum += value
+        self.loss_count += 1
         accelerator.backward(loss)
         if self.smf is not None and accelerator.sync_gradients:
             self.smf.mask_gradients()  # before the clipping: its norm counts only the rows the step trains
@@ -236,9 +247,9 @@ class TrainingLoop:
         """`metrics` with the training loss since the last evaluation, into the metrics log and the trackers. The
         scripts call it with `final=True` for their last evaluation, which reaches the trackers with all the results
         (`finish_run`)."""
-        if self._running[1]:
-            self.train_loss = self._running[0] / self._running[1]
-        self._running = [0.0, 0]
+        if self.loss_count:
+            self.train_loss = self.loss_sum / self.loss_count
+        self.loss_sum, self.loss_count = 0.0, 0
         record = {**metrics, "train_loss": self.train_loss} if self.train_loss is not None else dict(metrics)
         self.metrics_log.log(record, step=self.completed_steps)
         if self.args.with_tracking and not final:
@@ -247,8 +258,8 @@ class TrainingLoop:
     def results(self) -> dict:
         """The training figures of `all_results.json` (the loss since the last evaluation; times in seconds: the
         whole loop, and the optimizer steps alone, which the rates count)."""
-        if self._running[1]:
-            self.train_loss = self._running[0] / self._running[1]
+        if self.loss_count:
+            self.train_loss = self.loss_sum / self.loss_count
         timed = self._train_time
         return {
             "train_loss": self.train_loss,
@@ -280,7 +291,8 @@ class TrainingLoop:
     def _checkpoint(self, name: str) -> None:
         if self.staleness is not None:
             self.staleness.synchronize()
-        save_checkpoint(self.accelerator, self.args.output_dir, name, self.settings, self.staleness)
+        loss_state = {"loss_sum": self.loss_sum, "loss_count": self.loss_count, "train_loss": self.train_loss}
+        save_checkpoint(self.accelerator, self.args.output_dir, name, self.settings, self.staleness, loss_state)
 
 
 def finish_run(
