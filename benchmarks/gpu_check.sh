@@ -6,9 +6,11 @@
 # 1. the machine: nvidia-smi, versions; the wheels of a `.whl` folder beside the checkout (packages the machine's image
 #    lacks: datasets and its dill/multiprocess, lucidrains' product-key-memory and its chain) go to /tmp/site;
 # 2. the CUDA tests: `pytest -m cuda tests/test_devices.py` and tests/test_triton_kernels.py;
-# 3. the GPU section of the benchmarks, written to $OUT/gpu_results.md (benchmarks/RESULTS.md is left alone).
+# 3. mixed precision: a few steps of run_mlm.py and run_glue.py in fp32, bf16 and fp16 compared
+#    (benchmarks/gpu_mixed_precision.py, $OUT/mixed_precision/mixed_precision.md);
+# 4. the GPU section of the benchmarks, written to $OUT/gpu_results.md (benchmarks/RESULTS.md is left alone).
 # Each part has its own time limit and log in $OUT, and a failing part does not stop the next; $OUT/summary.txt
-# lists each part's exit status and seconds. About 4 min on an H100 (worst case, every limit reached: 9 min).
+# lists each part's exit status and seconds. About 5 min on an H100 (worst case, every limit reached: 9 min 50 s).
 # On a machine without CUDA it runs end to end too (the cuda tests skip, the benchmark says "No CUDA device");
 # PYTHON picks the interpreter (default python3).
 set -u
@@ -63,8 +65,9 @@ if [ -d .whl ]; then export PYTHONPATH=/tmp/site:$PYTHONPATH; fi
 export PYTHON
 export -f environment
 part environment 60 bash -c environment
-part tests_cuda 180 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m cuda tests/test_devices.py
+part tests_cuda 150 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m cuda tests/test_devices.py
 part tests_triton 60 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py
-part benchmark_gpu 240 "$PYTHON" benchmarks/run_benchmarks.py --sections gpu --threads "$(nproc)" \
+part mixed_precision 120 "$PYTHON" benchmarks/gpu_mixed_precision.py --output_dir "$OUT/mixed_precision" --steps 20
+part benchmark_gpu 200 "$PYTHON" benchmarks/run_benchmarks.py --sections gpu --threads "$(nproc)" \
     --output "$OUT/gpu_results.md" ${QUICK:+--quick}
 cat "$SUMMARY"
