@@ -379,7 +379,7 @@ def main(argv=None):
         )
         loop.resume()  # Potentially load in the weights and states from a previous save
         for epoch in loop.epochs():
-            for batch in loop.batches(epoch):
+            for step, batch in loop.batches(epoch):
                 with accelerator.accumulate(model):
                     if args.trime:  # TRIME: the other positions of the batch (local, or also earlier blocks: long)
                         inputs, targets = {"input_ids": batch["input_ids"]}, lm_targets(batch)
@@ -387,7 +387,9 @@ def main(argv=None):
                         loss = model_trime_losses(model, inputs, targets, args.trime, chunk_size=chunk_size)[1]
                     else:
                         loss = model(**batch).loss
-                    loop.step(loss)
+                    loop.step(loss)  # backward; at an optimizer step: SMF rows, memory clipping, every optimizer
+                loop.after_batch()  # after an optimizer step: metrics log, step checkpoint, --eval_steps evaluation
+            loop.after_epoch(epoch)  # evaluation (but after the last epoch), epoch checkpoint
         results.update(
             loop.results(), train_samples=train_blocks, train_tokens_per_step=loop.total_batch_size * block_size
         )

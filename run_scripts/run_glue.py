@@ -464,11 +464,13 @@ def main(argv=None):
         loop.announce(str(len(train_dataset)), f"Warm-up steps = {warmup_steps(args)}")
         loop.resume()  # Potentially load in the weights and states from a previous save
         for epoch in loop.epochs():
-            for batch in loop.batches(epoch):
+            for step, batch in loop.batches(epoch):
                 with accelerator.accumulate(model):
                     outputs = model(**batch)
                     loss = outputs.loss
-                    loop.step(loss)
+                    loop.step(loss)  # backward; at an optimizer step: SMF rows, memory clipping, every optimizer
+                loop.after_batch()  # after an optimizer step: metrics log, step checkpoint, --eval_steps evaluation
+            loop.after_epoch(epoch)  # evaluation (but after the last epoch), epoch checkpoint
         results.update(loop.results(), train_samples=len(train_dataset))
 
     # Evaluation, with the memory usage of the fine-tuned model on the evaluation set (paper, Table 6) and, for a

@@ -409,9 +409,9 @@ def main(argv=None):
         loop.announce(f"{len(train_dataset)} (sequences of up to {max_seq_length} tokens)")
         loop.resume()  # Potentially load in the weights and states from a previous save
         for epoch in loop.epochs():
-            for batch in loop.batches(epoch):
+            for step, batch in loop.batches(epoch):
                 # The masks of this batch depend on (seed, process, epoch, batch) only.
-                seed = mask_seed(args.seed, accelerator.process_index, epoch, loop.batch_index)
+                seed = mask_seed(args.seed, accelerator.process_index, epoch, step)
                 input_ids, labels = mask_tokens(masker, batch["input_ids"], batch.pop("special_tokens_mask"), seed)
                 batch["input_ids"], batch["labels"] = input_ids.to(accelerator.device), labels.to(accelerator.device)
                 with accelerator.accumulate(model):
@@ -420,7 +420,9 @@ def main(argv=None):
                         loss = model_trime_losses(model, batch, labels, args.trime, chunk_size=args.trime_chunk_size)[1]
                     else:
                         loss = model(**batch).loss
-                    loop.step(loss)
+                    loop.step(loss)  # backward; at an optimizer step: SMF rows, memory clipping, every optimizer
+                loop.after_batch()  # after an optimizer step: metrics log, step checkpoint, --eval_steps evaluation
+            loop.after_epoch(epoch)  # evaluation (but after the last epoch), epoch checkpoint
         results.update(loop.results(), train_samples=len(train_dataset))
 
     # Evaluation: the perplexity on every evaluation set and the memory usage on the first one (section 3.2).

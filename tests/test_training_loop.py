@@ -54,12 +54,14 @@ def train(args, batches=10, stop_after=None):
     )  # fmt: skip
     loop.resume()
     for epoch in loop.epochs():
-        for inputs, targets in loop.batches(epoch):
+        for _, (inputs, targets) in loop.batches(epoch):
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.mse_loss(model(inputs), targets)
                 loop.step(loss)
+            loop.after_batch()
             if stop_after is not None and loop.completed_steps == stop_after and accelerator.sync_gradients:
                 return None, loop, evaluations, len(optimizer_steps)
+        loop.after_epoch(epoch)
     weights = torch.cat([p.detach().flatten() for p in accelerator.unwrap_model(model).parameters()])
     return weights, loop, evaluations, len(optimizer_steps)
 

@@ -1,18 +1,21 @@
 """The training loop of the four scripts: everything around the loss that each script computes in its own `main()`.
 
     loop = TrainingLoop(accelerator, args, model, optimizers, lr_scheduler, train_dataloader, ...)
-    for epoch in loop.epochs():
-        for batch in loop.batches(epoch):
+    loop.resume()                                  # --resume_from_checkpoint: state, position, running loss
+    for epoch in loop.epochs():                    # the epochs left; stops at --max_train_steps
+        for step, batch in loop.batches(epoch):    # training mode; a resumed epoch skips the batches it trained
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
-                loop.step(loss)
+                loop.step(loss)                    # backward; at an optimizer step: SMF rows, clipping, optimizers
+            loop.after_batch()                     # after an optimizer step: log, step checkpoint, --eval_steps
+        loop.after_epoch(epoch)                    # evaluation (not after the last epoch), epoch checkpoint
     results.update(loop.results())
 
 `TrainingLoop` owns what the scripts share: the exact resume (`--resume_from_checkpoint`: state, staleness, position
-in the epoch), gradient accumulation's optimizer steps (memory gradients clipped, sparse memory finetuning's rows
-chosen, every optimizer stepped and zeroed), the evaluation cadence (`--eval_steps`, else at every epoch's end but
-the last, which the script evaluates itself), atomic checkpoints (`--checkpointing_steps N|epoch`), the metrics log
-and trackers, the progress bar and the step timer.
+in the epoch, the running loss), gradient accumulation's optimizer steps (sparse memory finetuning's rows chosen, the
+memory gradients clipped, every optimizer stepped, under fp16 loss scaling all or none, and zeroed), the evaluation
+cadence (`--eval_steps`, else at every epoch's end but the last, which the script evaluates itself), atomic checkpoints
+(`--checkpointing_steps N|epoch`), the metrics log and trackers, the progress bar and the step timer.
 """
 
 from __future__ import annotations
@@ -110,13 +113,14 @@ class TrainingLoop:
         # metrics.jsonl in output_dir: every step's loss and every evaluation (continued by a resumed run)
         self.metrics_log = MetricsLog(args.output_dir, accelerator.is_main_process, resume=bool(args.resume_from_checkpoint))
         self.completed_steps, self.starting_epoch, self.resume_batches = 0, 0, 0
-        self.batch_index = 0  # of the current batch in its epoch, skipped batches of a resumed epoch counted
+        self.epoch, self.progress_bar = self.starting_epoch, None  # set by epochs()
         self.train_loss = None  # the mean loss of the batches since the last evaluation (or epoch end)
         # the losses since the last evaluation (their sum and count), kept in checkpoints: a resumed run logs the same
         # train_loss at its next evaluation as the uninterrupted one
         self.loss_sum, self.loss_count, self._step_losses = 0.0, 0, []
         self._recent = collections.deque(maxlen=20)  # the progress bar's loss
         self._train_time, self._steps_timed, self._runtime = 0.0, 0, 0.0
+        self._step_start = time.perf_counter()  # of the optimizer step under way (the rates count training alone)
 
     # ------------------------------------------------------------------------------------------------ the narrative
 
@@ -169,7 +173,7 @@ class TrainingLoop:
             self.train_loss = loss_state["train_loss"]
 
     def epochs(self):
-        """The epochs still to run; after each: the evaluation (not after the last), the log, an epoch checkpoint."""
+        """The epochs still to run, from a resumed run's own; stops once `--max_train_steps` are done."""
         from tqdm.auto import tqdm
 
         args, accelerator = self.args, self.accelerator
@@ -181,42 +185,27 @@ class TrainingLoop:
         for epoch in range(self.starting_epoch, args.num_train_epochs):
             self.epoch = epoch
             yield epoch
-            last_epoch = epoch == args.num_train_epochs - 1 or self.done
-            if not self.eval_steps and not last_epoch:  # the last one is the script's final evaluation
-                self._evaluate(f"epoch {epoch}")
-            if args.checkpointing_steps == "epoch":
-                # an epoch cut short by --max_train_steps is saved as the steps it holds: an epoch_E folder would
-                # tell a resume that all of epoch E was trained
-                finished = self.completed_steps >= (epoch + 1) * self.steps_per_epoch
-                self._checkpoint(f"epoch_{epoch}" if finished else f"step_{self.completed_steps}")
-            if last_epoch:
+            if self.done:
                 break
         self.progress_bar.close()
         self._runtime = time.perf_counter() - start
 
     def batches(self, epoch: int):
-        """The batches of `epoch` in training mode (a resumed epoch starts after the batches already trained); after
-        each optimizer step: the step's log, a step checkpoint, an evaluation (`--eval_steps`); stops at
-        `--max_train_steps`."""
+        """`(index, batch)` of `epoch` in training mode, the index counting from the epoch's start (a resumed epoch
+        starts after the batches already trained); stops once `--max_train_steps` are done."""
         accelerator = self.accelerator
         self.model.train()
         self.train_dataloader.set_epoch(epoch)
-        dataloader, self.batch_index = self.train_dataloader, 0
+        dataloader, first = self.train_dataloader, 0
         if epoch == self.starting_epoch and self.resume_batches:
             dataloader = accelerator.skip_first_batches(self.train_dataloader, self.resume_batches)
             dataloader.set_epoch(epoch)
-            self.batch_index = self.resume_batches
-        step_start = time.perf_counter()
-        for batch in dataloader:
+            first = self.resume_batches
+        self._step_start = time.perf_counter()
+        for index, batch in enumerate(dataloader, start=first):
             if self.staleness is not None:
                 self.staleness.step = self.completed_steps + 1
-            yield batch
-            self.batch_index += 1
-            if accelerator.sync_gradients:  # the accelerator has performed an optimizer step
-                self._train_time += time.perf_counter() - step_start
-                self._steps_timed += 1
-                self._after_step()
-                step_start = time.perf_counter()
+            yield index, batch
             if self.done:
                 break
 
@@ -239,6 +228,39 @@ class TrainingLoop:
         for optimizer in self.optimizers:
             optimizer.zero_grad()
 
+    def after_batch(self) -> None:
+        """After a batch that ended an accumulation (an optimizer step): the step's loss into the metrics log, a step
+        checkpoint (`--checkpointing_steps N`), an evaluation (`--eval_steps`, not at the last step: the script's
+        final one). Nothing after the other batches."""
+        if not self.accelerator.sync_gradients:
+            return
+        now = time.perf_counter()
+        self._train_time += now - self._step_start
+        self._steps_timed += 1
+        self.completed_steps += 1
+        self.progress_bar.update(1)
+        self.progress_bar.set_postfix(loss=f"{sum(self._recent) / len(self._recent):.3f}", refresh=False)
+        self.metrics_log.log({"loss": sum(self._step_losses) / len(self._step_losses)}, step=self.completed_steps)
+        self._step_losses = []
+        steps = self.completed_steps
+        if isinstance(self.checkpointing_steps, int) and steps % self.checkpointing_steps == 0:
+            self._checkpoint(f"step_{steps}")
+        if self.eval_steps and steps % self.eval_steps == 0 and not self.done:
+            self._evaluate(f"step {steps}")
+        self._step_start = time.perf_counter()  # evaluations and checkpoints are not training time
+
+    def after_epoch(self, epoch: int) -> None:
+        """After an epoch (or the part of it before `--max_train_steps`): an evaluation unless `--eval_steps` sets the
+        cadence or the training ends here (the script's final evaluation), and an epoch checkpoint
+        (`--checkpointing_steps epoch`; an epoch cut short is saved as `step_N`: an `epoch_E` folder would tell a
+        resume that all of epoch E was trained)."""
+        last_epoch = epoch == self.args.num_train_epochs - 1 or self.done
+        if not self.eval_steps and not last_epoch:
+            self._evaluate(f"epoch {epoch}")
+        if self.checkpointing_steps == "epoch":
+            finished = self.completed_steps >= (epoch + 1) * self.steps_per_epoch
+            self._checkpoint(f"epoch_{epoch}" if finished else f"step_{self.completed_steps}")
+
     @property
     def done(self) -> bool:
         return self.completed_steps >= self.args.max_train_steps
@@ -253,7 +275,7 @@ class TrainingLoop:
         record = {**metrics, "train_loss": self.train_loss} if self.train_loss is not None else dict(metrics)
         self.metrics_log.log(record, step=self.completed_steps)
         if self.args.with_tracking and not final:
-            self.accelerator.log({**record, "epoch": getattr(self, "epoch", 0)}, step=self.completed_steps)
+            self.accelerator.log({**record, "epoch": self.epoch}, step=self.completed_steps)
 
     def results(self) -> dict:
         """The training figures of `all_results.json` (the loss since the last evaluation; times in seconds: the
@@ -272,18 +294,6 @@ class TrainingLoop:
         }
 
     # -------------------------------------------------------------------------------------------------- bookkeeping
-
-    def _after_step(self) -> None:
-        self.completed_steps += 1
-        self.progress_bar.update(1)
-        self.progress_bar.set_postfix(loss=f"{sum(self._recent) / len(self._recent):.3f}", refresh=False)
-        self.metrics_log.log({"loss": sum(self._step_losses) / len(self._step_losses)}, step=self.completed_steps)
-        self._step_losses = []
-        steps = self.completed_steps
-        if isinstance(self.checkpointing_steps, int) and steps % self.checkpointing_steps == 0:
-            self._checkpoint(f"step_{steps}")
-        if self.eval_steps and steps % self.eval_steps == 0 and not self.done:  # the final one is the script's
-            self._evaluate(f"step {steps}")
 
     def _evaluate(self, when: str) -> None:
         self.log_evaluation(self.evaluate(when) if self.evaluate is not None else {})
