@@ -335,7 +335,10 @@ class ProductKeyMemory(nn.Module):
         if real.numel() == flat.shape[0]:  # no padding: no gather and scatter of the tokens
             return self.lookup(flat).view(*batch_shape, self.v_dim)
         output = flat.new_zeros(flat.shape[0], self.v_dim)
-        if real.numel():
+        # looked up even without a real token: the parameters then get (zero) gradients, which DDP and FSDP wait for
+        # on every process, and a table sharded across processes (memory parallel) is read by all of them; but a query
+        # BatchNorm in training has no statistics of 0 tokens (the scripts refuse such a batch on every process first)
+        if real.numel() or not (self.training and self.query_batchnorms()):
             output = output.index_copy(0, real, self.lookup(flat.index_select(0, real)))
         return output.view(*batch_shape, self.v_dim)
 

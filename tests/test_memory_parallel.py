@@ -325,6 +325,73 @@ def test_v_dim_not_divisible_is_refused():
     assert memories[0].values is table  # nothing replaced
 
 
+def _load_script(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "run_scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "script, source", [("run_mlm", "--config_name"), ("run_mlm", "--model_name_or_path"), ("run_glue", "--model_name_or_path")]
+)
+def test_v_dim_the_processes_do_not_divide_is_refused_at_argument_checking(tmp_path, capsys, monkeypatch, script, source):
+    """--memory_parallel on 3 processes (WORLD_SIZE, as torchrun sets it) with v_dim = hidden_size 32: one usage line
+    naming both numbers, before any model is loaded (its config alone is read). --fsdp2 pads its row shards: accepted,
+    and so is a number of processes that divides v_dim."""
+    tiny_config().save_pretrained(tmp_path / "tiny")
+    module = _load_script(script)
+    argv = [source, str(tmp_path / "tiny"), "--output_dir", str(tmp_path / "out")]
+    argv += ["--task_name", "sst2"] if script == "run_glue" else ["--tokenizer_name", str(tmp_path / "tiny")]
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit) as raised:
+        module.parse_args([*argv, "--memory_parallel"])
+    assert raised.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--memory_parallel on 3 processes: the memories' v_dim=32 (hidden_size of" in error
+    assert "is not divisible by 3" in error
+    assert not (tmp_path / "out").exists()
+    module.parse_args([*argv, "--fsdp2"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    module.parse_args([*argv, "--memory_parallel"])
+
+
+@pytest.mark.parametrize("flag", ["--fsdp2", "--memory_parallel"])
+def test_an_older_torch_is_named_at_argument_checking(tmp_path, capsys, monkeypatch, flag):
+    """FSDP2 (fully_shard) is public from torch 2.6: under an older torch the flags are refused at argument checking
+    with the version, not with an ImportError from deep inside; the library entry point says the same."""
+    from modeling_pkm_bert.parallel import fully_shard_with_memory_parallel
+
+    tiny_config().save_pretrained(tmp_path / "tiny")
+    monkeypatch.setattr(torch, "__version__", "2.5.1+cpu")
+    with pytest.raises(SystemExit) as raised:
+        _load_script("run_mlm").parse_args(["--config_name", str(tmp_path / "tiny"), flag])
+    assert raised.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{flag}: FSDP2 (torch.distributed.fsdp.fully_shard) needs torch >= 2.6; this is torch 2.5.1+cpu" in error
+    with pytest.raises(ImportError, match=r"needs torch >= 2.6; this is torch 2.5.1"):
+        fully_shard_with_memory_parallel(BertPkmForMaskedLM(tiny_config()), _FakeMesh(2))
+
+
+def test_the_declared_torch_range_is_the_tested_one():
+    """setup.py's torch minimum is the torch both test environments install (constraints.txt, constraints-min.txt):
+    the range declares only what CI runs; and FSDP2 exists in it."""
+    import ast
+    import re
+
+    from modeling_pkm_bert.parallel.arguments import FSDP2_MIN_TORCH
+
+    tree = ast.parse((REPO_ROOT / "setup.py").read_text())
+    (requirement,) = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and str(n.value).startswith("torch>=")]
+    minimum = re.match(r"torch>=([\d.]+),", requirement).group(1)
+    for constraints in ("constraints.txt", "constraints-min.txt"):
+        pinned = re.search(r"^torch==([\d.]+)$", (REPO_ROOT / constraints).read_text(), re.MULTILINE).group(1)
+        assert pinned.split(".")[:2] == minimum.split(".")[:2], (constraints, pinned, requirement)
+    assert tuple(map(int, minimum.split(".")[:2])) >= FSDP2_MIN_TORCH
+
+
 def test_two_dimensional_mesh_is_refused():
     model = BertPkmForMaskedLM(tiny_config())
     mesh = _FakeMesh(2)
@@ -389,7 +456,8 @@ def _torchrun(script, tiny, output_dir, options, processes=2):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     common = f"--config_name {tiny} --tokenizer_name {tiny} --output_dir {output_dir} --seed 3 --max_train_steps 2"
-    common += " --per_device_train_batch_size 4 --per_device_eval_batch_size 4 --max_eval_samples 8"
+    # 9 evaluation examples at 4 a batch: shards of 5 and 4, so 2 evaluation forwards on one process and 1 on the other
+    common += " --per_device_train_batch_size 4 --per_device_eval_batch_size 4 --max_eval_samples 9"
     common += " --max_seq_length 32" if script == "run_mlm.py" else " --block_size 32"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
     command += [str(REPO_ROOT / "run_scripts" / script), *common.split(), *options.split()]

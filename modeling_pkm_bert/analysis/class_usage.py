@@ -110,9 +110,11 @@ class PerClassMemoryUsage:
 
     def _hook(self, name: str):
         def count(values: nn.EmbeddingBag, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
+            indices = args[0] if args else kwargs["input"]
+            if indices.shape[0] == 0:  # a padding-only batch (evaluation.shard_batches evens out forwards with them)
+                return
             if self._token_labels is None:
                 raise RuntimeError("PerClassMemoryUsage.set_batch(labels, attention_mask) must precede each forward")
-            indices = args[0] if args else kwargs["input"]
             weights = kwargs.get("per_sample_weights", args[2] if len(args) > 2 else None)
             token_labels = self._token_labels.to(indices.device)
             if token_labels.shape[0] != indices.shape[0]:

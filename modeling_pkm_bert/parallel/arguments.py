@@ -1,6 +1,20 @@
 """The command-line flags of training across processes (standard library only: `--help` imports no torch)."""
 
 import argparse
+import re
+
+
+# torch.distributed.fsdp.fully_shard (FSDP2) is public from torch 2.6 on
+FSDP2_MIN_TORCH = (2, 6)
+
+
+def fsdp2_torch_problem(torch_version: str) -> str | None:
+    """Why a torch of version `torch_version` (e.g. `torch.__version__`) cannot run FSDP2 / memory parallel, or None."""
+    found = re.match(r"(\d+)\.(\d+)", torch_version)
+    if found and tuple(map(int, found.groups())) >= FSDP2_MIN_TORCH:
+        return None
+    minimum = ".".join(map(str, FSDP2_MIN_TORCH))
+    return f"FSDP2 (torch.distributed.fsdp.fully_shard) needs torch >= {minimum}; this is torch {torch_version}"
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:

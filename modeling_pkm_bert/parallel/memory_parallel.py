@@ -227,6 +227,11 @@ def fully_shard_with_memory_parallel(model: nn.Module, device_mesh, memory_paral
     """FSDP2 on `model`: `fully_shard` on each BERT layer and on the whole model, the value tables first sharded
     column-wise by [`shard_memory_values`] (with `memory_parallel=False`, FSDP2 shards them too, row-wise, as any
     parameter). Returns the model (now an FSDPModule)."""
+    from .arguments import fsdp2_torch_problem
+
+    problem = fsdp2_torch_problem(torch.__version__)
+    if problem:
+        raise ImportError(problem)
     from torch.distributed.fsdp import fully_shard
 
     ignored = set()
@@ -247,11 +252,59 @@ def fully_shard_with_memory_parallel(model: nn.Module, device_mesh, memory_paral
         if type(module).__name__ == "BertPkmLayer":
             fully_shard(module, mesh=device_mesh, ignored_params=(ignored | shared) or None, **fsdp_kwargs)
     fully_shard(model, mesh=device_mesh, ignored_params=ignored or None, **fsdp_kwargs)
+    check_batch_statistics_everywhere(model, device_mesh.get_group())
     # as DDP (broadcast_buffers): the buffers (the query BatchNorms' running statistics, which each process updates
     # from its own tokens) are rank 0's at the start of every training forward, so checkpoints and the saved model
     # hold one consistent set
     model.register_forward_pre_hook(lambda module, args: sync_buffers(module, device_mesh) if module.training else None)
     return model
+
+
+def check_batch_statistics_everywhere(model: nn.Module, group=None):
+    """Before each training forward of `model` (a forward pre-hook, run before any other), every process learns how
+    many real tokens each process's batch has, and all raise the same ValueError when one has fewer than the 2 its
+    query BatchNorms need for batch statistics. Without it the memory of that process alone would raise, while the
+    others wait for it in a collective (a memory-parallel exchange, an FSDP2 all-gather, DDP's gradient all-reduce).
+    One all_gather of one number per training forward; nothing when no memory has a query BatchNorm."""
+    memories = [memory for _, memory in _memories(model) if memory.query_batchnorms()]
+    if not memories:
+        return None
+
+    def check(module, args, kwargs):
+        if any(memory.training for memory in memories):
+            real_tokens = _real_tokens(args, kwargs)
+            if real_tokens is not None:
+                _refuse_too_few_real_tokens(real_tokens, group)
+
+    return model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
+
+
+def _real_tokens(args, kwargs) -> torch.Tensor | None:
+    """The number of tokens the memories look up in a BertPkm forward `(1,)`: the padding mask's ones at the current
+    positions, else every position (a 4-D attention mask: the memory's own check decides); None without inputs."""
+    input_ids, embeddings = kwargs.get("input_ids", args[0] if args else None), kwargs.get("inputs_embeds")
+    if input_ids is None and embeddings is None:
+        return None
+    positions = input_ids.shape if input_ids is not None else embeddings.shape[:-1]
+    device = (input_ids if input_ids is not None else embeddings).device
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    if mask is not None and mask.shape[:-1] == positions[:-1]:  # (..., past + current positions)
+        return mask[..., -positions[-1] :].count_nonzero().reshape(1)
+    return torch.tensor([positions.numel()], device=device)
+
+
+def _refuse_too_few_real_tokens(real_tokens: torch.Tensor, group) -> None:
+    world = dist.get_world_size(group)
+    counts = [torch.empty_like(real_tokens) for _ in range(world)]
+    dist.all_gather(counts, real_tokens, group=group)
+    few = [(rank, int(count)) for rank, count in enumerate(counts) if count < 2]
+    if few:
+        described = ", ".join(f"process {rank}: {count}" for rank, count in few)
+        raise ValueError(
+            f"real tokens (attention_mask == 1) in this training step's batch of {described}: the query BatchNorm of "
+            "each memory takes batch statistics of each process's own tokens and needs at least 2 on every process; "
+            "use larger batches (--per_device_train_batch_size) or sequences with more real tokens"
+        )
 
 
 @torch.no_grad()

@@ -17,7 +17,12 @@ import torch
 from torch import nn
 
 from .arguments import add_parallel_arguments  # noqa: F401 (re-exported)
-from .memory_parallel import fully_shard_with_memory_parallel, save_consolidated, sync_buffers
+from .memory_parallel import (
+    check_batch_statistics_everywhere,
+    fully_shard_with_memory_parallel,
+    save_consolidated,
+    sync_buffers,
+)
 
 DCP_FOLDER = "sharded_state"  # inside an accelerate checkpoint folder: model and optimizers (torch.distributed.checkpoint)
 
@@ -29,17 +34,21 @@ def enabled(args) -> bool:
 def prepare_memory_parallel(accelerator, model: nn.Module, args) -> nn.Module:
     """With `--fsdp2` / `--memory_parallel`: the model moved to the accelerator's device, sharded (FSDP2, value
     tables column-wise with `--memory_parallel`) over all processes, and marked as prepared so that
-    `accelerator.prepare` does not wrap it in DDP. Call it before the optimizers are created. Otherwise: `model`."""
-    if not enabled(args):
-        return model
-    from torch.distributed.device_mesh import init_device_mesh
-
+    `accelerator.prepare` does not wrap it in DDP. Call it before the optimizers are created. Otherwise: `model`,
+    which on several processes (DDP) refuses, on every process at once, a training batch with too few real tokens on
+    one of them ([`check_batch_statistics_everywhere`]; FSDP2 and memory parallel do the same)."""
     memory_parallel = getattr(args, "memory_parallel", False)
-    if not memory_parallel and getattr(args, "memory_optimizer", "adam") == "sparse_row_adam":
+    if enabled(args) and not memory_parallel and getattr(args, "memory_optimizer", "adam") == "sparse_row_adam":
         raise ValueError(
             "--fsdp2 with --memory_optimizer sparse_row_adam: FSDP2 shards the value tables by rows, which SparseRowAdam "
             "does not update; use --memory_parallel (column shards, which it does) or --memory_optimizer adam"
         )
+    if not enabled(args):
+        if accelerator.num_processes > 1:
+            check_batch_statistics_everywhere(model)
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+
     if accelerator.num_processes > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ValueError("--fsdp2/--memory_parallel need torch.distributed (launch with torchrun or accelerate launch)")
     if not torch.distributed.is_initialized():  # one process: a group of one, the same code path

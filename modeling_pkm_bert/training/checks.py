@@ -75,6 +75,58 @@ def validate_training_arguments(parser: argparse.ArgumentParser, args: argparse.
         problem = output_dir_problem(output_dir)
         if problem:
             parser.error(f"--output_dir {output_dir!r}: {problem}")
+    check_parallel_arguments(parser, args)
+
+
+def check_parallel_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`--fsdp2` / `--memory_parallel`: a torch with FSDP2, and for memory parallel a v_dim (the memories' value
+    width, the model's hidden_size) that the number of processes (WORLD_SIZE, set by torchrun and accelerate launch)
+    divides, each process keeping v_dim / processes columns of every value table. `parser.error` before any model is
+    loaded (only its config is read). FSDP2 alone shards by rows and pads uneven shards: any v_dim."""
+    from ..parallel.arguments import fsdp2_torch_problem
+
+    memory_parallel = getattr(args, "memory_parallel", False)
+    if not (memory_parallel or getattr(args, "fsdp2", False)):
+        return
+    flag = "--memory_parallel" if memory_parallel else "--fsdp2"
+    problem = fsdp2_torch_problem(torch.__version__)
+    if problem:
+        parser.error(f"{flag}: {problem}")
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if not memory_parallel or processes == 1:
+        return
+    source, v_dim = memory_width(args)
+    if v_dim is not None and v_dim % processes:
+        parser.error(
+            f"--memory_parallel on {processes} processes: the memories' v_dim={v_dim} (hidden_size of {source}) is not "
+            f"divisible by {processes}; launch a number of processes that divides {v_dim}, or use --fsdp2"
+        )
+
+
+def memory_width(args: argparse.Namespace) -> tuple[str, int | None]:
+    """(where it comes from, the v_dim of the memories the script's model will have): the hidden_size of the
+    --model_name_or_path config, or of the config a model from scratch gets (--config_name, --config_overrides); None
+    when the model will have no memory or its config cannot be read here (loading the model reports that)."""
+    from .. import register_auto_classes
+    from .loading import config_from_scratch, pkm_kwargs_from_args
+
+    register_auto_classes()  # bert_pkm configs resolve without trust_remote_code
+    pkm_kwargs = pkm_kwargs_from_args(args)
+    source = getattr(args, "model_name_or_path", None) or getattr(args, "config_name", None)
+    try:
+        if getattr(args, "model_name_or_path", None):
+            import transformers
+
+            config = transformers.AutoConfig.from_pretrained(
+                args.model_name_or_path, trust_remote_code=getattr(args, "trust_remote_code", False)
+            )
+        else:
+            config = config_from_scratch(args, pkm_kwargs)
+    except (OSError, ValueError, KeyError, AttributeError):
+        return source, None
+    if not (pkm_kwargs.get("pkm_layers") or getattr(config, "pkm_layers", None)):
+        return source, None
+    return source or f"model_type {config.model_type}", getattr(config, "hidden_size", None)
 
 
 def output_dir_problem(output_dir: str) -> str | None:
