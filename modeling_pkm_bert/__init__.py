@@ -2,9 +2,12 @@
 
 Layout: the flat `.py` files beside this one are the Hub remote code, exactly `REMOTE_CODE_FILES`
 (`configuration_bert_pkm.REMOTE_CODE_FILES`); everything else lives in a subpackage named for its job:
-`kernels` (native CPU selection, Triton gathers), `training` (script support), `hub` (conversion, model cards,
-upload), `analysis` (memory usage and reports), `integrations` (export, PEFT, Trainer), `parallel` (FSDP2 and
-memory-parallel value tables), `serving` (int8 / 4-bit value tables).
+`utils` (small shared helpers: finding a model's memories, the lazy imports), `kernels` (native CPU selection, Triton
+gathers), `serving` (int8 / 4-bit value tables), `parallel` (FSDP2 and memory-parallel value tables), `methods` (the
+memory optimizers, TRIME, sparse memory finetuning), `hub` (conversion, model cards, upload), `analysis` (memory usage
+and reports), `training` (the scripts' harness and task data), `integrations` (export, PEFT, Trainer). In that order
+they form layers: a subpackage imports only from those before it (tests/test_layout.py checks that no import cycle
+forms).
 
 The import is lazy: `import modeling_pkm_bert` imports neither torch nor transformers and registers no op. A public
 name is resolved on first use (module `__getattr__`); resolving a model class, `ProductKeyMemory` or
@@ -19,31 +22,33 @@ import importlib.util
 import sys
 import warnings
 
+from .utils.lazy_imports import lazy_exports
+
 
 __version__ = "0.2.0"
 
-_MODEL_NAMES = (
-    "BertPkmForCausalLM",
-    "BertPkmForMaskedLM",
-    "BertPkmForMultipleChoice",
-    "BertPkmForQuestionAnswering",
-    "BertPkmForSequenceClassification",
-    "BertPkmForTokenClassification",
-    "BertPkmModel",
-    "BertPkmPreTrainedModel",
-)
-# public name -> (module, whether resolving it registers the native kernels first)
+# the public names, each resolved on first use from the module that defines it
 _PUBLIC = {
-    "AUTO_MAP": ("configuration_bert_pkm", False),
-    "BertPkmConfig": ("configuration_bert_pkm", False),
-    "REMOTE_CODE_FILES": ("configuration_bert_pkm", False),
-    **{name: ("modeling_bert_pkm", True) for name in _MODEL_NAMES},
-    "ProductKeyMemory": ("product_key_memory", True),
-    "ProductKeyValues": ("product_key_memory", True),
-    "use_huge_pages": ("kernels.cpu", True),
-    "shard_memory_values": ("parallel", False),
-    "quantize_memory_values": ("serving", True),
+    ".configuration_bert_pkm": ("AUTO_MAP", "BertPkmConfig", "REMOTE_CODE_FILES"),
+    ".modeling_bert_pkm": (
+        "BertPkmForCausalLM",
+        "BertPkmForMaskedLM",
+        "BertPkmForMultipleChoice",
+        "BertPkmForQuestionAnswering",
+        "BertPkmForSequenceClassification",
+        "BertPkmForTokenClassification",
+        "BertPkmModel",
+        "BertPkmPreTrainedModel",
+    ),
+    ".product_key_memory": ("ProductKeyMemory", "ProductKeyValues"),
+    ".kernels.cpu": ("use_huge_pages",),
+    ".parallel.memory_parallel": ("shard_memory_values",),
+    ".serving.quantization": ("quantize_memory_values",),
 }
+# the modules that run the memory: resolving a name of theirs registers the native kernels first
+_RUN_THE_MEMORY = (".modeling_bert_pkm", ".product_key_memory", ".kernels.cpu", ".serving.quantization")
+_REGISTERS_KERNELS = {name for module in _RUN_THE_MEMORY for name in _PUBLIC[module]}
+_resolve, __dir__, _ = lazy_exports(__name__, _PUBLIC)
 
 # the module paths of release 0.1.0 -> their places now (kept for one release)
 LEGACY_MODULES = {
@@ -86,20 +91,11 @@ if not any(isinstance(finder, LegacyModuleFinder) for finder in sys.meta_path):
 
 
 def __getattr__(name):
-    if name not in _PUBLIC:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, registers = _PUBLIC[name]
-    if registers:
+    if name in _REGISTERS_KERNELS:
         from . import kernels
 
         kernels.register()
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # resolved once
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+    return _resolve(name)
 
 
 def register_auto_classes() -> None:
@@ -117,4 +113,14 @@ def register_auto_classes() -> None:
             getattr(transformers, auto_class).register(BertPkmConfig, model_class, exist_ok=True)
 
 
-__all__ = sorted(["BertPkmConfig", *_MODEL_NAMES, "ProductKeyMemory", "quantize_memory_values", "register_auto_classes", "shard_memory_values", "use_huge_pages"])
+__all__ = sorted(
+    [
+        "BertPkmConfig",
+        *_PUBLIC[".modeling_bert_pkm"],
+        "ProductKeyMemory",
+        "quantize_memory_values",
+        "register_auto_classes",
+        "shard_memory_values",
+        "use_huge_pages",
+    ]
+)

@@ -43,13 +43,12 @@ From these (`u`, `w` are `u'`, `w'` normalised to sum to 1; `N = |K|`; `0 log 0 
 """
 
 import math
-import re
 from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
-from ..training.optimization import memory_modules
+from ..utils.memories import memory_modules, readable_name
 
 
 TOP_PERCENTS = {"top50": 50, "top90": 90, "top99": 99}
@@ -233,18 +232,12 @@ def _top_slots_holding(counts: torch.Tensor, percents: Iterable[int]) -> list[in
     return (torch.searchsorted(100 * held, thresholds) + 1).tolist()
 
 
-def readable_name(path: str) -> str:
-    """`bert.encoder.layer.4.memory` -> `layer_4`; a path without a layer number stays as it is."""
-    layer_numbers = re.findall(r"(?:^|\.)layer\.(\d+)(?=\.|$)", path)
-    return f"layer_{layer_numbers[-1]}" if layer_numbers else path or "memory"
-
-
 class MemoryUsageTracker:
     """Counts the usage of every product key memory of a model while attached (a context manager).
 
     Args:
         model: Any module holding `ProductKeyMemory` layers (none: `results()` is empty; a config with `pkm_layers`
-            but no memory found raises, see `optimization.memory_modules`).
+            but no memory found raises, see `utils.memory_modules`).
         eval_only: Count only the forwards run in eval mode; by default whatever runs while attached counts.
 
     Attributes:

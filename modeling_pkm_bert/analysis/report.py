@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..training.arguments import add_memory_report_arguments  # noqa: F401 (the flags live in a torch-free module)
 from ..hub.conversion import replace_folder, staging_folder
+from ..utils.lazy_imports import moved_names
+from ..utils.memories import memory_modules
 from .class_usage import PerClassMemoryUsage
 from .memory_usage import MemoryUsageTracker
 from .metrics_log import METRICS_LOG_NAME, is_finite, read_metrics_log
@@ -99,64 +100,6 @@ def text_sequences(tokenizer, texts: Sequence[str], max_seq_length: int, max_seq
     return [
         {"input_ids": prefix + ids[i * body : (i + 1) * body] + suffix} for i in range(count)
     ]
-
-
-def class_data_from_files(
-    tokenizer, train_file: str, task_name: str | None = None, max_seq_length: int = 128, max_examples: int = 512
-) -> ClassData:
-    """Labelled examples for the per-class usage: a GLUE TSV of `task_name`, or a csv/tsv/json(l) with a `label`
-    column and one or two text columns."""
-    if not os.path.isfile(train_file):
-        raise MemoryReportError(f"--train_file {train_file!r} does not exist")
-    if task_name is not None:
-        from ..training.glue_data import get_glue_task, load_glue_tsv
-
-        task = get_glue_task(task_name)
-        if task.is_regression:
-            raise MemoryReportError(f"task {task_name!r} is a regression task: it has no classes to compare")
-        if not train_file.endswith(".tsv"):
-            raise MemoryReportError(
-                f"--task_name {task_name}: --train_file must be the task's GLUE TSV, got {train_file}"
-            )
-        dataset = load_glue_tsv(train_file, task)
-        keys, label_names = task.sentence_keys, list(task.label_names)
-    else:
-        import datasets
-
-        extension = train_file.rsplit(".", 1)[-1].lower()
-        kwargs = {"delimiter": "\t"} if extension == "tsv" else {}
-        builder = "csv" if extension in ("csv", "tsv") else "json"
-        dataset = datasets.load_dataset(builder, data_files={"train": train_file}, split="train", **kwargs)
-        if "label" not in dataset.column_names:
-            raise MemoryReportError(
-                f"{train_file} has no 'label' column (columns: {dataset.column_names}): the per-class usage needs "
-                "labelled examples"
-            )
-        texts = [
-            c
-            for c in dataset.column_names
-            if c not in ("label", "idx") and dataset.features[c].dtype in ("string", "large_string")
-        ]
-        if not texts:
-            raise MemoryReportError(f"{train_file} has no text column beside 'label' ({dataset.column_names})")
-        keys = (texts[0], texts[1] if len(texts) > 1 else None)
-        label_names = sorted({str(label) for label in dataset["label"] if label is not None})
-        ids = {name: i for i, name in enumerate(label_names)}
-        dataset = dataset.map(lambda row: {"label": ids.get(str(row["label"]), -1)})
-    dataset = dataset.select(range(min(max_examples, len(dataset))))
-    present = sorted({label for label in dataset["label"] if label is not None and label >= 0})
-    if len(present) < 2:
-        raise MemoryReportError(
-            f"{train_file}: the per-class usage needs labelled examples of at least two classes, found labels "
-            f"{[label_names[i] for i in present]} in the first {len(dataset)} examples"
-        )
-    first, second = keys
-    rows = []
-    for example in dataset:
-        pair = (example[first],) if second is None else (example[first], example[second])
-        encoded = tokenizer(*pair, truncation=True, max_length=max_seq_length)
-        rows.append({**encoded, "labels": example["label"]})
-    return ClassData(rows, label_names)
 
 
 def _batches(tokenizer, rows: Sequence[dict], batch_size: int, device):
@@ -522,8 +465,6 @@ def write_memory_report(
         MemoryReportError: The model has no memory; no data was given; the text is shorter than one sequence; the
             examples have no labels; the run directory has neither a metrics log nor staleness state.
     """
-    from ..training.optimization import memory_modules
-
     if not memory_modules(model) and not MemoryUsageTracker(model).memories:
         raise MemoryReportError(
             f"the model ({type(model).__name__}) has no product key memory layer: nothing to report (a plain BERT, "
@@ -655,3 +596,9 @@ def write_run_memory_report(
         max_sequences=args.memory_report_max_sequences,
         title=f"Memory report of {os.path.basename(os.path.abspath(args.output_dir))}",
     )
+
+
+# names that lived here until release 0.2.0
+__getattr__ = moved_names(
+    __name__, {".arguments": ("add_memory_report_arguments",), "..training.glue_data": ("class_data_from_files",)}
+)

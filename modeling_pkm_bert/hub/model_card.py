@@ -13,8 +13,8 @@ from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidat
 from huggingface_hub.utils import validate_repo_id
 from safetensors import safe_open
 
-from ..training.arguments import DEFAULT_LICENSE, redact_command
 from ..configuration_bert_pkm import AUTO_MAP, BertPkmConfig
+from .card_command import DEFAULT_LICENSE, redact_command
 
 
 if TYPE_CHECKING:

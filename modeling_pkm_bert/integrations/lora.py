@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from ..training.optimization import memory_modules
+from ..utils.memories import memory_modules
 
 
 BERT_LORA_TARGETS = ("query", "value")  # transformers' BERT attention projections, PEFT's default for BERT

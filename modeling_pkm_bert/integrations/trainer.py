@@ -4,7 +4,7 @@ The plain Trainer puts the value tables in its decayed group, at the main learni
 the values get what XLM and Kim & Jung 2020 give them: Adam at a constant learning rate (1e-3), no weight decay, no
 warm-up, while everything else follows the Trainer's `TrainingArguments` (AdamW, `learning_rate`, `weight_decay`,
 `lr_scheduler_type`, warm-up). Trainer holds one optimizer and one scheduler: the values are a param group
-(`"pkm_values"`) of that optimizer whose schedule multiplier is constant (`optimization.pkm_lr_lambdas`), so Trainer's
+(`"pkm_values"`) of that optimizer whose schedule multiplier is constant (`methods.optimizers.pkm_lr_lambdas`), so Trainer's
 checkpoints (`optimizer.pt`, `scheduler.pt`) save and restore it as any other group.
 
     trainer = PkmTrainer(model=model, args=training_args, train_dataset=dataset)            # one line
@@ -16,15 +16,15 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import Trainer, TrainingArguments
 from transformers.optimization import get_scheduler
 
-from ..training.optimization import (
+from ..methods.optimizers import (
     PKM_VALUES_GROUP,
     SparseRowAdam,
     clip_grad_norm_,
-    memory_modules,
     pkm_lr_lambdas,
     pkm_param_groups,
     set_sparse_values,
 )
+from ..utils.memories import memory_modules
 
 
 MEMORY_OPTIMIZERS = ("adam", "sparse_row_adam")

@@ -4,32 +4,22 @@ Lazy: `modeling_pkm_bert.parallel.arguments` (the flags) imports the standard li
 torch.distributed when first used.
 """
 
-import importlib
+from ..utils.lazy_imports import lazy_exports
 
 
-_NAMES = {
-    "ShardedProductKeyValues": "memory_parallel",
-    "full_state_dict": "memory_parallel",
-    "fully_shard_with_memory_parallel": "memory_parallel",
-    "memory_parallel_parameters": "memory_parallel",
-    "save_consolidated": "memory_parallel",
-    "shard_memory_values": "memory_parallel",
-    "value_bytes_per_process": "memory_parallel",
-    "add_parallel_arguments": "arguments",
-    "prepare_memory_parallel": "scripts",
-    "register_sharded_checkpointing": "scripts",
-    "save_sharded_model": "scripts",
-}
-
-
-def __getattr__(name):
-    if name in _NAMES:
-        return getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + list(_NAMES))
-
-
-__all__ = sorted(_NAMES)
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        ".arguments": ("add_parallel_arguments",),
+        ".memory_parallel": (
+            "ShardedProductKeyValues",
+            "full_state_dict",
+            "fully_shard_with_memory_parallel",
+            "memory_parallel_parameters",
+            "save_consolidated",
+            "shard_memory_values",
+            "value_bytes_per_process",
+        ),
+        ".scripts": ("prepare_memory_parallel", "register_sharded_checkpointing", "save_sharded_model"),
+    },
+)

@@ -1,31 +1,127 @@
-"""Support for the training scripts (run_scripts/), one job per module:
+"""The training scripts' harness (run_scripts/), one job per module:
 
 - `arguments`: the command-line flags the scripts share (standard library only: a fast `--help`);
 - `loading`: the model a run trains (+Init conversion, from scratch), `--pkm_*` flags as config fields;
-- `optimization`: the memory values' own optimizer group, SparseRowAdam, clipping, freezing;
+- `optimization`: the memory values' optimizer a run trains with (`--memory_optimizer`), their clipping;
 - `checks`: the arguments, output folder, data files and freezing, checked before a run starts;
 - `checkpoints`: atomic checkpoints, resume position, the run settings a resume must match;
 - `results`: final outputs, model card with results, tracker config, peak memory;
-- `preparation` (accelerator, seed, output folder; training dataloader, optimizers, `accelerator.prepare`), `loop` (the
+- `preparation` (accelerator, seed, output folder; training dataloader, optimizers, `accelerate.prepare`), `loop` (the
   training loop and the end of a run), `evaluation` (each process's shard, in eval mode, the random streams kept);
-- `lm_data`, `glue_data`: data; `glue_metrics`, `squad_metrics`: task metrics;
-- `trime` (TRIME losses), `sparse_finetuning` (sparse memory finetuning).
+- `trime`, `sparse_finetuning`: the command line of those methods (the methods: `modeling_pkm_bert.methods`);
+- task data and metrics: `lm_data`, `glue_data` (also the per-class report's examples), `glue_metrics`, `squad`,
+  `squad_metrics`.
 
-Importing this package imports nothing heavy: `from modeling_pkm_bert.training import X` resolves X on first use in
-the module that defines it (the names that module `training` of release 0.2.0 gave included).
+Importing this package imports nothing heavy: `from modeling_pkm_bert.training import X` resolves X on first use from
+the one module that defines it (the table below: the names that module `training` of release 0.2.0 gave). The names
+that moved to `methods`, `utils`, `hub` or `analysis` still resolve here for one release, with a DeprecationWarning.
 """
 
-import importlib
+from ..utils.lazy_imports import lazy_exports
 
 
-# where `from modeling_pkm_bert.training import X` looks, in order
-_MODULES = ("loading", "optimization", "checks", "checkpoints", "results", "arguments")
-
-
-def __getattr__(name):
-    if not name.startswith("__"):
-        for module in _MODULES:
-            value = getattr(importlib.import_module(f".{module}", __name__), name, None)
-            if value is not None:
-                return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        ".arguments": (
+            "LR_SCHEDULER_TYPES",
+            "MEMORY_OPTIMIZERS",
+            "PKM_CHOICES",
+            "PKM_FLAG_FIELDS",
+            "TARGET_CLASSES",
+            "add_language_modeling_arguments",
+            "add_model_card_arguments",
+            "add_pkm_arguments",
+            "add_reliability_arguments",
+            "add_training_arguments",
+            "help_requested",
+            "hub_model_id",
+        ),
+        ".checkpoints": (
+            "CHECKPOINT_NAME",
+            "LOSS_STATE_FILE",
+            "RESUME_SETTINGS",
+            "RUN_SETTINGS_FILE",
+            "check_checkpoint",
+            "dataset_signature",
+            "latest_checkpoint",
+            "read_loss_state",
+            "resolve_checkpoint",
+            "resume_position",
+            "run_settings",
+            "save_checkpoint",
+        ),
+        ".checks": (
+            "check_data_file_contents",
+            "check_data_files",
+            "check_freeze_memory",
+            "check_parallel_arguments",
+            "memory_width",
+            "output_dir_problem",
+            "prepare_output_dir",
+            "validate_training_arguments",
+        ),
+        ".loading": (
+            "PKM_FIELDS",
+            "RUNTIME_PKM_FIELDS",
+            "TASK_CLASSES",
+            "config_from_scratch",
+            "in_process_memory",
+            "load_model",
+            "pkm_kwargs_from_args",
+        ),
+        ".optimization": (
+            "clip_memory_gradients",
+            "create_memory_optimizer",
+            "memory_optimizer_summary",
+            "optimizer_param_groups",
+            "sparse_gradients_supported",
+        ),
+        ".results": (
+            "FINAL_STAGING",
+            "WEIGHT_FILE",
+            "atomic_write_json",
+            "peak_memory_mb",
+            "save_final_outputs",
+            "tracker_config",
+            "write_results_model_card",
+        ),
+    },
+    moved={
+        "..analysis.arguments": ("add_memory_report_arguments",),
+        "..configuration_bert_pkm": ("BertPkmConfig",),
+        "..hub.card_command": (
+            "DEFAULT_LICENSE",
+            "REDACTED",
+            "SECRET_NAME",
+            "SECRET_VALUE",
+            "card_command",
+            "is_secret_option",
+            "redact_argv",
+            "redact_command",
+            "redact_secrets",
+        ),
+        "..methods.arguments": (
+            "CAUSAL_MEMORY_KINDS",
+            "SMF_RANKERS",
+            "STATISTICS_NAME",
+            "add_smf_arguments",
+            "add_trime_arguments",
+        ),
+        "..methods.optimizers": (
+            "PKM_VALUES_GROUP",
+            "SparseRowAdam",
+            "cast_pkm_values",
+            "clip_grad_norm_",
+            "freeze_memory",
+            "pkm_lr_lambdas",
+            "pkm_param_groups",
+            "pkm_value_parameters",
+            "set_sparse_values",
+            "step_optimizers",
+            "unscale_once",
+        ),
+        "..product_key_memory": ("ProductKeyMemory",),
+        "..utils.memories": ("is_product_key_memory", "memory_modules"),
+    },
+)

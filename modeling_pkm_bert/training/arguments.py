@@ -1,4 +1,6 @@
-"""Command-line flags the scripts share, and the command line a model card shows.
+"""Command-line flags the scripts share: the model and its memories, training, language-modeling data, resuming and
+the model card. The flags of the methods (TRIME, sparse memory finetuning), the memory report and parallel training
+live beside their code: `methods.arguments`, `analysis.arguments`, `parallel.arguments`.
 
 This module imports the standard library only, so that `python run_scripts/<script>.py --help` prints every flag in
 a fraction of a second: the scripts import it without the package's `__init__` (which loads torch, transformers and
@@ -11,9 +13,11 @@ import argparse
 import ast
 import os
 import re
-import shlex
 import sys
 from pathlib import Path
+
+from ..hub.card_command import DEFAULT_LICENSE
+from ..utils.lazy_imports import moved_names
 
 
 def help_requested(module_name: str) -> bool:
@@ -120,7 +124,7 @@ def add_pkm_arguments(parser: argparse.ArgumentParser, training_options: bool = 
         choices=MEMORY_OPTIMIZERS,
         default="adam",
         help="adam: torch Adam on dense value gradients (XLM's published setting; works with every backend). "
-        "sparse_row_adam: optimization.SparseRowAdam, a lazy row-wise Adam that updates only the rows a step read "
+        "sparse_row_adam: methods.optimizers.SparseRowAdam, a lazy row-wise Adam that updates only the rows a step read "
         "(the paper's 'sparse update' of the values; bf16 first moment and one second moment per row, 1.5x the table "
         "instead of Adam's 4x), fed sparse value gradients on one process or gloo and dense ones under NCCL, which "
         "has no sparse all-reduce. It pays off when a step reads a small part of the table "
@@ -300,126 +304,6 @@ def add_reliability_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
     return parser
 
 
-# TRIME (modeling_pkm_bert/trime.py): the memories of a causal model
-CAUSAL_MEMORY_KINDS = ("local", "long")
-
-
-def add_trime_arguments(parser, causal: bool = True):
-    """`--trime` and `--trime_eval` for run_clm.py (causal: none/local/long) and run_mlm.py (masked: `--trime`
-    none/batch, `--trime_eval` none/context; `--trime_eval batch` is refused by `trime.resolve_trime_arguments`)."""
-    kinds = ("none", *CAUSAL_MEMORY_KINDS) if causal else ("none", "batch")
-    # "batch" stays a choice of --trime_eval so that it gets a clear error rather than argparse's list
-    eval_kinds = kinds if causal else ("none", "batch", "context")
-    default_kind = "local" if causal else "batch"
-    group = parser.add_argument_group(
-        "TRIME (in-batch memory objective)",
-        "Zhong et al. 2022: the other positions of the batch act as a memory; p(w|t) ∝ exp(E_w·h_t + b_w) + "
-        "sum over memory entries j with target w of exp(h_t·h_j / sqrt(d)), normalised over the vocabulary and "
-        "every memory entry (modeling_pkm_bert/trime.py).",
-    )
-    help_kinds = (
-        "local: the earlier positions of the same block (TRIME_local); long: also every position of the previous "
-        "blocks of the batch, which are then consecutive blocks of the text (TRIME_long)"
-        if causal
-        else "batch: the other masked positions of the batch (never a position itself), each credited to its label"
-    )
-    group.add_argument(
-        "--trime",
-        nargs="?",
-        const=default_kind,
-        default="none",
-        choices=kinds,
-        help=f"Train with TRIME's loss and this memory (`--trime` alone: {default_kind}); {help_kinds}.",
-    )
-    group.add_argument(
-        "--trime_eval",
-        default=None,
-        choices=eval_kinds,
-        help="The memory of the evaluation's second perplexity (`eval_<set>_trime_perplexity`, beside the ordinary "
-        "one); default: the --trime memory"
-        + (
-            ""
-            if causal
-            else " for a causal LM; here `context`, the visible (unmasked) positions of the batch, each credited to its "
-            "own token: the masked positions' labels are what the model must predict, so no test-time memory reads "
-            "them (`batch` is refused)"
-        )
-        + ". Give it to a model trained without --trime to measure the test-time memory alone.",
-    )
-    group.add_argument(
-        "--trime_chunk_size", type=int, default=1024, help="Queries per block of the memory computation."
-    )
-    return parser
-
-
-
-# sparse memory finetuning (modeling_pkm_bert/sparse_finetuning.py)
-STATISTICS_NAME = "smf_background_statistics.safetensors"
-SMF_RANKERS = ("tfidf", "kl")
-
-
-def add_smf_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """`--sparse_memory_finetuning` and its `--smf_*` options (the value optimizer is `--memory_optimizer`)."""
-    group = parser.add_argument_group(
-        "sparse memory finetuning",
-        "Lin et al. 2025: train only the memory value rows that each step reads much more than background text "
-        "does (everything else frozen unless --smf_train_rest). Use with --memory_optimizer sgd and "
-        "--memory_learning_rate (the paper: plain SGD, lr up to ~2) or adam / sparse_row_adam.",
-    )
-    group.add_argument("--sparse_memory_finetuning", action="store_true", help="Turn sparse memory finetuning on.")
-    group.add_argument(
-        "--smf_background_file",
-        type=str,
-        default=None,
-        help="Background text (.txt/.raw: one text per line; .csv/.json/.jsonl with a 'text' column) whose statistics "
-        f"are computed before training, or a statistics file (.safetensors, e.g. {STATISTICS_NAME} written by an "
-        f"earlier run). Default: {STATISTICS_NAME} beside the model, if there is one.",
-    )
-    group.add_argument(
-        "--smf_background_dataset",
-        type=str,
-        default=None,
-        help="A datasets name (`name` or `name:config`, its train split, column 'text') as background text.",
-    )
-    group.add_argument(
-        "--smf_background_batches",
-        type=int,
-        default=1000,
-        help="Number N of background documents, each as many sequences of the training length (--max_seq_length, "
-        "run_clm's --block_size) as one optimizer step's batch (per-device batch x gradient accumulation x "
-        "processes), the unit a step's reads are ranked in (the re-implementations: 1000).",
-    )
-    group.add_argument("--smf_top_t", type=int, default=500, help="Value rows trained per memory layer and step.")
-    group.add_argument("--smf_ranker", choices=SMF_RANKERS, default="tfidf", help="tfidf (Lin et al.) or kl.")
-    group.add_argument(
-        "--smf_train_rest",
-        action="store_true",
-        help="Keep every other parameter trainable (by default only the chosen value rows change); needed when the "
-        "task head is new, e.g. run_glue/run_squad from a masked-LM checkpoint.",
-    )
-    return parser
-
-
-# the memory report (modeling_pkm_bert/analysis)
-def add_memory_report_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    group = parser.add_argument_group("memory report")
-    group.add_argument(
-        "--memory_report",
-        action="store_true",
-        help="After training, write the memory report of the final model into <output_dir>/memory_report/: usage "
-        "heat maps and curves per memory layer on the evaluation data, per-class usage (classification), "
-        "staleness (with --track_staleness) and training curves (modeling_pkm_bert.analysis).",
-    )
-    group.add_argument(
-        "--memory_report_max_sequences",
-        type=int,
-        default=64,
-        help="At most this many evaluation sequences are run for the memory report.",
-    )
-    return parser
-
-
-DEFAULT_LICENSE = "apache-2.0"
 _HUB_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]{1,96}")
 
 
@@ -449,130 +333,42 @@ def add_model_card_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     return parser
 
 
-# ---- the command line a model card shows ("Produced by") ----
-
-# an argument whose name has one of these words holds a secret; values shaped like access tokens are secrets whatever
-# their argument (Hugging Face, GitHub, OpenAI-style, AWS keys)
-SECRET_NAME = re.compile(r"(^|_)(token|secret|password|passwd|api_key|apikey|credentials?|auth)($|_)", re.IGNORECASE)
-SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16})\b")
-REDACTED = "<redacted>"
-
-
-def is_secret_option(option: str) -> bool:
-    """Whether a `--flag`'s value must never be written down: a word of its name is a token, password or secret
-    (`--hub_token`, `--wandb_api_key`; not `--tokenizer_name`)."""
-    return option.startswith("-") and SECRET_NAME.search(option.lstrip("-").replace("-", "_")) is not None
-
-
-def redact_secrets(settings: dict) -> dict:
-    """`settings` without the entries whose name marks a secret (`hub_token`, ...), token-like values replaced by
-    `<redacted>` (also inside strings and lists)."""
-
-    def clean(value):
-        if isinstance(value, str):
-            return SECRET_VALUE.sub(REDACTED, value)
-        if isinstance(value, (list, tuple)):
-            return type(value)(clean(v) for v in value)
-        if isinstance(value, dict):
-            return redact_secrets(value)
-        return value
-
-    return {key: clean(value) for key, value in settings.items() if not SECRET_NAME.search(str(key))}
-
-
-def redact_argv(argv: list[str]) -> list[str]:
-    """A command line fit to print or save: the value of every secret flag (`--hub_token X`, `--hub_token=X`) and
-    every token-like word replaced by `<redacted>`."""
-    redacted, hide_next = [], False
-    for word in argv:
-        flag, equals, _ = word.partition("=")
-        secret_flag = flag.startswith("--") and is_secret_option(flag)
-        if hide_next:
-            redacted.append(REDACTED)
-        elif secret_flag and equals:
-            redacted.append(f"{flag}={REDACTED}")
-        else:
-            redacted.append(SECRET_VALUE.sub(REDACTED, word))
-        hide_next = secret_flag and not equals
-    return redacted
-
-
-def _shown_path(value: str, output_dir: Path | None, cwd: Path) -> str:
-    """A path as a card shows it: relative when under the output folder or the working directory, else its name."""
-    path = Path(value).expanduser()
-    if not path.is_absolute() and ".." not in path.parts:
-        return value
-    path = Path(os.path.normpath(cwd / path))
-    if output_dir is not None and path.is_relative_to(output_dir):
-        return (Path(output_dir.name) / path.relative_to(output_dir)).as_posix()
-    if path.is_relative_to(cwd):
-        return path.relative_to(cwd).as_posix() or "."
-    return path.name or "<path>"
-
-
-def _card_words(argv: list[str], output_dir: Path | None) -> list[str]:
-    cwd = Path(os.getcwd()).resolve()
-    # a local copy of a Hub model (the bundled MiniLM) is shown as the Hub id that --base_model says it holds
-    base_model = next((argv[i + 1] for i, word in enumerate(argv[:-1]) if word == "--base_model"), None)
-    words, skip_value = [], False
-    for word in argv:
-        if base_model and words and words[-1] == "--model_name_or_path" and Path(word).is_absolute():
-            words.append(base_model)
-            continue
-        if skip_value:
-            skip_value = False
-            if not word.startswith("-"):
-                continue
-        option, equals, value = word.partition("=")
-        if is_secret_option(option) or (equals and not word.startswith("-") and is_secret_option("--" + option)):
-            skip_value = not equals  # `--hub_token X`, `--hub_token=X`, `HF_TOKEN=X`
-            continue
-        if equals and value and os.sep not in option:  # --flag=PATH, NAME=PATH (--validation_files)
-            words.append(f"{option}={_shown_path(value, output_dir, cwd)}")
-        else:
-            words.append(word if word.startswith("-") else _shown_path(word, output_dir, cwd))
-    return [SECRET_VALUE.sub(REDACTED, word) for word in words]
-
-
-def card_command(
-    script: str | os.PathLike, argv: list[str], output_dir: str | os.PathLike | None = None, launcher: str = "python"
-) -> str:
-    """The command line behind a result, fit for a public model card: `python run_scripts/<script> ...`, without
-    any secret (`--hub_token`, flags or variables naming a token, password or secret: dropped with their value) and
-    without this machine's paths (absolute paths under `output_dir` or the working directory become relative, other
-    absolute paths their file or folder name)."""
-    output_dir = Path(os.path.normpath(Path(output_dir).absolute())) if output_dir is not None else None
-    return shlex.join([*launcher.split(), f"run_scripts/{Path(script).name}", *_card_words(list(argv), output_dir)])
-
-
-def redact_command(command: str, output_dir: str | os.PathLike | None = None) -> str:
-    """A command line given as text, with the secrets and machine paths of `card_command` removed; a
-    `... some/dir/<script>.py ...` is shown as `... run_scripts/<script>.py ...`."""
-    output_dir = Path(os.path.normpath(Path(output_dir).absolute())) if output_dir is not None else None
-    words = shlex.split(command)
-    script = next((i for i, word in enumerate(words) if word.endswith(".py") and not word.startswith("-")), None)
-    launcher = [Path(word).name if Path(word).is_absolute() else word for word in words[:script or 0]]
-    if script is None:
-        return shlex.join(_card_words(words, output_dir))
-    shown = [*_card_words(launcher, output_dir), f"run_scripts/{Path(words[script]).name}"]
-    return shlex.join(shown + _card_words(words[script + 1 :], output_dir))
-
-
 __all__ = [
-    "DEFAULT_LICENSE",
+    "LR_SCHEDULER_TYPES",
     "MEMORY_OPTIMIZERS",
+    "PKM_CHOICES",
     "PKM_FLAG_FIELDS",
     "TARGET_CLASSES",
-    "add_memory_report_arguments",
+    "add_language_modeling_arguments",
     "add_model_card_arguments",
     "add_pkm_arguments",
     "add_reliability_arguments",
-    "add_smf_arguments",
-    "add_trime_arguments",
-    "card_command",
+    "add_training_arguments",
+    "help_requested",
     "hub_model_id",
-    "is_secret_option",
-    "redact_argv",
-    "redact_command",
-    "redact_secrets",
 ]
+
+# flags and helpers that lived here until release 0.2.0
+__getattr__ = moved_names(
+    __name__,
+    {
+        "..analysis.arguments": ("add_memory_report_arguments",),
+        "..hub.card_command": (
+            "REDACTED",
+            "SECRET_NAME",
+            "SECRET_VALUE",
+            "card_command",
+            "is_secret_option",
+            "redact_argv",
+            "redact_command",
+            "redact_secrets",
+        ),
+        "..methods.arguments": (
+            "CAUSAL_MEMORY_KINDS",
+            "SMF_RANKERS",
+            "STATISTICS_NAME",
+            "add_smf_arguments",
+            "add_trime_arguments",
+        ),
+    },
+)

@@ -5,7 +5,7 @@ import argparse
 import os
 import re
 
-from .arguments import redact_secrets
+from ..hub.card_command import redact_secrets
 from .results import atomic_write_json
 
 

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from .optimization import memory_modules
+from ..utils.memories import memory_modules
 
 
 # (argument, lowest allowed value, what it means); checked only where the script has the argument and it is given

@@ -1,4 +1,5 @@
-"""The GLUE tasks: their columns and labels as on the Hub (`nyu-mll/glue`), and readers of GLUE's own TSV files.
+"""The GLUE tasks: their columns and labels as on the Hub (`nyu-mll/glue`), readers of GLUE's own TSV files, and the
+labelled examples of a GLUE TSV (or any labelled file) for the memory report's per-class usage.
 
 `load_raw_datasets` (for `run_scripts/run_glue.py`) gets every task into one shape, whatever the source (the Hub,
 GLUE's TSV files, csv/json files): the Hub dataset's column names (`task.sentence_keys`) and a `label` column holding
@@ -33,6 +34,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import datasets
+
+    from ..analysis.report import ClassData
 
 
 logger = logging.getLogger(__name__)
@@ -262,9 +265,71 @@ def to_task_columns(dataset: datasets.Dataset, task, path: str) -> datasets.Data
     return dataset.cast_column("label", datasets.ClassLabel(names=names))
 
 
+# ---- labelled examples for the memory report's per-class usage ----
+
+
+def class_data_from_files(
+    tokenizer, train_file: str, task_name: str | None = None, max_seq_length: int = 128, max_examples: int = 512
+) -> ClassData:
+    """Labelled examples for the per-class usage: a GLUE TSV of `task_name`, or a csv/tsv/json(l) with a `label`
+    column and one or two text columns (`run_scripts/memory_report.py --task_name/--train_file`)."""
+    from ..analysis.report import ClassData, MemoryReportError
+
+    if not os.path.isfile(train_file):
+        raise MemoryReportError(f"--train_file {train_file!r} does not exist")
+    if task_name is not None:
+        task = get_glue_task(task_name)
+        if task.is_regression:
+            raise MemoryReportError(f"task {task_name!r} is a regression task: it has no classes to compare")
+        if not train_file.endswith(".tsv"):
+            raise MemoryReportError(
+                f"--task_name {task_name}: --train_file must be the task's GLUE TSV, got {train_file}"
+            )
+        dataset = load_glue_tsv(train_file, task)
+        keys, label_names = task.sentence_keys, list(task.label_names)
+    else:
+        import datasets
+
+        extension = train_file.rsplit(".", 1)[-1].lower()
+        kwargs = {"delimiter": "\t"} if extension == "tsv" else {}
+        builder = "csv" if extension in ("csv", "tsv") else "json"
+        dataset = datasets.load_dataset(builder, data_files={"train": train_file}, split="train", **kwargs)
+        if "label" not in dataset.column_names:
+            raise MemoryReportError(
+                f"{train_file} has no 'label' column (columns: {dataset.column_names}): the per-class usage needs "
+                "labelled examples"
+            )
+        texts = [
+            c
+            for c in dataset.column_names
+            if c not in ("label", "idx") and dataset.features[c].dtype in ("string", "large_string")
+        ]
+        if not texts:
+            raise MemoryReportError(f"{train_file} has no text column beside 'label' ({dataset.column_names})")
+        keys = (texts[0], texts[1] if len(texts) > 1 else None)
+        label_names = sorted({str(label) for label in dataset["label"] if label is not None})
+        ids = {name: i for i, name in enumerate(label_names)}
+        dataset = dataset.map(lambda row: {"label": ids.get(str(row["label"]), -1)})
+    dataset = dataset.select(range(min(max_examples, len(dataset))))
+    present = sorted({label for label in dataset["label"] if label is not None and label >= 0})
+    if len(present) < 2:
+        raise MemoryReportError(
+            f"{train_file}: the per-class usage needs labelled examples of at least two classes, found labels "
+            f"{[label_names[i] for i in present]} in the first {len(dataset)} examples"
+        )
+    first, second = keys
+    rows = []
+    for example in dataset:
+        pair = (example[first],) if second is None else (example[first], example[second])
+        encoded = tokenizer(*pair, truncation=True, max_length=max_seq_length)
+        rows.append({**encoded, "labels": example["label"]})
+    return ClassData(rows, label_names)
+
+
 __all__ = [
     "GLUE_TASKS",
     "GlueTask",
+    "class_data_from_files",
     "get_glue_task",
     "glue_features",
     "load_glue_tsv",

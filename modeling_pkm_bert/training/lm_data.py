@@ -188,7 +188,7 @@ def evaluate_language_model(
 
     from ..analysis.memory_usage import gather, track_memory_usage
     from .evaluation import evaluating, shard_batches
-    from .optimization import memory_modules
+    from ..utils.memories import memory_modules
     from .trime import perplexity
 
     metrics, usage = {}, {}

@@ -27,8 +27,9 @@ import time
 from typing import Callable
 
 from ..analysis.metrics_log import MetricsLog
+from ..methods.optimizers import step_optimizers
 from .checkpoints import check_checkpoint, read_loss_state, resolve_checkpoint, resume_position, save_checkpoint
-from .optimization import clip_memory_gradients, memory_optimizer_summary, step_optimizers
+from .optimization import clip_memory_gradients, memory_optimizer_summary
 
 
 def plan_training_steps(args, train_dataloader) -> int:
@@ -103,7 +104,7 @@ class TrainingLoop:
         self.staleness = None
         if args.track_staleness and train_dataloader is not None:
             from ..analysis.staleness import StalenessTracker
-            from .optimization import memory_modules
+            from ..utils.memories import memory_modules
 
             if memory_modules(accelerator.unwrap_model(model)):
                 self.staleness = StalenessTracker(accelerator.unwrap_model(model)).attach()

@@ -8,7 +8,7 @@ import re
 import torch
 
 from ..configuration_bert_pkm import BertPkmConfig
-from .arguments import redact_secrets
+from ..hub.card_command import redact_secrets
 
 
 def write_results_model_card(

@@ -1,0 +1,46 @@
+"""Training methods for product key memories, as a library (what the training scripts, `integrations.PkmTrainer` and
+your own loop use), one module a method:
+
+- `optimizers`: the memory values' own optimizer group and `SparseRowAdam` (row-wise lazy Adam), sparse value
+  gradients, clipping that takes them, freezing a memory, fp16 loss scaling with several optimizers;
+- `trime`: TRIME's training objective with in-batch memory (Zhong, Lei & Chen 2022);
+- `sparse_finetuning`: sparse memory finetuning (Lin et al. 2025), with a `transformers.Trainer` callback;
+- `arguments`: the command-line flags of TRIME and sparse memory finetuning (standard library only).
+
+Names resolve on first use:
+
+    from modeling_pkm_bert.methods import SparseRowAdam, pkm_value_parameters
+    values = SparseRowAdam(pkm_value_parameters(model), lr=1e-3)
+"""
+
+from ..utils.lazy_imports import lazy_exports
+
+
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        ".optimizers": (
+            "PKM_VALUES_GROUP",
+            "SparseRowAdam",
+            "cast_pkm_values",
+            "clip_grad_norm_",
+            "freeze_memory",
+            "pkm_lr_lambdas",
+            "pkm_param_groups",
+            "pkm_value_parameters",
+            "set_sparse_values",
+            "step_optimizers",
+            "unscale_once",
+        ),
+        ".sparse_finetuning": (
+            "BackgroundStatistics",
+            "ReadCounter",
+            "SparseMemoryFinetuning",
+            "SparseMemoryFinetuningCallback",
+            "background_batches",
+            "compute_background_statistics",
+            "freeze_all_but_values",
+        ),
+        ".trime": ("causal_targets", "model_trime_losses", "trime_log_probs", "trime_loss"),
+    },
+)

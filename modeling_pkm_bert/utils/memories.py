@@ -1,0 +1,62 @@
+"""Finding the product key memories of a model: what every subpackage that works on them (the methods, the analysis,
+the harness, the integrations) shares."""
+
+import re
+
+import torch
+from torch import nn
+
+from ..product_key_memory import ProductKeyMemory
+
+
+def is_product_key_memory(module: nn.Module) -> bool:
+    """Whether `module` is a product key memory: this package's class, or a copy of it, as in a model loaded with
+    `trust_remote_code=True` (its classes come from the Hub cache module, `transformers_modules.<repo>...`), matched by
+    class name or by its attributes (a `keys` parameter, `values` with a `weight`, a `search` method)."""
+    if isinstance(module, ProductKeyMemory) or type(module).__name__ == "ProductKeyMemory":
+        return True
+    return (
+        isinstance(getattr(module, "keys", None), nn.Parameter)
+        and isinstance(getattr(getattr(module, "values", None), "weight", None), torch.Tensor)
+        and callable(getattr(module, "search", None))
+    )
+
+
+def memory_modules(model: nn.Module) -> dict[str, ProductKeyMemory]:
+    """`{module path: memory}` of every product key memory in `model` (also wrapped: PEFT, sentence-transformers, DDP),
+    found by [`is_product_key_memory`]. Empty for a model without memories; raises ValueError where a config in the
+    model asks for memories (`pkm_layers`) but none is found, rather than letting a helper silently do nothing."""
+    found, wanted = {}, None
+    for name, module in model.named_modules():
+        if is_product_key_memory(module):
+            found[name] = module
+        elif wanted is None and getattr(getattr(module, "config", None), "pkm_layers", None):
+            wanted = module.config.pkm_layers
+    if wanted and not found:
+        raise ValueError(
+            f"{type(model).__name__}: its config has memories at pkm_layers={list(wanted)}, but no product key memory "
+            "module was found in it (looked for class name 'ProductKeyMemory' or a module with a `keys` parameter, "
+            "`values.weight` and `search`)"
+        )
+    return found
+
+
+def readable_name(path: str) -> str:
+    """`bert.encoder.layer.4.memory` -> `layer_4`; a path without a layer number stays as it is."""
+    layer_numbers = re.findall(r"(?:^|\.)layer\.(\d+)(?=\.|$)", path)
+    return f"layer_{layer_numbers[-1]}" if layer_numbers else path or "memory"
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside a DistributedDataParallel / torch.compile wrapper."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            inner = model.module
+        else:
+            inner = getattr(model, "_orig_mod", None)
+        if inner is None:
+            return model
+        model = inner
+
+
+__all__ = ["is_product_key_memory", "memory_modules", "readable_name", "unwrap_model"]
