@@ -84,7 +84,7 @@ def main(argv=None):
         if args.hub_model_id is None:
             return None
     if args.quantize_values:
-        from modeling_pkm_bert.serving.quantization import quantize_folder
+        from modeling_pkm_bert.hub.upload import quantize_folder
 
         suffix = "int8" if args.quantize_values == 8 else "4bit"
         quantized_dir = args.quantized_dir or f"{str(args.model_dir).rstrip('/')}-{suffix}"

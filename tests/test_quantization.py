@@ -228,7 +228,7 @@ def test_training_checkpoint_of_a_quantized_model_is_refused(tmp_path):
 
 
 def test_quantize_folder_leaves_the_source_and_copies_the_rest(tmp_path):
-    from modeling_pkm_bert.serving.quantization import quantize_folder
+    from modeling_pkm_bert.hub.upload import quantize_folder
 
     model = BertPkmForMaskedLM(tiny_config()).eval()
     model.save_pretrained(tmp_path / "src")

@@ -1,6 +1,6 @@
 """What goes to the Hub, and the push: an allow-list of what a model repository needs (weights, configs, exactly the
 remote-code files `REMOTE_CODE_FILES`, tokenizer, card, results), the check that a folder is a complete loadable
-repository, and `push_folder_to_hub`."""
+repository, `push_folder_to_hub`, and `quantize_folder` (a folder's copy with int8 / 4-bit value tables)."""
 
 import fnmatch
 import glob
@@ -161,3 +161,34 @@ def push_folder_to_hub(
         commit_message=commit_message,
         allow_patterns=[glob.escape(name) for name in files],
     )
+
+
+def quantize_folder(model_dir, output_dir, bits: int = 8) -> str:
+    """Writes `output_dir`: the Hub folder `model_dir` (converted or trained) with its value tables quantized
+    ([`serving.quantize_memory_values`]); the tokenizer, card and other uploadable files are copied, `model_dir` is
+    left as it is. Refuses an existing non-empty `output_dir`. Returns `output_dir`."""
+    import shutil
+
+    from .. import modeling_bert_pkm
+    from ..serving.quantization import BITS, quantize_memory_values
+
+    if isinstance(bits, bool) or bits not in BITS:
+        raise ValueError(f"bits={bits!r}: quantize_memory_values packs 8 (int8) or 4 (4-bit) bits per value")
+    source, target = Path(model_dir), Path(output_dir)
+    if target.exists() and any(target.iterdir()):
+        raise ValueError(f"{target} exists and is not empty: give another folder for the quantized model")
+    config = json.loads((source / "config.json").read_text())
+    architecture = (config.get("architectures") or ["BertPkmModel"])[0]
+    model_class = getattr(modeling_bert_pkm, architecture, None)
+    if model_class is None:
+        raise ValueError(f"{source}: architectures={config.get('architectures')} names no BertPkm class")
+    model = model_class.from_pretrained(source)
+    quantize_memory_values(model, bits)
+    target.mkdir(parents=True, exist_ok=True)
+    weights = (".safetensors", ".bin", "model.safetensors.index.json", "config.json")
+    for name in files_to_upload(source):
+        if not name.endswith(weights) and not name.endswith(".py"):
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source / name, target / name)
+    model.save_pretrained(target)
+    return str(target)

@@ -17,6 +17,7 @@ from ..product_key_memory import (
     QuantizedProductKeyValues,
     packed_row_bytes,
 )
+from ..utils.lazy_imports import moved_names
 
 
 BITS = {bits: name for name, bits in VALUE_QUANTIZATIONS.items()}  # 8 -> "int8", 4 -> "4bit"
@@ -122,39 +123,7 @@ def quantize_memory_values(model: nn.Module, bits: int = 8) -> int:
     return len(packed)
 
 
+__all__ = ["check_not_quantized", "prepack_rows", "quantize_memory_values", "quantized_tables"]
 
-
-def quantize_folder(model_dir, output_dir, bits: int = 8) -> str:
-    """Writes `output_dir`: the Hub folder `model_dir` (converted or trained) with its value tables quantized
-    ([`quantize_memory_values`]); the tokenizer, card and other uploadable files are copied, `model_dir` is left as it
-    is. Refuses an existing non-empty `output_dir`. Returns `output_dir`."""
-    import json
-    import shutil
-    from pathlib import Path
-
-    from .. import modeling_bert_pkm
-    from ..hub.upload import files_to_upload
-
-    if isinstance(bits, bool) or bits not in BITS:
-        raise ValueError(f"bits={bits!r}: quantize_memory_values packs 8 (int8) or 4 (4-bit) bits per value")
-    source, target = Path(model_dir), Path(output_dir)
-    if target.exists() and any(target.iterdir()):
-        raise ValueError(f"{target} exists and is not empty: give another folder for the quantized model")
-    config = json.loads((source / "config.json").read_text())
-    architecture = (config.get("architectures") or ["BertPkmModel"])[0]
-    model_class = getattr(modeling_bert_pkm, architecture, None)
-    if model_class is None:
-        raise ValueError(f"{source}: architectures={config.get('architectures')} names no BertPkm class")
-    model = model_class.from_pretrained(source)
-    quantize_memory_values(model, bits)
-    target.mkdir(parents=True, exist_ok=True)
-    weights = (".safetensors", ".bin", "model.safetensors.index.json", "config.json")
-    for name in files_to_upload(source):
-        if not name.endswith(weights) and not name.endswith(".py"):
-            (target / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source / name, target / name)
-    model.save_pretrained(target)
-    return str(target)
-
-
-__all__ = ["check_not_quantized", "prepack_rows", "quantize_folder", "quantize_memory_values", "quantized_tables"]
+# a Hub folder written quantized, which lived here until release 0.2.0
+__getattr__ = moved_names(__name__, {"..hub.upload": ("quantize_folder",)})
