@@ -36,6 +36,7 @@ setup(
             "tqdm>=4.66,<5",
             "matplotlib>=3.8,<4",
             "pytest>=8,<10",
+            "parameterized>=0.9,<1",  # imported by transformers' common tests (tests/test_transformers_common.py)
             "tensorboard>=2.15,<3",  # the real tracker of tests/test_security.py (no secret reaches it)
             "product-key-memory==0.3.0",
             # integrations (modeling_pkm_bert/integrations, tests/test_export.py, tests/test_integrations.py)

@@ -7,13 +7,20 @@ Remote code: this file travels with every saved model. It imports only torch, tr
 """
 
 import hashlib
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
-from transformers import AttentionInterface, Cache, DynamicCache, EncoderDecoderCache, GenerationMixin, PreTrainedModel
+from transformers import (
+    AttentionInterface,
+    Cache,
+    DynamicCache,
+    EncoderDecoderCache,
+    GenerationMixin,
+    GradientCheckpointingLayer,
+    PreTrainedModel,
+)
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import (
@@ -408,8 +415,10 @@ def shared_values_names(config, prefix: str = "") -> list[str]:
     return [f"{prefix}encoder.layer.{i}.memory.values.weight" for i in sorted(config.pkm_layers)]
 
 
-class BertPkmLayer(nn.Module):
-    """A BERT layer; at `config.pkm_layers` with a memory beside (`resm`) or instead of (`replace`) the FFN."""
+class BertPkmLayer(GradientCheckpointingLayer):
+    """A BERT layer; at `config.pkm_layers` with a memory beside (`resm`) or instead of (`replace`) the FFN.
+    Gradient checkpointing (`PreTrainedModel.activation_checkpointing_enable`) recomputes it in backward, as
+    transformers' own layers: the tensors that need gradients are passed positionally."""
 
     def __init__(self, config, layer_idx=None, shared_values: ProductKeyValues | None = None):
         super().__init__()
@@ -453,14 +462,6 @@ class BertPkmLayer(nn.Module):
         else:
             self.intermediate = BertPkmIntermediate(config)
             self.output = BertPkmOutput(config)
-        # set by PreTrainedModel.gradient_checkpointing_enable(), with `_gradient_checkpointing_func`
-        self.gradient_checkpointing = False
-
-    def __call__(self, hidden_states, *args, **kwargs):
-        if self.gradient_checkpointing and self.training:
-            # the tensors that need gradients are positional: reentrant checkpointing sees only those
-            return self._gradient_checkpointing_func(partial(super().__call__, **kwargs), hidden_states, *args)
-        return super().__call__(hidden_states, *args, **kwargs)
 
     def forward(
         self,
@@ -723,6 +724,12 @@ class BertPkmPreTrainedModel(PreTrainedModel):
     # additive 4-D mask (flash and flex attention need masks in their own formats: not supported)
     _supports_sdpa = True
     _supports_attention_backend = True
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        # transformers guesses from the source text (its own attention registry) whether `set_attn_implementation` may
+        # switch a built model; ours looks the kernel up by `config._attn_implementation` at every call: it may
+        return True
 
     @classmethod
     def from_pretrained(
@@ -990,6 +997,17 @@ class BertPkmModel(BertPkmPreTrainedModel):
             use_cache = use_cache if use_cache is not None else self.config.use_cache
         else:
             use_cache = False
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            # backward recomputes each layer, which would append its keys and values to the cache a second time
+            if cache is not None:
+                raise ValueError(
+                    f"a cache (holds {cache.get_seq_length()} tokens) cannot be used with gradient checkpointing in"
+                    " training: recomputing the layers in backward would write to it again. Pass no cache, or run"
+                    " without gradients (torch.no_grad(), model.eval()) or without gradient checkpointing"
+                )
+            if use_cache:
+                logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`.")
+                use_cache = False
 
         if use_cache and cache is None:
             cache = (
@@ -1052,7 +1070,7 @@ class BertPkmModel(BertPkmPreTrainedModel):
         or None where every position may attend to every other."""
         length = embedding_output.shape[1]
         if attention_mask is not None and attention_mask.dim() == 4:
-            return attention_mask if attention_mask.is_floating_point() else _additive_mask(attention_mask, embedding_output.dtype)
+            return _additive_mask(attention_mask, embedding_output.dtype)
         allowed = attention_mask[:, None, None, :].bool() if attention_mask is not None else None
         if self.config.is_decoder:
             device = embedding_output.device
@@ -1116,7 +1134,10 @@ class BertPkmModel(BertPkmPreTrainedModel):
 
 def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where attention is allowed (a boolean True, or 1 in a 2-D padding mask), the dtype's minimum elsewhere (not
-    -inf, so that a query that may attend nothing gets uniform weights rather than NaN); 2-D masks become 4-D."""
+    -inf, so that a query that may attend nothing gets uniform weights rather than NaN); 2-D masks become 4-D. A
+    floating 4-D mask is additive already (0 or a large negative number): as it is."""
+    if mask.dim() == 4 and mask.is_floating_point():
+        return mask
     if mask.dim() == 2:
         mask = mask[:, None, None, :]
     allowed = mask.bool()

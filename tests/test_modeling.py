@@ -1,7 +1,11 @@
+import os
+import subprocess
+
 import pytest
 import torch
 from transformers import (
     BertConfig,
+    GradientCheckpointingLayer,
     BertForMaskedLM,
     BertForQuestionAnswering,
     BertForSequenceClassification,
@@ -20,6 +24,7 @@ from modeling_pkm_bert import (
     ProductKeyMemory,
 )
 from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
+from modeling_pkm_bert.modeling_bert_pkm import CACHE_FIELD
 
 
 def batch(batch_size=3, seq_len=9, vocab=99, pad_from=(None, 6, 4)):
@@ -209,3 +214,112 @@ def test_memories_are_initialised_when_loading_a_plain_bert(tmp_path):
         assert torch.equal(memory.query_batchnorm.running_var, torch.ones_like(memory.query_batchnorm.running_var))
     input_ids, attention_mask = batch()
     assert torch.isfinite(model(input_ids, attention_mask=attention_mask).logits).all()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradient_checkpointing_in_training_turns_the_decoder_cache_off(use_reentrant):
+    """As transformers' layers do (a warning, `use_cache=False`): the recomputation in backward would append the keys
+    and values to the cache a second time. The gradients are those of the run without checkpointing."""
+    input_ids, attention_mask = batch()
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = BertPkmForCausalLM(tiny_config(is_decoder=True, pkm_layers=[0, 2])).train()
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        output = model(input_ids, attention_mask=attention_mask)  # no labels: config.use_cache=True
+        cache = getattr(output, CACHE_FIELD)
+        assert cache is None if checkpointing else cache.get_seq_length() == 9
+        output.logits.pow(2).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any(".memory.values" in n for n in grads[0])
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5, msg=name)
+    with torch.no_grad():  # nothing is recomputed without gradients (generating from a model in training mode)
+        cache = getattr(model(input_ids[:, :4], attention_mask=attention_mask[:, :4]), CACHE_FIELD)
+    assert cache.get_seq_length() == 4
+    with pytest.raises(ValueError, match=r"cache \(holds 4 tokens\) cannot be used with gradient checkpointing"):
+        model(input_ids[:, 4:], attention_mask=attention_mask, cache=cache)
+
+
+def test_the_layers_follow_transformers_gradient_checkpointing_contract():
+    """transformers finds the layers to checkpoint as `GradientCheckpointingLayer`s (its common tests, `every_n_layers`)."""
+    model = BertPkmForMaskedLM(tiny_config(num_hidden_layers=4))
+    assert all(isinstance(layer, GradientCheckpointingLayer) for layer in model.bert.encoder.layer)
+    model.activation_checkpointing_enable(every_n_layers=2)
+    assert [layer.gradient_checkpointing for layer in model.bert.encoder.layer] == [True, False, True, False]
+    model.activation_checkpointing_disable()
+    assert not any(module.gradient_checkpointing for module in model.modules() if hasattr(module, "gradient_checkpointing"))
+
+
+def test_an_additive_4d_encoder_attention_mask_means_what_the_2d_mask_means():
+    """0: attend, a large negative number: blocked (as the self-attention's 4-D masks); boolean 4-D masks too."""
+    model = BertPkmModel(tiny_config(is_decoder=True, add_cross_attention=True)).eval()
+    input_ids, attention_mask = batch()
+    encoder_hidden_states = torch.randn(3, 5, 32)
+    encoder_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
+    additive = (1.0 - encoder_mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+    with torch.no_grad():
+        outputs = [
+            model(input_ids, attention_mask=attention_mask, encoder_hidden_states=encoder_hidden_states,
+                  encoder_attention_mask=mask, use_cache=False).last_hidden_state
+            for mask in (encoder_mask, additive, additive.expand(-1, -1, 9, -1), encoder_mask[:, None, None, :].bool())
+        ]
+        unmasked = model(input_ids, attention_mask=attention_mask, encoder_hidden_states=encoder_hidden_states).last_hidden_state
+    assert not torch.allclose(outputs[0], unmasked, atol=1e-3)  # the mask matters
+    for output in outputs[1:]:
+        torch.testing.assert_close(output, outputs[0])
+
+
+MIN_PYTHON_SCRIPT = r"""
+import copy
+import torch
+from transformers import GradientCheckpointingLayer
+from modeling_pkm_bert import BertPkmConfig, BertPkmForCausalLM
+from modeling_pkm_bert.modeling_bert_pkm import CACHE_FIELD
+
+config = BertPkmConfig(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
+                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pkm_layers=[0, 2], pkm_n_keys=8,
+                       pkm_heads=2, pkm_knn=4, pkm_k_dim=16, is_decoder=True)
+input_ids = torch.randint(1, 99, (3, 9))
+for use_reentrant in (False, True):
+    model = BertPkmForCausalLM(config).train()
+    checkpointed = copy.deepcopy(model)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    assert all(isinstance(layer, GradientCheckpointingLayer) and layer.gradient_checkpointing
+               for layer in checkpointed.bert.encoder.layer)
+    for candidate in (model, checkpointed):
+        output = candidate(input_ids)
+        output.logits.pow(2).mean().backward()
+    assert getattr(output, CACHE_FIELD) is None
+    for (name, parameter), other in zip(model.named_parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(other.grad, parameter.grad, atol=1e-6, rtol=1e-5, msg=name)
+model.eval().set_attn_implementation("eager")
+assert model(input_ids, output_attentions=True).attentions[0].shape == (3, 4, 9, 9)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("PKM_COMPAT_MIN_PYTHON"), reason="PKM_COMPAT_MIN_PYTHON is not set: `make test` builds .venv-min")
+def test_gradient_checkpointing_under_the_declared_minimum():
+    """transformers 5.4's `GradientCheckpointingLayer` wraps `__call__` and drops `past_key_values` (5.24: `forward`,
+    `cache`): the model turns the cache off itself, so training with checkpointing is right under both; and
+    `set_attn_implementation` switches a built model there too."""
+    result = subprocess.run([os.environ["PKM_COMPAT_MIN_PYTHON"], "-c", MIN_PYTHON_SCRIPT], capture_output=True, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_the_attention_implementation_can_be_switched_on_a_built_model():
+    """`set_attn_implementation` (transformers' common test_can_set_attention_dynamically): the attention kernel is
+    looked up by `config._attn_implementation` at every call, so a built model switches (eager: the weights)."""
+    model = BertPkmForMaskedLM(tiny_config()).eval()
+    input_ids, attention_mask = batch()
+    assert model.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        sdpa = model(input_ids, attention_mask=attention_mask).logits
+        model.set_attn_implementation("eager")
+        assert model.config._attn_implementation == "eager"
+        eager = model(input_ids, attention_mask=attention_mask, output_attentions=True)
+    assert eager.attentions[0].shape == (3, 4, 9, 9)
+    torch.testing.assert_close(eager.logits, sdpa, atol=1e-5, rtol=1e-4)

@@ -138,9 +138,12 @@ def test_question_answering_pipeline_where_transformers_has_it(tmp_path):
 
 
 # transformers' stable public surface: what the remote-code files may import from it (its internals change between
-# minor releases: 5.24 renamed past_key_values in every BERT block)
+# minor releases: 5.24 renamed past_key_values in every BERT block); GradientCheckpointingLayer is top-level from 5.4
 STABLE_TRANSFORMERS = {
-    "transformers": {"AttentionInterface", "BertConfig", "Cache", "DynamicCache", "EncoderDecoderCache", "GenerationMixin", "PreTrainedModel", "initialization"},
+    "transformers": {
+        "AttentionInterface", "BertConfig", "Cache", "DynamicCache", "EncoderDecoderCache", "GenerationMixin",
+        "GradientCheckpointingLayer", "PreTrainedModel", "initialization",
+    },
     "transformers.activations": {"ACT2FN"},
     "transformers.modeling_outputs": None,  # any output class
     "transformers.utils": {"logging"},
