@@ -51,7 +51,7 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from modeling_pkm_bert.training.optimization import (  # noqa: E402
+from modeling_pkm_bert.methods.optimizers import (  # noqa: E402
     SparseRowAdam,
     cast_pkm_values,
     pkm_param_groups,

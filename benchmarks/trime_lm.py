@@ -106,7 +106,7 @@ def time_steps(model, inputs: dict, targets, memory: str, rounds: int, steps: in
     same model and batch (order rotating each round); the ratio is the median of the per-round ratios."""
     import torch
 
-    from modeling_pkm_bert.training.trime import model_trime_losses
+    from modeling_pkm_bert.methods.trime import model_trime_losses
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     model.train()
@@ -141,8 +141,8 @@ def timing(output_dirs: dict, budget: dict, seed: int) -> dict:
     from transformers import AutoTokenizer, DataCollatorForLanguageModeling
 
     from modeling_pkm_bert import register_auto_classes
-    from modeling_pkm_bert.training import load_model
-    from modeling_pkm_bert.training.trime import causal_targets
+    from modeling_pkm_bert.methods.trime import causal_targets
+    from modeling_pkm_bert.training.loading import load_model
 
     torch.manual_seed(seed)
     register_auto_classes()

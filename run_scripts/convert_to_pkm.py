@@ -18,10 +18,10 @@ from pathlib import Path
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
+from modeling_pkm_bert.hub.card_command import card_command  # noqa: E402
 from modeling_pkm_bert.training.arguments import (  # noqa: E402
     TARGET_CLASSES,
     add_pkm_arguments,
-    card_command,
     help_requested,
     hub_model_id,
 )
@@ -40,7 +40,7 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
     )
     from modeling_pkm_bert.hub.model_card import card_base_model, card_license
     from modeling_pkm_bert.hub.upload import push_folder_to_hub
-    from modeling_pkm_bert.training import pkm_kwargs_from_args
+    from modeling_pkm_bert.training.loading import pkm_kwargs_from_args
 
 
 logger = logging.getLogger(__name__)

@@ -28,13 +28,8 @@ if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source c
 from modeling_pkm_bert.training.arguments import help_requested  # noqa: E402 (standard library only)
 
 if not help_requested(__name__):  # `--help` prints at once: the libraries below load only for a run
-    from modeling_pkm_bert.analysis import (
-        MemoryReportError,
-        check_run_dir,
-        class_data_from_files,
-        read_texts,
-        write_memory_report,
-    )
+    from modeling_pkm_bert.analysis.report import MemoryReportError, check_run_dir, read_texts, write_memory_report
+    from modeling_pkm_bert.training.glue_data import class_data_from_files
 
 
 EMBEDDED_VALIDATION_FILE = Path(__file__).resolve().parent / "data" / "pride_and_prejudice_validation.txt"
@@ -67,7 +62,8 @@ def main(argv=None):
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from modeling_pkm_bert.training import load_model, memory_modules
+    from modeling_pkm_bert.training.loading import load_model
+    from modeling_pkm_bert.utils.memories import memory_modules
 
     # cheap checks first: a bad run directory fails before the model loads
     if args.run_dir is not None:

@@ -51,17 +51,16 @@ from pathlib import Path
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
+from modeling_pkm_bert.analysis.arguments import add_memory_report_arguments  # noqa: E402
+from modeling_pkm_bert.hub.card_command import card_command  # noqa: E402
+from modeling_pkm_bert.methods.arguments import add_smf_arguments, add_trime_arguments  # noqa: E402
 from modeling_pkm_bert.parallel.arguments import add_parallel_arguments  # noqa: E402
 from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_language_modeling_arguments,
-    add_memory_report_arguments,
     add_model_card_arguments,
     add_pkm_arguments,
     add_reliability_arguments,
-    add_smf_arguments,
     add_training_arguments,
-    add_trime_arguments,
-    card_command,
     help_requested,
 )
 
@@ -72,28 +71,23 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from modeling_pkm_bert import BertPkmConfig, register_auto_classes
-    from modeling_pkm_bert.analysis import write_run_memory_report
     from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage
+    from modeling_pkm_bert.analysis.report import write_run_memory_report
+    from modeling_pkm_bert.methods.optimizers import freeze_memory
+    from modeling_pkm_bert.methods.trime import causal_targets, check_trime_model, model_trime_losses
+    from modeling_pkm_bert.training.checkpoints import run_settings
+    from modeling_pkm_bert.training.checks import check_freeze_memory, validate_training_arguments
     from modeling_pkm_bert.training.lm_data import (
         check_language_modeling_arguments,
         evaluate_language_model,
         load_raw_datasets,
     )
+    from modeling_pkm_bert.training.loading import config_from_scratch, load_model, pkm_kwargs_from_args
     from modeling_pkm_bert.training.loop import TrainingLoop, create_scheduler, finish_run, plan_training_steps
     from modeling_pkm_bert.training.preparation import prepare_training, start_run
+    from modeling_pkm_bert.training.results import tracker_config
     from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
-    from modeling_pkm_bert.training.trime import causal_targets, check_trime_model, model_trime_losses
     from modeling_pkm_bert.training.trime import resolve_trime_arguments
-    from modeling_pkm_bert.training import (
-        check_freeze_memory,
-        config_from_scratch,
-        freeze_memory,
-        load_model,
-        pkm_kwargs_from_args,
-        run_settings,
-        tracker_config,
-        validate_training_arguments,
-    )
 
     logger = get_logger(__name__)
 

@@ -31,7 +31,7 @@ import time
 
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from modeling_pkm_bert.training.arguments import redact_argv  # noqa: E402 (the package's import is lazy: no torch)
+from modeling_pkm_bert.hub.card_command import redact_argv  # noqa: E402 (the package's import is lazy: no torch)
 
 
 REPLACED_OPTIONS = ("--seed", "--output_dir")

@@ -1,8 +1,12 @@
 """The package layout: the flat files at the package root are exactly the shipped remote code, a saved folder holds
-exactly those, `import modeling_pkm_bert` is lazy (no torch, no op registered), and the module paths of release 0.2.0
-still import (with a DeprecationWarning) as the modules at their new places."""
+exactly those, `import modeling_pkm_bert` is lazy (no torch, no op registered), the module paths of release 0.2.0
+still import (with a DeprecationWarning) as the modules at their new places, the subpackages import each other without
+a cycle, every package resolves its lazy names through the one helper from the module that defines them, and the
+scripts and benchmarks import each name from its module."""
 
+import ast
 import importlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -133,3 +137,224 @@ def test_the_memory_optimizer_logged_is_the_one_used():
         args = argparse.Namespace(memory_optimizer=name, memory_learning_rate=1e-3)
         optimizer = create_memory_optimizer(memory_groups, args, model)
         assert memory_optimizer_summary(optimizer, model, 1e-3).startswith(f"Memory values: {logged}, constant lr 0.001")
+
+
+# ---- the import graph between subpackages ----
+
+SHIPPED, PACKAGE_API = "shipped files", "modeling_pkm_bert/__init__"
+
+
+def node_of(module: str) -> str | None:
+    """The node of the graph a module (or a name of a package) belongs to: a subpackage, the shipped flat files, or
+    the package's own `__init__` (its public names and `register_auto_classes`); None outside the package."""
+    parts = module.split(".")
+    if parts[0] != "modeling_pkm_bert":
+        return None
+    if len(parts) > 1 and (PACKAGE / parts[1]).is_dir():
+        return parts[1]
+    if len(parts) > 1 and (PACKAGE / f"{parts[1]}.py").is_file():
+        return SHIPPED
+    return PACKAGE_API
+
+
+def is_module(module: str) -> bool:
+    path = REPO_ROOT.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imports_of(path) -> list[tuple[str, int]]:
+    """(module or package name, line) of everything `path` imports from the package: every import statement, those
+    inside functions included (`from .x import y` is module x.y where y is a submodule, else x), and the entries of
+    its lazy-export table (a lazy import by name). The tables of moved names are left out: an old path points
+    wherever the name lived, and goes with the next release."""
+    from test_deprecated_aliases import lazy_tables, module_name
+
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) if node.level else node.module
+            for alias in node.names:
+                found.append((f"{base}.{alias.name}" if is_module(f"{base}.{alias.name}") else base, node.lineno))
+    found += [(module, 0) for module in lazy_tables(path)["exports"].values()]
+    return found
+
+
+def import_graph() -> dict[str, dict[str, list[str]]]:
+    """{node: {node it imports: ["path:line", ...]}} over every module of the package (line 0: a lazy-export table)."""
+    graph = {}
+    for path in package_modules():
+        relative = path.relative_to(PACKAGE)
+        source = PACKAGE_API if relative.name == "__init__.py" and len(relative.parts) == 1 else node_of(
+            "modeling_pkm_bert." + ".".join(relative.with_suffix("").parts)
+        )
+        for module, line in imports_of(path):
+            target = node_of(module)
+            if target is not None and target != source:
+                graph.setdefault(source, {}).setdefault(target, []).append(f"{path.relative_to(REPO_ROOT)}:{line}")
+    return graph
+
+
+def find_cycle(graph: dict[str, dict]) -> list[str] | None:
+    """One cycle of `graph` as [a, b, ..., a], or None (depth-first search)."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for target in sorted(graph.get(node, {})):
+            if state.get(target) == "open":
+                return stack[stack.index(target) :] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_and_the_import_scan():
+    """The checks themselves: a cycle is found and named; a lazy import inside a function, a package's name
+    (`from .. import register_auto_classes`) and a lazy-export table entry each count as an edge."""
+    assert find_cycle({"a": {"b": []}, "b": {"c": []}, "c": {"a": []}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b": []}, "b": {"c": []}, "c": {}}) is None
+    imported = dict(imports_of(PACKAGE / "training" / "checks.py"))
+    assert "modeling_pkm_bert" in imported and "modeling_pkm_bert.parallel.arguments" in imported
+    assert imported["modeling_pkm_bert.parallel.arguments"] > 0  # inside a function
+    assert ("modeling_pkm_bert.methods.optimizers", 0) in imports_of(PACKAGE / "methods" / "__init__.py")
+    assert node_of("modeling_pkm_bert.register_auto_classes") == PACKAGE_API
+    assert node_of("modeling_pkm_bert.modeling_bert_pkm") == SHIPPED
+
+
+def test_subpackages_import_each_other_without_a_cycle():
+    graph = import_graph()
+    shown = "\n".join(f"{node} -> {', '.join(sorted(targets))}" for node, targets in sorted(graph.items()))
+    cycle = find_cycle(graph)
+    where = [f"{a} -> {b}: {', '.join(graph[a][b][:3])}" for a, b in zip(cycle, cycle[1:])] if cycle else []
+    assert cycle is None, "import cycle " + " -> ".join(cycle) + "\n" + "\n".join(where) + "\n\n" + shown
+    # the helpers everyone shares import nothing of the package but the shipped files
+    assert set(graph["utils"]) == {SHIPPED}
+
+
+# lowest first (docs/DESIGN: the shipped files; the shared helpers; kernels/serving/parallel; methods; hub/analysis;
+# the harness; integrations); the package root's public names come from the layers below methods
+LAYERS = [
+    SHIPPED,
+    "utils",
+    "kernels",
+    "serving",
+    "parallel",
+    PACKAGE_API,
+    "methods",
+    "hub",
+    "analysis",
+    "training",
+    "integrations",
+]
+
+
+def test_subpackages_import_only_the_layers_below():
+    graph = import_graph()
+    assert set(graph) | {t for targets in graph.values() for t in targets} <= set(LAYERS), "a new subpackage: add it"
+    upward = [
+        f"{node} -> {target}: {', '.join(where[:3])}"
+        for node, targets in graph.items()
+        for target, where in targets.items()
+        if LAYERS.index(target) > LAYERS.index(node)
+    ]
+    assert upward == []
+
+
+def test_every_package_resolves_its_names_lazily_through_one_helper():
+    """Every package `__init__` gets `__getattr__` from `utils.lazy_imports.lazy_exports` (none writes its own, the
+    package root only registers the kernels first), and each name of a table is defined in the module the table names
+    (not imported there): one known module per name, no search."""
+    from test_deprecated_aliases import lazy_tables
+
+    for path in PACKAGE.rglob("__init__.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        own = [node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"]
+        tables = lazy_tables(path)
+        if path.parent == PACKAGE:
+            assert own and tables["exports"], "the package root resolves its public names through lazy_exports"
+        else:
+            assert not own, f"{path.relative_to(REPO_ROOT)} writes its own __getattr__: use lazy_exports"
+        for name, module in tables["exports"].items():
+            file = REPO_ROOT.joinpath(*module.split("."))
+            file = file / "__init__.py" if file.is_dir() else file.with_suffix(".py")
+            assert name in defined_names(file), f"{path.relative_to(REPO_ROOT)}: {name} is not defined in {module}"
+        if tables["exports"] and path.parent != PACKAGE:  # the root's __all__ leaves out AUTO_MAP, ProductKeyValues, ...
+            package = importlib.import_module(module_name_of(path))
+            assert package.__all__ == sorted(tables["exports"]) and set(package.__all__) <= set(dir(package))
+
+
+def module_name_of(path) -> str:
+    from test_deprecated_aliases import module_name
+
+    return module_name(path)
+
+
+def defined_names(path) -> set[str]:
+    """The names a module defines at its top level: functions, classes, assignments (not its imports)."""
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return names
+
+
+def test_the_training_package_resolves_each_name_from_one_module_and_the_old_ones_with_a_warning():
+    """`from modeling_pkm_bert.training import X`: a harness name from its module, without a warning; a name that
+    moved to `methods` (or `utils`) from there, with a DeprecationWarning."""
+    import modeling_pkm_bert.training as training
+    from modeling_pkm_bert.methods.optimizers import SparseRowAdam
+    from modeling_pkm_bert.training.loading import load_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert training.load_model is load_model
+    with pytest.warns(DeprecationWarning, match="methods.optimizers.SparseRowAdam"):
+        assert training.SparseRowAdam is SparseRowAdam
+    with pytest.raises(AttributeError, match="no_such_name"):
+        training.no_such_name  # noqa: B018
+
+
+def script_imports(path) -> list[tuple[int, str, str]]:
+    """(line, module, name) of every `from modeling_pkm_bert... import name` of a script where name is not a module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("modeling_pkm_bert") and not node.level:
+            found += [
+                (node.lineno, node.module, alias.name)
+                for alias in node.names
+                if not is_module(f"{node.module}.{alias.name}")
+            ]
+    return found
+
+
+@pytest.mark.parametrize("folder", ["run_scripts", "benchmarks"])
+def test_scripts_import_each_name_from_the_module_that_defines_it(folder):
+    """Not through a subpackage's lazy `__init__` nor a re-export, so that a reader finds the name where the import
+    says. The package root is the exception: it is the public API, and resolving a model class there registers the
+    native kernels (what a user gets)."""
+    problems = []
+    for path in sorted((REPO_ROOT / folder).glob("*.py")):
+        for line, module, name in script_imports(path):
+            if module == "modeling_pkm_bert":
+                continue
+            file = REPO_ROOT.joinpath(*module.split("."))
+            file = file / "__init__.py" if file.is_dir() else file.with_suffix(".py")
+            if name not in defined_names(file):
+                problems.append(f"{path.relative_to(REPO_ROOT)}:{line} imports {name} from {module}, which does not define it")
+    assert problems == []

@@ -124,8 +124,8 @@ def add_pkm_arguments(parser: argparse.ArgumentParser, training_options: bool = 
         choices=MEMORY_OPTIMIZERS,
         default="adam",
         help="adam: torch Adam on dense value gradients (XLM's published setting; works with every backend). "
-        "sparse_row_adam: methods.optimizers.SparseRowAdam, a lazy row-wise Adam that updates only the rows a step read "
-        "(the paper's 'sparse update' of the values; bf16 first moment and one second moment per row, 1.5x the table "
+        "sparse_row_adam: methods.optimizers.SparseRowAdam, a lazy row-wise Adam that updates only the rows a step "
+        "read (the paper's 'sparse update' of the values; bf16 first moment and one second moment per row, 1.5x the table "
         "instead of Adam's 4x), fed sparse value gradients on one process or gloo and dense ones under NCCL, which "
         "has no sparse all-reduce. It pays off when a step reads a small part of the table "
         "(tokens per step * heads * knn well below pkm_n_keys ** 2). "
