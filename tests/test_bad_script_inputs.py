@@ -155,7 +155,8 @@ def test_freeze_memory_on_a_model_without_memory(tmp_path):
 
 def test_freeze_memory_on_a_pkm_model_still_works(tmp_path):
     from modeling_pkm_bert import BertPkmForMaskedLM
-    from modeling_pkm_bert.training import check_freeze_memory, freeze_memory
+    from modeling_pkm_bert.methods.optimizers import freeze_memory
+    from modeling_pkm_bert.training import check_freeze_memory
 
     model = BertPkmForMaskedLM(tiny_config())
     check_freeze_memory(model)

@@ -11,7 +11,7 @@ import torch
 from modeling_pkm_bert import ProductKeyMemory, use_huge_pages
 from modeling_pkm_bert.kernels import cpu as cpu_kernels
 from modeling_pkm_bert.kernels.cpu import FLAGS, PORTABLE_FLAGS, _torch_selection, select_product_keys_native
-from modeling_pkm_bert.training.optimization import SparseRowAdam
+from modeling_pkm_bert.methods.optimizers import SparseRowAdam
 from modeling_pkm_bert.product_key_memory_ops import native_selection
 
 

@@ -22,7 +22,8 @@ from modeling_pkm_bert import (
     ProductKeyMemory,
 )
 from modeling_pkm_bert.kernels import triton_gathers
-from modeling_pkm_bert.training.optimization import memory_modules, set_sparse_values
+from modeling_pkm_bert.methods.optimizers import set_sparse_values
+from modeling_pkm_bert.utils.memories import memory_modules
 from test_modeling import batch
 
 

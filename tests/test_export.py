@@ -12,7 +12,8 @@ import torch
 import modeling_pkm_bert
 from conftest import REPO_ROOT, tiny_config
 from modeling_pkm_bert.integrations.export import export_onnx, export_program, run_onnx
-from modeling_pkm_bert.training.optimization import memory_modules, set_sparse_values
+from modeling_pkm_bert.methods.optimizers import set_sparse_values
+from modeling_pkm_bert.utils.memories import memory_modules
 
 
 CLASSES = [

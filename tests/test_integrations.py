@@ -18,16 +18,16 @@ from modeling_pkm_bert import BertPkmForMaskedLM, BertPkmForSequenceClassificati
 from modeling_pkm_bert.integrations.lora import pkm_lora_config
 from modeling_pkm_bert.integrations.trainer import PkmCombinedOptimizer, PkmTrainer, pkm_optimizers, pkm_trainer_class
 from modeling_pkm_bert.analysis.memory_usage import track_memory_usage
-from modeling_pkm_bert.training.optimization import (
+from modeling_pkm_bert.methods.optimizers import (
     PKM_VALUES_GROUP,
     cast_pkm_values,
-    memory_modules,
     pkm_param_groups,
     pkm_value_parameters,
     set_sparse_values,
 )
+from modeling_pkm_bert.utils.memories import memory_modules
 from modeling_pkm_bert.analysis.staleness import StalenessTracker
-from modeling_pkm_bert.training import freeze_memory
+from modeling_pkm_bert.methods.optimizers import freeze_memory
 
 
 # ---- remote-code models (conftest.remote_code_model: the folder's own code) ----

@@ -43,7 +43,7 @@ def config(shared: bool):
 
 def optimizers_for(model, memory_optimizer="adam"):
     """AdamW for the model, the values' own group at 1e-3 (Adam or SparseRowAdam), as the scripts."""
-    from modeling_pkm_bert.training.optimization import SparseRowAdam
+    from modeling_pkm_bert.methods.optimizers import SparseRowAdam
     from modeling_pkm_bert.training import optimizer_param_groups
 
     main, memory = optimizer_param_groups(model, weight_decay=0.01)
@@ -78,7 +78,7 @@ def smf_run(rank, mesh):
     from torch.distributed.tensor import DTensor
 
     from modeling_pkm_bert.parallel import fully_shard_with_memory_parallel
-    from modeling_pkm_bert.training.sparse_finetuning import (
+    from modeling_pkm_bert.methods.sparse_finetuning import (
         SparseMemoryFinetuning,
         compute_background_statistics,
         freeze_all_but_values,

@@ -18,7 +18,12 @@ from conftest import REPO_ROOT, tiny_config
 from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM, BertPkmModel
 from modeling_pkm_bert.hub.conversion import convert_to_pkm
 from modeling_pkm_bert.analysis.memory_usage import track_memory_usage
-from modeling_pkm_bert.training.optimization import SparseRowAdam, pkm_param_groups, pkm_value_parameters, set_sparse_values
+from modeling_pkm_bert.methods.optimizers import (
+    SparseRowAdam,
+    pkm_param_groups,
+    pkm_value_parameters,
+    set_sparse_values,
+)
 from modeling_pkm_bert.product_key_memory import ProductKeyMemory, ProductKeyValues
 from modeling_pkm_bert.training import add_pkm_arguments, clip_memory_gradients, pkm_kwargs_from_args
 

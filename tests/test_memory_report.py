@@ -11,7 +11,8 @@ from transformers import BertTokenizer
 
 from conftest import REPO_ROOT, tiny_config
 from modeling_pkm_bert import BertPkmForMaskedLM, BertPkmModel
-from modeling_pkm_bert.analysis import MemoryReportError, MetricsLog, class_data_from_files, write_memory_report
+from modeling_pkm_bert.analysis import MemoryReportError, MetricsLog, write_memory_report
+from modeling_pkm_bert.training.glue_data import class_data_from_files
 from modeling_pkm_bert.analysis import report as report_module
 from modeling_pkm_bert.analysis.class_usage import PerClassMemoryUsage
 from modeling_pkm_bert.analysis.memory_usage import track_memory_usage

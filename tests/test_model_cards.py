@@ -12,7 +12,7 @@ from huggingface_hub import ModelCard
 from transformers import BertConfig, BertForMaskedLM, BertTokenizer
 
 from modeling_pkm_bert import BertPkmForMaskedLM
-from modeling_pkm_bert.training.arguments import card_command, redact_command
+from modeling_pkm_bert.hub.card_command import card_command, redact_command
 from modeling_pkm_bert.hub.model_card import card_base_model, card_license, curated_results
 from modeling_pkm_bert.training import write_results_model_card
 

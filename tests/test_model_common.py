@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 import modeling_pkm_bert
 from conftest import tiny_config
-from modeling_pkm_bert.training.optimization import memory_modules
+from modeling_pkm_bert.utils.memories import memory_modules
 
 
 CLASSES = [

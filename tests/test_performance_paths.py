@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from modeling_pkm_bert import ProductKeyMemory
 from modeling_pkm_bert import product_key_memory_ops
-from modeling_pkm_bert.training.optimization import (
+from modeling_pkm_bert.methods.optimizers import (
     SparseRowAdam,
     clip_grad_norm_,
     pkm_lr_lambdas,
@@ -642,7 +642,7 @@ def test_bfloat16_values_for_inference_are_close():
     from conftest import tiny_config
 
     from modeling_pkm_bert import BertPkmModel
-    from modeling_pkm_bert.training.optimization import cast_pkm_values
+    from modeling_pkm_bert.methods.optimizers import cast_pkm_values
 
     model = BertPkmModel(tiny_config(pkm_layers=[0, 2])).eval()
     ids = torch.randint(0, 99, (2, 7))

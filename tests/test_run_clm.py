@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, BertTokenizer
 
 from modeling_pkm_bert import BertPkmForCausalLM, register_auto_classes
 from modeling_pkm_bert.training import sparse_finetuning
-from modeling_pkm_bert.training.sparse_finetuning import STATISTICS_NAME, BackgroundStatistics
+from modeling_pkm_bert.methods.arguments import STATISTICS_NAME
+from modeling_pkm_bert.methods.sparse_finetuning import BackgroundStatistics
 
 
 SCRIPTS = REPO_ROOT / "run_scripts"
@@ -189,7 +190,8 @@ def test_local_memory_and_plain_bert_lm_head_model(tiny, tmp_path):
 
 def test_config_overrides_and_pkm_flags_build_the_model(tiny, tmp_path, monkeypatch):
     """--config_overrides and --pkm_* build the model; --memory_max_grad_norm clips the value table's gradient."""
-    from modeling_pkm_bert.training import loop, pkm_value_parameters
+    from modeling_pkm_bert.methods.optimizers import pkm_value_parameters
+    from modeling_pkm_bert.training import loop
 
     norms = []
     original = loop.clip_memory_gradients  # the training loop clips (TrainingLoop.step)

@@ -27,7 +27,8 @@ from modeling_pkm_bert import BertPkmForMaskedLM
 from modeling_pkm_bert.hub import upload
 from modeling_pkm_bert.kernels import cpu as cpu_kernels
 from modeling_pkm_bert.kernels.cpu import PORTABLE_FLAGS
-from modeling_pkm_bert.training import redact_secrets, save_final_outputs, tracker_config
+from modeling_pkm_bert.hub.card_command import redact_secrets
+from modeling_pkm_bert.training import save_final_outputs, tracker_config
 from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 
 
@@ -121,7 +122,7 @@ def test_hub_token_reaches_no_tracker_log_or_results(tiny, tmp_path, caplog, cap
 
 
 def test_redact_command():
-    from modeling_pkm_bert.training.arguments import redact_argv as redact_command
+    from modeling_pkm_bert.hub.card_command import redact_argv as redact_command
 
     argv = ["--hub_token", TOKEN, "--hub_token=abc", "--tokenizer_name", "bert", "--note", f"x{TOKEN}", "--seed", "1"]
     assert redact_command(argv) == ["--hub_token", "<redacted>", "--hub_token=<redacted>", "--tokenizer_name", "bert",

@@ -14,9 +14,9 @@ import torch
 from conftest import REPO_ROOT, tiny_config
 
 from modeling_pkm_bert import BertPkmForMaskedLM
-from modeling_pkm_bert.training.optimization import SparseRowAdam, pkm_value_parameters, set_sparse_values
-from modeling_pkm_bert.training.sparse_finetuning import (
-    STATISTICS_NAME,
+from modeling_pkm_bert.methods.arguments import STATISTICS_NAME
+from modeling_pkm_bert.methods.optimizers import SparseRowAdam, pkm_value_parameters, set_sparse_values
+from modeling_pkm_bert.methods.sparse_finetuning import (
     BackgroundStatistics,
     ReadCounter,
     SparseMemoryFinetuning,

@@ -1,6 +1,6 @@
-"""TRIME's in-batch memory loss (modeling_pkm_bert/trime.py): the formula and its gradient against a direct loop, an
-empty memory == cross-entropy bit for bit, the memory rules (local / long / batch, never itself, unscored positions
-never in it), chunking, the output layer of real models, and run_mlm.py --trime."""
+"""TRIME's in-batch memory loss (modeling_pkm_bert/methods/trime.py): the formula and its gradient against a direct
+loop, an empty memory == cross-entropy bit for bit, the memory rules (local / long / batch, never itself, unscored
+positions never in it), chunking, the output layer of real models, and run_mlm.py --trime."""
 
 import importlib.util
 import math
@@ -13,7 +13,7 @@ from conftest import REPO_ROOT, tiny_config
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from modeling_pkm_bert import BertPkmForCausalLM, BertPkmForMaskedLM
-from modeling_pkm_bert.training.trime import (
+from modeling_pkm_bert.methods.trime import (
     causal_targets,
     check_trime_model,
     model_trime_losses,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import modeling_pkm_bert  # noqa: F401  (registers the ops, for CPU tensors too under the interpreter)
 from modeling_pkm_bert import ProductKeyMemory
-from modeling_pkm_bert.training.optimization import SparseRowAdam
+from modeling_pkm_bert.methods.optimizers import SparseRowAdam
 
 
 if os.environ.get("TRITON_INTERPRET") != "1":
