@@ -1,8 +1,10 @@
 """Product key memory (Lample et al. 2019, XLM `pq_fast`), pure torch, all heads batched.
 
-`ProductKeyMemory` is the layer, `ProductKeyValues` its value table (an `nn.EmbeddingBag`). The fast autograd paths
-they run (value lookup and its backward, sub-key top-k, the native selection) and the switches that choose between
-those paths and the reference torch ops are in `product_key_memory_ops.py`, documented there in one table.
+Top-down: `ProductKeyMemory`, the layer (`__init__`, `forward`, then what `forward` calls, in call order), then
+`ProductKeyValues`, its value table (an `nn.EmbeddingBag`), and last, in a section of their own, the int8 / 4-bit value
+tables for serving (`QuantizedProductKeyValues`). The fast autograd paths they run (value lookup and its backward,
+sub-key top-k, the native selection) and the switches that choose between those paths and the reference torch ops are
+in `product_key_memory_ops.py`, documented there in one list.
 """
 
 import math
@@ -24,8 +26,6 @@ from .product_key_memory_ops import (
     native_selection,
     triton_bag_sum,
 )
-
-
 
 
 def check_memory_scale(name: str, value) -> None:
@@ -67,7 +67,7 @@ class ProductKeyMemory(nn.Module):
       near-zero start of a memory added beside a pretrained FFN); a finite nonzero number.
     """
 
-    # the fast paths (documented in one table: product_key_memory_ops.py); False: the reference torch ops
+    # the fast paths (documented in one list: product_key_memory_ops.py); False: the reference torch ops
     prune_candidates = True
     fused_search_backward = True
     native_search = True
@@ -140,6 +140,164 @@ class ProductKeyMemory(nn.Module):
             self.register_parameter("memory_scale", None)
         self.reset_parameters()
 
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`(batch, seq, input_dim)` (or any `(..., input_dim)`) -> `(..., v_dim)`; `attention_mask` is 1 on real tokens."""
+        if hidden_states.shape[-1] != self.input_dim:
+            raise ValueError(f"hidden_states must end in input_dim={self.input_dim}, got {tuple(hidden_states.shape)}")
+        batch_shape, flat = hidden_states.shape[:-1], hidden_states.reshape(-1, self.input_dim)
+        if attention_mask is None:
+            return self.lookup(flat).view(*batch_shape, self.v_dim)
+        if attention_mask.shape != batch_shape:
+            raise ValueError(
+                f"attention_mask of shape {tuple(attention_mask.shape)} does not match hidden_states {tuple(batch_shape)}"
+            )
+        if is_exporting():  # no data-dependent token selection in an exported graph
+            return self._export_forward(flat, attention_mask).view(*batch_shape, self.v_dim)
+        # padding is skipped: it must not shift the BatchNorm statistics nor cost lookups
+        real = attention_mask.reshape(-1).nonzero().squeeze(1)
+        if real.numel() == flat.shape[0]:  # no padding: no gather and scatter of the tokens
+            return self.lookup(flat).view(*batch_shape, self.v_dim)
+        output = flat.new_zeros(flat.shape[0], self.v_dim)
+        # looked up even without a real token: the parameters then get (zero) gradients, which DDP and FSDP wait for
+        # on every process, and a table sharded across processes (memory parallel) is read by all of them; but a query
+        # BatchNorm in training has no statistics of 0 tokens (the scripts refuse such a batch on every process first)
+        if real.numel() or not (self.training and self.query_batchnorms()):
+            output = output.index_copy(0, real, self.lookup(flat.index_select(0, real)))
+        return output.view(*batch_shape, self.v_dim)
+
+    def lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The memory on a flat batch of tokens: `(tokens, input_dim)` -> `(tokens, v_dim)`."""
+        if torch.compiler.is_compiling() and not self.trace_training_lookup and torch.is_grad_enabled():
+            if hidden_states.requires_grad or any(p.requires_grad for p in self.parameters()):
+                return self._eager_lookup(hidden_states)
+        return self._lookup(hidden_states)
+
+    @torch.compiler.disable
+    def _eager_lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self._lookup(hidden_states)
+
+    def _lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        inputs = self.input_dropout(hidden_states)
+        queries = self.query_proj(inputs)
+        batchnorms = self.training and not torch.compiler.is_compiling() and self.query_batchnorms()
+        if batchnorms and torch._C._current_graph_task_id() != -1:  # run inside backward: checkpointing recomputes
+            queries = self._recomputed_batchnorm(queries, batchnorms)
+        else:
+            if batchnorms:
+                self._check_batch_statistics(hidden_states, queries)
+            queries = self.query_batchnorm(queries)
+        queries = self.query_dropout(queries)
+        scores, indices = self.search(queries.unflatten(-1, (self.heads, self.k_dim)))
+        weights = self.score_weights(scores)
+        output = self.values(
+            indices.flatten(1), per_sample_weights=weights.flatten(1).to(lookup_dtype(self.values.weight))
+        )  # the bag sums knn rows of every head: heads are summed
+        output = output.to(hidden_states.dtype)
+        if self.output_gate == "swilu" or self.memory_scale is not None:
+            output = self.memory_output(output, inputs)
+        return self.value_dropout(output)
+
+    def query_batchnorms(self) -> list[nn.Module]:
+        """The BatchNorms that normalise the queries: the query BatchNorm, or the copies inside a wrapper of it."""
+        return [module for module in self.query_batchnorm.modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)]
+
+    def _recomputed_batchnorm(self, queries: torch.Tensor, batchnorms: list[nn.Module]) -> torch.Tensor:
+        """The query BatchNorm in a gradient-checkpointing recomputation (it runs inside backward): the same batch
+        statistics, and the running ones, already updated by the first forward, stay: the BatchNorms update copies of
+        them (they may sit in a wrapper, e.g. PEFT's modules_to_save, so the wrapper's own forward runs)."""
+        buffers = [(norm, name, buffer) for norm in batchnorms for name, buffer in norm.named_buffers(recurse=False)]
+        for norm, name, buffer in buffers:
+            setattr(norm, name, buffer.clone())
+        try:
+            return self.query_batchnorm(queries)
+        finally:
+            for norm, name, buffer in buffers:
+                setattr(norm, name, buffer)
+
+    def _check_batch_statistics(self, hidden_states: torch.Tensor, queries: torch.Tensor):
+        """In training the query BatchNorm normalises each token with statistics of the whole batch and keeps them in
+        its running mean and variance: one non-finite query would make every sequence's output and every later
+        evaluation non-finite, so such a batch is refused (ValueError) before the BatchNorm, as is a batch of one token
+        (no variance). One sum and one host sync per memory and step in eager mode; nothing in compiled/exported
+        graphs."""
+        if torch.compiler.is_compiling() or is_exporting():
+            return
+        if queries.shape[0] < 2:
+            raise ValueError(
+                f"{self.layer_name}: a training batch with {queries.shape[0]} real token(s) (attention_mask == 1): the"
+                " query BatchNorm needs at least 2 to compute batch statistics; use a batch with more real tokens,"
+                " or eval() mode"
+            )
+        # a sum is NaN/inf iff some entry is (or, rarely, it overflows: then the exact count decides)
+        if not torch.isfinite(queries.detach().sum()):
+            bad_queries = int((~torch.isfinite(queries.detach())).sum())
+            if bad_queries:
+                bad_inputs = int((~torch.isfinite(hidden_states.detach())).sum())
+                raise ValueError(
+                    f"{self.layer_name}: {bad_inputs} non-finite value(s) (NaN/inf) in its input hidden_states of shape"
+                    f" {tuple(hidden_states.shape)} ({bad_queries} in the queries) in training mode; refused before the"
+                    " query BatchNorm so that its running statistics and the other sequences of the batch stay finite."
+                    " Check the inputs (inputs_embeds), the learning rate and the loss scale"
+                )
+
+    def search(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact top-`knn` product keys of each head: `(..., heads, k_dim)` -> scores, indices `(..., heads, knn)`."""
+        if queries.shape[-2:] != (self.heads, self.k_dim):
+            raise ValueError(f"queries must end in (heads, k_dim) = {(self.heads, self.k_dim)}, got {tuple(queries.shape)}")
+        batch_shape, knn, n_keys = queries.shape[:-2], self.knn, self.n_keys
+        halves = queries.reshape(-1, self.heads * 2, self.k_dim // 2).transpose(0, 1)  # (heads * 2, tokens, half)
+        keys = self.scoring_keys().to(halves.dtype).flatten(0, 1)  # (heads * 2, n_keys, half)
+        if self.qk_norm:
+            halves = self.query_norm(halves)
+        # fp32 on CPU: the selection in a native kernel (kernels/cpu.py), the same as the torch ops below
+        select = native_selection(halves) if self.native_search and self.prune_candidates else None
+        needs_grad = torch.is_grad_enabled() and (halves.requires_grad or keys.requires_grad)
+        fused = needs_grad and self.fused_search_backward and not torch.compiler.is_compiling()
+        if select is not None and (fused or not needs_grad):  # (tokens, heads, knn)
+            if fused:
+                scores, indices = NativeProductKeySearch.apply(halves, keys, knn, select)
+            else:
+                scores, indices = select(torch.bmm(halves, keys.transpose(1, 2)), knn)
+            return scores.view(*batch_shape, self.heads, knn), indices.view(*batch_shape, self.heads, knn)
+        if fused:
+            half_scores, half_indices = SubkeyTopk.apply(halves, keys, knn)
+        else:  # (heads * 2, tokens, knn), sorted descending
+            half_scores, half_indices = torch.bmm(halves, keys.transpose(1, 2)).topk(knn, dim=-1)
+        scores, indices = combine_halves(half_scores, half_indices, n_keys, knn, self.prune_candidates)
+        return (
+            scores.transpose(0, 1).reshape(*batch_shape, self.heads, knn),
+            indices.transpose(0, 1).reshape(*batch_shape, self.heads, knn),
+        )
+
+    def scoring_keys(self) -> torch.Tensor:
+        """The sub-keys the queries are scored against, `(heads, 2, n_keys, k_dim // 2)`: `keys`, with `qk_norm` normalised."""
+        return self.key_norm(self.keys) if self.qk_norm else self.keys
+
+    def score_weights(self, scores: torch.Tensor) -> torch.Tensor:
+        """The weights of the selected slots from their scores `(..., heads, knn)`, in fp32."""
+        if self.score_activation == "relu":
+            return F.relu(scores.float())
+        return F.softmax(scores.float(), dim=-1)
+
+    def memory_output(self, read: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """The options applied to the weighted sum of values `read`: the swilu output and the learned scale."""
+        if self.output_gate == "swilu":
+            read = self.output_proj(read * F.silu(self.gate_proj(inputs)))
+        if self.memory_scale is not None:
+            read = read * self.memory_scale.to(read.dtype)
+        return read
+
+    def _export_forward(self, flat: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Every token looked up, padding outputs zeroed: exact where the query BatchNorm does not use the batch's own
+        statistics (eval mode), which padding would shift."""
+        if self.training and self.query_batchnorms():
+            raise ValueError(
+                "torch.export of a ProductKeyMemory with a query BatchNorm in training mode: padding tokens would enter "
+                "its batch statistics; export the model in eval mode (model.eval())"
+            )
+        real = attention_mask.reshape(-1, 1).bool()
+        return torch.where(real, self.lookup(flat), flat.new_zeros(()))
+
     def _check_shared_values(self, values, sparse):
         if isinstance(values, QuantizedProductKeyValues):  # a quantized table (serving; defined at the end)
             if (values.num_embeddings, values.embedding_dim) != (self.n_keys**2, self.v_dim):
@@ -198,161 +356,6 @@ class ProductKeyMemory(nn.Module):
     def sparse_values(self, sparse: bool):
         self.values.sparse = bool(sparse)
 
-    def search(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact top-`knn` product keys of each head: `(..., heads, k_dim)` -> scores, indices `(..., heads, knn)`."""
-        if queries.shape[-2:] != (self.heads, self.k_dim):
-            raise ValueError(f"queries must end in (heads, k_dim) = {(self.heads, self.k_dim)}, got {tuple(queries.shape)}")
-        batch_shape, knn, n_keys = queries.shape[:-2], self.knn, self.n_keys
-        halves = queries.reshape(-1, self.heads * 2, self.k_dim // 2).transpose(0, 1)  # (heads * 2, tokens, half)
-        keys = self.scoring_keys().to(halves.dtype).flatten(0, 1)  # (heads * 2, n_keys, half)
-        if self.qk_norm:
-            halves = self.query_norm(halves)
-        # fp32 on CPU: the selection in a native kernel (kernels/cpu.py), the same as the torch ops below
-        select = native_selection(halves) if self.native_search and self.prune_candidates else None
-        needs_grad = torch.is_grad_enabled() and (halves.requires_grad or keys.requires_grad)
-        fused = needs_grad and self.fused_search_backward and not torch.compiler.is_compiling()
-        if select is not None and (fused or not needs_grad):  # (tokens, heads, knn)
-            if fused:
-                scores, indices = NativeProductKeySearch.apply(halves, keys, knn, select)
-            else:
-                scores, indices = select(torch.bmm(halves, keys.transpose(1, 2)), knn)
-            return scores.view(*batch_shape, self.heads, knn), indices.view(*batch_shape, self.heads, knn)
-        if fused:
-            half_scores, half_indices = SubkeyTopk.apply(halves, keys, knn)
-        else:  # (heads * 2, tokens, knn), sorted descending
-            half_scores, half_indices = torch.bmm(halves, keys.transpose(1, 2)).topk(knn, dim=-1)
-        scores, indices = combine_halves(half_scores, half_indices, n_keys, knn, self.prune_candidates)
-        return (
-            scores.transpose(0, 1).reshape(*batch_shape, self.heads, knn),
-            indices.transpose(0, 1).reshape(*batch_shape, self.heads, knn),
-        )
-
-    def scoring_keys(self) -> torch.Tensor:
-        """The sub-keys the queries are scored against, `(heads, 2, n_keys, k_dim // 2)`: `keys`, with `qk_norm` normalised."""
-        return self.key_norm(self.keys) if self.qk_norm else self.keys
-
-    def score_weights(self, scores: torch.Tensor) -> torch.Tensor:
-        """The weights of the selected slots from their scores `(..., heads, knn)`, in fp32."""
-        if self.score_activation == "relu":
-            return F.relu(scores.float())
-        return F.softmax(scores.float(), dim=-1)
-
-    def lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The memory on a flat batch of tokens: `(tokens, input_dim)` -> `(tokens, v_dim)`."""
-        if torch.compiler.is_compiling() and not self.trace_training_lookup and torch.is_grad_enabled():
-            if hidden_states.requires_grad or any(p.requires_grad for p in self.parameters()):
-                return self._eager_lookup(hidden_states)
-        return self._lookup(hidden_states)
-
-    @torch.compiler.disable
-    def _eager_lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self._lookup(hidden_states)
-
-    def _lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        inputs = self.input_dropout(hidden_states)
-        queries = self.query_proj(inputs)
-        batchnorms = self.training and not torch.compiler.is_compiling() and self.query_batchnorms()
-        if batchnorms and torch._C._current_graph_task_id() != -1:
-            # a gradient-checkpointing recomputation (it runs inside backward): the same batch statistics, and the
-            # running ones, already updated by the first forward, stay: the BatchNorms update copies of them (they may
-            # sit in a wrapper, e.g. PEFT's modules_to_save, so the wrapper's own forward runs)
-            buffers = [(norm, name, buffer) for norm in batchnorms for name, buffer in norm.named_buffers(recurse=False)]
-            for norm, name, buffer in buffers:
-                setattr(norm, name, buffer.clone())
-            try:
-                queries = self.query_batchnorm(queries)
-            finally:
-                for norm, name, buffer in buffers:
-                    setattr(norm, name, buffer)
-        else:
-            if batchnorms:
-                self._check_batch_statistics(hidden_states, queries)
-            queries = self.query_batchnorm(queries)
-        queries = self.query_dropout(queries)
-        scores, indices = self.search(queries.unflatten(-1, (self.heads, self.k_dim)))
-        weights = self.score_weights(scores)
-        output = self.values(
-            indices.flatten(1), per_sample_weights=weights.flatten(1).to(lookup_dtype(self.values.weight))
-        )  # the bag sums knn rows of every head: heads are summed
-        output = output.to(hidden_states.dtype)
-        if self.output_gate == "swilu" or self.memory_scale is not None:
-            output = self.memory_output(output, inputs)
-        return self.value_dropout(output)
-
-    def memory_output(self, read: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-        """The options applied to the weighted sum of values `read`: the swilu output and the learned scale."""
-        if self.output_gate == "swilu":
-            read = self.output_proj(read * F.silu(self.gate_proj(inputs)))
-        if self.memory_scale is not None:
-            read = read * self.memory_scale.to(read.dtype)
-        return read
-
-    def query_batchnorms(self) -> list[nn.Module]:
-        """The BatchNorms that normalise the queries: the query BatchNorm, or the copies inside a wrapper of it."""
-        return [module for module in self.query_batchnorm.modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)]
-
-    def _check_batch_statistics(self, hidden_states: torch.Tensor, queries: torch.Tensor):
-        """In training the query BatchNorm normalises each token with statistics of the whole batch and keeps them in
-        its running mean and variance: one non-finite query would make every sequence's output and every later
-        evaluation non-finite, so such a batch is refused (ValueError) before the BatchNorm, as is a batch of one token
-        (no variance). One sum and one host sync per memory and step in eager mode; nothing in compiled/exported
-        graphs."""
-        if torch.compiler.is_compiling() or is_exporting():
-            return
-        if queries.shape[0] < 2:
-            raise ValueError(
-                f"{self.layer_name}: a training batch with {queries.shape[0]} real token(s) (attention_mask == 1): the"
-                " query BatchNorm needs at least 2 to compute batch statistics; use a batch with more real tokens,"
-                " or eval() mode"
-            )
-        # a sum is NaN/inf iff some entry is (or, rarely, it overflows: then the exact count decides)
-        if not torch.isfinite(queries.detach().sum()):
-            bad_queries = int((~torch.isfinite(queries.detach())).sum())
-            if bad_queries:
-                bad_inputs = int((~torch.isfinite(hidden_states.detach())).sum())
-                raise ValueError(
-                    f"{self.layer_name}: {bad_inputs} non-finite value(s) (NaN/inf) in its input hidden_states of shape"
-                    f" {tuple(hidden_states.shape)} ({bad_queries} in the queries) in training mode; refused before the"
-                    " query BatchNorm so that its running statistics and the other sequences of the batch stay finite."
-                    " Check the inputs (inputs_embeds), the learning rate and the loss scale"
-                )
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`(batch, seq, input_dim)` (or any `(..., input_dim)`) -> `(..., v_dim)`; `attention_mask` is 1 on real tokens."""
-        if hidden_states.shape[-1] != self.input_dim:
-            raise ValueError(f"hidden_states must end in input_dim={self.input_dim}, got {tuple(hidden_states.shape)}")
-        batch_shape, flat = hidden_states.shape[:-1], hidden_states.reshape(-1, self.input_dim)
-        if attention_mask is None:
-            return self.lookup(flat).view(*batch_shape, self.v_dim)
-        if attention_mask.shape != batch_shape:
-            raise ValueError(
-                f"attention_mask of shape {tuple(attention_mask.shape)} does not match hidden_states {tuple(batch_shape)}"
-            )
-        if is_exporting():  # no data-dependent token selection in an exported graph
-            return self._export_forward(flat, attention_mask).view(*batch_shape, self.v_dim)
-        # padding is skipped: it must not shift the BatchNorm statistics nor cost lookups
-        real = attention_mask.reshape(-1).nonzero().squeeze(1)
-        if real.numel() == flat.shape[0]:  # no padding: no gather and scatter of the tokens
-            return self.lookup(flat).view(*batch_shape, self.v_dim)
-        output = flat.new_zeros(flat.shape[0], self.v_dim)
-        # looked up even without a real token: the parameters then get (zero) gradients, which DDP and FSDP wait for
-        # on every process, and a table sharded across processes (memory parallel) is read by all of them; but a query
-        # BatchNorm in training has no statistics of 0 tokens (the scripts refuse such a batch on every process first)
-        if real.numel() or not (self.training and self.query_batchnorms()):
-            output = output.index_copy(0, real, self.lookup(flat.index_select(0, real)))
-        return output.view(*batch_shape, self.v_dim)
-
-    def _export_forward(self, flat: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Every token looked up, padding outputs zeroed: exact where the query BatchNorm does not use the batch's own
-        statistics (eval mode), which padding would shift."""
-        if self.training and self.query_batchnorms():
-            raise ValueError(
-                "torch.export of a ProductKeyMemory with a query BatchNorm in training mode: padding tokens would enter "
-                "its batch statistics; export the model in eval mode (model.eval())"
-            )
-        real = attention_mask.reshape(-1, 1).bool()
-        return torch.where(real, self.lookup(flat), flat.new_zeros(()))
-
     def extra_repr(self) -> str:
         return (
             f"input_dim={self.input_dim}, v_dim={self.v_dim}, n_keys={self.n_keys} ({self.mem_size} slots), "
@@ -380,7 +383,7 @@ class ProductKeyValues(nn.EmbeddingBag):
     autograd's sum); `eval()` releases it. `fused_backward = False` gives EmbeddingBag's own backward (the reference).
     """
 
-    # the fast paths (documented in one table: product_key_memory_ops.py); opt-in Triton gathers, e.g.
+    # the fast paths (documented in one list: product_key_memory_ops.py); opt-in Triton gathers, e.g.
     # `ProductKeyValues.triton_devices = ("cuda",)`
     fused_backward = True
     triton_devices = ()
@@ -444,7 +447,11 @@ class ProductKeyValues(nn.EmbeddingBag):
         return f"{self.num_embeddings}, {self.embedding_dim}, mode='sum', sparse={self.sparse}"
 
 
-# ---- compact value tables for serving (issue 26): int8 / 4-bit rows in FBGEMM's row-wise layout ----
+# ----------------------------------------------------------------------------------------------------------------------
+# Serving: compact value tables (issue 26), int8 / 4-bit rows in FBGEMM's row-wise layout. `QuantizedProductKeyValues`
+# takes the place of a `ProductKeyValues` (same call, same output) in a model made by `quantize_memory_values` or built
+# from a config with `pkm_values_quantization`; inference only.
+# ----------------------------------------------------------------------------------------------------------------------
 
 VALUE_QUANTIZATIONS = {"int8": 8, "4bit": 4}  # config `pkm_values_quantization` -> bits
 _QUANTIZED_OPS = {8: "embedding_bag_byte_rowwise_offsets", 4: "embedding_bag_4bit_rowwise_offsets"}

@@ -2,17 +2,31 @@
 cheaper than torch's generic one, the buffers they reuse between steps, and the CSR helpers. Each path computes what
 the reference torch ops compute (tests/test_performance_paths.py compares them); the switches below choose.
 
-Switches (the one place they are documented; each is a class or module attribute, set it to compare paths):
+Switches, the one place they are documented: class or module attributes (set one to compare a path with its
+reference), an environment variable, and the input checks. `name = default`: what it does; then the other setting.
 
-| switch                                   | default | True / set                                                  | off: the reference                      |
-|------------------------------------------|---------|-------------------------------------------------------------|-----------------------------------------|
-| `ProductKeyValues.fused_backward`        | True    | `WeightedRowSum`: value and per-sample-weight gradients from one sort of the lookups | EmbeddingBag's backward |
-| `ProductKeyValues.triton_devices`        | ()      | device types whose gathers run in the Triton ops `torch.ops.pkm_bert.bag_sum` / `row_dots` (`kernels/triton_gathers.py`, once registered) | EmbeddingBag |
-| `CPU_SPARSE_KERNELS` (this module)       | True    | CPU fp32/fp64 value backward in torch's sparse CSR kernels  | the EmbeddingBag-style kernels          |
-| `ProductKeyMemory.prune_candidates`      | True    | only the `(a + 1) * (b + 1) <= knn` pairs of the halves' top-knn lists are scored (exact) | all `knn ** 2` pairs |
-| `ProductKeyMemory.fused_search_backward` | True    | `SubkeyTopk`: sub-key score backward through the `knn` selected keys only | dense bmm backward |
-| `ProductKeyMemory.native_search`         | True    | fp32 CPU: `NativeProductKeySearch`, the selection in `torch.ops.pkm_bert.select_product_keys` once registered (`kernels/cpu.py`) | the torch ops |
-| `ProductKeyMemory.trace_training_lookup` | False   | under torch.compile, trace a lookup that needs gradients (one graph, `fullgraph=True`, dense value gradients) | run it eagerly: one graph break per memory |
+- `ProductKeyValues.fused_backward = True`: `WeightedRowSum`, the value and per-sample-weight gradients from one sort
+  of the lookups. False: EmbeddingBag's backward.
+- `ProductKeyValues.triton_devices = ()`: device types whose gathers run in the Triton ops `torch.ops.pkm_bert.bag_sum`
+  and `row_dots` (`kernels/triton_gathers.py`, registered on CUDA, and on CPU under `TRITON_INTERPRET=1`). Empty:
+  EmbeddingBag's kernels.
+- `CPU_SPARSE_KERNELS = True` (this module): the CPU fp32/fp64 value backward in torch's sparse CSR kernels. False:
+  the EmbeddingBag-style kernels used elsewhere.
+- `ProductKeyMemory.prune_candidates = True`: only the `(a + 1) * (b + 1) <= knn` pairs of the halves' top-knn lists
+  are scored (exact). False: all `knn ** 2` pairs, as XLM (and no native selection).
+- `ProductKeyMemory.fused_search_backward = True`: `SubkeyTopk`, the sub-key score backward through the `knn` selected
+  keys only. False: the dense bmm backward.
+- `ProductKeyMemory.native_search = True`: fp32 on CPU, `NativeProductKeySearch`, the selection in the native op
+  `torch.ops.pkm_bert.select_product_keys` once registered. False: the torch ops.
+- `PKM_BERT_NATIVE=0` (or `false`, `no`, `off`; an environment variable, read when `modeling_pkm_bert` registers its
+  kernels, `kernels/cpu.py`): that native op is never registered, so `native_search` finds none. Unset: registered,
+  built with the system C compiler (without one it computes the same with the torch ops).
+- `ProductKeyMemory.trace_training_lookup = False`: under torch.compile, a lookup that needs gradients runs eagerly
+  (one graph break per memory). True: traced (one graph, `fullgraph=True`, dense value gradients).
+- `BertPkmModel.validate_input_values = True` (`modeling_bert_pkm.py`): the model's input check also reads the ids'
+  values (in range of their embedding tables; one host sync per forward). False: shapes only, which are always
+  checked. The memory's own training check (`ProductKeyMemory._check_batch_statistics`: non-finite queries, fewer
+  than 2 real tokens) has no switch. Compiled and exported graphs hold neither data-dependent check.
 
 Imports torch only (remote code: no other module of the package).
 """
@@ -127,8 +141,10 @@ class WeightedRowSum(torch.autograd.Function):
       or all rows, dense (`sparse=False`), without a separate zero-fill and scatter;
     - the gradient of each per-sample weight, `dot(weight[indices[t, j]], grad_output[t])`, is a sampled matrix
       product over the same pattern, which reads the value rows in ascending order.
-    On CPU in fp32/fp64 both are torch sparse CSR kernels; elsewhere EmbeddingBag-style kernels do the same sums: with
-    `triton`, the Triton ops `torch.ops.pkm_bert.bag_sum` and `row_dots` (`kernels/triton_gathers.py`), else EmbeddingBag's.
+    Three paths compute them: on CPU in fp32/fp64, torch's sparse CSR kernels, for a dense ([`_dense_csr_backward`]) or
+    a sparse ([`_sparse_csr_backward`]) weight gradient; elsewhere EmbeddingBag-style kernels do the same sums
+    ([`_row_sums_backward`]): with `triton`, the Triton ops `torch.ops.pkm_bert.bag_sum` and `row_dots`
+    (`kernels/triton_gathers.py`), else EmbeddingBag's.
     """
 
     @staticmethod
@@ -145,112 +161,177 @@ class WeightedRowSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         weight, indices, per_sample_weights = ctx.saved_tensors
-        need_weight, need_per_sample_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         grad_output = grad_output.contiguous()
-        n_rows, dim = weight.shape
-        tokens, bag = indices.shape
-        device, dtype = weight.device, grad_output.dtype
-        flat = indices.reshape(-1)
-        sorted_rows, order = flat.sort(stable=True)
-        tokens_of_lookups = torch.div(order, bag, rounding_mode="floor")
-        weights_of_lookups = per_sample_weights.reshape(-1)[order].to(dtype)
-        grad_weight = grad_per_sample_weights = None
-        # a table shared by several memories: the gradient of its lookups this pass already differentiated, and those
-        # it is still to differentiate (then this lookup's gradient waits for them in ctx.shared)
-        partial = position = task = None
-        pending = []
-        if need_weight and ctx.shared is not None:
-            pending = _pending_lookups(ctx)
-            if _current_graph_task_id is not None:
-                task = (_current_graph_task_id(), ctx.weight_key)
-                partial, position = ctx.shared.partial.pop(task, (None, None))
-
-        cpu_kernels = not ctx.triton and device.type == "cpu" and dtype in (torch.float32, torch.float64)
-        cpu_kernels = cpu_kernels and weight.dtype == dtype
-        if CPU_SPARSE_KERNELS and cpu_kernels:
-            index_dtype = torch.int32 if flat.numel() < 2**31 else torch.int64
-            tokens_of_lookups = tokens_of_lookups.to(index_dtype)
-            crow = torch.zeros(n_rows + 1, dtype=index_dtype, device=device)
-            torch.cumsum(torch.bincount(flat, minlength=n_rows), 0, dtype=index_dtype, out=crow[1:])
-            lookups = _csr(crow, tokens_of_lookups, weights_of_lookups, (n_rows, tokens))
-            if need_per_sample_weights:
-                dots = torch.sparse.sampled_addmm(lookups, weight, grad_output.t(), beta=0.0).values()
-                grad_per_sample_weights = torch.empty_like(dots).index_copy_(0, order, dots).view(tokens, bag)
-            if need_weight and not ctx.sparse:
-                if partial is not None and not partial.is_sparse:
-                    # partial + this lookup's row sums, bitwise the sum autograd forms (each row is summed first)
-                    grad_weight, partial = torch.addmm(partial, lookups, grad_output, out=partial), None
-                else:
-                    out = _reusable_buffer(ctx.workspaces, "dense_grad", n_rows * dim, dtype, device).view(n_rows, dim)
-                    grad_weight = torch.addmm(out, lookups, grad_output, beta=0, out=out)
-            elif need_weight:
-                del lookups, crow
-                rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-                layout = None  # (position of each table row among the gradient's rows, those rows)
-                if partial is not None and partial.is_sparse and position is not None:
-                    union = partial._indices()[0]  # laid out for every lookup of this pass (checked)
-                    if bool((union[position[rows].clamp(min=0)] == rows).all()):
-                        layout = position, union
-                elif partial is None and pending:  # the first lookup of a shared table: rows for all of them
-                    read = torch.zeros(n_rows, dtype=torch.bool, device=device)
-                    read[rows] = True
-                    for node in pending:
-                        read[node.indices.reshape(-1)] = True
-                    layout = read.cumsum(0) - 1, read.nonzero().squeeze(1)
-                if layout is not None:
-                    counts = counts.new_zeros(layout[1].numel()).index_copy_(0, layout[0][rows], counts)
-                    rows = layout[1]
-                crow = torch.zeros(rows.numel() + 1, dtype=index_dtype, device=device)
-                torch.cumsum(counts, 0, dtype=index_dtype, out=crow[1:])
-                compact = _csr(crow, tokens_of_lookups, weights_of_lookups, (rows.numel(), tokens))
-                if layout is not None and partial is not None:  # partial + these row sums in place, as dense above
-                    out, partial = torch.addmm(partial._values(), compact, grad_output, out=partial._values()), None
-                else:  # the number of rows used changes from step to step: 1/8 spare room
-                    out = _reusable_buffer(ctx.workspaces, "sparse_grad", rows.numel() * dim, dtype, device, spare=0.125)
-                    out = out.view(rows.numel(), dim)
-                    out = torch.addmm(out, compact, grad_output, beta=0, out=out)
-                grad_weight = _sparse_rows(rows, out, n_rows)
-                position = layout[0] if layout is not None else None
-            grad_weight = _shared_gradient(ctx, task, grad_weight, partial, pending, position)
-            return grad_weight, None, grad_per_sample_weights, None, None, None, None
-
-        if need_per_sample_weights and ctx.triton:
-            grad_per_sample_weights = torch.ops.pkm_bert.row_dots(weight, flat, grad_output, bag).view(tokens, bag)
-            grad_per_sample_weights = grad_per_sample_weights.to(per_sample_weights.dtype)
-        elif need_per_sample_weights:
-            offsets = torch.arange(0, tokens * bag, bag, device=device)
-            offset2bag = torch.arange(tokens, device=device).repeat_interleave(bag)
-            grad_per_sample_weights = torch.ops.aten._embedding_bag_per_sample_weights_backward(
-                grad_output, weight, flat, offsets, offset2bag, 0, -1
-            ).view(tokens, bag)
-        if need_weight:
-            used, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-            ends = torch.cumsum(counts, 0)
-            if ctx.triton:  # bags: the lookups of each used row; rows of the bags: tokens of grad_output
-                bounds = F.pad(ends, (1, 0))
-                grad_rows = torch.ops.pkm_bert.bag_sum(grad_output, tokens_of_lookups, weights_of_lookups, bounds)
-            else:
-                grad_rows = F.embedding_bag(
-                    tokens_of_lookups, grad_output, ends - counts, mode="sum", per_sample_weights=weights_of_lookups
-                )
-            grad_rows = grad_rows.to(weight.dtype)
-            if ctx.sparse:
-                grad_weight = _sparse_rows(used, grad_rows, n_rows)
-            else:
-                grad_weight = grad_rows.new_zeros(n_rows, dim).index_copy_(0, used, grad_rows)
-        grad_weight = _shared_gradient(ctx, task, grad_weight, partial, pending)
+        so_far = _TableGradientSoFar(ctx)
+        dtype = grad_output.dtype
+        csr_kernels = CPU_SPARSE_KERNELS and not ctx.triton and weight.device.type == "cpu"
+        if csr_kernels and dtype in (torch.float32, torch.float64) and weight.dtype == dtype:
+            backward = _sparse_csr_backward if ctx.sparse else _dense_csr_backward
+        else:
+            backward = _row_sums_backward
+        grad_weight, grad_per_sample_weights = backward(ctx, weight, indices, per_sample_weights, grad_output, so_far)
         return grad_weight, None, grad_per_sample_weights, None, None, None, None
 
 
-def _shared_gradient(ctx, task, grad_weight, partial, pending, position=None):
-    """The table gradient a lookup returns: None while other lookups of its table are `pending` in this pass (the
-    gradient waits in `ctx.shared` for them), else the whole sum. `partial`: a gradient not yet added."""
-    if partial is not None:  # a kind the in-place paths do not take: autograd's own out-of-place sum
-        grad_weight, position = partial + grad_weight, None
-    if pending and task is not None:
-        ctx.shared.partial[task] = (grad_weight, position)
-        return None
-    return grad_weight
+class _TableGradientSoFar:
+    """A lookup's view of its table's gradient in the running backward pass, for a table shared by several memories:
+    `partial`, the gradient of the lookups this pass already differentiated (`position`: where each table row sits in a
+    sparse one), taken out of `ctx.shared`, and `pending`, the lookups it is still to differentiate (then this lookup's
+    gradient waits for them in `ctx.shared`). Nothing for a table read once."""
+
+    def __init__(self, ctx):
+        self.ctx, self.task, self.partial, self.position, self.pending = ctx, None, None, None, []
+        if ctx.needs_input_grad[0] and ctx.shared is not None:
+            self.pending = _pending_lookups(ctx)
+            if _current_graph_task_id is not None:
+                self.task = (_current_graph_task_id(), ctx.weight_key)
+                self.partial, self.position = ctx.shared.partial.pop(self.task, (None, None))
+
+    def total(self, grad_weight, partial, position=None):
+        """The table gradient a lookup returns: None while other lookups of its table are `pending` in this pass (the
+        gradient waits in `ctx.shared` for them), else the whole sum. `partial`: a gradient not yet added."""
+        if partial is not None:  # a kind the in-place paths do not take: autograd's own out-of-place sum
+            grad_weight, position = partial + grad_weight, None
+        if self.pending and self.task is not None:
+            self.ctx.shared.partial[self.task] = (grad_weight, position)
+            return None
+        return grad_weight
+
+
+def _lookups_by_row(indices, per_sample_weights, dtype, csr=False):
+    """The lookups `indices[t, j]` sorted by table row (stable), once for both gradients: the sorted rows, the order
+    (where each sorted lookup sits in `indices.reshape(-1)`), the token of each and its per-sample weight in `dtype`.
+    `csr`: the tokens in the index dtype of torch's CSR kernels."""
+    sorted_rows, order = indices.reshape(-1).sort(stable=True)
+    tokens_of_lookups = torch.div(order, indices.shape[1], rounding_mode="floor")
+    weights_of_lookups = per_sample_weights.reshape(-1)[order].to(dtype)
+    if csr:
+        tokens_of_lookups = tokens_of_lookups.to(torch.int32 if indices.numel() < 2**31 else torch.int64)
+    return sorted_rows, order, tokens_of_lookups, weights_of_lookups
+
+
+def _lookup_matrix(counts, tokens_of_lookups, weights_of_lookups, tokens) -> torch.Tensor:
+    """The sorted lookups as a `(len(counts), tokens)` CSR matrix: row i holds the next `counts[i]` lookups, each at its
+    token's column with its per-sample weight."""
+    index_dtype, device = tokens_of_lookups.dtype, tokens_of_lookups.device
+    crow = torch.zeros(counts.numel() + 1, dtype=index_dtype, device=device)
+    torch.cumsum(counts, 0, dtype=index_dtype, out=crow[1:])
+    return _csr(crow, tokens_of_lookups, weights_of_lookups, (counts.numel(), tokens))
+
+
+def _csr_per_sample_weight_gradient(lookups, weight, grad_output, order, shape) -> torch.Tensor:
+    """`dot(weight[indices[t, j]], grad_output[t])` of every lookup, a sampled product over the `(rows x tokens)` CSR
+    matrix `lookups` (it reads the value rows in ascending order), put back in the lookups' own order `shape`."""
+    dots = torch.sparse.sampled_addmm(lookups, weight, grad_output.t(), beta=0.0).values()
+    return torch.empty_like(dots).index_copy_(0, order, dots).view(shape)
+
+
+def _dense_csr_backward(ctx, weight, indices, per_sample_weights, grad_output, so_far):
+    """CPU fp32/fp64, a dense weight gradient: the `(rows x tokens)` CSR matrix of the lookups times `grad_output`,
+    written straight into the buffer reused between steps, or added in place to the gradient of the table's lookups
+    that this pass already differentiated."""
+    n_rows, dim = weight.shape
+    _, order, tokens_of_lookups, weights_of_lookups = _lookups_by_row(
+        indices, per_sample_weights, grad_output.dtype, csr=True
+    )
+    counts = torch.bincount(indices.reshape(-1), minlength=n_rows)
+    lookups = _lookup_matrix(counts, tokens_of_lookups, weights_of_lookups, indices.shape[0])
+    grad_per_sample_weights = None
+    if ctx.needs_input_grad[2]:
+        grad_per_sample_weights = _csr_per_sample_weight_gradient(lookups, weight, grad_output, order, indices.shape)
+    if not ctx.needs_input_grad[0]:
+        return None, grad_per_sample_weights
+    partial = so_far.partial
+    if partial is not None and not partial.is_sparse:
+        # partial + this lookup's row sums, bitwise the sum autograd forms (each row is summed first)
+        grad_weight, partial = torch.addmm(partial, lookups, grad_output, out=partial), None
+    else:
+        out = _reusable_buffer(ctx.workspaces, "dense_grad", n_rows * dim, grad_output.dtype, weight.device)
+        out = out.view(n_rows, dim)
+        grad_weight = torch.addmm(out, lookups, grad_output, beta=0, out=out)
+    return so_far.total(grad_weight, partial), grad_per_sample_weights
+
+
+def _sparse_csr_backward(ctx, weight, indices, per_sample_weights, grad_output, so_far):
+    """CPU fp32/fp64, a sparse weight gradient: the same product over the rows the lookups used only, as a coalesced
+    COO tensor. For a table several memories read, the first lookup of a backward pass lays the gradient out over the
+    rows of all of them, and the others add their row sums into it in place."""
+    n_rows, dim = weight.shape
+    tokens = indices.shape[0]
+    sorted_rows, order, tokens_of_lookups, weights_of_lookups = _lookups_by_row(
+        indices, per_sample_weights, grad_output.dtype, csr=True
+    )
+    grad_per_sample_weights = None
+    if ctx.needs_input_grad[2]:
+        counts = torch.bincount(indices.reshape(-1), minlength=n_rows)
+        lookups = _lookup_matrix(counts, tokens_of_lookups, weights_of_lookups, tokens)
+        grad_per_sample_weights = _csr_per_sample_weight_gradient(lookups, weight, grad_output, order, indices.shape)
+        del lookups, counts
+    if not ctx.needs_input_grad[0]:
+        return None, grad_per_sample_weights
+    rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+    partial, position = so_far.partial, so_far.position
+    layout = None  # (position of each table row among the gradient's rows, those rows)
+    if partial is not None and partial.is_sparse and position is not None:
+        union = partial._indices()[0]  # laid out for every lookup of this pass (checked)
+        if bool((union[position[rows].clamp(min=0)] == rows).all()):
+            layout = position, union
+    elif partial is None and so_far.pending:  # the first lookup of a shared table: rows for all of them
+        read = torch.zeros(n_rows, dtype=torch.bool, device=weight.device)
+        read[rows] = True
+        for node in so_far.pending:
+            read[node.indices.reshape(-1)] = True
+        layout = read.cumsum(0) - 1, read.nonzero().squeeze(1)
+    if layout is not None:
+        counts = counts.new_zeros(layout[1].numel()).index_copy_(0, layout[0][rows], counts)
+        rows = layout[1]
+    compact = _lookup_matrix(counts, tokens_of_lookups, weights_of_lookups, tokens)
+    if layout is not None and partial is not None:  # partial + these row sums in place, as in the dense path
+        out, partial = torch.addmm(partial._values(), compact, grad_output, out=partial._values()), None
+    else:  # the number of rows used changes from step to step: 1/8 spare room
+        size = rows.numel() * dim
+        out = _reusable_buffer(ctx.workspaces, "sparse_grad", size, grad_output.dtype, weight.device, spare=0.125)
+        out = out.view(rows.numel(), dim)
+        out = torch.addmm(out, compact, grad_output, beta=0, out=out)
+    grad_weight = _sparse_rows(rows, out, n_rows)
+    return so_far.total(grad_weight, partial, layout[0] if layout is not None else None), grad_per_sample_weights
+
+
+def _row_sums_backward(ctx, weight, indices, per_sample_weights, grad_output, so_far):
+    """GPUs, other dtypes, `CPU_SPARSE_KERNELS = False`: the same sums in EmbeddingBag-style kernels, the Triton ops
+    with `ctx.triton`, else EmbeddingBag's own: the rows of each used table row summed as one bag."""
+    n_rows, dim = weight.shape
+    tokens, bag = indices.shape
+    device, flat = weight.device, indices.reshape(-1)
+    sorted_rows, _, tokens_of_lookups, weights_of_lookups = _lookups_by_row(
+        indices, per_sample_weights, grad_output.dtype
+    )
+    grad_weight = grad_per_sample_weights = None
+    if ctx.needs_input_grad[2] and ctx.triton:
+        grad_per_sample_weights = torch.ops.pkm_bert.row_dots(weight, flat, grad_output, bag).view(tokens, bag)
+        grad_per_sample_weights = grad_per_sample_weights.to(per_sample_weights.dtype)
+    elif ctx.needs_input_grad[2]:
+        offsets = torch.arange(0, tokens * bag, bag, device=device)
+        offset2bag = torch.arange(tokens, device=device).repeat_interleave(bag)
+        grad_per_sample_weights = torch.ops.aten._embedding_bag_per_sample_weights_backward(
+            grad_output, weight, flat, offsets, offset2bag, 0, -1
+        ).view(tokens, bag)
+    if ctx.needs_input_grad[0]:
+        used, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+        ends = torch.cumsum(counts, 0)
+        if ctx.triton:  # bags: the lookups of each used row; rows of the bags: tokens of grad_output
+            bounds = F.pad(ends, (1, 0))
+            grad_rows = torch.ops.pkm_bert.bag_sum(grad_output, tokens_of_lookups, weights_of_lookups, bounds)
+        else:
+            grad_rows = F.embedding_bag(
+                tokens_of_lookups, grad_output, ends - counts, mode="sum", per_sample_weights=weights_of_lookups
+            )
+        grad_rows = grad_rows.to(weight.dtype)
+        if ctx.sparse:
+            grad_weight = _sparse_rows(used, grad_rows, n_rows)
+        else:
+            grad_weight = grad_rows.new_zeros(n_rows, dim).index_copy_(0, used, grad_rows)
+    return so_far.total(grad_weight, so_far.partial), grad_per_sample_weights
 
 
 def triton_bag_sum(weight: torch.Tensor, indices: torch.Tensor, per_sample_weights: torch.Tensor) -> torch.Tensor:
