@@ -28,8 +28,8 @@ if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source c
 from modeling_pkm_bert.training.arguments import help_requested  # noqa: E402 (standard library only)
 
 if not help_requested(__name__):  # `--help` prints at once: the libraries below load only for a run
-    from modeling_pkm_bert.hub.refresh import refresh_code
     from modeling_pkm_bert.hub.model_card import write_model_card
+    from modeling_pkm_bert.hub.refresh import refresh_code
     from modeling_pkm_bert.hub.upload import TOKENIZER_FILES, check_hub_folder, files_to_upload, push_folder_to_hub
 
 
