@@ -4,6 +4,9 @@ Remote code: this file travels with every saved model. It imports only torch, tr
 (`PreTrainedModel`, `GenerationMixin`, the `Cache` classes, `modeling_outputs`, the attention registry,
 `initialization`, `activations`, `logging`) and its sibling files, and owns its BERT building blocks (copied from
 `transformers.models.bert.modeling_bert`, transformers 5.23), so that a folder written today runs under later releases.
+
+Top-down, as `modeling_bert.py`: the building blocks, `BertPkmPreTrainedModel`, `BertPkmModel`, the task heads; then,
+in a section of its own, the checked loading and saving that `BertPkmPreTrainedModel` runs.
 """
 
 import hashlib
@@ -641,81 +644,8 @@ class BertPkmOnlyMLMHead(nn.Module):
         return prediction_scores
 
 
-def _weights_digest(state_dict: dict) -> str:
-    """SHA-256 over the names, dtypes, shapes and bytes of the tensors, in name order."""
-    digest = hashlib.sha256()
-    for name in sorted(state_dict):
-        tensor = state_dict[name].detach()
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
-        digest.update(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
-
-
-def _body_digest(model) -> str:
-    """The digest of the embeddings and encoder (what every head class shares; the pooler and heads vary by class)."""
-    state_dict = model.base_model.state_dict()
-    return _weights_digest({k: v for k, v in state_dict.items() if k.startswith(("embeddings.", "encoder."))})
-
-
-def _saved_config(config_class, source, kwargs) -> dict:
-    """The checkpoint's own config.json (read through transformers), or {} when it cannot be read."""
-    hub_kwargs = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
-    try:
-        config_dict, _ = config_class.get_config_dict(source, **{k: kwargs[k] for k in hub_kwargs if k in kwargs})
-        return config_dict
-    except Exception:  # a config passed in memory only, an unreachable Hub: judged from the tensors alone
-        return {}
-
-
-class BertPkmLoadingError(ValueError, RuntimeError):
-    """A checkpoint that does not fit the model: a ValueError, and the RuntimeError transformers raises for tensors of
-    another shape (callers that catch either keep working)."""
-
-
-def _layer_index(key: str) -> int | None:
-    return int(key.split("encoder.layer.")[1].split(".")[0]) if "encoder.layer." in key else None
-
-
-def _refuse(argument, shape, problem):
-    raise ValueError(f"{argument} of shape {tuple(shape)} {problem}")
-
-
-def _check_attention_mask(mask, batch, length, past_length):
-    kv_length = past_length + length
-    if mask.dim() == 2:
-        if tuple(mask.shape) != (batch, kv_length):
-            past = f" (past_key_values hold {past_length} tokens)" if past_length else ""
-            _refuse("attention_mask", mask.shape, f"must be (batch_size, sequence_length) = {(batch, kv_length)}{past}")
-    elif mask.dim() == 4:
-        if mask.shape[0] not in (1, batch) or tuple(mask.shape[2:]) != (length, kv_length):
-            _refuse("attention_mask", mask.shape, f"(4-D) must be ({batch} or 1, heads or 1, {length}, {kv_length})")
-    else:
-        _refuse("attention_mask", mask.shape, f"must be 2-D {(batch, kv_length)} (1 on real tokens) or a 4-D mask")
-
-
-def _real_tokens_of_4d_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
-    """The real tokens of a 4-D attention mask (True/0 where attention is allowed, False/very negative where not):
-    those that may attend to themselves. Exact for a 2-D padding mask broadcast to 4-D and for causal masks with
-    padding; a token that others may attend to but that may not attend to itself cannot be told from padding
-    (refused)."""
-    allowed = mask if mask.dtype == torch.bool else mask > -5000  # masked: -inf, finfo.min, BERT's -10000
-    current = allowed[..., -length:]  # (batch, heads, length, length): keys at the current positions
-    real = current.diagonal(dim1=-2, dim2=-1).any(1)  # (batch, length)
-    if not (torch.compiler.is_compiling() or is_exporting()):
-        unclear = current.any(2).any(1) & ~real  # visible to some query, yet not to itself
-        if unclear.any():
-            sequence, position = (int(i) for i in unclear.nonzero()[0])
-            raise ValueError(
-                f"attention_mask of shape {tuple(mask.shape)}: token {position} of sequence {sequence} may be attended"
-                " to but may not attend to itself, so the memories cannot tell whether it is padding (their query"
-                " BatchNorm must skip padding); pass the 2-D padding mask, or a 4-D mask in which every real token"
-                " attends to itself and padding is attended by none"
-            )
-    return real
-
-
 class BertPkmPreTrainedModel(PreTrainedModel):
-    """Weight initialisation, checked loading and saving shared by every BertPkm model."""
+    """Weight initialisation, checked loading and saving shared by every BertPkm model (the checks: last section)."""
 
     config: BertPkmConfig
     base_model_prefix = "bert"
@@ -758,75 +688,10 @@ class BertPkmPreTrainedModel(PreTrainedModel):
             pretrained_model_name_or_path, *model_args, ignore_mismatched_sizes=True, output_loading_info=True, **kwargs
         )
         if not ignore_mismatched_memories:
-            model._check_loaded_tensors(pretrained_model_name_or_path, info, ignore_mismatched_sizes, kwargs)
+            _check_loaded_tensors(model, pretrained_model_name_or_path, info, ignore_mismatched_sizes, kwargs)
         if verify_checksum and model.config.pkm_weights_checksum:
-            model._verify_weights_checksum(pretrained_model_name_or_path)
+            _verify_weights_checksum(model, pretrained_model_name_or_path)
         return (model, info) if output_loading_info else model
-
-    def _check_loaded_tensors(self, source, info, ignore_mismatched_sizes, kwargs):
-        """Tensors of the encoder layers (memories, FFNs) that the checkpoint misses, holds in excess or in another
-        shape mean the model does not compute what was trained: refused. Only a plain BERT checkpoint may miss the
-        memories (and carry the FFN of `replace` layers): that is the +Init."""
-        missing, unexpected = set(info["missing_keys"]), set(info["unexpected_keys"])
-        mismatched = {key: (saved, ours) for key, saved, ours in info["mismatched_keys"]}
-        checkpoint_keys = (set(self.state_dict()) - missing) | unexpected | set(mismatched)
-        memory_layers = set(self.config.pkm_layers) | {_layer_index(k) for k in checkpoint_keys if ".memory." in k}
-
-        def about_memories(key):  # a memory tensor, or the FFN of a memory layer (which pkm_mode keeps or drops)
-            layer = _layer_index(key)
-            ffn = ".attention." not in key and (".intermediate." in key or ".output." in key)
-            return layer is not None and (".memory." in key or (layer in memory_layers and ffn))
-
-        # other tensors missing or unexpected: transformers' behaviour (initialised new, listed in its load report)
-        missing_layers, unexpected_layers = sorted(filter(about_memories, missing)), sorted(filter(about_memories, unexpected))
-        shapes = [f"{k}: {tuple(a)} in the checkpoint, {tuple(b)} here" for k, (a, b) in sorted(mismatched.items())]
-        if ignore_mismatched_sizes:  # transformers' own opt-out, for shapes
-            shapes = []
-        if not (missing_layers or unexpected_layers or shapes):
-            return
-        saved_config = _saved_config(type(self.config), source, kwargs)
-        is_pkm = saved_config.get("model_type") == self.config.model_type
-        is_pkm = is_pkm or any(".memory." in k for k in checkpoint_keys)
-        if not is_pkm:  # +Init of a plain BERT: new memories, the FFN of replace layers dropped
-            replaced = (".intermediate.dense.", ".output.dense.")
-            missing_layers = [k for k in missing_layers if ".memory." not in k]
-            unexpected_layers = [k for k in unexpected_layers if not any(part in k for part in replaced)]
-            if not (missing_layers or unexpected_layers or shapes):
-                return
-        memories = sorted({_layer_index(k) for k in checkpoint_keys if ".memory." in k})
-        fields = ("model_type", "pkm_layers", "pkm_mode", "pkm_n_keys")
-        fields = {field: saved_config[field] for field in fields if field in saved_config}
-        listing = [("missing from the checkpoint (would be initialised at random)", missing_layers)]
-        listing += [("in the checkpoint but not in the model (would be dropped)", unexpected_layers)]
-        listing += [("of another shape", shapes)]
-        report = ""
-        for what, keys in listing:
-            if keys:
-                more = f", ... {len(keys) - 12} more" if len(keys) > 12 else ""
-                report += f"\n  {len(keys)} tensor(s) {what}: " + ", ".join(keys[:12]) + more
-        raise BertPkmLoadingError(
-            f"{source}: the weights do not fit {type(self).__name__} built from the config (pkm_layers="
-            f"{self.config.pkm_layers}, pkm_mode={self.config.pkm_mode!r}, pkm_n_keys={self.config.pkm_n_keys}); the"
-            f" checkpoint holds memories at layers {memories}; its config.json: {fields}.{report}\nThe loaded model"
-            " would not compute what was trained. Fix config.json (or the config= / pkm_* arguments), or pass"
-            " ignore_mismatched_memories=True to load anyway with those tensors initialised new"
-            " (ignore_mismatched_sizes=True: for tensors of another shape only)"
-        )
-
-    def _verify_weights_checksum(self, source):
-        recorded = self.config.pkm_weights_checksum
-        if recorded.get("dtype") != str(self.dtype):
-            logger.warning(f"{source}: loaded in {self.dtype}, saved in {recorded.get('dtype')}: checksum not verified")
-            return
-        same_class = recorded.get("class") == type(self).__name__
-        digest = _weights_digest(self.state_dict()) if same_class else _body_digest(self)
-        if digest != recorded["model" if same_class else "body"]:
-            raise ValueError(
-                f"{source}: the loaded weights do not match the pkm_weights_checksum saved with them (sha256 of the"
-                f" {'model' if same_class else 'embeddings and encoder'} tensors): the weights file was altered or"
-                " corrupted after saving (safetensors does not check the bytes inside tensors). Restore the file, or"
-                " pass verify_checksum=False to load it anyway"
-            )
 
     def save_pretrained(self, save_directory, *args, checksum: bool | None = None, **kwargs):
         r"""
@@ -837,18 +702,7 @@ class BertPkmPreTrainedModel(PreTrainedModel):
         if checksum is None:
             checksum = self.config.pkm_weights_checksum is not None
         self.config.pkm_code_version = PKM_CODE_VERSION  # the code files saved beside the weights
-        state_dict = kwargs.get("state_dict")
-        self.config.pkm_weights_checksum = (
-            {
-                "algorithm": "sha256",
-                "class": type(self).__name__,
-                "dtype": str(self.dtype),
-                "model": _weights_digest(state_dict if state_dict is not None else self.state_dict()),
-                "body": _body_digest(self),
-            }
-            if checksum
-            else None
-        )
+        self.config.pkm_weights_checksum = _weights_checksum(self, kwargs.get("state_dict")) if checksum else None
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     @torch.no_grad()
@@ -885,24 +739,7 @@ class BertPkmPreTrainedModel(PreTrainedModel):
         missing = set(loading_info.missing_keys) if missing is None else missing
         self._missing_on_load = None
         super()._adjust_missing_and_unexpected_keys(loading_info)
-        prefix = f"{self.base_model_prefix}." if self.base_model is not self else ""
-        memories = [n for n, m in self.named_modules() if isinstance(m, ProductKeyMemory)]
-        # a memory whose keys were read but whose values were not: its table was saved under another memory's name
-        orphans = [f"{n}.values.weight" for n in memories if f"{n}.values.weight" in missing and f"{n}.keys" not in missing]
-        shared = shared_values_names(self.config, prefix)
-        if shared:
-            separate = [k for k in shared[1:] if k not in missing or k not in self.all_tied_weights_keys]
-            if separate:
-                raise ValueError(
-                    f"the checkpoint holds a separate value table per memory ({separate} besides {shared[0]}) but "
-                    "the config has pkm_shared_values=True: load it with pkm_shared_values=False"
-                )
-        elif orphans:
-            raise ValueError(
-                f"the checkpoint has no value table for {orphans}: it was saved "
-                "with pkm_shared_values=True (one table, stored once); load it with pkm_shared_values=True (the "
-                "checkpoint's own config) instead of pkm_shared_values=False"
-            )
+        _check_value_tables(self, missing)
 
 
 class BertPkmModel(BertPkmPreTrainedModel):
@@ -1130,6 +967,44 @@ class BertPkmModel(BertPkmPreTrainedModel):
             if low < 0 or high >= bound:
                 value = low if low < 0 else high
                 _refuse(argument, tensor.shape, f"holds {value}; values must be in [0, {bound - 1}]")
+
+
+def _refuse(argument, shape, problem):
+    raise ValueError(f"{argument} of shape {tuple(shape)} {problem}")
+
+
+def _check_attention_mask(mask, batch, length, past_length):
+    kv_length = past_length + length
+    if mask.dim() == 2:
+        if tuple(mask.shape) != (batch, kv_length):
+            past = f" (past_key_values hold {past_length} tokens)" if past_length else ""
+            _refuse("attention_mask", mask.shape, f"must be (batch_size, sequence_length) = {(batch, kv_length)}{past}")
+    elif mask.dim() == 4:
+        if mask.shape[0] not in (1, batch) or tuple(mask.shape[2:]) != (length, kv_length):
+            _refuse("attention_mask", mask.shape, f"(4-D) must be ({batch} or 1, heads or 1, {length}, {kv_length})")
+    else:
+        _refuse("attention_mask", mask.shape, f"must be 2-D {(batch, kv_length)} (1 on real tokens) or a 4-D mask")
+
+
+def _real_tokens_of_4d_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
+    """The real tokens of a 4-D attention mask (True/0 where attention is allowed, False/very negative where not):
+    those that may attend to themselves. Exact for a 2-D padding mask broadcast to 4-D and for causal masks with
+    padding; a token that others may attend to but that may not attend to itself cannot be told from padding
+    (refused)."""
+    allowed = mask if mask.dtype == torch.bool else mask > -5000  # masked: -inf, finfo.min, BERT's -10000
+    current = allowed[..., -length:]  # (batch, heads, length, length): keys at the current positions
+    real = current.diagonal(dim1=-2, dim2=-1).any(1)  # (batch, length)
+    if not (torch.compiler.is_compiling() or is_exporting()):
+        unclear = current.any(2).any(1) & ~real  # visible to some query, yet not to itself
+        if unclear.any():
+            sequence, position = (int(i) for i in unclear.nonzero()[0])
+            raise ValueError(
+                f"attention_mask of shape {tuple(mask.shape)}: token {position} of sequence {sequence} may be attended"
+                " to but may not attend to itself, so the memories cannot tell whether it is padding (their query"
+                " BatchNorm must skip padding); pass the 2-D padding mask, or a 4-D mask in which every real token"
+                " attends to itself and padding is attended by none"
+            )
+    return real
 
 
 def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -1569,6 +1444,152 @@ class BertPkmForQuestionAnswering(BertPkmPreTrainedModel):
             attentions=outputs.attentions,
         )
         return output if return_dict else output.to_tuple()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Checked loading and saving, run by `BertPkmPreTrainedModel.from_pretrained`, `save_pretrained` and
+# `_adjust_missing_and_unexpected_keys`: memory and FFN tensors missing, unexpected or of another shape; value tables
+# that do not match `pkm_shared_values`; the optional weights checksum.
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class BertPkmLoadingError(ValueError, RuntimeError):
+    """A checkpoint that does not fit the model: a ValueError, and the RuntimeError transformers raises for tensors of
+    another shape (callers that catch either keep working)."""
+
+
+def _check_loaded_tensors(model, source, info, ignore_mismatched_sizes, kwargs):
+    """Tensors of the encoder layers (memories, FFNs) that the checkpoint misses, holds in excess or in another
+    shape mean the model does not compute what was trained: refused. Only a plain BERT checkpoint may miss the
+    memories (and carry the FFN of `replace` layers): that is the +Init."""
+    missing, unexpected = set(info["missing_keys"]), set(info["unexpected_keys"])
+    mismatched = {key: (saved, ours) for key, saved, ours in info["mismatched_keys"]}
+    checkpoint_keys = (set(model.state_dict()) - missing) | unexpected | set(mismatched)
+    memory_layers = set(model.config.pkm_layers) | {_layer_index(k) for k in checkpoint_keys if ".memory." in k}
+
+    def about_memories(key):  # a memory tensor, or the FFN of a memory layer (which pkm_mode keeps or drops)
+        layer = _layer_index(key)
+        ffn = ".attention." not in key and (".intermediate." in key or ".output." in key)
+        return layer is not None and (".memory." in key or (layer in memory_layers and ffn))
+
+    # other tensors missing or unexpected: transformers' behaviour (initialised new, listed in its load report)
+    missing_layers = sorted(filter(about_memories, missing))
+    unexpected_layers = sorted(filter(about_memories, unexpected))
+    shapes = [f"{k}: {tuple(a)} in the checkpoint, {tuple(b)} here" for k, (a, b) in sorted(mismatched.items())]
+    if ignore_mismatched_sizes:  # transformers' own opt-out, for shapes
+        shapes = []
+    if not (missing_layers or unexpected_layers or shapes):
+        return
+    saved_config = _saved_config(type(model.config), source, kwargs)
+    is_pkm = saved_config.get("model_type") == model.config.model_type
+    is_pkm = is_pkm or any(".memory." in k for k in checkpoint_keys)
+    if not is_pkm:  # +Init of a plain BERT: new memories, the FFN of replace layers dropped
+        replaced = (".intermediate.dense.", ".output.dense.")
+        missing_layers = [k for k in missing_layers if ".memory." not in k]
+        unexpected_layers = [k for k in unexpected_layers if not any(part in k for part in replaced)]
+        if not (missing_layers or unexpected_layers or shapes):
+            return
+    memories = sorted({_layer_index(k) for k in checkpoint_keys if ".memory." in k})
+    fields = ("model_type", "pkm_layers", "pkm_mode", "pkm_n_keys")
+    fields = {field: saved_config[field] for field in fields if field in saved_config}
+    listing = [("missing from the checkpoint (would be initialised at random)", missing_layers)]
+    listing += [("in the checkpoint but not in the model (would be dropped)", unexpected_layers)]
+    listing += [("of another shape", shapes)]
+    report = ""
+    for what, keys in listing:
+        if keys:
+            more = f", ... {len(keys) - 12} more" if len(keys) > 12 else ""
+            report += f"\n  {len(keys)} tensor(s) {what}: " + ", ".join(keys[:12]) + more
+    raise BertPkmLoadingError(
+        f"{source}: the weights do not fit {type(model).__name__} built from the config (pkm_layers="
+        f"{model.config.pkm_layers}, pkm_mode={model.config.pkm_mode!r}, pkm_n_keys={model.config.pkm_n_keys}); the"
+        f" checkpoint holds memories at layers {memories}; its config.json: {fields}.{report}\nThe loaded model"
+        " would not compute what was trained. Fix config.json (or the config= / pkm_* arguments), or pass"
+        " ignore_mismatched_memories=True to load anyway with those tensors initialised new"
+        " (ignore_mismatched_sizes=True: for tensors of another shape only)"
+    )
+
+
+def _layer_index(key: str) -> int | None:
+    return int(key.split("encoder.layer.")[1].split(".")[0]) if "encoder.layer." in key else None
+
+
+def _saved_config(config_class, source, kwargs) -> dict:
+    """The checkpoint's own config.json (read through transformers), or {} when it cannot be read."""
+    hub_kwargs = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+    try:
+        config_dict, _ = config_class.get_config_dict(source, **{k: kwargs[k] for k in hub_kwargs if k in kwargs})
+        return config_dict
+    except Exception:  # a config passed in memory only, an unreachable Hub: judged from the tensors alone
+        return {}
+
+
+def _verify_weights_checksum(model, source):
+    """Refuses loaded weights whose digest differs from the `pkm_weights_checksum` saved with them (loaded in another
+    dtype than saved: a warning, not verified)."""
+    recorded = model.config.pkm_weights_checksum
+    if recorded.get("dtype") != str(model.dtype):
+        logger.warning(f"{source}: loaded in {model.dtype}, saved in {recorded.get('dtype')}: checksum not verified")
+        return
+    same_class = recorded.get("class") == type(model).__name__
+    digest = _weights_digest(model.state_dict()) if same_class else _body_digest(model)
+    if digest != recorded["model" if same_class else "body"]:
+        raise ValueError(
+            f"{source}: the loaded weights do not match the pkm_weights_checksum saved with them (sha256 of the"
+            f" {'model' if same_class else 'embeddings and encoder'} tensors): the weights file was altered or"
+            " corrupted after saving (safetensors does not check the bytes inside tensors). Restore the file, or"
+            " pass verify_checksum=False to load it anyway"
+        )
+
+
+def _weights_checksum(model, state_dict: dict | None) -> dict:
+    """The `pkm_weights_checksum` that `save_pretrained(..., checksum=True)` records: SHA-256 of the saved tensors, and
+    of the embeddings and encoder alone (which every head class shares)."""
+    return {
+        "algorithm": "sha256",
+        "class": type(model).__name__,
+        "dtype": str(model.dtype),
+        "model": _weights_digest(state_dict if state_dict is not None else model.state_dict()),
+        "body": _body_digest(model),
+    }
+
+
+def _weights_digest(state_dict: dict) -> str:
+    """SHA-256 over the names, dtypes, shapes and bytes of the tensors, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        tensor = state_dict[name].detach()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def _body_digest(model) -> str:
+    """The digest of the embeddings and encoder (what every head class shares; the pooler and heads vary by class)."""
+    state_dict = model.base_model.state_dict()
+    return _weights_digest({k: v for k, v in state_dict.items() if k.startswith(("embeddings.", "encoder."))})
+
+
+def _check_value_tables(model, missing: set[str]) -> None:
+    """A checkpoint's value tables must match `pkm_shared_values` (`missing`: the keys it lacked before tying)."""
+    prefix = f"{model.base_model_prefix}." if model.base_model is not model else ""
+    memories = [n for n, m in model.named_modules() if isinstance(m, ProductKeyMemory)]
+    # a memory whose keys were read but whose values were not: its table was saved under another memory's name
+    orphans = [f"{n}.values.weight" for n in memories if f"{n}.values.weight" in missing and f"{n}.keys" not in missing]
+    shared = shared_values_names(model.config, prefix)
+    if shared:
+        separate = [k for k in shared[1:] if k not in missing or k not in model.all_tied_weights_keys]
+        if separate:
+            raise ValueError(
+                f"the checkpoint holds a separate value table per memory ({separate} besides {shared[0]}) but "
+                "the config has pkm_shared_values=True: load it with pkm_shared_values=False"
+            )
+    elif orphans:
+        raise ValueError(
+            f"the checkpoint has no value table for {orphans}: it was saved "
+            "with pkm_shared_values=True (one table, stored once); load it with pkm_shared_values=True (the "
+            "checkpoint's own config) instead of pkm_shared_values=False"
+        )
 
 
 __all__ = [
