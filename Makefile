@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo convert test test-compat test-latest benchmark clean
+.PHONY: setup demo convert test test-fast test-compat test-latest lint benchmark clean
 
 setup: $(VENV)/.installed
 
@@ -43,6 +43,15 @@ convert: setup
 # the whole suite, with the compatibility suite across the declared range (tests/test_compatibility.py)
 test: setup $(MIN_VENV)/.installed
 	PKM_COMPAT_MIN_PYTHON=$(MIN_VENV)/bin/python $(PY) -m pytest -q tests
+
+# for quick iterations: the suite without the tests marked `multiprocess` (torchrun, spawned process groups, the
+# second environment); the README's `make test` stays the whole suite
+test-fast: setup
+	$(PY) -m pytest -q -m "not multiprocess" tests
+
+# ruff with the repository's configuration (ruff.toml); the suite runs it too (tests/test_layout.py)
+lint: setup
+	$(PY) -m ruff check .
 
 test-compat: setup $(MIN_VENV)/.installed
 	PKM_COMPAT_MIN_PYTHON=$(MIN_VENV)/bin/python $(PY) -m pytest -q tests/test_compatibility.py
