@@ -9,10 +9,10 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import torch  # noqa: E402
 
+from helpers import REPO_ROOT, reset_accelerate_state  # noqa: E402
 from modeling_pkm_bert import BertPkmConfig  # noqa: E402
 
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 # the real data sits beside the checkout (CI has it); PKM_SHARED_DATA points elsewhere
 SHARED_DATA = Path(os.environ.get("PKM_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 
@@ -20,6 +20,11 @@ SHARED_DATA = Path(os.environ.get("PKM_SHARED_DATA", REPO_ROOT.parent / "shared"
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "cuda: runs on a CUDA device, skipped without one (`pytest -m cuda`: the GPU checks, e.g. tests/test_devices.py)"
+    )
+    config.addinivalue_line(
+        "markers",
+        "multiprocess: launches processes (torchrun, spawned process groups) or uses the second environment "
+        "(.venv-min); `make test-fast` leaves them out",
     )
 
 
@@ -62,6 +67,14 @@ def minilm_path() -> Path:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """After every test, accelerate's process-wide state is forgotten: the next test's Accelerator (or script run)
+    starts as in a fresh process, whatever precision or process count the previous one set."""
+    yield
+    reset_accelerate_state()
 
 
 def remote_code_model(folder, auto_class: str = "AutoModelForMaskedLM"):

@@ -1,0 +1,89 @@
+"""What many test files share: loading a script or benchmark as a module, launching one under torchrun, resetting
+accelerate's process-wide state (tests/conftest.py resets it after every test; call `reset_accelerate_state` between
+two runs inside one test)."""
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# enough of a failed or hung launch's output to name the cause, short enough to read in pytest's report
+OUTPUT_TAIL = 3000
+
+
+def load_script(name: str, folder: str | Path = "run_scripts"):
+    """`folder/name.py` (relative to the repository, or absolute) executed as a fresh module named `name`: the scripts
+    and benchmarks are not a package. The module is in `sys.modules` while it executes, as under a real import."""
+    path = REPO_ROOT / folder / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    previous = sys.modules.get(name)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if previous is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = previous
+    return module
+
+
+def torchrun(script, args=(), processes: int = 2, timeout: float = 300, env: dict | None = None):
+    """`python -m torch.distributed.run --standalone --nproc_per_node processes script *args` on CPU (gloo, one thread a
+    process), offline, with the repository importable; returns the finished `subprocess.CompletedProcess` (text).
+    A non-zero exit fails the test with the output's tail; so does a hang: after `timeout` seconds the launcher and its
+    workers are stopped (none outlives the test) and the test fails with what they wrote."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    command += [str(script), *map(str, args)]
+    launch_env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    launch_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    launch_env.update(env or {})
+    process = subprocess.Popen(
+        command, env=launch_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = _stop(process)
+        pytest.fail(f"{Path(script).name} on {processes} processes did not finish in {timeout} s (a hang?); the output's "
+                    f"tail:\n{_tail(stdout, stderr)}")  # fmt: skip
+    if process.returncode != 0:
+        pytest.fail(f"{Path(script).name} on {processes} processes exited with {process.returncode}; the output's tail:\n"
+                    f"{_tail(stdout, stderr)}")  # fmt: skip
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def _stop(process: subprocess.Popen, grace: float = 30) -> tuple[str, str]:
+    """Stop a hung torchrun and its workers; what they wrote. SIGTERM first: torchrun then stops its workers, which it
+    starts in sessions of their own; SIGKILL to the launcher's group if that takes longer than `grace` seconds."""
+    process.terminate()
+    try:
+        return process.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+    try:
+        return process.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:  # a worker that outlived its launcher still holds the pipes
+        return "", "(no output: a worker outlived the launcher and holds its pipes)"
+
+
+def _tail(stdout: str, stderr: str) -> str:
+    return f"--- stdout\n{stdout[-OUTPUT_TAIL:]}\n--- stderr\n{stderr[-OUTPUT_TAIL:]}"
+
+
+def reset_accelerate_state() -> None:
+    """Forget accelerate's process-wide singletons (AcceleratorState, PartialState, GradientState), so that the next
+    Accelerator (a script's next `main`) starts as in a fresh process. Nothing to do where accelerate was never used."""
+    if "accelerate.state" not in sys.modules:
+        return
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

@@ -1,0 +1,90 @@
+"""The shared test helpers (tests/helpers.py) and conftest's state reset: a script loads as a fresh module, a torchrun
+launch that hangs or fails fails its test with the output's tail and leaves no process behind, and accelerate's
+process-wide state never leaks from one test into the next."""
+
+import os
+import sys
+import time
+
+import pytest
+
+from helpers import load_script, torchrun
+
+
+def test_load_script_runs_a_fresh_module_registered_only_while_it_executes(tmp_path):
+    (tmp_path / "tool.py").write_text("import sys\nREGISTERED = sys.modules[__name__] is not None\nCOUNT = [0]\n")
+    sys.modules["tool"] = placeholder = object()
+    try:
+        first, second = load_script("tool", tmp_path), load_script("tool", tmp_path)
+        assert first.REGISTERED and first.__name__ == "tool"
+        assert first.COUNT is not second.COUNT  # executed again, not taken from sys.modules
+        assert sys.modules["tool"] is placeholder  # what was there before is put back
+    finally:
+        sys.modules.pop("tool", None)
+    load_script("tool", tmp_path)
+    assert "tool" not in sys.modules
+
+
+def test_load_script_finds_the_scripts_and_benchmarks():
+    assert callable(load_script("seed_sweep").main)
+    assert callable(load_script("reproduce_paper", folder="benchmarks").main)
+
+
+HANGING = """
+import os, sys, time
+open(os.path.join(sys.argv[1], f"pid{os.environ['RANK']}"), "w").write(str(os.getpid()))
+print(f"rank {os.environ['RANK']} waits forever", flush=True)
+time.sleep(3600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.multiprocess
+def test_a_hung_launch_fails_with_the_output_and_leaves_no_process(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(HANGING)
+    with pytest.raises(pytest.fail.Exception) as failure:
+        torchrun(script, [tmp_path], processes=2, timeout=20)
+    message = str(failure.value)
+    assert "hang.py on 2 processes did not finish in 20 s" in message
+    assert "rank 0 waits forever" in message and "rank 1 waits forever" in message
+    pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in range(2)]
+    deadline = time.monotonic() + 10
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(map(_alive, pids)), "a worker outlived its launch"
+
+
+@pytest.mark.multiprocess
+def test_a_failed_launch_names_the_exit_and_the_error(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import os\nraise SystemExit(f\"rank {os.environ['RANK']}: bad input\")\n")
+    with pytest.raises(pytest.fail.Exception, match=r"fail.py on 1 processes exited with 1;(.|\n)*rank 0: bad input"):
+        torchrun(script, processes=1, timeout=120)
+
+
+_LEFT_BY_PREVIOUS_TEST = []
+
+
+def test_accelerate_state_set_by_a_test(request):
+    from accelerate import Accelerator
+
+    Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=3)
+    _LEFT_BY_PREVIOUS_TEST.append(request.node.name)
+
+
+def test_is_forgotten_before_the_next_test():
+    """Runs after the test above (file order): the autouse fixture of conftest reset what it left."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    if not _LEFT_BY_PREVIOUS_TEST:
+        pytest.skip("the previous test did not run (-k selection)")
+    assert AcceleratorState._shared_state == {} and PartialState._shared_state == {}
+    assert GradientState._shared_state == {}
