@@ -2,22 +2,11 @@
 flag or file, the value seen and what is allowed. Parsing errors exit with argparse's status 2 and the message on
 stderr; what needs the model (`--freeze_memory` without memories) raises ValueError before training."""
 
-import importlib.util
 import json
 
 import pytest
-from accelerate.state import AcceleratorState, GradientState
-from conftest import REPO_ROOT, tiny_config
-
-
-SCRIPTS = REPO_ROOT / "run_scripts"
-
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(f"{name}_bad_inputs", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import tiny_config
+from helpers import load_script
 
 
 run_mlm, run_glue, run_squad = load_script("run_mlm"), load_script("run_glue"), load_script("run_squad")
@@ -144,12 +133,8 @@ def test_freeze_memory_on_a_model_without_memory(tmp_path):
                max_position_embeddings=64).save_pretrained(tmp_path / "bert")  # fmt: skip
     args = ["--config_name", str(tmp_path / "bert"), "--tokenizer_name", str(tmp_path / "bert"), "--freeze_memory"]
     args += ["--output_dir", str(tmp_path / "out"), "--max_seq_length", "16", "--max_train_steps", "1"]
-    try:
-        with pytest.raises(ValueError, match=r"--freeze_memory: the model \(BertForMaskedLM\) has no product key memory"):
-            run_mlm.main(args)
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+    with pytest.raises(ValueError, match=r"--freeze_memory: the model \(BertForMaskedLM\) has no product key memory"):
+        run_mlm.main(args)
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 

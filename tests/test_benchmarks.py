@@ -1,25 +1,19 @@
 """The arithmetic behind benchmarks/RESULTS.md: interleaved rounds, paired ratios, verdicts, the memories' share."""
 
-import importlib.util
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_script
 
 from modeling_pkm_bert import BertPkmConfig, BertPkmModel
 
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks" / "run_benchmarks.py"
-
-
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("run_benchmarks", BENCHMARKS)
-    module = importlib.util.module_from_spec(spec)
+    module = load_script("run_benchmarks", folder="benchmarks")
     sys.modules["run_benchmarks"] = module
-    spec.loader.exec_module(module)
     yield module
     sys.modules.pop("run_benchmarks", None)
 

@@ -8,7 +8,6 @@ PKM_COMPAT_MIN_PYTHON); `make test-latest` sets PKM_COMPAT_NEWEST_PYTHON to a fr
 
 import ast
 import json
-import re
 import os
 import subprocess
 import sys
@@ -20,6 +19,8 @@ from conftest import REPO_ROOT
 
 from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 
+
+pytestmark = pytest.mark.multiprocess  # the suite runs other interpreters (.venv-min, the newest releases)
 
 COMPAT = REPO_ROOT / "tests" / "compat"
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "bert_pkm_0.2.0"

@@ -1,7 +1,6 @@
 """BERT / DistilBERT -> BertPkm conversion: equivalence, report, errors, Hub folder, CLI, clean-process loading."""
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -30,7 +29,7 @@ from transformers import (
     RobertaModel,
 )
 
-from conftest import REPO_ROOT
+from helpers import load_script
 from modeling_pkm_bert import (
     AUTO_MAP,
     BertPkmConfig,
@@ -115,13 +114,6 @@ def bert_dir(tmp_path):
     tiny_tokenizer(tmp_path).save_pretrained(folder)
     (folder / "README.md").write_text("---\nlicense: mit\nlanguage: en\n---\n# tiny bert\n")
     return folder
-
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "run_scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ as it finishes; the launch is killed after DEADLINE seconds, so a hang fails the
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import socket
@@ -23,8 +22,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import REPO_ROOT, tiny_config
+from conftest import tiny_config
+from helpers import load_script
 
+
+pytestmark = pytest.mark.multiprocess  # every test reads the records of one launch of 2 processes
 
 WORLD = 2
 DEADLINE = 240  # seconds for the whole launch (about 40 s when nothing hangs, on 2 shared cores)
@@ -42,13 +44,6 @@ TRAINING_CASES = {
     "train_no_real_token": (0, True),  # refused: none of 0 tokens
     "train_no_real_token_without_batchnorm": (0, False),  # trains: zero gradients from process 0's memory
 }
-
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "run_scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def examples(count: int, padded=(), vocab_size=99) -> list[dict]:

@@ -2,13 +2,14 @@
 launch that hangs or fails fails its test with the output's tail and leaves no process behind, and accelerate's
 process-wide state never leaks from one test into the next."""
 
+import ast
 import os
 import sys
 import time
 
 import pytest
 
-from helpers import load_script, torchrun
+from helpers import REPO_ROOT, load_script, torchrun
 
 
 def test_load_script_runs_a_fresh_module_registered_only_while_it_executes(tmp_path):
@@ -88,3 +89,80 @@ def test_is_forgotten_before_the_next_test():
         pytest.skip("the previous test did not run (-k selection)")
     assert AcceleratorState._shared_state == {} and PartialState._shared_state == {}
     assert GradientState._shared_state == {}
+
+
+# ---- every test file uses them, and the process-launching tests are marked ----
+
+# every test file but this one (it names what it looks for)
+TESTS = sorted(path for path in (REPO_ROOT / "tests").glob("test_*.py") if path.name != "test_helpers.py")
+# what each test file used to carry its own copy of, now in helpers.py
+COPIED = {
+    "spec_from_file_location": "load_script",
+    "torch.distributed.run": "torchrun",
+    "_reset_state(": "reset_accelerate_state",
+}
+
+
+@pytest.mark.parametrize("path", TESTS, ids=lambda path: path.name)
+def test_no_test_file_carries_its_own_copy_of_a_helper(path):
+    text = path.read_text(encoding="utf-8")
+    assert [f"{copy} (use helpers.{helper})" for copy, helper in COPIED.items() if copy in text] == []
+
+
+LAUNCHERS = {"torchrun", "spawn", "start_processes"}  # helpers.torchrun, torch.multiprocessing's two
+
+
+def launching_tests(tree: ast.Module) -> dict[str, bool]:
+    """{test name: whether it is marked multiprocess} for the tests of a file that launch processes or use the second
+    environment, directly or through a function or fixture of the same file."""
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+    def called(node):
+        return {(n.func.id if isinstance(n.func, ast.Name) else n.func.attr) for n in ast.walk(node)
+                if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))}  # fmt: skip
+
+    def second_environment(node):
+        return any(isinstance(n, ast.Constant) and n.value == "PKM_COMPAT_MIN_PYTHON" for n in ast.walk(node))
+
+    launching = {name for name, node in functions.items() if called(node) & LAUNCHERS or second_environment(node)}
+    while True:  # what calls a launching function, or takes a launching fixture as an argument, launches too
+        more = {name for name, node in functions.items()
+                if called(node) & launching or {a.arg for a in node.args.args} & launching} - launching  # fmt: skip
+        if not more:
+            break
+        launching |= more
+    file_marked = any(
+        isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)
+        and "multiprocess" in ast.unparse(node.value) for node in tree.body
+    )  # fmt: skip
+    return {
+        name: file_marked or any("mark.multiprocess" in ast.unparse(d) for d in functions[name].decorator_list)
+        for name in sorted(launching) if name.startswith("test_")
+    }  # fmt: skip
+
+
+def test_the_marker_finder_on_a_sample():
+    sample = '''
+import pytest
+@pytest.fixture
+def group(tmp_path):
+    mp.spawn(work, nprocs=2)
+def launch(script):
+    return torchrun(script, [])
+def test_through_a_fixture(group): ...
+@pytest.mark.multiprocess
+def test_through_a_function(): launch("x.py")
+def test_second_environment(): os.environ["PKM_COMPAT_MIN_PYTHON"]
+def test_alone(): subprocess.run([sys.executable, "-c", "print(1)"])
+'''
+    found = launching_tests(ast.parse(sample))
+    assert found == {"test_through_a_fixture": False, "test_through_a_function": True, "test_second_environment": False}
+    assert set(launching_tests(ast.parse("pytestmark = pytest.mark.multiprocess\n" + sample)).values()) == {True}
+
+
+@pytest.mark.parametrize("path", TESTS, ids=lambda path: path.name)
+def test_every_process_launching_test_is_marked_multiprocess(path):
+    """`make test-fast` (-m "not multiprocess") leaves out every test that launches processes."""
+    found = launching_tests(ast.parse(path.read_text(encoding="utf-8")))
+    unmarked = [name for name, marked in found.items() if not marked]
+    assert unmarked == [], "mark them @pytest.mark.multiprocess (or the file: pytestmark = pytest.mark.multiprocess)"

@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import REPO_ROOT, remote_code_model, tiny_config
+from helpers import load_script, torchrun
 from modeling_pkm_bert import BertPkmForMaskedLM, shard_memory_values
 from modeling_pkm_bert.parallel import ShardedProductKeyValues
 
@@ -233,6 +234,7 @@ def two_processes(tmp_path_factory):
 
 
 @pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.multiprocess
 def test_two_processes_equal_one(two_processes, shared):
     """FSDP2 + memory parallel on 2 processes: logits, loss, every gradient and the parameters after 2 steps (AdamW for
     the model, Adam at 1e-3 for the values' own group) equal the one-process run on the whole batch (fp32, 1e-5)."""
@@ -243,6 +245,7 @@ def test_two_processes_equal_one(two_processes, shared):
         assert max(result["after_diff"].values()) < 1e-5, result["after_diff"]
 
 
+@pytest.mark.multiprocess
 def test_sparse_row_adam_on_sharded_tables(two_processes):
     """SparseRowAdam (the values' row-wise lazy Adam) on column shards: each process updates its columns of the rows
     touched on any process, with the whole row's second moment: 2 steps equal the one-process run."""
@@ -250,6 +253,7 @@ def test_sparse_row_adam_on_sharded_tables(two_processes):
         assert max(results["sparse_row_adam"].values()) < 1e-5, results["sparse_row_adam"]
 
 
+@pytest.mark.multiprocess
 def test_sparse_memory_finetuning_chooses_the_same_rows_everywhere(two_processes):
     """SMF under memory parallel: every process chooses the same rows (the reads of all processes' tokens, summed), the
     one-process choice, and the values after 2 restricted steps equal the one-process run."""
@@ -262,6 +266,7 @@ def test_sparse_memory_finetuning_chooses_the_same_rows_everywhere(two_processes
 
 
 @pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.multiprocess
 def test_each_process_holds_its_columns(two_processes, shared):
     """Per-process value bytes are 1/world of the tables (measured); a shared table is sharded once."""
     for results in two_processes[1]:
@@ -272,6 +277,7 @@ def test_each_process_holds_its_columns(two_processes, shared):
 
 
 @pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.multiprocess
 def test_checkpoint_resume_and_consolidated_folder(two_processes, shared):
     """DCP save/load of the sharded model and the values' optimizer state resumes exactly; the consolidated folder
     loads in one process, without the package (trust_remote_code), with the sharded model's outputs; and the DCP
@@ -325,15 +331,6 @@ def test_v_dim_not_divisible_is_refused():
     assert memories[0].values is table  # nothing replaced
 
 
-def _load_script(name):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "run_scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(
     "script, source", [("run_mlm", "--config_name"), ("run_mlm", "--model_name_or_path"), ("run_glue", "--model_name_or_path")]
 )
@@ -342,7 +339,7 @@ def test_v_dim_the_processes_do_not_divide_is_refused_at_argument_checking(tmp_p
     naming both numbers, before any model is loaded (its config alone is read). --fsdp2 pads its row shards: accepted,
     and so is a number of processes that divides v_dim."""
     tiny_config().save_pretrained(tmp_path / "tiny")
-    module = _load_script(script)
+    module = load_script(script)
     argv = [source, str(tmp_path / "tiny"), "--output_dir", str(tmp_path / "out")]
     argv += ["--task_name", "sst2"] if script == "run_glue" else ["--tokenizer_name", str(tmp_path / "tiny")]
     monkeypatch.setenv("WORLD_SIZE", "3")
@@ -367,7 +364,7 @@ def test_an_older_torch_is_named_at_argument_checking(tmp_path, capsys, monkeypa
     tiny_config().save_pretrained(tmp_path / "tiny")
     monkeypatch.setattr(torch, "__version__", "2.5.1+cpu")
     with pytest.raises(SystemExit) as raised:
-        _load_script("run_mlm").parse_args(["--config_name", str(tmp_path / "tiny"), flag])
+        load_script("run_mlm").parse_args(["--config_name", str(tmp_path / "tiny"), flag])
     assert raised.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"{flag}: FSDP2 (torch.distributed.fsdp.fully_shard) needs torch >= 2.6; this is torch 2.5.1+cpu" in error
@@ -449,20 +446,12 @@ def _script_tiny(folder):
     return str(folder)
 
 
-def _torchrun(script, tiny, output_dir, options, processes=2):
-    import subprocess
-    import sys
-
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+def _launch(script, tiny, output_dir, options, processes=2):
     common = f"--config_name {tiny} --tokenizer_name {tiny} --output_dir {output_dir} --seed 3 --max_train_steps 2"
     # 9 evaluation examples at 4 a batch: shards of 5 and 4, so 2 evaluation forwards on one process and 1 on the other
     common += " --per_device_train_batch_size 4 --per_device_eval_batch_size 4 --max_eval_samples 9"
     common += " --max_seq_length 32" if script == "run_mlm.py" else " --block_size 32"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
-    command += [str(REPO_ROOT / "run_scripts" / script), *common.split(), *options.split()]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = torchrun(REPO_ROOT / "run_scripts" / script, [*common.split(), *options.split()], processes)
     assert processes == 1 or ("MULTI_CPU" in done.stderr and "[RANK 1]" in done.stderr)
     return done
 
@@ -472,23 +461,24 @@ def script_tiny(tmp_path_factory):
     return _script_tiny(tmp_path_factory.mktemp("script_tiny"))
 
 
+@pytest.mark.multiprocess
 def test_run_mlm_memory_parallel_trains_checkpoints_and_resumes_exactly(script_tiny, tmp_path):
     """run_mlm.py --memory_parallel on 2 processes: trains, writes sharded checkpoints (DCP) and a normal Hub folder;
     resuming from the step-1 checkpoint ends with the uninterrupted run's weights, bitwise."""
     from safetensors.torch import load_file
 
     options = "--max_train_samples 16 --checkpointing_steps 1 --memory_parallel"
-    _torchrun("run_mlm.py", script_tiny, tmp_path / "straight", options)
+    _launch("run_mlm.py", script_tiny, tmp_path / "straight", options)
     straight = tmp_path / "straight"
     assert json.loads((straight / "all_results.json").read_text())["step"] == 2
     assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(straight / "step_1" / "sharded_state"))
     remote_code_model(straight)  # the folder's code, not the package
-    _torchrun("run_mlm.py", script_tiny, tmp_path / "resumed", f"{options} --resume_from_checkpoint {straight / 'step_1'}")
+    _launch("run_mlm.py", script_tiny, tmp_path / "resumed", f"{options} --resume_from_checkpoint {straight / 'step_1'}")
     one, two = load_file(straight / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
     assert one.keys() == two.keys() and all(torch.equal(one[key], two[key]) for key in one)
     # another world size: refused by the run-settings check (naming num_processes) unless --allow_inexact_resume,
     # then torch.distributed.checkpoint reshards the 2-process checkpoint into 1 process
-    done = _torchrun(
+    done = _launch(
         "run_mlm.py", script_tiny, tmp_path / "one", f"{options} --resume_from_checkpoint {straight / 'step_1'}"
         " --allow_inexact_resume", processes=1,
     )
@@ -497,10 +487,11 @@ def test_run_mlm_memory_parallel_trains_checkpoints_and_resumes_exactly(script_t
 
 
 @pytest.mark.parametrize("flag", ["--fsdp2", "--memory_parallel"])
+@pytest.mark.multiprocess
 def test_run_clm_trains_with_fsdp2_and_memory_parallel(script_tiny, tmp_path, flag):
     from transformers import AutoModelForCausalLM
 
-    _torchrun("run_clm.py", script_tiny, tmp_path / "out", f"{flag} --max_train_samples 16")
+    _launch("run_clm.py", script_tiny, tmp_path / "out", f"{flag} --max_train_samples 16")
     results = json.loads((tmp_path / "out" / "all_results.json").read_text())
     assert results["step"] == 2 and math.isfinite(results["perplexity"])
     AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)

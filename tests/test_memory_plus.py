@@ -15,6 +15,7 @@ from safetensors import safe_open
 from transformers import BertConfig, BertForMaskedLM
 
 from conftest import REPO_ROOT, tiny_config
+from helpers import load_script
 from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM, BertPkmModel
 from modeling_pkm_bert.hub.conversion import convert_to_pkm
 from modeling_pkm_bert.analysis.memory_usage import track_memory_usage
@@ -453,15 +454,11 @@ def test_staleness_of_a_shared_table_is_per_memory():
 
 def test_run_mlm_trains_memory_plus_from_flags_and_clips_the_values(tmp_path, monkeypatch):
     import collections
-    import importlib.util
     import re
 
-    from accelerate.state import AcceleratorState, GradientState
     from transformers import BertTokenizer
 
-    spec = importlib.util.spec_from_file_location("run_mlm", REPO_ROOT / "run_scripts" / "run_mlm.py")
-    run_mlm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_mlm)
+    run_mlm = load_script("run_mlm")
     text = (REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
     words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
@@ -484,11 +481,7 @@ def test_run_mlm_trains_memory_plus_from_flags_and_clips_the_values(tmp_path, mo
     )
     args = ["--config_name", str(tmp_path / "bert"), "--tokenizer_name", str(tmp_path / "bert"),
             "--output_dir", str(tmp_path / "out"), *flags.split()]
-    try:
-        results = run_mlm.main(args)
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+    results = run_mlm.main(args)
     assert len(norms) == 2 and all(max_norm == 1e-3 and norm > 0 for max_norm, norm in norms)
     assert results["eval_memory/shared_values/tokens"] == 2 * results["eval_memory/layer_0/tokens"]
     config = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -497,21 +490,8 @@ def test_run_mlm_trains_memory_plus_from_flags_and_clips_the_values(tmp_path, mo
     assert loaded.bert.encoder.layer[0].memory.values is loaded.bert.encoder.layer[2].memory.values
 
 
-def load_benchmark(name):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(name, None)
-    return module
-
-
 def test_options_benchmark_section_measures_every_variant_against_the_default(monkeypatch):
-    bench = load_benchmark("run_benchmarks")
+    bench = load_script("run_benchmarks", folder="benchmarks")
     monkeypatch.setattr(bench, "PAPER", dict(n_keys=16, heads=2, knn=4, k_dim=16))
     lines = bench.section_options(argparse.Namespace(quick=True, threads=1, options_batch=(2, 8)))
     rows = [line for line in lines if line.startswith("| ") and "ms" not in line and "---" not in line]
@@ -520,7 +500,7 @@ def test_options_benchmark_section_measures_every_variant_against_the_default(mo
 
 
 def test_shared_table_benchmark_section_compares_dense_and_sparse_gradients(monkeypatch):
-    bench = load_benchmark("run_benchmarks")
+    bench = load_script("run_benchmarks", folder="benchmarks")
     monkeypatch.setattr(bench, "PAPER", dict(n_keys=16, heads=2, knn=4, k_dim=16))
     lines = bench.section_shared(argparse.Namespace(quick=True, threads=1, options_batch=(2, 8)))
     rows = [line for line in lines if line.startswith("| ") and "ms" not in line and "---" not in line]
@@ -537,7 +517,7 @@ def test_shared_table_benchmark_section_compares_dense_and_sparse_gradients(monk
 
 
 def test_memory_plus_report_lists_every_finished_run(tmp_path):
-    mp = load_benchmark("memory_plus")
+    mp = load_script("memory_plus", folder="benchmarks")
     args = argparse.Namespace(
         output_dir=str(tmp_path), seeds=[0, 1], max_train_steps=5, max_seq_length=16, per_device_train_batch_size=2,
         learning_rate=1e-4, num_warmup_steps=1, memory_optimizer="adam",

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from transformers import BertTokenizer
 
 from conftest import REPO_ROOT, tiny_config
+from helpers import load_script, reset_accelerate_state
 from modeling_pkm_bert import BertPkmForMaskedLM, BertPkmModel
 from modeling_pkm_bert.analysis import MemoryReportError, MetricsLog, write_memory_report
 from modeling_pkm_bert.training.glue_data import class_data_from_files
@@ -169,11 +170,7 @@ def test_a_failure_midway_leaves_the_previous_report(model, tokenizer, tmp_path,
 
 
 def test_cli_on_a_saved_folder_and_its_errors(model, tokenizer, tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("memory_report", REPO_ROOT / "run_scripts" / "memory_report.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script("memory_report")
     folder = tmp_path / "model"
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -196,22 +193,6 @@ def test_cli_on_a_saved_folder_and_its_errors(model, tokenizer, tmp_path):
     assert not (tmp_path / "none").exists()
 
 
-def _load_script(name):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "run_scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _reset_accelerate():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 def test_scripts_write_metrics_log_and_memory_report(tokenizer, tmp_path):
     """run_glue.py and run_squad.py with --memory_report: metrics.jsonl, and the report of the final model with the
     per-class usage (GLUE) and the training curves."""
@@ -223,14 +204,12 @@ def test_scripts_write_metrics_log_and_memory_report(tokenizer, tmp_path):
     for name in ("glue", "squad"):
         tokenizer.save_pretrained(folder / name)
     dev = sst2_file(tmp_path / "dev.tsv")
-    try:
-        _load_script("run_glue").main([
-            "--model_name_or_path", str(folder / "glue"), "--task_name", "sst2", "--train_file", str(dev),
-            "--validation_file", str(dev), "--max_train_steps", "3", "--per_device_train_batch_size", "8",
-            "--max_length", "32", "--output_dir", str(tmp_path / "glue"), "--memory_report", "--seed", "1",
-        ])  # fmt: skip
-    finally:
-        _reset_accelerate()
+    load_script("run_glue").main([
+        "--model_name_or_path", str(folder / "glue"), "--task_name", "sst2", "--train_file", str(dev),
+        "--validation_file", str(dev), "--max_train_steps", "3", "--per_device_train_batch_size", "8",
+        "--max_length", "32", "--output_dir", str(tmp_path / "glue"), "--memory_report", "--seed", "1",
+    ])  # fmt: skip
+    reset_accelerate_state()  # run_squad's Accelerator below starts afresh
     records = [json.loads(line) for line in (tmp_path / "glue" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3] and "eval_accuracy" in records[-1]
     text = (tmp_path / "glue" / "memory_report" / "memory_report.md").read_text()
@@ -242,14 +221,11 @@ def test_scripts_write_metrics_log_and_memory_report(tokenizer, tmp_path):
            for i in range(4)]
     squad = {"version": "1.1", "data": [{"title": "t", "paragraphs": [{"context": context, "qas": qas}]}]}
     (tmp_path / "squad.json").write_text(json.dumps(squad))
-    try:
-        _load_script("run_squad").main([
-            "--model_name_or_path", str(folder / "squad"), "--train_file", str(tmp_path / "squad.json"),
-            "--validation_file", str(tmp_path / "squad.json"), "--max_seq_length", "64", "--doc_stride", "16",
-            "--max_train_steps", "2", "--output_dir", str(tmp_path / "squad"), "--memory_report", "--seed", "1",
-        ])  # fmt: skip
-    finally:
-        _reset_accelerate()
+    load_script("run_squad").main([
+        "--model_name_or_path", str(folder / "squad"), "--train_file", str(tmp_path / "squad.json"),
+        "--validation_file", str(tmp_path / "squad.json"), "--max_seq_length", "64", "--doc_stride", "16",
+        "--max_train_steps", "2", "--output_dir", str(tmp_path / "squad"), "--memory_report", "--seed", "1",
+    ])  # fmt: skip
     assert (tmp_path / "squad" / "metrics.jsonl").is_file()
     report = json.loads((tmp_path / "squad" / "memory_report" / "memory_report.json").read_text())
     assert report["usage"]["layer_1"]["tokens"] > 0

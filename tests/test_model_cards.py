@@ -1,13 +1,13 @@
 """Model cards written by conversion and training are Hub-ready: license, base_model (a Hub id, never a local path),
 library_name, tags, a curated results table, and a "Produced by" command without secrets or this machine's paths."""
 
-import importlib.util
 import json
 import os
 import re
 
 import pytest
-from conftest import REPO_ROOT, tiny_config
+from conftest import tiny_config
+from helpers import load_script
 from huggingface_hub import ModelCard
 from transformers import BertConfig, BertForMaskedLM, BertTokenizer
 
@@ -105,9 +105,7 @@ def test_base_model_and_license_resolution(tmp_path):
 def test_conversion_card_from_a_local_folder(tmp_path, monkeypatch):
     """convert_to_pkm.py on a local folder: base_model from --base_model, the source's license, the command relative
     and without the token or the folder's absolute path."""
-    spec = importlib.util.spec_from_file_location("convert_to_pkm", REPO_ROOT / "run_scripts" / "convert_to_pkm.py")
-    convert = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(convert)
+    convert = load_script("convert_to_pkm")
     source = tiny_bert_folder(tmp_path / "src")
     (source / "README.md").write_text("---\nlicense: mit\n---\n# source\n")
     monkeypatch.chdir(tmp_path)
@@ -165,11 +163,7 @@ def test_results_card_is_hub_ready_and_curated(tmp_path, monkeypatch, pkm):
 
 def test_run_mlm_card_after_a_real_run(tmp_path, monkeypatch):
     """run_mlm.py writes the card after every run: the token given on the command line never reaches it."""
-    spec = importlib.util.spec_from_file_location("run_mlm_cards", REPO_ROOT / "run_scripts" / "run_mlm.py")
-    run_mlm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_mlm)
-    from accelerate.state import AcceleratorState, GradientState
-
+    run_mlm = load_script("run_mlm")
     folder = tmp_path / "tiny"
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(94)]
     BertTokenizer(vocab={w: i for i, w in enumerate(words)}).save_pretrained(folder)
@@ -179,11 +173,7 @@ def test_run_mlm_card_after_a_real_run(tmp_path, monkeypatch):
     argv = f"--config_name {folder} --tokenizer_name {folder} --output_dir {tmp_path / 'out'} --max_seq_length 16"
     argv += f" --train_file {tmp_path / 'train.txt'} --validation_files held_out={tmp_path / 'train.txt'}"
     argv += " --per_device_train_batch_size 2 --max_train_steps 1 --max_eval_samples 2 --seed 0"
-    try:
-        results = run_mlm.main([*argv.split(), "--hub_token", SECRET])
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+    results = run_mlm.main([*argv.split(), "--hub_token", SECRET])
     card = (tmp_path / "out" / "README.md").read_text()
     assert SECRET not in card and not machine_paths(card, tmp_path)
     assert "python run_scripts/run_mlm.py --config_name tiny --tokenizer_name tiny --output_dir out" in card

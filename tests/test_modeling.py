@@ -301,6 +301,7 @@ print("ok")
 
 
 @pytest.mark.skipif(not os.environ.get("PKM_COMPAT_MIN_PYTHON"), reason="PKM_COMPAT_MIN_PYTHON is not set: `make test` builds .venv-min")
+@pytest.mark.multiprocess
 def test_gradient_checkpointing_under_the_declared_minimum():
     """transformers 5.4's `GradientCheckpointingLayer` wraps `__call__` and drops `past_key_values` (5.24: `forward`,
     `cache`): the model turns the cache off itself, so training with checkpointing is right under both; and

@@ -1,6 +1,5 @@
 """Publishing to the Hub: exactly which calls go out and which files would be uploaded (the Hub is not reachable)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -9,7 +8,8 @@ from huggingface_hub import ModelCard
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 from transformers import BertConfig, BertForMaskedLM, BertTokenizer
 
-from conftest import REPO_ROOT, tiny_config
+from conftest import tiny_config
+from helpers import load_script
 from modeling_pkm_bert import BertPkmForMaskedLM
 from modeling_pkm_bert.hub import upload
 from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
@@ -54,13 +54,6 @@ def hub(monkeypatch):
     monkeypatch.setattr(upload, "HfApi", FakeHfApi)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     return FakeHfApi
-
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "run_scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def tokenizer(tmp_path):

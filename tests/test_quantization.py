@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from helpers import load_script
 from modeling_pkm_bert import BertPkmForMaskedLM, BertPkmModel, quantize_memory_values
 from modeling_pkm_bert import product_key_memory
 from modeling_pkm_bert.product_key_memory import QuantizedProductKeyValues, dequantize_rows
@@ -280,23 +281,12 @@ def test_onnx_export_of_a_quantized_model(tmp_path, bits):
     assert path.is_file()
 
 
-def _script(name):
-    import importlib.util
-
-    from conftest import REPO_ROOT
-
-    spec = importlib.util.spec_from_file_location(f"{name}_quantization", REPO_ROOT / "run_scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_convert_and_push_scripts_quantize_values(tmp_path, capsys):
     from transformers import BertConfig, BertForMaskedLM
 
     BertForMaskedLM(BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                                intermediate_size=37, max_position_embeddings=64)).save_pretrained(tmp_path / "bert")
-    convert = _script("convert_to_pkm")
+    convert = load_script("convert_to_pkm")
     pkm = ["--pkm_layers", "1", "--pkm_n_keys", "8", "--pkm_heads", "2", "--pkm_knn", "4", "--pkm_k_dim", "16"]
     with pytest.raises(SystemExit):
         convert.parse_args(["--model_name_or_path", str(tmp_path / "bert"), "--output_dir", "x", "--quantize_values", "6"])
@@ -306,7 +296,7 @@ def test_convert_and_push_scripts_quantize_values(tmp_path, capsys):
     assert isinstance(loaded.bert.encoder.layer[1].memory.values, QuantizedProductKeyValues)
     # push_to_hub: the fp32 folder quantized into a sibling folder (the source untouched), listed by --dry_run
     convert.main(["--model_name_or_path", str(tmp_path / "bert"), "--output_dir", str(tmp_path / "fp32"), *pkm])
-    push = _script("push_to_hub")
+    push = load_script("push_to_hub")
     push.main(["--model_dir", str(tmp_path / "fp32"), "--hub_model_id", "me/x", "--quantize_values", "8", "--dry_run"])
     assert "Would upload" in capsys.readouterr().out
     assert json.loads((tmp_path / "fp32-int8" / "config.json").read_text())["pkm_values_quantization"] == "int8"

@@ -6,7 +6,6 @@ skips are counted and printed (keep them rare)."""
 
 import argparse
 import contextlib
-import importlib.util
 import io
 import os
 import re
@@ -16,6 +15,7 @@ import sys
 
 import pytest
 from conftest import REPO_ROOT
+from helpers import load_script
 
 
 DOCUMENTS = {path.relative_to(REPO_ROOT).as_posix(): path.read_text(encoding="utf-8") for path in [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]}
@@ -92,11 +92,9 @@ def check_flags(script: str, argv: list[str]) -> None:
     """Parse `argv` with the script's own parser (flags, types, choices), without its checks of files or models."""
     path = REPO_ROOT / script
     assert path.is_file(), f"{script} does not exist"
-    spec = importlib.util.spec_from_file_location(f"readme_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(path.parent))
     try:
-        spec.loader.exec_module(module)
+        module = load_script(path.stem, folder=path.parent)
     finally:
         sys.path.remove(str(path.parent))
     parse = argparse.ArgumentParser.parse_args

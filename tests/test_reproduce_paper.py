@@ -1,23 +1,16 @@
 """The reproduction study's whole pipeline (stage 0, Table 2 rows, fine-tuning, ablation, report) on a tiny BERT."""
 
 import collections
-import importlib.util
 import re
 from pathlib import Path
 
 from transformers import BertConfig, BertForMaskedLM, BertTokenizer
 
 from conftest import REPO_ROOT
+from helpers import load_script
 
 
 DATA = REPO_ROOT / "run_scripts" / "data"
-
-
-def load_study():
-    spec = importlib.util.spec_from_file_location("reproduce_paper", REPO_ROOT / "benchmarks" / "reproduce_paper.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def tiny_bert(folder: Path) -> None:
@@ -52,7 +45,7 @@ def test_tiny_study_runs_every_stage_and_writes_the_report(tmp_path):
     tiny_bert(model)
     tiny_glue(data)
     report = tmp_path / "out" / "REPRODUCTION.md"
-    study = load_study()
+    study = load_script("reproduce_paper", folder="benchmarks")
     argv = ["--budget", "tiny", "--model", str(model), "--data_dir", str(data), "--work_dir", str(tmp_path / "runs"),
             "--report", str(report), "--in_process", "--tasks", "sst2"]
     study.main(argv)

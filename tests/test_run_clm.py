@@ -3,17 +3,14 @@ consecutive blocks for TRIME_long, exact resume, 2 CPU processes, a plain BertLM
 `--memory_report`, sparse memory finetuning, clear errors on bad input."""
 
 import collections
-import importlib.util
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from conftest import REPO_ROOT, tiny_config
+from helpers import load_script, reset_accelerate_state, torchrun
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, BertTokenizer
 
@@ -27,21 +24,7 @@ SCRIPTS = REPO_ROOT / "run_scripts"
 DATA = SCRIPTS / "data"
 
 
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 run_clm = load_script("run_clm")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +48,11 @@ def clm_args(tiny, output_dir, options=""):
 
 
 def run(args):
+    """One run of the script; the next one (often in the same test) starts with a fresh accelerate state."""
     try:
         return run_clm.main(args)
     finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+        reset_accelerate_state()
 
 
 TRAINING = "--max_train_samples 24 --gradient_accumulation_steps 2 --max_train_steps 6 --max_eval_samples 8"
@@ -287,18 +270,13 @@ def test_sparse_memory_finetuning_trains_only_chosen_rows_and_resumes_exactly(ca
     assert [n for n in expected if not torch.equal(expected[n], got[n])] == []
 
 
+@pytest.mark.multiprocess
 def test_two_cpu_processes_match_one(long_run, tiny, tmp_path):
     """torchrun, 2 processes, gloo: TRIME_long trains; every evaluation block counts once, so the model as loaded gets
     the 1-process perplexities (with and without the memory)."""
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     options = "--max_train_samples 24 --max_train_steps 2 --max_eval_samples 8 --trime long --evaluate_before_training"
     options += " --per_device_train_batch_size 2 --memory_optimizer sparse_row_adam"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SCRIPTS / "run_clm.py")]
-    done = subprocess.run(
-        command + clm_args(tiny, tmp_path / "ddp", options), env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = torchrun(SCRIPTS / "run_clm.py", clm_args(tiny, tmp_path / "ddp", options))
     assert "MULTI_CPU" in done.stderr and "[RANK 1]" in done.stderr
     results = json.loads((tmp_path / "ddp" / "all_results.json").read_text())
     assert results["step"] == 2

@@ -1,7 +1,6 @@
 """run_glue.py end to end on a slice of SST-2 with tiny models; exact resume; bad input; seed_sweep.py."""
 
 import collections
-import importlib.util
 import json
 import os
 import shutil
@@ -10,8 +9,8 @@ import sys
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from conftest import REPO_ROOT, SHARED_DATA, tiny_config
+from helpers import load_script, reset_accelerate_state, torchrun
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, BertConfig, BertModel, BertTokenizer
 
@@ -21,22 +20,8 @@ from modeling_pkm_bert import BertPkmForSequenceClassification, BertPkmModel, re
 SCRIPTS = REPO_ROOT / "run_scripts"
 
 
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 run_glue = load_script("run_glue")
 seed_sweep = load_script("seed_sweep")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +70,7 @@ def first_run(tiny_pkm, data, tmp_path_factory):
         options = "--max_train_steps 6 --checkpointing_steps 3 --memory_usage_before_training"
         options += " --push_to_hub --hub_model_id someone/tiny-sst2"
         results = run_glue.main(glue_args(tiny_pkm, data, output_dir, options))
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()  # the test that asked for this fixture starts with a fresh state
     return {"results": results, "output_dir": output_dir, "pushed": pushed}
 
 
@@ -292,15 +276,12 @@ def test_seed_sweep_runs_run_glue(tiny_pkm, data, tmp_path):
     assert not torch.equal(first, second)
 
 
+@pytest.mark.multiprocess
 def test_two_processes(tiny_pkm, data, tmp_path):
     """2 CPU processes (torchrun, gloo): every dev example and token is counted once, as in one process."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
-    env["ACCELERATE_USE_CPU"] = "1"  # torchrun on CPU: without it each process thinks it is alone
     output_dir = tmp_path / "ddp"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SCRIPTS / "run_glue.py")]
-    command += glue_args(tiny_pkm, data, output_dir, "--max_train_steps 2 --per_device_train_batch_size 4")
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    options = "--max_train_steps 2 --per_device_train_batch_size 4"
+    done = torchrun(SCRIPTS / "run_glue.py", glue_args(tiny_pkm, data, output_dir, options))
     assert "MULTI_CPU" in done.stderr and "Process index: 1" in done.stderr
     results = json.loads((output_dir / "all_results.json").read_text())
     assert results["eval_samples"] == 32 and results["step"] == 2
@@ -309,17 +290,15 @@ def test_two_processes(tiny_pkm, data, tmp_path):
     assert results["eval_class_memory/layer_1/tokens_1"] == single["eval_class_memory/layer_1/tokens_1"]
 
 
+@pytest.mark.multiprocess
 def test_two_processes_with_memory_parallel(tiny_pkm, data, tmp_path):
     """FSDP2 with the value tables sharded column-wise (--memory_parallel) on 2 CPU processes: trains, evaluates every
     dev example once, and writes a consolidated Hub folder that loads through remote code."""
     from conftest import remote_code_model
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT), "ACCELERATE_USE_CPU": "1"}
     output_dir = tmp_path / "memory_parallel"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SCRIPTS / "run_glue.py")]
-    command += glue_args(tiny_pkm, data, output_dir, "--max_train_steps 2 --per_device_train_batch_size 4 --memory_parallel")
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    options = "--max_train_steps 2 --per_device_train_batch_size 4 --memory_parallel"
+    done = torchrun(SCRIPTS / "run_glue.py", glue_args(tiny_pkm, data, output_dir, options))
     assert "MULTI_CPU" in done.stderr and "Process index: 1" in done.stderr
     results = json.loads((output_dir / "all_results.json").read_text())
     assert results["eval_samples"] == 32 and results["step"] == 2 and 0 <= results["eval_accuracy"] <= 1
@@ -341,14 +320,12 @@ def test_eval_steps_staleness_and_mixed_precision(tiny_pkm, data, tmp_path):
     assert (output_dir / "staleness.safetensors").is_file() and (output_dir / "step_4" / "staleness.safetensors").is_file()
     assert any(key.startswith("staleness/layer_1/") for key in results)
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     resumed_dir = tmp_path / "resumed"
     run_glue.main(glue_args(tiny_pkm, data, resumed_dir, f"{options} --resume_from_checkpoint {output_dir / 'step_4'}"))
     reference, resumed = load_file(output_dir / "model.safetensors"), load_file(resumed_dir / "model.safetensors")
     assert all(torch.equal(reference[name], resumed[name]) for name in reference)
 
-    AcceleratorState._reset_state(reset_partial_state=True)  # a new Accelerator with another precision
-    GradientState._reset_state()
+    reset_accelerate_state()  # a new Accelerator with another precision
     bf16 = run_glue.main(glue_args(tiny_pkm, data, tmp_path / "bf16", "--max_train_steps 2 --mixed_precision bf16"))
     assert 0 <= bf16["eval_accuracy"] <= 1 and bf16["step"] == 2

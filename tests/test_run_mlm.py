@@ -2,18 +2,15 @@
 convert-on-load of the real MiniLM, and clear errors on bad data."""
 
 import collections
-import importlib.util
 import json
 import os
 import re
-import subprocess
-import sys
 
 import accelerate
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from conftest import REPO_ROOT, tiny_config
+from helpers import load_script, reset_accelerate_state, torchrun
 from safetensors.torch import load_file
 from transformers import AutoModelForMaskedLM, BertTokenizer
 
@@ -26,21 +23,7 @@ SCRIPTS = REPO_ROOT / "run_scripts"
 DATA = SCRIPTS / "data"
 
 
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 run_mlm = load_script("run_mlm")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 def make_tiny_folder(folder) -> str:
@@ -68,11 +51,11 @@ def mlm_args(tiny, output_dir, options=""):
 
 
 def run(args):
+    """One run of the script; the next one (often in the same test) starts with a fresh accelerate state."""
     try:
         return run_mlm.main(args)
     finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+        reset_accelerate_state()
 
 
 TRAINING = "--max_train_samples 12 --gradient_accumulation_steps 2 --max_train_steps 6 --track_staleness"
@@ -155,18 +138,13 @@ def test_resume_gives_the_weights_of_the_uninterrupted_run(straight_runs, tiny, 
     assert results["eval_moby_dick_loss"] == straight["results"]["eval_moby_dick_loss"]
 
 
+@pytest.mark.multiprocess
 def test_two_cpu_processes_match_one(straight_run, tiny, tmp_path):
     """torchrun, 2 processes, gloo, sparse value gradients under DDP: trains, saves, and evaluates every example once,
     so the model as loaded gets exactly the 1-process perplexities and memory counts."""
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     options = "--max_train_samples 12 --gradient_accumulation_steps 2 --max_train_steps 2 --max_eval_samples 12"
     options += " --memory_optimizer sparse_row_adam --evaluate_before_training --per_device_train_batch_size 2"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SCRIPTS / "run_mlm.py")]
-    done = subprocess.run(
-        command + mlm_args(tiny, tmp_path / "ddp", options), env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = torchrun(SCRIPTS / "run_mlm.py", mlm_args(tiny, tmp_path / "ddp", options))
     assert "MULTI_CPU" in done.stderr and "[RANK 1]" in done.stderr
     assert "sparse gradients" in done.stderr  # the row-wise update got sparse gradients through DDP (gloo)
     results = json.loads((tmp_path / "ddp" / "all_results.json").read_text())

@@ -4,13 +4,13 @@ import copy
 import json
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 from conftest import REPO_ROOT, SHARED_DATA, tiny_config
+from helpers import torchrun
 from datasets import Dataset
 from safetensors.torch import load_file
 
@@ -356,16 +356,12 @@ def test_bad_input_errors(squad_slice, tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="torchrun needs a POSIX system")
+@pytest.mark.multiprocess
 def test_two_processes_match_one(squad_slice, tmp_path):
     """2 CPU processes (gloo) train and evaluate; evaluating their model in 1 process gives the same predictions."""
     two = tmp_path / "two"
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(REPO_ROOT / "run_scripts" / "run_squad.py"),
-               *tiny_args(squad_slice, two, "--max_train_steps", "2", "--per_device_eval_batch_size", "3")]
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    options = ("--max_train_steps", "2", "--per_device_eval_batch_size", "3")
+    completed = torchrun(REPO_ROOT / "run_scripts" / "run_squad.py", tiny_args(squad_slice, two, *options), timeout=240)
     assert "Num processes: 2" in completed.stderr
     two_predictions = json.loads((two / "eval_predictions.json").read_text())
 
@@ -387,17 +383,13 @@ def test_two_processes_match_one(squad_slice, tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="torchrun needs a POSIX system")
+@pytest.mark.multiprocess
 def test_two_processes_with_memory_parallel_match_one(squad_slice, tmp_path):
     """FSDP2 with the value tables sharded column-wise (--memory_parallel) on 2 CPU processes: trains, and its
     consolidated folder evaluated in 1 process gives the same predictions."""
     two = tmp_path / "two"
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(REPO_ROOT / "run_scripts" / "run_squad.py"),
-               *tiny_args(squad_slice, two, "--max_train_steps", "2", "--per_device_eval_batch_size", "4", "--memory_parallel")]
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    options = ("--max_train_steps", "2", "--per_device_eval_batch_size", "4", "--memory_parallel")
+    completed = torchrun(REPO_ROOT / "run_scripts" / "run_squad.py", tiny_args(squad_slice, two, *options), timeout=240)
     assert "Num processes: 2" in completed.stderr
     two_results = json.loads((two / "all_results.json").read_text())
     one = tmp_path / "one"

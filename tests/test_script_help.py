@@ -3,7 +3,6 @@ datasets or accelerate, and lists exactly the flags that a real run parses."""
 
 import contextlib
 import dataclasses
-import importlib.util
 import io
 import json
 import subprocess
@@ -11,6 +10,7 @@ import sys
 
 import pytest
 from conftest import REPO_ROOT
+from helpers import load_script
 
 from modeling_pkm_bert import BertPkmConfig
 from modeling_pkm_bert.training.arguments import MEMORY_OPTIMIZERS, PKM_FLAG_FIELDS, TARGET_CLASSES
@@ -52,9 +52,7 @@ def full_help(script: str, monkeypatch) -> str:
     """The help of the script's parser with every import done (imported as a module, as the tests do)."""
     monkeypatch.setenv("COLUMNS", "100")
     monkeypatch.syspath_prepend(str(REPO_ROOT / "run_scripts"))
-    spec = importlib.util.spec_from_file_location(f"help_{script}", REPO_ROOT / "run_scripts" / f"{script}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(script)
     monkeypatch.setattr(sys, "argv", [f"{script}.py", "--help"])
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit:

@@ -5,7 +5,6 @@ during a checkpoint save resumes exactly."""
 
 import collections
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -18,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from conftest import REPO_ROOT, tiny_config
+from helpers import load_script, reset_accelerate_state
 from safetensors.torch import load_file
 from transformers import BertTokenizer
 
@@ -36,22 +35,15 @@ SCRIPTS = REPO_ROOT / "run_scripts"
 TOKEN = "hf_" + "Zq8wLx3TnVb5Rk2Jm7Yc9Pd4Hs6Gf1Ae"  # token-shaped, not a real one
 
 
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(f"{name}_security", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 run_mlm = load_script("run_mlm")
 
 
 def run(args):
+    """One run of run_mlm.py; the next one (often in the same test) starts with a fresh accelerate state."""
     try:
         return run_mlm.main(args)
     finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+        reset_accelerate_state()
 
 
 @pytest.fixture(scope="module")

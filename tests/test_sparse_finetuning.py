@@ -6,12 +6,11 @@ processes; run_clm.py's are in test_run_clm.py) and the benchmark's --quick mode
 import contextlib
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from conftest import REPO_ROOT, tiny_config
+from helpers import load_script, reset_accelerate_state, torchrun
 
 from modeling_pkm_bert import BertPkmForMaskedLM
 from modeling_pkm_bert.methods.arguments import STATISTICS_NAME
@@ -296,22 +295,15 @@ BACKGROUND = SCRIPTS / "data" / "pride_and_prejudice_validation.txt"
 
 @pytest.fixture(scope="module")
 def run_mlm():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("run_mlm_smf", SCRIPTS / "run_mlm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("run_mlm")
 
 
 def run_script(module, argv):
-    from accelerate.state import AcceleratorState, GradientState
-
+    """One run of a script; the next one (often in the same test) starts with a fresh accelerate state."""
     try:
         return module.main(argv)
     finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+        reset_accelerate_state()
 
 
 @pytest.fixture(scope="module")
@@ -363,6 +355,7 @@ def test_run_mlm_trains_only_value_rows_and_resumes_exactly(run_mlm, tiny_checkp
     assert [n for n in expected if not torch.equal(expected[n], got[n])] == []
 
 
+@pytest.mark.multiprocess
 def test_run_mlm_two_processes_merge_the_statistics_exactly(run_mlm, tiny_checkpoint, tmp_path):
     """A background document is one optimizer step's batch: 2 processes x 4 sequences and 1 process x 4 sequences x
     accumulation 2 count the same documents as 1 process with the merged batch of 8."""
@@ -370,16 +363,9 @@ def test_run_mlm_two_processes_merge_the_statistics_exactly(run_mlm, tiny_checkp
     run_script(run_mlm, smf_args(tiny_checkpoint, merged, "--max_train_steps 1 --per_device_train_batch_size 8 "
                                  "--gradient_accumulation_steps 1"))
     run_script(run_mlm, smf_args(tiny_checkpoint, accumulated, "--max_train_steps 1"))
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SCRIPTS / "run_mlm.py")]
     options = "--max_train_steps 2 --memory_optimizer sparse_row_adam --memory_learning_rate 0.01"
     options += " --gradient_accumulation_steps 1"
-    done = subprocess.run(
-        command + smf_args(tiny_checkpoint, tmp_path / "ddp", options), env=env, capture_output=True, text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = torchrun(SCRIPTS / "run_mlm.py", smf_args(tiny_checkpoint, tmp_path / "ddp", options))
     assert "MULTI_CPU" in done.stderr and "sparse gradients" in done.stderr
     expected = BackgroundStatistics.load(merged / STATISTICS_NAME)
     assert expected.num_batches == 5
@@ -426,7 +412,6 @@ def re_search(pattern, text):
 def test_run_glue_and_run_squad_train_only_value_rows(tiny_checkpoint, tmp_path, shared_data, monkeypatch):
     """A BertPkm checkpoint with its task head: with SMF only the memory value rows change, and the statistics are
     written beside the trained model."""
-    import importlib.util
     import json as json_module
 
     from safetensors.torch import load_file
@@ -459,9 +444,7 @@ def test_run_glue_and_run_squad_train_only_value_rows(tiny_checkpoint, tmp_path,
         torch.manual_seed(0)
         model_class(tiny_config(vocab_size=200, num_labels=2)).save_pretrained(start)
         tokenizer.save_pretrained(start)
-        spec = importlib.util.spec_from_file_location(f"{script}_smf", SCRIPTS / f"{script}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = load_script(script)
         out = tmp_path / script
         run_script(module, ["--model_name_or_path", str(start), "--output_dir", str(out), *options.split(), *smf.split()])
         initial, trained = load_file(start / "model.safetensors"), load_file(out / "model.safetensors")
@@ -474,12 +457,9 @@ def test_run_glue_and_run_squad_train_only_value_rows(tiny_checkpoint, tmp_path,
 
 
 def test_continual_learning_benchmark_quick(tmp_path):
-    import importlib.util
     import json as json_module
 
-    spec = importlib.util.spec_from_file_location("continual_learning", REPO_ROOT / "benchmarks" / "continual_learning.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("continual_learning", folder="benchmarks")
     results = module.main(["--quick", "--output_dir", str(tmp_path)])
     methods = ["full", "lora", "smf_tfidf_t4", "smf_tfidf_t16", "smf_kl_t4", "smf_kl_t16"]
     assert list(results["curves"]) == methods
@@ -521,11 +501,7 @@ def test_adam_momentum_would_move_unchosen_rows_without_the_restore():
 
 
 def test_benchmark_matched_learning_arithmetic_and_merge():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("continual_learning", REPO_ROOT / "benchmarks" / "continual_learning.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("continual_learning", folder="benchmarks")
     base = {"new_loss": 5.0, "heldout_ppl": 100.0}
     fast = [{"step": 0, **base}, {"step": 10, "new_loss": 3.0, "heldout_ppl": 140.0}]
     slow = [{"step": 0, **base}, {"step": 10, "new_loss": 4.5, "heldout_ppl": 101.0}, {"step": 20, "new_loss": 4.0, "heldout_ppl": 102.0}]

@@ -119,14 +119,12 @@ def fp16_run(memory_optimizer, max_norm, scaler=None, steps=2, poison_step=None)
     """`steps` optimizer steps of a tiny BertPkmForMaskedLM through `TrainingLoop.step`, the values in their own
     optimizer; with `scaler` injected where accelerate puts its own. `poison_step`: that step's gradient of one main
     weight is made inf. Returns (value tables before, after, the other weights before, after, the loop)."""
-    from accelerate.state import AcceleratorState, GradientState
-
     from conftest import tiny_config
+    from helpers import reset_accelerate_state
     from modeling_pkm_bert import BertPkmForMaskedLM
     from modeling_pkm_bert.training.optimization import create_memory_optimizer, optimizer_param_groups
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()  # each run builds its own Accelerator (and a test compares two runs)
     accelerator = Accelerator(cpu=True)
     if scaler is not None:  # where accelerate keeps the scaler of --mixed_precision fp16 on CUDA (no fp16 autocast
         accelerator.scaler = scaler  # on CPU: the scaled and the plain run compute the same gradients)

@@ -2,14 +2,13 @@
 loop, an empty memory == cross-entropy bit for bit, the memory rules (local / long / batch, never itself, unscored
 positions never in it), chunking, the output layer of real models, and run_mlm.py --trime."""
 
-import importlib.util
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from accelerate.state import AcceleratorState, GradientState
 from conftest import REPO_ROOT, tiny_config
+from helpers import load_script, reset_accelerate_state
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from modeling_pkm_bert import BertPkmForCausalLM, BertPkmForMaskedLM
@@ -247,13 +246,6 @@ def test_log_probs_without_memory_are_the_log_softmax():
 # ---- run_mlm.py --trime ----
 
 
-def _load_run_mlm():
-    spec = importlib.util.spec_from_file_location("run_mlm", REPO_ROOT / "run_scripts" / "run_mlm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def tiny_mlm_folder(tmp_path):
     import collections
@@ -270,18 +262,13 @@ def tiny_mlm_folder(tmp_path):
 
 
 def test_run_mlm_trains_with_trime_and_reports_both_perplexities(tiny_mlm_folder, tmp_path):
-    run_mlm = _load_run_mlm()
+    run_mlm = load_script("run_mlm")
     args = ["--config_name", str(tiny_mlm_folder), "--tokenizer_name", str(tiny_mlm_folder)]
     args += "--max_seq_length 32 --per_device_train_batch_size 4 --max_train_steps 2 --max_eval_samples 4".split()
     args += ["--seed", "1"]
-    try:
-        results = run_mlm.main([*args, "--trime", "--output_dir", str(tmp_path / "trime")])
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-        plain = run_mlm.main([*args, "--trime_eval", "context", "--output_dir", str(tmp_path / "plain")])
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+    results = run_mlm.main([*args, "--trime", "--output_dir", str(tmp_path / "trime")])
+    reset_accelerate_state()
+    plain = run_mlm.main([*args, "--trime_eval", "context", "--output_dir", str(tmp_path / "plain")])
     for name in ("pride_and_prejudice", "moby_dick"):
         for run in (results, plain):
             assert run[f"eval_{name}_trime_perplexity"] == pytest.approx(math.exp(run[f"eval_{name}_trime_loss"]))
@@ -298,7 +285,7 @@ def test_run_mlm_test_time_memory_never_reads_a_hidden_label():
     """The masked positions' labels are what the model must predict: run_mlm.py's test-time memory (the `--trime`
     default and any accepted `--trime_eval`) may not read them. Changing the label of another masked position (same
     inputs, same hidden states) must leave a position's TRIME score where it is."""
-    run_mlm = _load_run_mlm()
+    run_mlm = load_script("run_mlm")
     torch.manual_seed(0)
     model = BertPkmForMaskedLM(tiny_config()).eval()
     input_ids = torch.randint(5, 99, (2, 12))
@@ -326,7 +313,7 @@ def test_run_mlm_test_time_memory_never_reads_a_hidden_label():
 
 
 def test_run_mlm_refuses_the_batch_memory_at_test_time():
-    run_mlm = _load_run_mlm()
+    run_mlm = load_script("run_mlm")
     data = str(REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_train.txt")
     base = ["--model_name_or_path", "m", "--train_file", data, "--output_dir", "o"]
     with pytest.raises(ValueError, match=r"--trime_eval batch .* labels .* hidden"):
