@@ -36,6 +36,7 @@ setup(
             "tqdm>=4.66,<5",
             "matplotlib>=3.8,<4",
             "pytest>=8,<10",
+            "ruff==0.17.6",  # the lint rules of ruff.toml, pinned: a new release may add checks (tests/test_layout.py)
             "parameterized>=0.9,<1",  # imported by transformers' common tests (tests/test_transformers_common.py)
             "tensorboard>=2.15,<3",  # the real tracker of tests/test_security.py (no secret reaches it)
             "product-key-memory==0.3.0",

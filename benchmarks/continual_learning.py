@@ -20,6 +20,7 @@ Protocol (one seed, every method starts from the same healed model and sees the 
 import argparse
 import copy
 import datetime
+import functools
 import json
 import math
 import os
@@ -267,7 +268,7 @@ def main(argv=None):
     start = time.time()
     model, tokenizer, description = build_model(args)
     model.float()
-    log = (lambda *a: print(*a, flush=True))
+    log = functools.partial(print, flush=True)
 
     background = read_text(EMBEDDED / "pride_and_prejudice_train.txt")
     new_text = read_text(EMBEDDED / "moby_dick_validation.txt")

@@ -80,7 +80,6 @@ def run(script: str, arguments: list[str], log: Path) -> int:
 
 def movement(initial: dict, folder: Path) -> tuple[float, float]:
     """(norm of the memory values' change, norm of every other weight's change) of the trained folder."""
-    import torch
     from safetensors.torch import load_file
 
     trained = load_file(folder / "model.safetensors")

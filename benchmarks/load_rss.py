@@ -6,9 +6,8 @@ A warm-up load on the meta device first (imports, remote code, no tensors); then
 `from_pretrained` and a read of every page of every tensor; prints the growth over the RSS before, and its ratio to the
 bytes of the loaded tensors (tied ones once). A table held twice while loading would show as a ratio near 2.
 """
-import json, os, resource, sys, threading, time
+import json, os, sys, threading, time
 sys.modules["modeling_pkm_bert"] = None
-import torch
 from transformers import AutoModelForMaskedLM
 
 def rss():

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile

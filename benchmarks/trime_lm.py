@@ -68,7 +68,7 @@ def clm_command(trime: str, output_dir: Path, budget: dict, seed: int) -> list[s
         "--model_type", "bert", "--tokenizer_name", minilm_path(), "--config_overrides", CLM_MODEL,
         *CLM_PKM.split(),
         "--train_file", str(DATA / "pride_and_prejudice_train.txt"), "--validation_files", *validation_files(),
-        *f"--block_size 64 --per_device_train_batch_size 8 --per_device_eval_batch_size 8 --learning_rate 1e-3".split(),
+        *"--block_size 64 --per_device_train_batch_size 8 --per_device_eval_batch_size 8 --learning_rate 1e-3".split(),
         *f"--num_warmup_steps {budget['clm_steps'] // 10} --max_train_steps {budget['clm_steps']}".split(),
         *f"--max_eval_samples {budget['eval_blocks']} --memory_optimizer sparse_row_adam --seed {seed}".split(),
         "--trime", trime, "--trime_eval", "long", "--output_dir", str(output_dir),

@@ -11,7 +11,7 @@ import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassFieldValidationError
 from safetensors.torch import load_file, save_file
-from transformers import BertConfig, BertForMaskedLM, DynamicCache
+from transformers import BertConfig, BertForMaskedLM
 
 from conftest import tiny_config
 from modeling_pkm_bert import (

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import modeling_pkm_bert
-from conftest import REPO_ROOT, tiny_config
+from conftest import tiny_config
 from modeling_pkm_bert.integrations.export import export_onnx, export_program, run_onnx
 from modeling_pkm_bert.methods.optimizers import set_sparse_values
 from modeling_pkm_bert.utils.memories import memory_modules

@@ -1,8 +1,8 @@
 """The package layout: the flat files at the package root are exactly the shipped remote code, a saved folder holds
 exactly those, `import modeling_pkm_bert` is lazy (no torch, no op registered), the module paths of release 0.2.0
 still import (with a DeprecationWarning) as the modules at their new places, the subpackages import each other without
-a cycle, every package resolves its lazy names through the one helper from the module that defines them, and the
-scripts and benchmarks import each name from its module."""
+a cycle, every package resolves its lazy names through the one helper from the module that defines them, the
+scripts and benchmarks import each name from its module, and ruff (ruff.toml) finds nothing."""
 
 import ast
 import importlib
@@ -361,3 +361,14 @@ def test_scripts_import_each_name_from_the_module_that_defines_it(folder):
             if name not in defined_names(file):
                 problems.append(f"{path.relative_to(REPO_ROOT)}:{line}: {name} is not defined in {module}")
     assert problems == []
+
+
+def test_ruff_finds_nothing():
+    """`make lint` as part of the suite (CI runs only `make test`): ruff with ruff.toml over the repository."""
+    if importlib.util.find_spec("ruff") is None:
+        pytest.skip("ruff is not installed (pip install -c constraints.txt ruff; it is in the dev extras)")
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", str(REPO_ROOT)],
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, f"ruff check (see ruff.toml):\n{done.stdout}{done.stderr}"

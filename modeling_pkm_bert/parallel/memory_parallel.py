@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..product_key_memory import ProductKeyMemory, ProductKeyValues
+from ..product_key_memory import ProductKeyMemory
 
 
 def _memories(model: nn.Module) -> list[tuple[str, ProductKeyMemory]]:
