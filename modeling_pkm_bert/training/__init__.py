@@ -118,8 +118,6 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "pkm_param_groups",
             "pkm_value_parameters",
             "set_sparse_values",
-            "step_optimizers",
-            "unscale_once",
         ),
         "..product_key_memory": ("ProductKeyMemory",),
         "..utils.memories": ("is_product_key_memory", "memory_modules"),

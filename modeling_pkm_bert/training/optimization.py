@@ -103,8 +103,6 @@ __getattr__ = moved_names(
             "pkm_param_groups",
             "pkm_value_parameters",
             "set_sparse_values",
-            "step_optimizers",
-            "unscale_once",
         ),
         "..utils.memories": ("is_product_key_memory", "memory_modules"),
     },
