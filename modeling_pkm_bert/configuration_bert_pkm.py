@@ -6,6 +6,7 @@ import transformers
 from huggingface_hub.dataclasses import strict
 from transformers import BertConfig
 
+from .ngram_memory import largest_primes_below
 from .product_key_memory_ops import OUTPUT_GATES, SCORE_ACTIVATIONS
 
 
@@ -19,6 +20,7 @@ REMOTE_CODE_FILES = (
     "modeling_bert_pkm.py",
     "product_key_memory.py",
     "product_key_memory_ops.py",
+    "ngram_memory.py",
 )
 SUPPORTED_TRANSFORMERS = ((5, 4), (6, 0))  # >= 5.4 (dataclass configs, v5 loading), < 6
 
@@ -110,6 +112,23 @@ class BertPkmConfig(BertConfig):
         How the value tables are stored: None (default): floating point, trainable; `"int8"`: row-wise int8 (an fp32
         scale and bias per row), `"4bit"`: row-wise 4-bit (fp16 scale and bias), FBGEMM's packed rows, inference only.
         Written by `modeling_pkm_bert.quantize_memory_values` (`--quantize_values 8|4`); not set by hand.
+    ngram_layers (`list[int]`, *optional*, defaults to `[]`):
+        0-based indices of the layers that get a hashed n-gram memory (Engram-style, `NgramMemory`), added to the
+        layer's input before its attention; independent of `pkm_layers` (a layer may have both). Needs `input_ids`.
+    ngram_orders (`list[int]`, *optional*, defaults to `[2, 3]`):
+        The n-gram orders. An encoder hashes, per order, the n-gram ending at and the one starting at each position; a
+        decoder (`is_decoder=True`) the one ending at it.
+    ngram_heads (`int`, *optional*, defaults to 4):
+        Hash heads per n-gram kind, each with its own multipliers and table.
+    ngram_table_size (`int`, *optional*, defaults to 65536):
+        Rows per hash table: the tables take the distinct largest primes <= this number.
+    ngram_dim (`int`, *optional*, defaults to 32):
+        Features per table row; the memory's width is `kinds * ngram_heads * ngram_dim`.
+    ngram_conv_kernel (`int`, *optional*, defaults to 3):
+        Taps of the depthwise convolution over the looked-up rows (centred in an encoder, causal in a decoder).
+    ngram_token_map (`bool`, *optional*, defaults to `False`):
+        Hash canonical ids: a saved `token_map` buffer maps each id to its lowercase, accent-folded form's first id
+        (filled by `convert_to_pkm.py --ngram_token_map`).
     """
 
     model_type = "bert_pkm"
@@ -135,12 +154,21 @@ class BertPkmConfig(BertConfig):
     pkm_score_activation: str = "softmax"
     pkm_memory_scale: float | int | None = None
     pkm_values_quantization: str | None = None
+    ngram_layers: list[int] | None = None
+    ngram_orders: list[int] | None = None
+    ngram_heads: int = 4
+    ngram_table_size: int = 65536
+    ngram_dim: int = 32
+    ngram_conv_kernel: int = 3
+    ngram_token_map: bool = False
 
     def __post_init__(self, **kwargs):
         if self.pkm_layers is None:
             n = self.num_hidden_layers
             self.pkm_layers = sorted({n // 3, 2 * n // 3})
         self.pkm_layers = [int(i) for i in self.pkm_layers]
+        self.ngram_layers = [int(i) for i in (self.ngram_layers or [])]
+        self.ngram_orders = [int(n) for n in (self.ngram_orders if self.ngram_orders is not None else [2, 3])]
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
         super().__post_init__(**kwargs)
         self._check_pkm_fields()
@@ -171,6 +199,39 @@ class BertPkmConfig(BertConfig):
                 fail(field, "a dropout probability must be in [0, 1)")
         self._check_memory_size(fail)
         self._check_memory_plus_fields(fail)
+        self._check_ngram_fields(fail)
+
+    def _check_ngram_fields(self, fail):
+        n = self.num_hidden_layers
+        if any(i < 0 or i >= n for i in self.ngram_layers):
+            fail("ngram_layers", f"every index must be in [0, {n - 1}] (num_hidden_layers={n}; indices are 0-based)")
+        if len(set(self.ngram_layers)) != len(self.ngram_layers):
+            fail("ngram_layers", "an index is repeated")
+        if not self.ngram_orders or any(order < 1 for order in self.ngram_orders):
+            fail("ngram_orders", "needs at least one order, each >= 1 (2: bigrams)")
+        if len(set(self.ngram_orders)) != len(self.ngram_orders):
+            fail("ngram_orders", "an order is repeated")
+        for field in ("ngram_heads", "ngram_dim", "ngram_conv_kernel"):
+            if getattr(self, field) < 1:
+                fail(field, "must be >= 1")
+        if self.ngram_layers and self.vocab_size >= 2**31:
+            fail("ngram_layers", f"the n-gram hash needs ids below 2**31 (vocab_size={self.vocab_size})")
+        tables = self.ngram_tables
+        try:
+            rows = sum(largest_primes_below(self.ngram_table_size, tables))
+        except ValueError:
+            fail("ngram_table_size", f"there must be {tables} distinct primes <= it (one per hash table)")
+        if rows * self.ngram_dim * 4 > PKM_MAX_VALUE_TABLE_BYTES:
+            fail(
+                "ngram_table_size",
+                f"the {tables} tables of each n-gram memory would hold {rows:,} rows x ngram_dim={self.ngram_dim}, over "
+                f"the {PKM_MAX_VALUE_TABLE_BYTES / 2**40:.0f} TiB limit in fp32",
+            )
+
+    @property
+    def ngram_tables(self) -> int:
+        """Hash tables of each n-gram memory: orders x directions (2 in an encoder, 1 in a decoder) x heads."""
+        return len(self.ngram_orders) * (1 if self.is_decoder else 2) * self.ngram_heads
 
     def _check_memory_size(self, fail):
         # the value table must exist: refused here with its size rather than by the allocator when the model is built

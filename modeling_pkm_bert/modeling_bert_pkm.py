@@ -39,6 +39,7 @@ from transformers.modeling_outputs import (
 from transformers.utils import logging
 
 from .configuration_bert_pkm import PKM_CODE_VERSION, BertPkmConfig
+from .ngram_memory import NgramMemory
 from .product_key_memory import VALUE_QUANTIZATIONS, ProductKeyMemory, ProductKeyValues, QuantizedProductKeyValues
 from .product_key_memory_ops import is_exporting
 
@@ -411,6 +412,24 @@ def value_table(config) -> ProductKeyValues | QuantizedProductKeyValues:
     return ProductKeyValues(config.pkm_mem_size, config.hidden_size)
 
 
+def ngram_memory(config, layer_idx: int) -> NgramMemory:
+    """The n-gram memory of layer `layer_idx` (causal in a decoder); each layer hashes with its own multipliers."""
+    memory = NgramMemory(
+        config.hidden_size,
+        config.vocab_size,
+        orders=tuple(config.ngram_orders),
+        heads=config.ngram_heads,
+        table_size=config.ngram_table_size,
+        dim=config.ngram_dim,
+        conv_kernel=config.ngram_conv_kernel,
+        causal=config.is_decoder,
+        token_map=config.ngram_token_map,
+        seed=layer_idx,
+    )
+    memory.layer_name = f"encoder.layer.{layer_idx}.ngram"
+    return memory
+
+
 def shared_values_names(config, prefix: str = "") -> list[str]:
     """With `pkm_shared_values`, the names under which the one value table appears, the first memory's first."""
     if not (getattr(config, "pkm_shared_values", False) and config.pkm_layers):
@@ -459,6 +478,7 @@ class BertPkmLayer(GradientCheckpointingLayer):
         )
         if has_memory:
             self.memory.layer_name = f"encoder.layer.{layer_idx}.memory"
+        self.ngram = ngram_memory(config, layer_idx) if layer_idx in getattr(config, "ngram_layers", ()) else None
         if has_memory and config.pkm_mode == "replace":
             self.intermediate = None
             self.output = BertPkmMemoryOutput(config)
@@ -475,10 +495,16 @@ class BertPkmLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         padding_mask: torch.Tensor | None = None,
         output_attentions: bool = False,
+        ngram_ids: torch.Tensor | None = None,
+        ngram_history_ids: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """-> hidden_states; with `output_attentions`, (hidden_states, self-attention weights, cross-attention
-        weights), the weights from eager attention only."""
+        weights), the weights from eager attention only. `ngram_ids`: the token ids (-1 at padding) that an n-gram
+        memory hashes; `ngram_history_ids`: the tokens before them (cached generation)."""
+        if self.ngram is not None:
+            # Engram's place: the n-gram memory adds to the residual stream before the layer's attention
+            hidden_states = hidden_states + self.ngram(hidden_states, ngram_ids, ngram_history_ids)
         attention_output, self_attention_weights = self.attention(
             hidden_states, attention_mask, cache=cache, **kwargs
         )
@@ -548,6 +574,8 @@ class BertPkmEncoder(nn.Module):
         padding_mask: torch.Tensor | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        ngram_ids: torch.Tensor | None = None,
+        ngram_history_ids: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
         all_hidden_states = () if output_hidden_states else None
@@ -564,6 +592,8 @@ class BertPkmEncoder(nn.Module):
                 cache=cache,
                 padding_mask=padding_mask,
                 output_attentions=output_attentions,
+                ngram_ids=ngram_ids,
+                ngram_history_ids=ngram_history_ids,
                 **kwargs,
             )
             if output_attentions:
@@ -727,6 +757,16 @@ class BertPkmPreTrainedModel(PreTrainedModel):
             module.reset_option_parameters(init)
             if module.memory_scale is not None:
                 init.constant_(module.memory_scale, self.config.pkm_memory_scale)
+        elif isinstance(module, NgramMemory):
+            # tables as the module's own init; the convolution and the value projection at zero (a memory added to a
+            # trained model starts function-preserving); the hash constants are fixed by the config
+            init.normal_(module.tables.weight, mean=0.0, std=module.dim**-0.5)
+            for parameter in (module.conv.weight, module.conv.bias, module.value.weight, module.value.bias):
+                init.zeros_(parameter)
+            for name, value in module.hash_buffers().items():
+                init.copy_(getattr(module, name), value)
+            if module.token_map is not None:
+                init.copy_(module.token_map, torch.arange(module.vocab_size))
 
     def mark_tied_weights_as_initialized(self, loading_info):
         self._missing_on_load = set(loading_info.missing_keys)  # before tying removes the tied names from it
@@ -801,6 +841,7 @@ class BertPkmModel(BertPkmPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         past_key_values: Cache | None = None,
+        ngram_history_ids: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor] | BaseModelOutputWithPoolingAndCrossAttentions:
         r"""
@@ -822,6 +863,10 @@ class BertPkmModel(BertPkmPreTrainedModel):
             Return the cache (decoders only; defaults to `config.use_cache`).
         output_attentions, output_hidden_states, return_dict (`bool`, *optional*):
             As in every transformers model (attention weights need `attn_implementation="eager"`).
+        ngram_history_ids (`torch.LongTensor` of shape `(batch_size, history_length)`, *optional*):
+            With n-gram memories (`config.ngram_layers`) and a non-empty cache: the tokens before `input_ids` (at least
+            the last `ngram_context_length`; -1 or masked out where none), which the memories hash beside the new ones.
+            `generate` passes them.
         """
         cache = _merge_cache_arguments(cache, past_key_values)
         output_attentions = _resolve(output_attentions, self.config, "output_attentions")
@@ -873,6 +918,9 @@ class BertPkmModel(BertPkmPreTrainedModel):
             real = _real_tokens_of_4d_mask(attention_mask, embedding_output.shape[1])
             padding_mask = real.expand(embedding_output.shape[0], -1)
 
+        ngram_ids, ngram_history_ids = self._ngram_inputs(
+            input_ids, padding_mask, attention_mask, cache_length, ngram_history_ids
+        )
         extended_attention_mask = self._attention_mask(attention_mask, embedding_output, cache_length)
         if encoder_attention_mask is not None:
             encoder_attention_mask = _additive_mask(encoder_attention_mask, embedding_output.dtype)
@@ -887,6 +935,8 @@ class BertPkmModel(BertPkmPreTrainedModel):
             padding_mask=padding_mask,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
+            ngram_ids=ngram_ids,
+            ngram_history_ids=ngram_history_ids,
             **kwargs,
         )
         sequence_output = encoder_outputs.last_hidden_state
@@ -901,6 +951,51 @@ class BertPkmModel(BertPkmPreTrainedModel):
             **{CACHE_FIELD: getattr(encoder_outputs, CACHE_FIELD) if use_cache else None},
         )
         return output if return_dict else output.to_tuple()
+
+    @property
+    def ngram_context_length(self) -> int:
+        """Tokens before the new ones that a causal n-gram memory reads (0 without n-gram memories)."""
+        config = self.config
+        if not config.ngram_layers or not config.is_decoder:
+            return 0
+        return config.ngram_conv_kernel - 1 + max(config.ngram_orders) - 1
+
+    def _ngram_inputs(self, input_ids, padding_mask, attention_mask, cache_length, history_ids):
+        """The ids the n-gram memories hash (-1 at padding) and, after a cache, the `ngram_context_length` tokens
+        before them; (None, None) without n-gram memories."""
+        if not self.config.ngram_layers:
+            return None, None
+        if input_ids is None:
+            raise ValueError(
+                f"this model has n-gram memories (ngram_layers={self.config.ngram_layers}), which hash the token ids:"
+                " pass input_ids, not inputs_embeds alone"
+            )
+        ids = input_ids if padding_mask is None else input_ids.masked_fill(~padding_mask, -1)
+        context = self.ngram_context_length
+        if not context or cache_length == 0:
+            return ids, None
+        if history_ids is None:
+            raise ValueError(
+                f"the cache holds {cache_length} tokens and this model has n-gram memories (ngram_layers="
+                f"{self.config.ngram_layers}), which hash the tokens before the new ones: pass them as"
+                f" ngram_history_ids (the last {context} at least; `generate` does), or run without a cache"
+            )
+        if history_ids.dim() != 2 or history_ids.shape[0] != ids.shape[0]:
+            _refuse("ngram_history_ids", history_ids.shape, f"must be (batch_size={ids.shape[0]}, history_length)")
+        if history_ids.shape[1] < min(context, cache_length):
+            _refuse(
+                "ngram_history_ids",
+                history_ids.shape,
+                f"holds fewer than the {min(context, cache_length)} tokens before input_ids that the n-gram memories read",
+            )
+        history = history_ids[:, -context:].long()
+        if attention_mask is not None and attention_mask.dim() == 2:
+            # the mask covers the cached tokens: their padding enters the hash as padding
+            start = max(cache_length - history.shape[1], 0)
+            history = history.masked_fill(attention_mask[:, start:cache_length] == 0, -1)
+        if history.shape[1] < context:  # fewer tokens than the memories read: the sequence's start lies in the window
+            history = F.pad(history, (context - history.shape[1], 0), value=-1)
+        return ids, history
 
     def _attention_mask(self, attention_mask, embedding_output, cache_length):
         """The additive (batch or 1, 1, query_length, key_length) mask of the self-attention (causal for a decoder),
@@ -1117,6 +1212,20 @@ class BertPkmForCausalLM(BertPkmPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.cls.predictions.decoder = new_embeddings
         self.cls.predictions.bias = new_embeddings.bias
+
+    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+        """transformers' inputs for a generation step; with n-gram memories also `ngram_history_ids`, the tokens
+        before the step's new ones (padding as -1), which the memories hash beside them."""
+        model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        context = self.bert.ngram_context_length
+        new_ids = model_inputs.get("input_ids")
+        if context and new_ids is not None and new_ids.shape[1] < input_ids.shape[1]:
+            history = input_ids[:, : input_ids.shape[1] - new_ids.shape[1]][:, -context:]
+            mask = model_inputs.get("attention_mask", kwargs.get("attention_mask"))
+            if mask is not None and mask.dim() == 2 and mask.shape[1] == input_ids.shape[1]:
+                history = history.masked_fill(mask[:, : input_ids.shape[1] - new_ids.shape[1]][:, -context:] == 0, -1)
+            model_inputs["ngram_history_ids"] = history
+        return model_inputs
 
     def forward(
         self,
@@ -1470,7 +1579,7 @@ def _check_loaded_tensors(model, source, info, ignore_mismatched_sizes, kwargs):
     def about_memories(key):  # a memory tensor, or the FFN of a memory layer (which pkm_mode keeps or drops)
         layer = _layer_index(key)
         ffn = ".attention." not in key and (".intermediate." in key or ".output." in key)
-        return layer is not None and (".memory." in key or (layer in memory_layers and ffn))
+        return layer is not None and (".memory." in key or ".ngram." in key or (layer in memory_layers and ffn))
 
     # other tensors missing or unexpected: transformers' behaviour (initialised new, listed in its load report)
     missing_layers = sorted(filter(about_memories, missing))
@@ -1481,6 +1590,11 @@ def _check_loaded_tensors(model, source, info, ignore_mismatched_sizes, kwargs):
     if not (missing_layers or unexpected_layers or shapes):
         return
     saved_config = _saved_config(type(model.config), source, kwargs)
+    # n-gram memories added to a checkpoint saved without them (any BERT or BertPkm one) start new: +Init
+    saved_ngram_layers = set(saved_config.get("ngram_layers") or ())
+    missing_layers = [k for k in missing_layers if ".ngram." not in k or _layer_index(k) in saved_ngram_layers]
+    if not (missing_layers or unexpected_layers or shapes):
+        return
     is_pkm = saved_config.get("model_type") == model.config.model_type
     is_pkm = is_pkm or any(".memory." in k for k in checkpoint_keys)
     if not is_pkm:  # +Init of a plain BERT: new memories, the FFN of replace layers dropped

@@ -486,3 +486,34 @@ def test_cli_converts_and_saves(bert_dir, tmp_path, capsys):
     with pytest.raises(ValueError, match="pkm_layers"):
         script.main(argv[:2] + ["--output_dir", str(tmp_path / "bad"), "--pkm_layers", "3"])
     assert not (tmp_path / "bad").exists()
+
+
+def test_cli_adds_n_gram_memories_function_preserving(bert_dir, tmp_path):
+    """--ngram_* flags (issue 35): n-gram memories alone (--pkm_layers with no index) or beside PKM, +Init exact; the
+    tokenizer's vocabulary folded into the saved token map."""
+    source = BertForPreTraining.from_pretrained(bert_dir).eval()
+    x = inputs(token_types=False)
+    with torch.no_grad():
+        reference = source(**x).prediction_logits
+    script = load_script("convert_to_pkm")
+    for name, pkm in [("alone", ["--pkm_layers"]), ("both", ["--pkm_layers", "1", "--pkm_value_init", "zeros"])]:
+        out = tmp_path / name
+        argv = ["--model_name_or_path", str(bert_dir), "--output_dir", str(out), *pkm, "--pkm_n_keys", "8"]
+        argv += ["--pkm_knn", "4", "--pkm_k_dim", "16", "--ngram_layers", "0", "2", "--ngram_table_size", "211"]
+        argv += ["--ngram_dim", "4", "--ngram_token_map", "true"]
+        script.main(argv)
+        config = json.loads((out / "config.json").read_text())
+        assert config["ngram_layers"] == [0, 2] and config["ngram_token_map"] is True
+        assert (out / "ngram_memory.py").is_file()
+        model = BertPkmForMaskedLM.from_pretrained(out).eval()
+        assert model.bert.encoder.layer[0].ngram is not None
+        assert (model.bert.encoder.layer[1].memory is not None) == (name == "both")
+        with torch.no_grad():
+            assert max_diff(model(**x).logits, reference) <= TOL
+
+
+def test_normalized_token_map_folds_case_and_accents():
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "The", "thé", "##the", "cat", "[cls]"]
+    tokenizer = BertTokenizer(vocab={token: i for i, token in enumerate(vocab)}, do_lower_case=False)
+    token_map = conversion.normalized_token_map(tokenizer, 12)
+    assert token_map.tolist() == [0, 1, 2, 3, 4, 5, 5, 5, 8, 9, 10, 11]  # specials and "##" pieces keep their ids

@@ -85,7 +85,11 @@ def test_saved_folders_load_as_remote_code_offline_with_identical_outputs(tmp_pa
         ("tok", BertPkmForTokenClassification),
     ]:
         folder = tmp_path / name
-        model = model_class(tiny_config(pkm_layers=[0, 2], num_labels=2)).eval()
+        # an n-gram memory (issue 35) beside the product keys, contributing (its value projection starts at zero)
+        config = tiny_config(pkm_layers=[0, 2], num_labels=2, ngram_layers=[1], ngram_table_size=211, ngram_dim=4)
+        model = model_class(config).eval()
+        with torch.no_grad():
+            model.base_model.encoder.layer[1].ngram.value.weight.normal_()
         model.save_pretrained(folder)
         tiny_tokenizer(folder)
         folders[name] = str(folder)

@@ -270,6 +270,12 @@ def convert_to_pkm(
 
     if config.pkm_mode == "replace" and config.pkm_layers:
         report.notes.append(f"pkm_mode='replace': the FFN of layers {config.pkm_layers} is dropped")
+    if config.ngram_layers:
+        report.notes.append(
+            f"n-gram memories at layers {config.ngram_layers} start function-preserving (zero value projection)"
+        )
+        if config.ngram_token_map:
+            report.notes.append(_fill_ngram_token_map(model, source, source_name))
     missing_heads = sorted({n.split(".")[0] for n in report.new if n.startswith(HEAD_PREFIXES)})
     if missing_heads:
         report.notes.append(f"head {', '.join(missing_heads)} initialised new (not in the source): train it")
@@ -277,6 +283,41 @@ def convert_to_pkm(
         reader = type(source_model).__name__
         report.notes.append(f"checkpoint tensors that transformers' {reader} does not read: {sorted(unread)}")
     return model.eval(), report
+
+
+def normalized_token_map(tokenizer, vocab_size: int) -> torch.Tensor:
+    """`token_map` of the n-gram memories (`ngram_token_map`): each id -> the first id whose token has the same
+    lowercase, accent-folded form (NFKD without combining marks), so that "The", "the" and "thé" hash alike; special
+    tokens and ids beyond the tokenizer's vocabulary map to themselves."""
+    import unicodedata
+
+    def folded(token: str) -> str:
+        return "".join(c for c in unicodedata.normalize("NFKD", token.lower()) if not unicodedata.combining(c))
+
+    token_map = torch.arange(vocab_size)
+    special = set(tokenizer.all_special_ids)
+    first = {}
+    for token, index in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]):
+        if index >= vocab_size or index in special:
+            continue
+        token_map[index] = first.setdefault(folded(token), index)
+    return token_map
+
+
+def _fill_ngram_token_map(model, source, source_name) -> str:
+    tokenizer = load_source_tokenizer(source)
+    if tokenizer is None:
+        raise ValueError(
+            f"{source_name}: ngram_token_map=True folds the tokenizer's vocabulary, but the source has no tokenizer"
+            " files; convert without --ngram_token_map"
+        )
+    token_map = normalized_token_map(tokenizer, model.config.vocab_size)
+    with torch.no_grad():
+        for layer in model.base_model.encoder.layer:
+            if layer.ngram is not None:
+                layer.ngram.token_map.copy_(token_map)
+    folded = int((token_map != torch.arange(len(token_map))).sum())
+    return f"ngram_token_map: {folded} of {len(token_map)} ids hash as a lowercase / accent-folded twin"
 
 
 def _source_name(source) -> str:

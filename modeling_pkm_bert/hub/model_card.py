@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from .conversion import ConversionReport
 
 
-# the pkm_* fields a card lists; the heads a conversion may add
-PKM_FIELDS = [f.name for f in dataclasses.fields(BertPkmConfig) if f.name.startswith("pkm_")]
+# the pkm_* and ngram_* fields a card lists; the heads a conversion may add
+PKM_FIELDS = [f.name for f in dataclasses.fields(BertPkmConfig) if f.name.startswith(("pkm_", "ngram_"))]
 HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.")
 
 

@@ -42,7 +42,7 @@ def _config_source() -> tuple[dict[str, tuple[str, object]], dict[str, str], dic
         if isinstance(node, ast.ClassDef) and node.name == "BertPkmConfig":
             for item in node.body:
                 # pkm_weights_checksum is written by save_pretrained(..., checksum=True), not set by a user
-                if isinstance(item, ast.AnnAssign) and item.target.id.startswith("pkm_"):
+                if isinstance(item, ast.AnnAssign) and item.target.id.startswith(("pkm_", "ngram_")):
                     if item.target.id != "pkm_weights_checksum":
                         default = ast.literal_eval(item.value) if item.value is not None else None
                         fields[item.target.id] = (ast.unparse(item.annotation), default)
@@ -98,15 +98,22 @@ def _field_parser(name: str, annotation: str) -> dict:
 
 
 def add_pkm_arguments(parser: argparse.ArgumentParser, training_options: bool = True) -> argparse.ArgumentParser:
-    """Adds `--pkm_<field>` for every pkm_* field of BertPkmConfig, and (for training scripts) the memory
-    optimisation options `--memory_learning_rate` and `--freeze_memory`."""
+    """Adds `--pkm_<field>` / `--ngram_<field>` for every pkm_* / ngram_* field of BertPkmConfig, and (for training
+    scripts) the memory optimisation options `--memory_learning_rate` and `--freeze_memory`."""
     group = parser.add_argument_group(
         "product key memory",
         "Given any --pkm_* flag and a plain BERT/DistilBERT checkpoint, the model is converted on load (+Init); "
         "on a BertPkm checkpoint the flags override its config (only where the weights still fit).",
     )
+    ngram_group = parser.add_argument_group(
+        "n-gram memory",
+        "Hashed n-gram memories (Engram-style) at --ngram_layers, beside or without product keys; added to a plain "
+        "BERT/DistilBERT checkpoint by conversion on load (+Init, function-preserving). --pkm_layers with no index "
+        "gives a model with n-gram memories only.",
+    )
     for name, (annotation, default) in PKM_FLAG_FIELDS.items():
-        group.add_argument(f"--{name}", default=None, help=f"BertPkmConfig.{name} (config default: {default})", **_field_parser(name, annotation))
+        target = ngram_group if name.startswith("ngram_") else group
+        target.add_argument(f"--{name}", default=None, help=f"BertPkmConfig.{name} (config default: {default})", **_field_parser(name, annotation))
     if not training_options:
         return parser
     group.add_argument(

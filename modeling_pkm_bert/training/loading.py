@@ -9,14 +9,16 @@ import torch
 from ..configuration_bert_pkm import BertPkmConfig
 
 
-# the pkm_* fields a user sets (pkm_weights_checksum is written by save_pretrained)
+# the pkm_* and ngram_* fields a user sets (pkm_weights_checksum is written by save_pretrained)
 PKM_FIELDS = {
-    f.name: f for f in dataclasses.fields(BertPkmConfig) if f.name.startswith("pkm_") and f.name != "pkm_weights_checksum"
+    f.name: f
+    for f in dataclasses.fields(BertPkmConfig)
+    if f.name.startswith(("pkm_", "ngram_")) and f.name != "pkm_weights_checksum"
 }
 
 
 def pkm_kwargs_from_args(args: argparse.Namespace) -> dict:
-    """The pkm_* fields the user gave on the command line."""
+    """The pkm_* and ngram_* fields the user gave on the command line."""
     return {name: getattr(args, name) for name in PKM_FIELDS if getattr(args, name, None) is not None}
 
 

@@ -1,0 +1,234 @@
+"""Hashed n-gram memory (Engram-style, issue 35): the layer, its place in the models, masking, padding, cached
+generation, the function-preserving start, config validation and saving."""
+
+import pytest
+import torch
+from conftest import tiny_config
+from transformers import BertConfig, BertForMaskedLM
+
+from modeling_pkm_bert import BertPkmForCausalLM, BertPkmForMaskedLM, BertPkmModel
+from modeling_pkm_bert.modeling_bert_pkm import BertPkmLoadingError
+from modeling_pkm_bert.ngram_memory import NgramMemory, hash_multipliers, largest_primes_below
+
+
+MASK = 4
+NGRAM = dict(ngram_layers=[0, 2], ngram_table_size=211, ngram_dim=4)
+
+
+def learned(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """A model whose n-gram memories contribute (their convolution and value projection start at zero)."""
+    generator = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, NgramMemory):
+            for parameter in (module.conv.weight, module.conv.bias, module.value.weight, module.value.bias):
+                with torch.no_grad():
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    return model
+
+
+def memory(**overrides) -> NgramMemory:
+    arguments = dict(hidden_size=16, vocab_size=50, orders=(2, 3), heads=2, table_size=97, dim=4, conv_kernel=3)
+    arguments.update(overrides)
+    return learned(NgramMemory(**arguments)).eval()
+
+
+# --- the layer ----------------------------------------------------------------------------------------------------
+
+
+def test_tables_have_distinct_prime_sizes_and_fixed_hashes():
+    layer = NgramMemory(16, 50, orders=(2, 3), heads=2, table_size=100, dim=4)
+    assert layer.primes == [97, 89, 83, 79, 73, 71, 67, 61]  # 2 orders x 2 directions x 2 heads
+    assert layer.tables.weight.shape == (sum(layer.primes), 4)
+    assert largest_primes_below(13, 3) == [13, 11, 7]
+    # the multipliers depend on the seed alone (a saved model hashes the same way when loaded): fixed values
+    assert hash_multipliers(0, 3) == [2065550767, 565798389, 607567]
+    assert all(m % 2 == 1 and m < 2**31 for m in hash_multipliers(5, 100))
+    tokens = torch.tensor([[-1, -1, 7, 8, 9, -1, -1]])
+    rows = layer.bucket_indices(tokens)  # (1, 3 positions, 8 tables)
+    offsets = torch.tensor([sum(layer.primes[:t]) for t in range(8)])
+    assert rows.shape == (1, 3, 8)
+    assert ((rows >= offsets) & (rows < offsets + torch.tensor(layer.primes))).all()
+    assert torch.equal(rows, layer.bucket_indices(tokens.clone()))
+
+
+def test_encoder_memory_reads_both_sides_within_its_reach_and_causal_only_the_past():
+    for causal in (False, True):
+        layer = memory(causal=causal)
+        ids = torch.randint(5, 50, (1, 12))
+        hidden = torch.randn(1, 12, 16)
+        base = layer(hidden, ids)
+        position = 6
+        changed = ids.clone()
+        changed[0, position] = (ids[0, position] + 1 - 5) % 45 + 5
+        difference = (layer(hidden, changed) - base).abs().sum(-1)[0]
+        reach = range(position - layer.context_right, position + layer.context_left + 1)
+        assert all(difference[i] > 0 for i in reach), (causal, difference)
+        assert all(difference[i] == 0 for i in range(12) if i not in reach), (causal, difference)
+        assert (layer.context_left, layer.context_right) == ((4, 0) if causal else (3, 3))
+
+
+def test_padding_and_edges_are_explicit_a_padded_sequence_equals_the_unpadded_one():
+    layer = memory()
+    ids = torch.randint(5, 50, (1, 7))
+    hidden = torch.randn(1, 10, 16)
+    padded = torch.cat([ids, torch.full((1, 3), -1)], dim=1)
+    out = layer(hidden, padded)
+    assert torch.allclose(out[:, :7], layer(hidden[:, :7], ids), atol=1e-6)
+    assert out[:, 7:].abs().max() == 0  # padding outputs nothing
+
+
+def test_sparse_tables_give_a_sparse_gradient_over_the_rows_used():
+    layer = memory(sparse=True).train()
+    layer(torch.randn(2, 5, 16), torch.randint(5, 50, (2, 5))).sum().backward()
+    grad = layer.tables.weight.grad
+    assert grad.is_sparse
+    used = grad.coalesce().indices()[0].unique()
+    assert 0 < used.numel() <= 2 * (5 + 2) * layer.num_tables
+
+
+def test_token_map_hashes_canonical_ids():
+    layer = memory(token_map=True)
+    layer.token_map[7] = 9  # e.g. "The" -> "the"
+    hidden = torch.randn(1, 4, 16)
+    assert torch.equal(layer(hidden, torch.tensor([[5, 7, 6, 8]])), layer(hidden, torch.tensor([[5, 9, 6, 8]])))
+    assert "token_map" in layer.state_dict()
+
+
+# --- in the models ------------------------------------------------------------------------------------------------
+
+
+def test_a_masked_position_s_gold_token_changes_no_output():
+    model = learned(BertPkmForMaskedLM(tiny_config(**NGRAM))).eval()
+    ids = torch.tensor([[2, 10, 11, MASK, 13, 14, 3]])
+    outputs = []
+    for gold in (12, 40):
+        labels = torch.full_like(ids, -100)
+        labels[0, 3] = gold
+        with torch.no_grad():
+            outputs.append(model(ids, labels=labels, output_hidden_states=True))
+    assert torch.equal(outputs[0].logits, outputs[1].logits)
+    for a, b in zip(outputs[0].hidden_states, outputs[1].hidden_states):
+        assert torch.equal(a, b)
+    # the memory does read that position: unmasked, the gold token would change the outputs
+    unmasked = [ids.clone(), ids.clone()]
+    unmasked[0][0, 3], unmasked[1][0, 3] = 12, 40
+    with torch.no_grad():
+        assert not torch.allclose(model(unmasked[0]).logits, model(unmasked[1]).logits)
+
+
+def test_padding_in_a_batch_leaves_the_real_tokens_outputs_unchanged():
+    model = learned(BertPkmForMaskedLM(tiny_config(**NGRAM))).eval()
+    ids = torch.tensor([[2, 10, 11, 12, 3]])
+    padded = torch.tensor([[2, 10, 11, 12, 3, 0, 0], [2, 20, 21, 22, 23, 24, 3]])
+    with torch.no_grad():
+        alone = model(ids).logits
+        batch = model(padded, attention_mask=(padded != 0).long()).logits
+    assert torch.allclose(batch[0, :5], alone[0], atol=1e-5)
+
+
+def test_inputs_embeds_alone_is_refused_with_n_gram_layers():
+    model = BertPkmModel(tiny_config(**NGRAM)).eval()
+    with pytest.raises(ValueError, match="n-gram memories .* pass input_ids"):
+        model(inputs_embeds=torch.randn(1, 4, 32))
+
+
+def test_the_n_gram_memory_trains():
+    model = BertPkmForMaskedLM(tiny_config(**NGRAM))
+    ids = torch.randint(5, 99, (2, 8))
+    model(ids, labels=ids).loss.backward()
+    layer = model.bert.encoder.layer[0].ngram
+    assert layer.value.weight.grad.abs().sum() > 0  # zero-initialised, yet learning
+
+
+def causal_model(**overrides):
+    config = tiny_config(is_decoder=True, pkm_layers=[1], **{**NGRAM, **overrides})
+    return learned(BertPkmForCausalLM(config)).eval()
+
+
+def test_causal_generation_with_a_cache_gives_the_tokens_of_generation_without_one():
+    model = causal_model()
+    prompts = torch.tensor([[0, 0, 2, 10, 11], [2, 20, 21, 22, 23]])
+    mask = (prompts != 0).long()
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        cached = model.generate(prompts, use_cache=True, **kwargs)
+        uncached = model.generate(prompts, use_cache=False, **kwargs)
+    assert torch.equal(cached, uncached)
+    # and step by step: the logits of each new token equal the full forward's
+    ids = cached[1:, :]
+    with torch.no_grad():
+        full = model(ids).logits
+        step = model(ids[:, :5], use_cache=True)
+        cache, logits = step.cache if hasattr(step, "cache") else step.past_key_values, [step.logits]
+        for i in range(5, ids.shape[1]):
+            step = model(ids[:, i : i + 1], cache=cache, use_cache=True, ngram_history_ids=ids[:, :i])
+            logits.append(step.logits)
+    assert torch.allclose(torch.cat(logits, dim=1), full, atol=1e-5)
+
+
+def test_a_cache_without_the_token_history_is_refused():
+    model = causal_model()
+    ids = torch.tensor([[2, 10, 11, 12]])
+    with torch.no_grad():
+        step = model(ids, use_cache=True)
+        cache = step.cache if hasattr(step, "cache") else step.past_key_values
+        with pytest.raises(ValueError, match="ngram_history_ids"):
+            model(torch.tensor([[13]]), cache=cache, use_cache=True)
+
+
+def test_adding_n_gram_memories_to_bert_is_function_preserving(tmp_path):
+    bert_config = BertConfig(**{k: v for k, v in tiny_config().to_dict().items() if not k.startswith(("pkm_", "ngram_"))})
+    bert = BertForMaskedLM(bert_config).eval()
+    bert.save_pretrained(tmp_path)
+    ids = torch.randint(5, 99, (2, 9))
+    for pkm in ({"pkm_layers": []}, {"pkm_layers": [1], "pkm_value_init": "zeros"}):
+        model = BertPkmForMaskedLM.from_pretrained(tmp_path, config=tiny_config(**pkm, **NGRAM)).eval()
+        assert model.bert.encoder.layer[2].ngram is not None
+        with torch.no_grad():
+            assert torch.allclose(model(ids).logits, bert(ids).logits, atol=1e-5)
+
+
+def test_saved_n_gram_model_reloads_and_refuses_missing_tables(tmp_path):
+    model = learned(BertPkmForMaskedLM(tiny_config(**NGRAM, ngram_token_map=True))).eval()
+    model.bert.encoder.layer[0].ngram.token_map[7] = 9
+    model.save_pretrained(tmp_path / "full")
+    assert (tmp_path / "full" / "ngram_memory.py").is_file()
+    loaded = BertPkmForMaskedLM.from_pretrained(tmp_path / "full").eval()
+    ids = torch.randint(5, 99, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert loaded.bert.encoder.layer[0].ngram.token_map[7] == 9
+    state = {k: v for k, v in model.state_dict().items() if ".ngram." not in k}
+    model.save_pretrained(tmp_path / "stripped", state_dict=state)
+    with pytest.raises(BertPkmLoadingError, match="ngram"):
+        BertPkmForMaskedLM.from_pretrained(tmp_path / "stripped")
+
+
+# --- configuration ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value, problem",
+    [
+        ("ngram_layers", [3], "must be in"),
+        ("ngram_layers", [1, 1], "repeated"),
+        ("ngram_orders", [], "at least one order"),
+        ("ngram_orders", [2, 2], "repeated"),
+        ("ngram_orders", [0], "each >= 1"),
+        ("ngram_heads", 0, ">= 1"),
+        ("ngram_dim", 0, ">= 1"),
+        ("ngram_conv_kernel", 0, ">= 1"),
+        ("ngram_table_size", 10, "distinct primes"),
+        ("ngram_table_size", 2**40, "TiB"),
+    ],
+)
+def test_config_refuses_bad_ngram_fields(field, value, problem):
+    with pytest.raises(ValueError, match=f"BertPkmConfig.{field}=.*{problem}"):
+        tiny_config(**{field: value})
+
+
+def test_config_defaults_have_no_n_gram_memory():
+    config = tiny_config()
+    assert config.ngram_layers == [] and config.ngram_orders == [2, 3] and config.ngram_tables == 16
+    assert all(layer.ngram is None for layer in BertPkmModel(config).encoder.layer)
+    assert tiny_config(is_decoder=True).ngram_tables == 8
