@@ -17,13 +17,14 @@ from torch import nn
 from .product_key_memory_ops import (
     OUTPUT_GATES,
     SCORE_ACTIVATIONS,
-    NativeProductKeySearch,
+    ProductKeySearch,
     SharedGradient,
-    SubkeyTopk,
     WeightedRowSum,
     combine_halves,
     is_exporting,
-    native_selection,
+    row_sum_op,
+    search_op,
+    select_product_keys,
     triton_bag_sum,
 )
 
@@ -71,7 +72,7 @@ class ProductKeyMemory(nn.Module):
     prune_candidates = True
     fused_search_backward = True
     native_search = True
-    trace_training_lookup = False  # under torch.compile: True traces a training lookup, False runs it eagerly
+    trace_training_lookup = True  # under torch.compile: True traces a training lookup, False runs it eagerly
     # how errors name this memory (BertPkmLayer sets e.g. "layer 4 memory")
     layer_name = "ProductKeyMemory"
 
@@ -228,8 +229,9 @@ class ProductKeyMemory(nn.Module):
                 " query BatchNorm needs at least 2 to compute batch statistics; use a batch with more real tokens,"
                 " or eval() mode"
             )
-        # a sum is NaN/inf iff some entry is (or, rarely, it overflows: then the exact count decides)
-        if not torch.isfinite(queries.detach().sum()):
+        # a sum is NaN/inf iff some entry is (or, rarely, it overflows: then the exact count decides); read on the host
+        # as a number: one op and the sync, not the four ops of torch.isfinite on a tensor
+        if not math.isfinite(queries.detach().sum().item()):
             bad_queries = int((~torch.isfinite(queries.detach())).sum())
             if bad_queries:
                 bad_inputs = int((~torch.isfinite(hidden_states.detach())).sum())
@@ -249,25 +251,20 @@ class ProductKeyMemory(nn.Module):
         keys = self.scoring_keys().to(halves.dtype).flatten(0, 1)  # (heads * 2, n_keys, half)
         if self.qk_norm:
             halves = self.query_norm(halves)
-        # fp32 on CPU: the selection in a native kernel (kernels/cpu.py), the same as the torch ops below
-        select = native_selection(halves) if self.native_search and self.prune_candidates else None
         needs_grad = torch.is_grad_enabled() and (halves.requires_grad or keys.requires_grad)
-        fused = needs_grad and self.fused_search_backward and not torch.compiler.is_compiling()
-        if select is not None and (fused or not needs_grad):  # (tokens, heads, knn)
-            if fused:
-                scores, indices = NativeProductKeySearch.apply(halves, keys, knn, select)
+        prune, native = self.prune_candidates, self.native_search
+        if needs_grad and self.fused_search_backward:  # one node: the selected sub-keys' gradients only
+            if torch.compiler.is_compiling() and not is_exporting():
+                scores, indices = search_op(halves, keys, knn, prune, native)
             else:
-                scores, indices = select(torch.bmm(halves, keys.transpose(1, 2)), knn)
-            return scores.view(*batch_shape, self.heads, knn), indices.view(*batch_shape, self.heads, knn)
-        if fused:
-            half_scores, half_indices = SubkeyTopk.apply(halves, keys, knn)
-        else:  # (heads * 2, tokens, knn), sorted descending
+                scores, indices = ProductKeySearch.apply(halves, keys, knn, prune, native)
+        elif not needs_grad:  # fp32 on CPU: the selection in a native kernel (kernels/cpu.py)
+            scores, indices = select_product_keys(torch.bmm(halves, keys.transpose(1, 2)), knn, prune, native)
+        else:  # the reference: torch's own backward of the sub-key scores, (heads * 2, tokens, knn) sorted descending
             half_scores, half_indices = torch.bmm(halves, keys.transpose(1, 2)).topk(knn, dim=-1)
-        scores, indices = combine_halves(half_scores, half_indices, n_keys, knn, self.prune_candidates)
-        return (
-            scores.transpose(0, 1).reshape(*batch_shape, self.heads, knn),
-            indices.transpose(0, 1).reshape(*batch_shape, self.heads, knn),
-        )
+            scores, indices = combine_halves(half_scores, half_indices, n_keys, knn, prune)
+            scores, indices = scores.transpose(0, 1), indices.transpose(0, 1)
+        return scores.reshape(*batch_shape, self.heads, knn), indices.reshape(*batch_shape, self.heads, knn)
 
     def scoring_keys(self) -> torch.Tensor:
         """The sub-keys the queries are scored against, `(heads, 2, n_keys, k_dim // 2)`: `keys`, with `qk_norm` normalised."""
@@ -394,9 +391,7 @@ class ProductKeyValues(nn.EmbeddingBag):
         self._shared_gradient = SharedGradient()
 
     def forward(self, input, offsets=None, per_sample_weights=None):
-        if torch.compiler.is_compiling():
-            if self.sparse and self.weight.requires_grad and torch.is_grad_enabled() and not is_exporting():
-                return self._eager_forward(input, offsets, per_sample_weights)
+        if is_exporting():  # standard ops only
             return super().forward(input, offsets, per_sample_weights)
         return self._fused_forward(input, offsets, per_sample_weights)
 
@@ -415,6 +410,8 @@ class ProductKeyValues(nn.EmbeddingBag):
             and hasattr(torch.ops.pkm_bert, "bag_sum")
         )
         needs_grad = torch.is_grad_enabled() and (self.weight.requires_grad or per_sample_weights.requires_grad)
+        if needs_grad and self.fused_backward and torch.compiler.is_compiling():  # one node of the graph
+            return row_sum_op(self.weight, input, per_sample_weights, self.sparse, triton)
         if needs_grad and self.fused_backward:
             return WeightedRowSum.apply(
                 self.weight, input, per_sample_weights, self.sparse, self._workspaces, triton, self._shared_gradient
@@ -422,12 +419,6 @@ class ProductKeyValues(nn.EmbeddingBag):
         if triton and not needs_grad:
             return triton_bag_sum(self.weight, input, per_sample_weights)
         return super().forward(input, offsets, per_sample_weights)
-
-    # torch's sparse EmbeddingBag backward has no fake-tensor kernel, so a compiled graph cannot hold a lookup with a
-    # sparse gradient: it runs eagerly (one graph break), in the fused path
-    @torch.compiler.disable
-    def _eager_forward(self, input, offsets, per_sample_weights):
-        return self._fused_forward(input, offsets, per_sample_weights)
 
     def train(self, mode: bool = True):
         if not mode:

@@ -5,8 +5,8 @@ the reference torch ops compute (tests/test_performance_paths.py compares them);
 Switches, the one place they are documented: class or module attributes (set one to compare a path with its
 reference), an environment variable, and the input checks. `name = default`: what it does; then the other setting.
 
-- `ProductKeyValues.fused_backward = True`: `WeightedRowSum`, the value and per-sample-weight gradients from one sort
-  of the lookups. False: EmbeddingBag's backward.
+- `ProductKeyValues.fused_backward = True`: `WeightedRowSum` (compiled: the custom op `weighted_row_sum_v1`), the value
+  and per-sample-weight gradients from one sort of the lookups. False: EmbeddingBag's backward.
 - `ProductKeyValues.triton_devices = ()`: device types whose gathers run in the Triton ops `torch.ops.pkm_bert.bag_sum`
   and `row_dots` (`kernels/triton_gathers.py`, registered on CUDA, and on CPU under `TRITON_INTERPRET=1`). Empty:
   EmbeddingBag's kernels.
@@ -14,15 +14,18 @@ reference), an environment variable, and the input checks. `name = default`: wha
   the EmbeddingBag-style kernels used elsewhere.
 - `ProductKeyMemory.prune_candidates = True`: only the `(a + 1) * (b + 1) <= knn` pairs of the halves' top-knn lists
   are scored (exact). False: all `knn ** 2` pairs, as XLM (and no native selection).
-- `ProductKeyMemory.fused_search_backward = True`: `SubkeyTopk`, the sub-key score backward through the `knn` selected
-  keys only. False: the dense bmm backward.
-- `ProductKeyMemory.native_search = True`: fp32 on CPU, `NativeProductKeySearch`, the selection in the native op
+- `ProductKeyMemory.fused_search_backward = True`: `ProductKeySearch`, the search as one autograd node (under
+  torch.compile the custom op `torch.ops.pkm_bert.product_key_search_v1`) whose backward goes through the `knn`
+  selected sub-keys only. False: torch's own backward of the bmm, top-k and candidate sums.
+- `ProductKeyMemory.native_search = True`: fp32 on CPU, the selection in the native op
   `torch.ops.pkm_bert.select_product_keys` once registered. False: the torch ops.
 - `PKM_BERT_NATIVE=0` (or `false`, `no`, `off`; an environment variable, read when `modeling_pkm_bert` registers its
   kernels, `kernels/cpu.py`): that native op is never registered, so `native_search` finds none. Unset: registered,
   built with the system C compiler (without one it computes the same with the torch ops).
-- `ProductKeyMemory.trace_training_lookup = False`: under torch.compile, a lookup that needs gradients runs eagerly
-  (one graph break per memory). True: traced (one graph, `fullgraph=True`, dense value gradients).
+- `ProductKeyMemory.trace_training_lookup = True`: under torch.compile, a lookup that needs gradients is traced: the
+  search and the value lookup are the custom ops `product_key_search_v1` and `weighted_row_sum_v1` (one node each, with
+  the fused backward paths, sparse value gradients included), so a training step compiles with `fullgraph=True`.
+  False: the lookup runs eagerly (one graph break per memory).
 - `BertPkmModel.validate_input_values = True` (`modeling_bert_pkm.py`): the model's input check also reads the ids'
   values (in range of their embedding tables; one host sync per forward). False: shapes only, which are always
   checked. The memory's own training check (`ProductKeyMemory._check_batch_statistics`: non-finite queries, fewer
@@ -73,7 +76,7 @@ def _reusable_buffer(
     a new one is made and kept instead. `spare`: extra room for sizes that vary from step to step.
     """
     use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:  # no way to tell whether the last buffer is free: always a new one
+    if use_count is None or cache is None:  # no way to tell whether the last buffer is free, or no cache: a new one
         return torch.empty(numel, dtype=dtype, device=device)
     entry = cache.get(name)
     if entry is not None:
@@ -154,23 +157,57 @@ class WeightedRowSum(torch.autograd.Function):
         if shared is not None and ctx.needs_input_grad[0]:
             ctx.weight_key, ctx.indices = (weight.device, weight.data_ptr()), indices
             shared.add(ctx)
+        ctx.bags = None
         if triton:
             return triton_bag_sum(weight, indices, per_sample_weights)
+        if not (sparse or _csr_kernels(ctx, weight, weight.dtype)):  # the dense row sums of EmbeddingBag's own backward
+            return _embedding_bag_keeping_bags(ctx, weight, indices, per_sample_weights)
         return F.embedding_bag(indices, weight, mode="sum", per_sample_weights=per_sample_weights)
 
     @staticmethod
     def backward(ctx, grad_output):
         weight, indices, per_sample_weights = ctx.saved_tensors
-        grad_output = grad_output.contiguous()
-        so_far = _TableGradientSoFar(ctx)
-        dtype = grad_output.dtype
-        csr_kernels = CPU_SPARSE_KERNELS and not ctx.triton and weight.device.type == "cpu"
-        if csr_kernels and dtype in (torch.float32, torch.float64) and weight.dtype == dtype:
-            backward = _sparse_csr_backward if ctx.sparse else _dense_csr_backward
-        else:
-            backward = _row_sums_backward
-        grad_weight, grad_per_sample_weights = backward(ctx, weight, indices, per_sample_weights, grad_output, so_far)
+        grad_weight, grad_per_sample_weights = row_sum_gradients(ctx, weight, indices, per_sample_weights, grad_output)
         return grad_weight, None, grad_per_sample_weights, None, None, None, None
+
+
+def row_sum_gradients(ctx, weight, indices, per_sample_weights, grad_output):
+    """The gradients of `weight` and `per_sample_weights` that `ctx.needs_input_grad[0]` and `[2]` ask for (None for the
+    others), in the path that suits the device and dtypes (see [`WeightedRowSum`])."""
+    grad_output = grad_output.contiguous()
+    so_far = _TableGradientSoFar(ctx)
+    if _csr_kernels(ctx, weight, grad_output.dtype):
+        backward = _sparse_csr_backward if ctx.sparse else _dense_csr_backward
+    else:
+        backward = _row_sums_backward
+    return backward(ctx, weight, indices, per_sample_weights, grad_output, so_far)
+
+
+def _csr_kernels(ctx, weight, dtype) -> bool:
+    """Whether the value backward runs in torch's sparse CSR kernels: CPU, fp32/fp64 (`CPU_SPARSE_KERNELS`)."""
+    on_cpu = CPU_SPARSE_KERNELS and not ctx.triton and weight.device.type == "cpu"
+    return on_cpu and dtype in (torch.float32, torch.float64) and weight.dtype == dtype
+
+
+_BAG_LAYOUTS: dict = {}
+
+
+def _embedding_bag_keeping_bags(ctx, weight, indices, per_sample_weights):
+    """`F.embedding_bag` in sum mode for 2-d `indices`, keeping the bag layout for the backward in `ctx.bags` (offsets,
+    the bag of each lookup, the bag sizes, made once per shape): then the dense value gradient and the per-sample
+    weights' gradient are one op each, as in EmbeddingBag's own backward, where no CSR kernels run (GPUs, other
+    dtypes)."""
+    tokens, bag = indices.shape
+    key = (tokens, bag, indices.device)
+    bags = _BAG_LAYOUTS.get(key)
+    if bags is None:
+        if len(_BAG_LAYOUTS) >= 16:  # token counts vary with padding: a few recent shapes only
+            _BAG_LAYOUTS.clear()
+        bag_of_lookup = torch.arange(tokens, device=indices.device).repeat_interleave(bag)
+        bag_size = torch.full((tokens,), bag, dtype=torch.int64, device=indices.device)
+        bags = _BAG_LAYOUTS[key] = torch.arange(0, tokens * bag, bag, device=indices.device), bag_of_lookup, bag_size
+    ctx.bags = bags
+    return F.embedding_bag(indices, weight, mode="sum", per_sample_weights=per_sample_weights)
 
 
 class _TableGradientSoFar:
@@ -303,20 +340,29 @@ def _row_sums_backward(ctx, weight, indices, per_sample_weights, grad_output, so
     n_rows, dim = weight.shape
     tokens, bag = indices.shape
     device, flat = weight.device, indices.reshape(-1)
-    sorted_rows, _, tokens_of_lookups, weights_of_lookups = _lookups_by_row(
-        indices, per_sample_weights, grad_output.dtype
-    )
+    bags = getattr(ctx, "bags", None)  # kept by the forward for the dense gradient
     grad_weight = grad_per_sample_weights = None
     if ctx.needs_input_grad[2] and ctx.triton:
         grad_per_sample_weights = torch.ops.pkm_bert.row_dots(weight, flat, grad_output, bag).view(tokens, bag)
         grad_per_sample_weights = grad_per_sample_weights.to(per_sample_weights.dtype)
     elif ctx.needs_input_grad[2]:
-        offsets = torch.arange(0, tokens * bag, bag, device=device)
-        offset2bag = torch.arange(tokens, device=device).repeat_interleave(bag)
+        if bags is not None:
+            offsets, offset2bag = bags[:2]
+        else:
+            offsets = torch.arange(0, tokens * bag, bag, device=device)
+            offset2bag = torch.arange(tokens, device=device).repeat_interleave(bag)
         grad_per_sample_weights = torch.ops.aten._embedding_bag_per_sample_weights_backward(
             grad_output, weight, flat, offsets, offset2bag, 0, -1
         ).view(tokens, bag)
-    if ctx.needs_input_grad[0]:
+    if ctx.needs_input_grad[0] and bags is not None and not ctx.sparse:
+        _, offset2bag, bag_size = bags
+        grad_weight = torch.ops.aten._embedding_bag_dense_backward(
+            grad_output, flat, offset2bag, bag_size, bag_size, n_rows, False, 0, per_sample_weights.reshape(-1), -1
+        ).to(weight.dtype)  # (the maximum indices of mode "max": unused in mode "sum")
+    elif ctx.needs_input_grad[0]:
+        sorted_rows, _, tokens_of_lookups, weights_of_lookups = _lookups_by_row(
+            indices, per_sample_weights, grad_output.dtype
+        )
         used, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
         ends = torch.cumsum(counts, 0)
         if ctx.triton:  # bags: the lookups of each used row; rows of the bags: tokens of grad_output
@@ -341,16 +387,19 @@ def triton_bag_sum(weight: torch.Tensor, indices: torch.Tensor, per_sample_weigh
     return torch.ops.pkm_bert.bag_sum(weight, indices.reshape(-1), per_sample_weights.reshape(-1), bounds)
 
 
-class SubkeyTopk(torch.autograd.Function):
-    """`(bmm(halves, keys^T)).topk(knn)` for every head-half at once, whose backward touches the selected keys only.
+class ProductKeySearch(torch.autograd.Function):
+    """The exact top-`knn` product keys of every head, one autograd node: `(heads * 2, tokens, half)` query halves and
+    `(heads * 2, n_keys, half)` sub-keys -> scores and indices `(tokens, heads, knn)`.
 
-    The dense backward multiplies an (n_keys)-wide gradient that is zero but for `knn` entries per row; this one reads
-    the `knn` selected sub-keys and queries only ([`_subkey_score_gradients`]).
+    The forward scores the sub-keys (one bmm) and selects ([`select_product_keys`]) without recording anything; the
+    score of product key `i1 * n_keys + i2` is the sum of sub-key scores `i1` (first half) and `i2` (second half), so
+    its gradient goes to those two, then to the queries and the selected sub-keys only ([`_subkey_score_gradients`]),
+    not through an `n_keys`-wide score gradient that is zero but for `knn` entries per row.
     """
 
     @staticmethod
-    def forward(ctx, halves, keys, knn):
-        scores, indices = torch.bmm(halves, keys.transpose(1, 2)).topk(knn, dim=-1)
+    def forward(ctx, halves, keys, knn, prune=True, native=True):
+        scores, indices = select_product_keys(torch.bmm(halves, keys.transpose(1, 2)), knn, prune, native)
         ctx.save_for_backward(halves, keys, indices)
         ctx.mark_non_differentiable(indices)
         return scores, indices
@@ -359,7 +408,48 @@ class SubkeyTopk(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_scores, _grad_indices):
         halves, keys, indices = ctx.saved_tensors
-        return *_subkey_score_gradients(ctx.needs_input_grad, halves, keys, indices, grad_scores), None
+        return *product_key_score_gradients(ctx.needs_input_grad[:2], halves, keys, indices, grad_scores), None, None, None
+
+
+def select_product_keys(subkey_scores: torch.Tensor, knn: int, prune: bool = True, native: bool = True):
+    """The best `knn` product keys from the sub-key scores `(heads * 2, tokens, n_keys)` -> `(tokens, heads, knn)`:
+    the native op on fp32 CPU scores where registered (`native`, pruned pairs), else each half's top-`knn` combined
+    by [`combine_halves`]."""
+    select = native_selection(subkey_scores) if native and prune else None
+    if select is not None:
+        return select(subkey_scores, knn)
+    half_scores, half_indices = subkey_scores.topk(knn, dim=-1)
+    scores, indices = combine_halves(half_scores, half_indices, subkey_scores.shape[-1], knn, prune)
+    return scores.transpose(0, 1).contiguous(), indices.transpose(0, 1).contiguous()
+
+
+# a dense sub-key score gradient up to this many multiply-adds (groups * tokens * n_keys * half) on CPU: below, its two
+# bmm cost less than the dozen small ops of the sparse one (a GPU takes the dense one at every size: its ops are cheap,
+# their launches are not)
+DENSE_SCORE_GRADIENT_CPU_LIMIT = 2**20
+
+
+def product_key_score_gradients(needs_input_grad, halves, keys, indices, grad_scores):
+    """Gradients of the query halves and sub-keys from those of the product-key scores `(tokens, heads, knn)`: each
+    product key's gradient goes to its two sub-key scores, either scattered into the dense `(heads * 2, tokens, n_keys)`
+    score gradient and multiplied out (two bmm), or through the selected sub-keys only ([`_subkey_score_gradients`])."""
+    groups, tokens, half = halves.shape
+    n_keys = keys.shape[1]
+    if halves.device.type != "cpu" or groups * tokens * n_keys * half <= DENSE_SCORE_GRADIENT_CPU_LIMIT:
+        grad_subkey_scores = halves.new_zeros(groups // 2, 2, tokens, n_keys)
+        grad_scores, indices = grad_scores.transpose(0, 1).to(halves.dtype), indices.transpose(0, 1)  # (heads, tokens, knn)
+        grad_subkey_scores[:, 0].scatter_add_(-1, indices.div(n_keys, rounding_mode="floor"), grad_scores)
+        grad_subkey_scores[:, 1].scatter_add_(-1, indices.remainder(n_keys), grad_scores)
+        grad_subkey_scores = grad_subkey_scores.view(groups, tokens, n_keys)
+        return (
+            torch.bmm(grad_subkey_scores, keys) if needs_input_grad[0] else None,
+            torch.bmm(grad_subkey_scores.transpose(1, 2), halves) if needs_input_grad[1] else None,
+        )
+    # (tokens, heads, 2, knn) -> (heads * 2, tokens, knn): the sub-keys of each half and the gradient they get
+    subkeys = torch.stack((indices.div(n_keys, rounding_mode="floor"), indices.remainder(n_keys)), 2)
+    grad_subkey_scores = grad_scores.unsqueeze(2).expand(-1, -1, 2, -1)
+    subkeys, grad_subkey_scores = (t.flatten(1, 2).transpose(0, 1) for t in (subkeys, grad_subkey_scores))
+    return _subkey_score_gradients(needs_input_grad, halves, keys, subkeys, grad_subkey_scores)
 
 
 def _subkey_score_gradients(needs_input_grad, halves, keys, indices, grad_scores):
@@ -372,7 +462,7 @@ def _subkey_score_gradients(needs_input_grad, halves, keys, indices, grad_scores
     groups, tokens, half = halves.shape
     n_keys, knn = keys.shape[1], indices.shape[-1]
     # rows of keys.reshape(groups * n_keys, half)
-    rows = (indices + torch.arange(0, groups * n_keys, n_keys, device=indices.device).view(groups, 1, 1)).reshape(-1, knn)
+    rows = (indices + _group_offsets(groups, n_keys, indices.device)).reshape(-1, knn)
     grad_scores = grad_scores.reshape(-1, knn).to(keys.dtype)
     grad_halves = grad_keys = None
     if needs_input_grad[0]:
@@ -392,30 +482,29 @@ def _subkey_score_gradients(needs_input_grad, halves, keys, indices, grad_scores
     return grad_halves, grad_keys
 
 
-class NativeProductKeySearch(torch.autograd.Function):
-    """The native selection (`kernels/cpu.py`) of the top-`knn` product keys, with the gradient of their scores.
+_CONSTANTS: dict = {}
 
-    The score of product key `i1 * n_keys + i2` is the sum of sub-key scores `i1` (first half) and `i2` (second half),
-    so its gradient goes to those two scores, then to the queries and keys as in [`SubkeyTopk`].
-    """
 
-    @staticmethod
-    def forward(ctx, halves, keys, knn, select):
-        scores, indices = select(torch.bmm(halves, keys.transpose(1, 2)), knn)  # (tokens, heads, knn)
-        ctx.save_for_backward(halves, keys, indices)
-        ctx.mark_non_differentiable(indices)
-        return scores, indices
+def _constant(key, make) -> torch.Tensor:
+    """A small index tensor made once per device (not from Python lists on every step: each would cost its copies);
+    made afresh while tracing (a constant of the graph, never a fake tensor kept)."""
+    if torch.compiler.is_compiling():
+        return make()
+    tensor = _CONSTANTS.get(key)
+    if tensor is None:
+        tensor = _CONSTANTS[key] = make()
+    return tensor
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_scores, _grad_indices):
-        halves, keys, indices = ctx.saved_tensors
-        n_keys = keys.shape[1]
-        # (tokens, heads, 2, knn) -> (heads * 2, tokens, knn): the sub-keys of each half and the gradient they get
-        subkeys = torch.stack((indices.div(n_keys, rounding_mode="floor"), indices.remainder(n_keys)), 2)
-        grad_subkey_scores = grad_scores.unsqueeze(2).expand(-1, -1, 2, -1)
-        subkeys, grad_subkey_scores = (t.flatten(1, 2).transpose(0, 1) for t in (subkeys, grad_subkey_scores))
-        return *_subkey_score_gradients(ctx.needs_input_grad, halves, keys, subkeys, grad_subkey_scores), None, None
+
+def _group_offsets(groups: int, n_keys: int, device) -> torch.Tensor:
+    """`(groups, 1, 1)`: where each head-half's sub-keys start in the flat `(groups * n_keys, half)` keys."""
+    make = lambda: torch.arange(0, groups * n_keys, n_keys, device=device).view(groups, 1, 1)  # noqa: E731
+    return _constant(("group_offsets", groups, n_keys, device), make)
+
+
+def _candidate_pair_tensors(knn: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    first = _constant(("first", knn, device), lambda: torch.tensor(candidate_pairs(knn)[0], device=device))
+    return first, _constant(("second", knn, device), lambda: torch.tensor(candidate_pairs(knn)[1], device=device))
 
 
 def combine_halves(
@@ -428,7 +517,7 @@ def combine_halves(
     """
     half_scores, half_indices = half_scores.unflatten(0, (-1, 2)), half_indices.unflatten(0, (-1, 2))
     if prune:
-        first, second = (torch.tensor(ranks, device=half_scores.device) for ranks in candidate_pairs(knn))
+        first, second = _candidate_pair_tensors(knn, half_scores.device)
         candidate_scores = half_scores[:, 0].index_select(-1, first) + half_scores[:, 1].index_select(-1, second)
         scores, best = candidate_scores.topk(knn, dim=-1)  # (heads, tokens, knn)
         indices = half_indices[:, 0].gather(-1, first[best]) * n_keys + half_indices[:, 1].gather(-1, second[best])
@@ -440,12 +529,12 @@ def combine_halves(
     return scores, indices
 
 
-def native_selection(halves: torch.Tensor):
-    """`torch.ops.pkm_bert.select_product_keys` for fp32 CPU queries once `modeling_pkm_bert` registered it, else None.
+def native_selection(subkey_scores: torch.Tensor):
+    """`torch.ops.pkm_bert.select_product_keys` for fp32 CPU scores once `modeling_pkm_bert` registered it, else None.
 
     Never under `torch.export`: an exported program (and the ONNX made from it) holds standard ops only, so that it runs
     where this package is not installed."""
-    if halves.dtype != torch.float32 or halves.device.type != "cpu" or is_exporting():
+    if subkey_scores.dtype != torch.float32 or subkey_scores.device.type != "cpu" or is_exporting():
         return None
     return getattr(torch.ops.pkm_bert, "select_product_keys", None)
 
@@ -455,3 +544,128 @@ def _sparse_rows(rows: torch.Tensor, values: torch.Tensor, n_rows: int) -> torch
     return torch.sparse_coo_tensor(
         rows.unsqueeze(0), values, (n_rows, values.shape[1]), is_coalesced=True, check_invariants=False
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The two phases as torch.library custom ops, for torch.compile: the search and the value lookup are each one node of
+# the graph, with a fake (meta) implementation and a backward that is the fused path above (sparse value gradients
+# included), so that a compiled training step is one graph. Eager calls use the autograd functions above, which run the
+# same code without the op's dispatch; torch.export never sees these ops (an exported program keeps standard ops).
+# ----------------------------------------------------------------------------------------------------------------------
+
+# in the op names: a changed contract gets a new name, and another copy of this file (a model's remote code next to the
+# installed package) reuses the ops one of them registered
+OPS_VERSION = 1
+
+
+def _custom_op(name: str, function, fake, backward=None, setup_context=None):
+    """`torch.ops.pkm_bert.<name>_v<OPS_VERSION>` (registered once per process)."""
+    versioned = f"{name}_v{OPS_VERSION}"
+    if not hasattr(torch.ops.pkm_bert, versioned):
+        op = torch.library.custom_op(f"pkm_bert::{versioned}", mutates_args=())(function)
+        op.register_fake(fake)
+        if backward is not None:
+            op.register_autograd(backward, setup_context=setup_context)
+    return getattr(torch.ops.pkm_bert, versioned).default
+
+
+def _search_op(
+    halves: torch.Tensor, keys: torch.Tensor, knn: int, prune: bool, native: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return select_product_keys(torch.bmm(halves, keys.transpose(1, 2)), knn, prune, native)
+
+
+def _fake_search(halves, keys, knn, prune, native):
+    shape = (halves.shape[1], halves.shape[0] // 2, knn)
+    return halves.new_empty(shape), halves.new_empty(shape, dtype=torch.int64)
+
+
+def _setup_search(ctx, inputs, output):
+    halves, keys = inputs[:2]
+    ctx.save_for_backward(halves, keys, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _search_backward(ctx, grad_scores, _grad_indices):
+    halves, keys, indices = ctx.saved_tensors
+    needs = ctx.needs_input_grad[:2]
+    grad_halves, grad_keys = search_backward_op(halves, keys, indices, grad_scores, *needs)
+    return (grad_halves if needs[0] else None), (grad_keys if needs[1] else None), None, None, None
+
+
+def _search_backward_op(
+    halves: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, grad_scores: torch.Tensor, halves_grad: bool,
+    keys_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    grads = product_key_score_gradients((halves_grad, keys_grad), halves, keys, indices, grad_scores.contiguous())
+    return tuple(g if g is not None else t.new_empty(0) for g, t in zip(grads, (halves, keys)))
+
+
+def _fake_search_backward(halves, keys, indices, grad_scores, halves_grad, keys_grad):
+    # contiguous, as the real gradients (`halves` itself is a transposed view)
+    return halves.new_empty(halves.shape if halves_grad else 0), keys.new_empty(keys.shape if keys_grad else 0)
+
+
+class _OpLookup:
+    """What the value-gradient paths read of an autograd ctx, for the custom op: no state kept between steps (no reused
+    buffer, no table shared across lookups: autograd sums the gradients of a shared table)."""
+
+    workspaces = shared = bags = None
+
+    def __init__(self, needs_input_grad, sparse, triton):
+        self.needs_input_grad, self.sparse, self.triton = needs_input_grad, sparse, triton
+
+
+def _row_sum_op(
+    weight: torch.Tensor, indices: torch.Tensor, per_sample_weights: torch.Tensor, sparse: bool, triton: bool
+) -> torch.Tensor:
+    if triton:
+        return triton_bag_sum(weight, indices, per_sample_weights)
+    return F.embedding_bag(indices, weight, mode="sum", per_sample_weights=per_sample_weights)
+
+
+def _fake_row_sum(weight, indices, per_sample_weights, sparse, triton):
+    return weight.new_empty(indices.shape[0], weight.shape[1])
+
+
+def _setup_row_sum(ctx, inputs, output):
+    weight, indices, per_sample_weights, ctx.sparse, ctx.triton = inputs
+    ctx.save_for_backward(weight, indices, per_sample_weights)
+
+
+def _row_sum_backward(ctx, grad_output):
+    weight, indices, per_sample_weights = ctx.saved_tensors
+    needs = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    grad_weight, grad_per_sample_weights = row_sum_backward_op(
+        grad_output, weight, indices, per_sample_weights, ctx.sparse, ctx.triton, *needs
+    )
+    return (grad_weight if needs[0] else None), None, (grad_per_sample_weights if needs[1] else None), None, None
+
+
+def _row_sum_backward_op(
+    grad_output: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor, per_sample_weights: torch.Tensor,
+    sparse: bool, triton: bool, weight_grad: bool, per_sample_weights_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    lookup = _OpLookup((weight_grad, False, per_sample_weights_grad), sparse, triton)
+    grads = row_sum_gradients(lookup, weight, indices, per_sample_weights, grad_output)
+    return tuple(g if g is not None else t.new_empty(0) for g, t in zip(grads, (weight, per_sample_weights)))
+
+
+def _fake_row_sum_backward(grad_output, weight, indices, per_sample_weights, sparse, triton, weight_grad, psw_grad):
+    grad_per_sample_weights = per_sample_weights.new_empty(per_sample_weights.shape if psw_grad else 0)
+    if not weight_grad:
+        return weight.new_empty(0), grad_per_sample_weights
+    if not sparse:
+        return weight.new_empty(weight.shape), grad_per_sample_weights
+    # the distinct rows the lookups read are known only from the data, and a sparse tensor cannot carry an unbacked size
+    # out of a graph: its bound, the number of lookups (the gradient leaves the graph straight to autograd's sum)
+    rows = indices.numel()
+    return _sparse_rows(weight.new_empty(rows, dtype=torch.int64), weight.new_empty(rows, weight.shape[1]), weight.shape[0]), (
+        grad_per_sample_weights
+    )
+
+
+search_op = _custom_op("product_key_search", _search_op, _fake_search, _search_backward, _setup_search)
+search_backward_op = _custom_op("product_key_search_backward", _search_backward_op, _fake_search_backward)
+row_sum_op = _custom_op("weighted_row_sum", _row_sum_op, _fake_row_sum, _row_sum_backward, _setup_row_sum)
+row_sum_backward_op = _custom_op("weighted_row_sum_backward", _row_sum_backward_op, _fake_row_sum_backward)

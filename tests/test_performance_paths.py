@@ -79,9 +79,13 @@ def test_pruned_search_equals_brute_force(n_keys, heads, knn, k_dim, batch_shape
     assert torch.equal(indices, expected_indices)
 
 
+@pytest.mark.parametrize("score_gradient", ["dense", "selected-subkeys"])
 @pytest.mark.parametrize("prune,fused", [(True, True), (True, False), (False, True)])
-def test_fast_search_equals_full_grid_reference_with_gradients(prune, fused):
-    """Pruned candidates and the sparse backward of the sub-key top-k vs XLM's full grid with dense backward."""
+def test_fast_search_equals_full_grid_reference_with_gradients(prune, fused, score_gradient, monkeypatch):
+    """Pruned candidates and the one-node search (`ProductKeySearch`, whose backward scatters a dense sub-key score
+    gradient or goes through the selected sub-keys only) vs XLM's full grid with torch's own backward."""
+    limit = 2**40 if score_gradient == "dense" else 0
+    monkeypatch.setattr(product_key_memory_ops, "DENSE_SCORE_GRADIENT_CPU_LIMIT", limit)
     memory = ProductKeyMemory(12, n_keys=16, heads=3, knn=8, k_dim=10).double()
     queries = torch.randn(20, 3, 10, dtype=torch.float64)
     weights = torch.randn(20, 3, 8, dtype=torch.float64)
@@ -123,8 +127,10 @@ def test_values_module_is_an_embedding_bag_with_the_hook_contract():
 @pytest.mark.parametrize("sparse", [False, True])
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_fast_path_equals_reference_outputs_and_gradients(sparse, with_mask, csr_kernels, monkeypatch):
-    """Both backward implementations (CPU sparse kernels; the EmbeddingBag-style one used on GPUs and in bf16)."""
+    """Both backward implementations (CPU sparse kernels; the EmbeddingBag-style one used on GPUs and in bf16, with
+    the dense sub-key score gradient of GPUs)."""
     monkeypatch.setattr(product_key_memory_ops, "CPU_SPARSE_KERNELS", csr_kernels)
+    monkeypatch.setattr(product_key_memory_ops, "DENSE_SCORE_GRADIENT_CPU_LIMIT", 0 if csr_kernels else 2**40)
     memory = ProductKeyMemory(24, 20, n_keys=16, heads=3, knn=8, k_dim=16).double().train()
     x = torch.randn(4, 7, 24, dtype=torch.float64)
     g = torch.randn(4, 7, 20, dtype=torch.float64)
@@ -497,16 +503,24 @@ def test_clip_grad_norm_matches_torch_on_dense_and_handles_sparse():
 # ---------------------------------------------------------------- torch.compile
 
 
-def test_traced_training_lookup_compiles_to_one_graph():
-    memory = ProductKeyMemory(16, n_keys=8, heads=2, knn=4, k_dim=8).train()
-    memory.trace_training_lookup = True
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_training_lookup_compiles_to_one_graph_by_default(sparse):
+    """The search and the value lookup are custom ops (`torch.ops.pkm_bert.*_v1`): a training step is one graph, sparse
+    value gradients included, and each phase one node of it."""
+    torch._dynamo.reset()
+    memory = ProductKeyMemory(16, n_keys=8, heads=2, knn=4, k_dim=8, sparse=sparse).train()
     explanation = torch._dynamo.explain(memory)(torch.randn(2, 3, 16))
     assert explanation.graph_break_count == 0, explanation.break_reasons
+    targets = [str(node.target) for graph in explanation.graphs for node in graph.graph.nodes]
+    assert targets.count("pkm_bert.product_key_search_v1.default") == 1
+    assert targets.count("pkm_bert.weighted_row_sum_v1.default") == 1
 
 
-def test_training_lookup_runs_eagerly_under_compile_by_default():
-    """The fused backward paths are not traceable: a lookup that needs gradients runs eagerly (one break per memory)."""
+def test_eager_training_lookup_under_compile_when_asked():
+    """`trace_training_lookup = False`: a lookup that needs gradients runs eagerly (one break per memory)."""
+    torch._dynamo.reset()
     memory = ProductKeyMemory(16, n_keys=8, heads=2, knn=4, k_dim=8).train()
+    memory.trace_training_lookup = False
     explanation = torch._dynamo.explain(memory)(torch.randn(2, 3, 16))
     assert explanation.graph_break_count >= 1  # one break (dynamo may count it in more than one frame)
     assert all("_eager_lookup" in str(reason) for reason in explanation.break_reasons)
@@ -515,27 +529,48 @@ def test_training_lookup_runs_eagerly_under_compile_by_default():
 
 
 @pytest.mark.parametrize("trace", [False, True], ids=["eager-lookup", "traced-lookup"])
-def test_compiled_training_step_uses_the_fused_backward_unless_traced(trace):
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_compiled_training_step_uses_the_fused_backward(trace, sparse):
+    """Traced or eager, a compiled step differentiates the lookup in the fused paths (on CPU: the CSR kernels), never in
+    torch's generic EmbeddingBag backward."""
     torch._dynamo.reset()
-    memory = ProductKeyMemory(16, n_keys=8, heads=2, knn=4, k_dim=8).train()
+    memory = ProductKeyMemory(16, n_keys=8, heads=2, knn=4, k_dim=8, sparse=sparse).train()
     memory.trace_training_lookup = trace
-    compiled = torch.compile(memory, backend="aot_eager")
+    compiled = torch.compile(memory, backend="aot_eager", fullgraph=trace)
     x = torch.randn(2, 3, 16, requires_grad=True)
     compiled(x).sum().backward()  # compiles
     with torch.profiler.profile() as profile:
         compiled(x).sum().backward()
     ops = {event.name for event in profile.events()}
-    assert ("aten::sparse_sampled_addmm" in ops) == (not trace)  # the fused per-sample-weight gradient (CPU)
-    assert ("aten::_embedding_bag_backward" in ops) == trace  # torch's generic backward
+    assert "aten::sparse_sampled_addmm" in ops  # the fused per-sample-weight gradient (CPU)
+    assert "aten::_embedding_bag_backward" not in ops  # torch's generic backward
+    assert ("pkm_bert::weighted_row_sum_backward_v1" in ops) == trace
+    assert memory.values.weight.grad.is_sparse == sparse
 
 
-def test_traced_lookup_with_sparse_value_gradients_breaks_at_the_values():
-    """torch's sparse EmbeddingBag backward cannot be traced: the value lookup runs eagerly, the rest stays compiled."""
-    memory = ProductKeyMemory(16, n_keys=8, heads=2, knn=4, k_dim=8, sparse=True).train()
-    memory.trace_training_lookup = True
-    explanation = torch._dynamo.explain(memory)(torch.randn(2, 3, 16))
-    assert explanation.graph_break_count >= 1  # one break (dynamo may count it in more than one frame)
-    assert all("_eager_forward" in str(reason) for reason in explanation.break_reasons)
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_custom_ops_pass_opcheck(sparse):
+    """The four custom ops: schema, fake (meta) implementation, autograd registration and compile consistency, as
+    torch.library.opcheck tests them."""
+    ops = torch.ops.pkm_bert
+    torch.manual_seed(3)
+    halves, keys = torch.randn(4, 6, 5, requires_grad=True), torch.randn(4, 8, 5, requires_grad=True)
+    torch.library.opcheck(ops.product_key_search_v1.default, (halves, keys, 4, True, False))
+    scores, indices = ops.product_key_search_v1.default(halves.detach(), keys.detach(), 4, True, False)
+    for needs in ((True, True), (True, False)):
+        # (the backward ops are not differentiable themselves: inputs without gradients)
+        arguments = (halves.detach(), keys.detach(), indices, torch.randn(6, 2, 4), *needs)
+        torch.library.opcheck(ops.product_key_search_backward_v1.default, arguments)
+    weight, rows = torch.randn(64, 7, requires_grad=True), torch.randint(0, 64, (6, 8))
+    weights = torch.rand(6, 8, requires_grad=True)
+    # (a sparse gradient's fake tensor bounds its rows by the lookups: opcheck's exact comparison of it is left out)
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor") if not sparse else ("test_schema", "test_autograd_registration")
+    torch.library.opcheck(ops.weighted_row_sum_v1.default, (weight, rows, weights, sparse, False), test_utils=tests)
+    torch.library.opcheck(
+        ops.weighted_row_sum_backward_v1.default,
+        (torch.randn(6, 7), weight.detach(), rows, weights.detach(), sparse, False, True, True),
+        test_utils=tests,
+    )
 
 
 def _compiler_backends():
@@ -550,14 +585,14 @@ def _compiler_backends():
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_compiled_memory_trains_like_eager(backend, trace, sparse):
     """torch.compile of a memory in training: outputs, every gradient and the parameters after 3 optimizer steps (AdamW,
-    values in Adam or SparseRowAdam) equal eager mode's; a traced lookup with dense value gradients is one graph."""
+    values in Adam or SparseRowAdam) equal eager mode's; a traced lookup is one graph (`fullgraph=True`), dense or sparse."""
     torch._dynamo.reset()
     torch.manual_seed(12)
     # no query bias: before the BatchNorm its gradient is rounding noise, which Adam would scale up to lr-sized steps
     eager = ProductKeyMemory(16, n_keys=8, heads=2, knn=4, k_dim=8, query_bias=False, sparse=sparse).train()
     memory = copy.deepcopy(eager)
     memory.trace_training_lookup = trace
-    compiled = torch.compile(memory, backend=backend, fullgraph=trace and not sparse)
+    compiled = torch.compile(memory, backend=backend, fullgraph=trace)
     optimizers = {}
     for name, m in (("eager", eager), ("compiled", memory)):
         rest = [p for p in m.parameters() if p is not m.values.weight]
