@@ -1,5 +1,5 @@
 """Run by `tests/test_triton_kernels.py` under the Triton interpreter (`TRITON_INTERPRET=1`): the Triton gathers of
-`triton_kernels.py`, on CPU tensors, equal EmbeddingBag and the memory's reference paths."""
+`kernels/triton_gathers.py`, on CPU tensors, equal EmbeddingBag and the memory's reference paths."""
 
 import copy
 import os
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import modeling_pkm_bert  # noqa: F401  (registers the ops, for CPU tensors too under the interpreter)
 from modeling_pkm_bert import ProductKeyMemory
+from modeling_pkm_bert.kernels import triton_gathers
 from modeling_pkm_bert.methods.optimizers import SparseRowAdam
 
 
@@ -86,6 +87,134 @@ def test_bad_inputs_raise_clear_errors():
         torch.ops.pkm_bert.bag_sum(table, rows, weights[:2], bounds)
     with pytest.raises(ValueError, match="lookups for each"):
         torch.ops.pkm_bert.row_dots(table, rows, torch.randn(2, 4), 3)
+
+
+def lookups(tokens, bag, n_rows, index_dtype, padding_rows=()):
+    """Rows drawn from a small table (duplicates in a bag and across bags), the table's first and last rows in the first
+    bag, never a row of `padding_rows`."""
+    readable = torch.tensor([r for r in range(n_rows) if r not in padding_rows])
+    rows = readable[torch.randint(0, len(readable), (tokens, bag))]
+    rows[0, 0], rows[0, -1] = readable[0], readable[-1]
+    if bag > 2:
+        rows[0, 1] = rows[0, 0]  # the same row twice in one bag
+    return rows.to(index_dtype)
+
+
+def embedding_bag_gradients(table, rows, weights, grad_output):
+    """The reference: F.embedding_bag's value, table and per-sample weight gradients, in fp64."""
+    table = table.double().requires_grad_()
+    weights = weights.double().requires_grad_()
+    out = F.embedding_bag(rows.long(), table, mode="sum", per_sample_weights=weights)
+    out.backward(grad_output.double())
+    return out.detach(), table.grad, weights.grad.reshape(-1)
+
+
+def assert_rounded_once(actual, exact, dtype):
+    """fp32: fp32 sums in another order; bf16: an fp32 sum rounded once to bf16 (within one bf16 ulp, 2**-7 relative:
+    the interpreter truncates where a GPU rounds to nearest), plus the fp32 summation error near zero."""
+    assert actual.dtype == dtype
+    relative = {torch.float32: 1e-5, torch.bfloat16: 2**-7}[dtype]
+    tolerance = exact.abs() * relative + 1e-5 * exact.abs().max().clamp_min(1)
+    assert torch.isfinite(actual).all()
+    assert ((actual.double() - exact).abs() <= tolerance).all(), (actual.double() - exact).abs().max()
+
+
+DTYPES_AND_SHAPES = [
+    # table dtype, weights dtype, tokens, bag, dim, index dtype
+    (torch.float32, torch.float32, 3, 7, 37, torch.int64),  # odd dim
+    (torch.float32, torch.float32, 2, 1, 20, torch.int32),  # a bag of 1
+    (torch.float32, torch.float32, 2, 20, 300, torch.int32),  # wider than a row block, duplicates in each bag
+    (torch.bfloat16, torch.float32, 3, 9, 45, torch.int64),  # bf16 values, fp32 softmax weights (the memory's case)
+    (torch.bfloat16, torch.bfloat16, 2, 12, 24, torch.int32),
+]
+
+
+@pytest.mark.parametrize("dtype,weights_dtype,tokens,bag,dim,index_dtype", DTYPES_AND_SHAPES)
+def test_bag_sum_and_fused_backward_equal_embedding_bag(dtype, weights_dtype, tokens, bag, dim, index_dtype):
+    """Forward (`bag_sum`) and backward (`row_sum_backward`: table and weight gradients in one pass) against
+    EmbeddingBag's autograd in fp64; padding rows (NaN) never read, their gradient exactly zero."""
+    torch.manual_seed(6)
+    n_rows, padding = 11, (3, 7)
+    table = torch.randn(n_rows, dim).to(dtype)
+    table[list(padding)] = float("nan")
+    rows = lookups(tokens, bag, n_rows, index_dtype, padding)
+    weights, grad_output = torch.randn(tokens, bag).to(weights_dtype), torch.randn(tokens, dim).to(dtype)
+    out, grad_table, grad_weights = embedding_bag_gradients(table, rows, weights, grad_output)
+    flat_rows, flat_weights = rows.reshape(-1), weights.reshape(-1)
+    bounds = torch.arange(0, tokens * bag + 1, bag)
+    assert_rounded_once(torch.ops.pkm_bert.bag_sum(table, flat_rows, flat_weights, bounds), out, dtype)
+    fused = torch.ops.pkm_bert.row_sum_backward(grad_output, table, flat_rows, flat_weights, bag, True, True)
+    assert_rounded_once(fused[0], grad_table.nan_to_num(), dtype)  # (EmbeddingBag's fp64 reference: 0 * NaN there)
+    assert (fused[0][list(padding)] == 0).all()
+    assert_rounded_once(fused[1], grad_weights, weights_dtype)
+    table_only = torch.ops.pkm_bert.row_sum_backward(grad_output, table, flat_rows, flat_weights, bag, True, False)
+    weights_only = torch.ops.pkm_bert.row_sum_backward(grad_output, table, flat_rows, flat_weights, bag, False, True)
+    assert table_only[1].numel() == 0 and weights_only[0].numel() == 0
+    assert torch.equal(table_only[0], fused[0]) and torch.equal(weights_only[1], fused[1])
+
+
+def test_fused_backward_into_the_coalesced_rows_of_a_sparse_gradient():
+    """With `slots` (the inverse of torch.unique), lookup l adds into row slots[l] of the (used rows, dim) gradient."""
+    torch.manual_seed(7)
+    table, rows = torch.randn(40, 19), lookups(4, 6, 40, torch.int64)
+    weights, grad_output = torch.randn(4, 6), torch.randn(4, 19)
+    used, slots = torch.unique(rows.reshape(-1), return_inverse=True)
+    dense, _ = torch.ops.pkm_bert.row_sum_backward(grad_output, table, rows.reshape(-1), weights.reshape(-1), 6, True, False)
+    coalesced, _ = torch.ops.pkm_bert.row_sum_backward(
+        grad_output, table, rows.reshape(-1), weights.reshape(-1), 6, True, False, slots, used.numel()
+    )
+    torch.testing.assert_close(coalesced, dense[used], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "config", [{"BLOCK_LOOKUPS": 2, "BLOCK_DIM": 16, "num_warps": 1}, {"BLOCK_LOOKUPS": 8, "BLOCK_DIM": 64, "num_warps": 4}]
+)
+def test_every_launch_configuration_sums_the_same(config):
+    """Bags spanning several lookup tiles, rows spanning several (or one padded) column blocks: the configurations that
+    benchmarks/gpu_triton_gathers.py sweeps all give EmbeddingBag's sums."""
+    torch.manual_seed(8)
+    table, rows, weights = torch.randn(30, 40), torch.randint(0, 30, (3, 9)), torch.randn(3, 9)
+    out = table.new_empty(3, 40)
+    triton_gathers.launch_bag_sum(table, rows.reshape(-1), weights.reshape(-1), torch.arange(0, 28, 9), out, config)
+    torch.testing.assert_close(out, F.embedding_bag(rows, table, mode="sum", per_sample_weights=weights))
+    grad_output, grad_table, grad_weights = torch.randn(3, 40), torch.zeros(30, 40), torch.empty(27)
+    triton_gathers.launch_row_sum_backward(
+        grad_output, table, rows.reshape(-1), weights.reshape(-1), 9, grad_table, grad_weights, config=config
+    )
+    _, expected_table, expected_weights = embedding_bag_gradients(table, rows, weights, grad_output)
+    torch.testing.assert_close(grad_table, expected_table.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_weights, expected_weights.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_opcheck():
+    torch.manual_seed(9)
+    table, rows, weights, grad_output = torch.randn(12, 10), torch.randint(0, 12, (8,)), torch.randn(8), torch.randn(2, 10)
+    used, slots = torch.unique(rows, return_inverse=True)
+    for args in (
+        (grad_output, table, rows, weights, 4, True, True),
+        (grad_output, table, rows.int(), weights, 4, False, True),
+        (grad_output.bfloat16(), table.bfloat16(), rows, weights, 4, True, False, slots, used.numel()),
+    ):
+        torch.library.opcheck(torch.ops.pkm_bert.row_sum_backward, args)
+    torch.library.opcheck(torch.ops.pkm_bert.bag_sum, (table, rows, weights, torch.tensor([0, 3, 8])))
+    torch.library.opcheck(torch.ops.pkm_bert.row_dots, (table, rows, grad_output, 4))
+
+
+def test_fused_backward_bad_inputs_raise_clear_errors():
+    table, rows, weights, grad_output = torch.randn(10, 4), torch.tensor([1, 2, 3, 4]), torch.rand(4), torch.randn(2, 4)
+    backward = torch.ops.pkm_bert.row_sum_backward
+    with pytest.raises(RuntimeError, match=r"rows must be in \[0, 10\)"):
+        backward(grad_output, table, torch.tensor([1, 2, 10, 4]), weights, 2, True, True)
+    with pytest.raises(RuntimeError, match=r"slots must be in \[0, 3\)"):
+        backward(grad_output, table, rows, weights, 2, True, False, torch.tensor([0, 1, 2, 3]), 3)
+    with pytest.raises(ValueError, match="n_slots >= 0"):
+        backward(grad_output, table, rows, weights, 2, True, False, torch.tensor([0, 1, 2, 3]))
+    with pytest.raises(ValueError, match="2 lookups for each of the 3 rows of grad_output"):
+        backward(torch.randn(3, 4), table, rows, weights, 2, True, True)
+    with pytest.raises(ValueError, match="weights must have the shape of rows"):
+        backward(grad_output, table, rows, weights[:3], 2, True, True)
+    with pytest.raises(ValueError, match="rows must be int32 or int64"):
+        backward(grad_output, table, rows.float(), weights, 2, True, True)
 
 
 def on_triton(memory):
