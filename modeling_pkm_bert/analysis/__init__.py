@@ -1,7 +1,8 @@
 """Seeing the memory: the memory report (usage heat maps, sorted usage curves, staleness, per-class usage, training
-curves) and the metrics log the training scripts write for it.
+curves), the memory explorer (a static page: what each slot holds) and the metrics log the training scripts write.
 
-Not imported by the remote-code files. Submodules: `report` (the report), `arguments` (its flags), `metrics_log`,
+Not imported by the remote-code files. Submodules: `report` (the report), `explorer` (the explorer page; its HTML in
+`explorer_page`), `arguments` (the report's flags), `metrics_log`,
 `memory_usage` (MU, KL_u, KL_w per memory layer), `class_usage` (per-class usage, Figure 4), `staleness` (Figure 2).
 Names resolve on first use; matplotlib (Agg) is imported only when a figure is drawn.
 
@@ -16,6 +17,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
         ".arguments": ("add_memory_report_arguments",),
+        ".explorer": ("MemoryExplorerError", "build_memory_explorer", "read_explorer_data"),
         ".metrics_log": ("METRICS_LOG_NAME", "MetricsLog", "read_metrics_log"),
         ".report": (
             "ClassData",

@@ -102,7 +102,8 @@ def text_sequences(tokenizer, texts: Sequence[str], max_seq_length: int, max_seq
     ]
 
 
-def _batches(tokenizer, rows: Sequence[dict], batch_size: int, device):
+def model_batches(tokenizer, rows: Sequence[dict], batch_size: int, device):
+    """`(padded batch on device, labels or None)` of `batch_size` rows at a time (the report's and the explorer's)."""
     for start in range(0, len(rows), batch_size):
         chunk = [dict(row) for row in rows[start : start + batch_size]] if not hasattr(rows, "select") else list(
             rows.select(range(start, min(start + batch_size, len(rows))))
@@ -129,7 +130,7 @@ def measure_usage(
     try:
         if sequences is not None:
             with tracker:
-                for batch, _ in _batches(tokenizer, sequences, batch_size, device):
+                for batch, _ in model_batches(tokenizer, sequences, batch_size, device):
                     model(**batch)
         if class_data is not None:
             classes = class_data.label_names
@@ -139,7 +140,7 @@ def measure_usage(
             if per_class is not None:
                 per_class.attach()
             try:
-                for batch, labels in _batches(tokenizer, class_data.dataset, batch_size, device):
+                for batch, labels in model_batches(tokenizer, class_data.dataset, batch_size, device):
                     if per_class is not None:
                         if labels is None:
                             raise MemoryReportError("the class examples have no 'labels': per-class usage needs them")

@@ -1,0 +1,356 @@
+"""The memory explorer: its numbers equal the memory report's and memory_usage's, its contexts and per-head picks equal
+a direct computation, the value projection is the documented one, a headless Chromium can use the page (layer, slot,
+search), and bad input gets a clear error."""
+
+import collections
+import json
+import re
+
+import pytest
+import torch
+from transformers import BertTokenizer
+
+from browser import Browser, chromium_or_skip
+from conftest import REPO_ROOT, tiny_config
+from helpers import load_script
+from modeling_pkm_bert import BertPkmForMaskedLM, BertPkmModel
+from modeling_pkm_bert.analysis import explorer as explorer_module
+from modeling_pkm_bert.analysis import report as report_module
+from modeling_pkm_bert.analysis import write_memory_report
+from modeling_pkm_bert.analysis.explorer import (
+    MemoryExplorerError,
+    SlotSelections,
+    build_memory_explorer,
+    project_values,
+    read_explorer_data,
+)
+from modeling_pkm_bert.analysis.memory_usage import track_memory_usage
+
+
+TEXT = (REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_validation.txt").read_text(encoding="utf-8")
+LENGTH, SEQUENCES = 32, 10  # 320 tokens
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    words = collections.Counter(re.findall(r"\w+|[^\w\s]", TEXT.lower()))
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
+    folder = tmp_path_factory.mktemp("tokenizer")
+    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(folder)
+    return BertTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return BertPkmForMaskedLM(tiny_config(vocab_size=200, pkm_layers=[0, 2])).eval()
+
+
+@pytest.fixture(scope="module")
+def explorer(model, tokenizer, tmp_path_factory):
+    """The explorer of the tiny model, every context kept (more than any slot gets), 4 data chunks per layer."""
+    folder = tmp_path_factory.mktemp("explorer") / "explorer"
+    summary = build_memory_explorer(model, tokenizer, folder, [TEXT], max_seq_length=LENGTH,
+                                    max_tokens=LENGTH * SEQUENCES, contexts_per_slot=1000, chunk_size=16)  # fmt: skip
+    return folder, summary
+
+
+def tracker_of(model, tokenizer):
+    """memory_usage's tracker over the explorer's sequences, run independently; and those sequences' token ids."""
+    sequences = report_module.text_sequences(tokenizer, [TEXT], LENGTH, SEQUENCES)
+    with track_memory_usage(model) as tracker, torch.no_grad():
+        model(input_ids=torch.tensor([s["input_ids"] for s in sequences]))
+    return tracker, [i for s in sequences for i in s["input_ids"]]
+
+
+def layer_of(summary, name):
+    return next(layer for layer in summary["layers"] if layer["name"] == name)
+
+
+def all_contexts(folder, layer):
+    contexts, promoted = {}, {}
+    for chunk in layer["chunks"]:
+        data = read_explorer_data(folder, f"{layer['name']}/slots_{chunk:05d}")
+        contexts.update({int(k): v for k, v in data["contexts"].items()})
+        promoted.update({int(k): v for k, v in data["promoted"].items()})
+    return contexts, promoted
+
+
+def test_numbers_equal_the_memory_report_and_memory_usage(model, tokenizer, explorer, tmp_path):
+    folder, summary = explorer
+    report = write_memory_report(model, tokenizer, tmp_path / "report", texts=[TEXT], max_seq_length=LENGTH,
+                                 max_sequences=SEQUENCES)  # fmt: skip
+    tracker, token_ids = tracker_of(model, tokenizer)
+    assert json.loads((folder / "explorer.json").read_text()) == read_explorer_data(folder) == summary
+    assert summary["tokens"] == LENGTH * SEQUENCES and [layer["name"] for layer in summary["layers"]] == ["layer_0", "layer_2"]
+    assert read_explorer_data(folder, "tokens")["tokens"] == tokenizer.convert_ids_to_tokens(token_ids)
+    for name, accumulator in tracker.accumulators.items():
+        layer = layer_of(summary, name)
+        assert layer["metrics"] == report["usage"][name] == tracker.results()[name]
+        assert layer["never_picked"] == int((accumulator.top1_counts == 0).sum())
+        assert layer["never_selected"] == int((accumulator.used_counts == 0).sum()) > 0 or name == "layer_0"
+        ranked = layer["ranked"]
+        slots = torch.tensor(ranked["slot"])
+        # every selected slot once, by top-1 picks then weight, with memory_usage's counts
+        assert sorted(ranked["slot"]) == accumulator.used_counts.nonzero().squeeze(1).tolist()
+        assert ranked["top1"] == accumulator.top1_counts[slots].tolist() == sorted(ranked["top1"], reverse=True)
+        assert ranked["weight"] == accumulator.weight_sums[slots].tolist()
+        assert ranked["used"] == accumulator.used_counts[slots].tolist()
+        for (top1, weight), (next_top1, next_weight) in zip(zip(ranked["top1"], ranked["weight"]),
+                                                            zip(ranked["top1"][1:], ranked["weight"][1:])):  # fmt: skip
+            assert top1 > next_top1 or weight >= next_weight
+        # the usage curve ends at 100 % and the top-1 curve reaches it at the share of picked slots
+        assert layer["curve"]["x"][0] == 0 and layer["curve"]["x"][-1] == 1 and layer["curve"]["top1"][-1] == 1
+
+
+def test_contexts_and_picks_equal_a_direct_computation(model, tokenizer, explorer):
+    """Per slot, the kept contexts (all of them here) add up to memory_usage's counts; per token, the top-1 slot and
+    each head's best slot are those of the memory's own search on the layer's input."""
+    folder, summary = explorer
+    tracker, token_ids = tracker_of(model, tokenizer)
+    inputs = {}
+    hooks = [model.bert.encoder.layer[i].memory.register_forward_hook(
+        lambda module, args, output, i=i: inputs.__setitem__(i, args[0])) for i in (0, 2)]  # fmt: skip
+    with torch.no_grad():
+        model(input_ids=torch.tensor(token_ids).view(SEQUENCES, LENGTH))
+    for hook in hooks:
+        hook.remove()
+    for index in (0, 2):
+        name, memory = f"layer_{index}", model.bert.encoder.layer[index].memory
+        accumulator, layer = tracker.accumulators[name], layer_of(summary, f"layer_{index}")
+        contexts, promoted = all_contexts(folder, layer)
+        for slot in range(accumulator.mem_size):
+            kept = contexts.get(slot, [])
+            assert len(kept) == accumulator.used_counts[slot]
+            assert sum(top1 for _, _, top1 in kept) == accumulator.top1_counts[slot]
+            assert sum(w for _, w, _ in kept) == pytest.approx(float(accumulator.weight_sums[slot]), rel=1e-5)
+            assert [w for _, w, _ in kept] == sorted((w for _, w, _ in kept), reverse=True)
+        assert len(promoted) == accumulator.mem_size
+
+        selections = read_explorer_data(folder, f"{name}/selections")
+        picks = torch.tensor(selections["top1"])
+        assert torch.equal(torch.bincount(picks, minlength=accumulator.mem_size), accumulator.top1_counts)
+        with torch.no_grad():
+            queries = memory.query_batchnorm(memory.query_proj(inputs[index].reshape(-1, 32)))
+            scores, indices = memory.search(queries.view(-1, memory.heads, memory.k_dim))
+        best = indices.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)  # (tokens, heads)
+        assert selections["head_top1"] == best.T.tolist()
+        weights = scores.softmax(-1).max(-1).values.T
+        assert torch.allclose(torch.tensor(selections["head_top1_weight"]), weights, atol=1e-4)
+        # a token's context is its position: the token stream holds the token that selected the slot
+        slot, kept = next(iter(contexts.items()))
+        assert all(slot in indices[position].flatten().tolist() for position, _, _ in kept)
+
+
+def test_kept_contexts_are_the_heaviest_whatever_the_pruning(monkeypatch):
+    """SlotSelections prunes its candidates as it goes: the result is the heaviest `contexts_per_slot` per slot (ties:
+    the earlier token), as one sort over everything gives."""
+    torch.manual_seed(1)
+    tokens, heads, knn, size, keep = 300, 2, 3, 10, 4
+    indices = torch.randint(0, size, (tokens, heads, knn))
+    weights = torch.rand(tokens, heads, knn).round(decimals=1)  # ties and zeros
+    monkeypatch.setattr(explorer_module, "PRUNE_AT", 50)
+    selections = SlotSelections(size, heads, keep)
+    for start in range(0, tokens, 32):
+        selections.update(indices[start : start + 32].flatten(1), weights[start : start + 32].flatten(1))
+    slots, positions, kept_weights, _ = selections.contexts()
+
+    totals = weights.double().flatten(1).sum(1)
+    expected = []
+    for slot in range(size):
+        per_token = ((indices == slot) * weights.double()).flatten(1).sum(1) / totals.clamp_min(1e-300)
+        candidates = [(-float(w), position) for position, w in enumerate(per_token) if w > 0]
+        expected += [(slot, position, -w) for w, position in sorted(candidates)[:keep]]
+    got = list(zip(slots.tolist(), positions.tolist(), kept_weights.tolist()))
+    assert [(s, p) for s, p, _ in got] == [(s, p) for s, p, _ in expected]
+    assert [w for _, _, w in got] == pytest.approx([w for _, _, w in expected])
+
+
+@pytest.mark.parametrize("mode, scale", [("resm", None), ("replace", -0.5)])
+def test_value_projection_is_the_documented_one(mode, scale, tokenizer, tmp_path):
+    """logits = E @ (gamma * (s v - mean(s v))): E the MLM decoder, gamma the LayerNorm closing the memory's layer, s
+    the memory scale; and the page's promoted tokens are its top tokens."""
+    torch.manual_seed(2)
+    config = tiny_config(vocab_size=200, pkm_layers=[1], pkm_mode=mode, pkm_memory_scale=scale, tie_word_embeddings=False)
+    model = BertPkmForMaskedLM(config).eval()
+    layer = model.bert.encoder.layer[1]
+    with torch.no_grad():  # gains far from 1, so that leaving gamma out would change the ranking
+        layer.output.LayerNorm.weight.uniform_(-2, 2)
+        model.cls.predictions.decoder.weight.normal_()
+    decoder, gamma = model.cls.predictions.decoder.weight, layer.output.LayerNorm.weight
+    memory = layer.memory
+    slots = torch.tensor([0, 5, 63])
+    rows = memory.values.weight[slots] * (1 if scale is None else scale)
+    expected = (rows - rows.mean(-1, keepdim=True)) * gamma @ decoder.T
+    assert torch.allclose(project_values(model, memory, slots), expected, atol=1e-5)
+    assert not torch.equal(decoder, model.bert.embeddings.word_embeddings.weight)  # E is the decoder, not the input
+
+    summary = build_memory_explorer(model, tokenizer, tmp_path / "explorer", [TEXT], max_seq_length=LENGTH,
+                                    max_tokens=LENGTH * 2, top_tokens=5)  # fmt: skip
+    layer_summary = layer_of(summary, "layer_1")
+    assert layer_summary["projection"]["gamma"] == "bert.encoder.layer.1.output.LayerNorm.weight"
+    _, promoted = all_contexts(tmp_path / "explorer", layer_summary)
+    for slot, row in zip(slots.tolist(), expected):
+        logits, ids = row.topk(5)
+        assert [token for token, _ in promoted[slot]] == tokenizer.convert_ids_to_tokens(ids.tolist())
+        assert [logit for _, logit in promoted[slot]] == pytest.approx(logits.tolist(), abs=1e-3)
+
+    # a model without an LM head reads the word embeddings (tied to the decoder in BERT)
+    base = BertPkmModel(config).eval()
+    row = base.encoder.layer[1].memory.values.weight[:1] * (1 if scale is None else scale)
+    gamma = base.encoder.layer[1].output.LayerNorm.weight
+    expected = (row - row.mean(-1, keepdim=True)) * gamma @ base.embeddings.word_embeddings.weight.T
+    assert torch.allclose(project_values(base, base.encoder.layer[1].memory, torch.tensor([0])), expected, atol=1e-5)
+
+
+def test_most_used_slots_only_are_projected_on_request(model, tokenizer, tmp_path):
+    summary = build_memory_explorer(model, tokenizer, tmp_path / "explorer", [TEXT], max_seq_length=LENGTH,
+                                    max_tokens=LENGTH * SEQUENCES, max_projected_slots=5)  # fmt: skip
+    for layer in summary["layers"]:
+        _, promoted = all_contexts(tmp_path / "explorer", layer)
+        assert layer["projected_slots"] == 5 and sorted(promoted) == sorted(layer["ranked"]["slot"][:5])
+
+
+# ---- the page in a real browser ----
+
+
+def page_ready(browser):
+    return browser.wait_for(
+        "document.body.getAttribute('data-ready') === (location.hash || '#') && document.body.getAttribute('data-ready')",
+        "the page to draw its view",
+    )
+
+
+def test_a_browser_selects_a_layer_opens_a_slot_and_searches(explorer, tokenizer, tmp_path):
+    """Chromium opens index.html from disk; clicks the second layer, a slot of the ranked table, and searches a word;
+    the test reads what the page shows and compares it with the data. A screenshot of each view is saved (the docs'
+    are made the same way: docs/memory_explorer.md)."""
+    chromium_or_skip()
+    folder, summary = explorer
+    tokens = read_explorer_data(folder, "tokens")["tokens"]
+    with Browser() as browser:
+        browser.open((folder / "index.html").as_uri())
+        page_ready(browser)
+        assert browser.evaluate("document.querySelector('#layer-view h2').textContent").startswith("layer_0: 64 slots")
+
+        # select a layer: its metrics and its ranked slots
+        browser.evaluate("document.getElementById('layer-layer_2').click()")
+        assert page_ready(browser) == "#layer=layer_2&sort=top1"
+        layer = layer_of(summary, "layer_2")
+        m = layer["metrics"]
+        shown = dict(browser.evaluate(
+            "Array.from(document.querySelectorAll('#metrics tr')).map(r => [r.dataset.metric, r.cells[1].textContent])"
+        ))  # fmt: skip
+        assert shown["tokens"] == str(m["tokens"])
+        assert shown["mu"] == f"{100 * m['mu']:.2f} %" and shown["top1_mu"] == f"{100 * m['top1_mu']:.2f} %"
+        assert shown["kl_u"] == f"{m['kl_u']:.4f}" and shown["gini_w"] == f"{m['gini_w']:.4f}"
+        assert shown["never_picked"].startswith(f"{layer['never_picked']} (")
+        rows = browser.evaluate(
+            "Array.from(document.querySelectorAll('#slot-table tr[data-slot]')).map(r => [+r.dataset.slot,"
+            " +r.querySelector('[data-field=top1]').textContent, +r.querySelector('[data-field=weight]').textContent])"
+        )
+        ranked = layer["ranked"]
+        assert [r[0] for r in rows] == ranked["slot"][:50] and [r[1] for r in rows] == ranked["top1"][:50]
+        assert [r[2] for r in rows] == pytest.approx(ranked["weight"][:50], abs=5e-4)
+        browser.screenshot(tmp_path / "explorer_layer.png")
+
+        # page through the slots
+        browser.evaluate("document.getElementById('next-page').click()")
+        page_ready(browser)
+        assert browser.evaluate("+document.querySelector('#slot-table tr[data-slot]').dataset.slot") == ranked["slot"][50]
+
+        # open a slot: its contexts (heaviest first, with the token highlighted) and its promoted tokens
+        slot = ranked["slot"][52]
+        browser.evaluate(f"document.querySelector('#slot-table tr[data-slot=\"{slot}\"]').click()")
+        assert page_ready(browser) == f"#layer=layer_2&sort=top1&page=1&slot={slot}"
+        contexts, promoted = all_contexts(folder, layer)
+        shown = browser.evaluate(
+            "Array.from(document.querySelectorAll('#contexts li')).map(li => [+li.dataset.position, +li.dataset.weight,"
+            " li.querySelector('mark').textContent, !!li.querySelector('.top1')])"
+        )
+        assert shown == [[p, w, tokens[p].removeprefix("##"), bool(t)] for p, w, t in contexts[slot]]
+        assert browser.evaluate("document.getElementById('slot-title').textContent") == f"layer_2, slot {slot} ({slot // 8}, {slot % 8})"
+        assert browser.evaluate("Array.from(document.querySelectorAll('#promoted [data-token]')).map(s => s.dataset.token)") == [
+            token for token, _ in promoted[slot]
+        ]
+        browser.screenshot(tmp_path / "explorer_slot.png")
+
+        # search a word: the slots its occurrences select, per layer (top-1) and per head
+        word = "elizabeth"
+        browser.evaluate(f"document.getElementById('search').value = '{word}'; document.getElementById('search-button').click()")
+        page_ready(browser)
+        positions = [p for p, token in enumerate(tokens) if token == word]
+        assert browser.evaluate("document.getElementById('search-title').textContent").endswith(f": {len(positions)} token occurrences")
+        for name in ("layer_0", "layer_2"):
+            selections = read_explorer_data(folder, f"{name}/selections")
+            for head, picks in [("top1", selections["top1"]), *[(str(h), p) for h, p in enumerate(selections["head_top1"])]]:
+                expected = collections.Counter(picks[p] for p in positions)
+                expected = sorted(expected.items(), key=lambda item: (-item[1], item[0]))
+                shown = browser.evaluate(
+                    f"Array.from(document.querySelectorAll('.search-layer[data-layer={name}] [data-head=\"{head}\"] a'))"
+                    ".map(a => [+a.dataset.slot, +a.dataset.count])"
+                )
+                assert shown == [list(pair) for pair in expected[: len(shown)]] and len(shown) >= min(len(expected), 8)
+        browser.screenshot(tmp_path / "explorer_search.png")
+
+        # a search result opens its slot in its layer
+        browser.evaluate("document.querySelector('.search-layer[data-layer=layer_0] [data-head=top1] a').click()")
+        assert page_ready(browser).startswith("#layer=layer_0&sort=top1&slot=")
+
+        # a layer that does not exist is named, and the first layer shown
+        browser.evaluate("location.hash = 'layer=layer_9'")
+        page_ready(browser)
+        assert "no memory layer layer_9 (the layers: layer_0, layer_2)" in browser.evaluate("document.getElementById('error').textContent")
+    for view in ("layer", "slot", "search"):
+        assert (tmp_path / f"explorer_{view}.png").read_bytes().startswith(b"\x89PNG")
+
+
+# ---- the script and bad input ----
+
+
+def test_script_writes_the_page(model, tokenizer, tmp_path):
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    text = tmp_path / "held_out.txt"
+    text.write_text(TEXT)
+    script = load_script("memory_explorer")
+    summary = script.main(["--model_name_or_path", str(folder), "--output_dir", str(tmp_path / "out"), "--text_file",
+                           str(text), "--max_seq_length", str(LENGTH), "--max_tokens", "96", "--layers", "2"])  # fmt: skip
+    assert [layer["name"] for layer in summary["layers"]] == ["layer_2"] and summary["tokens"] == 96
+    assert (tmp_path / "out" / "index.html").read_text().startswith("<!DOCTYPE html>")
+    assert "Memory explorer of model" in (tmp_path / "out" / "index.html").read_text()
+
+
+def test_bad_input_is_named(model, tokenizer, tmp_path):
+    with pytest.raises(MemoryExplorerError, match="layer 5 has no memory: the model's memory layers are layer_0, layer_2"):
+        build_memory_explorer(model, tokenizer, tmp_path / "a", [TEXT], layers=[5])
+    with pytest.raises(MemoryExplorerError, match="the texts are empty"):
+        build_memory_explorer(model, tokenizer, tmp_path / "b", ["", "  \n"])
+    with pytest.raises(MemoryExplorerError, match="too short for one sequence"):
+        build_memory_explorer(model, tokenizer, tmp_path / "c", ["a few words"])
+    with pytest.raises(MemoryExplorerError, match="max_tokens=10 is less than one sequence of 128 tokens"):
+        build_memory_explorer(model, tokenizer, tmp_path / "d", [TEXT], max_tokens=10)
+    plain = BertPkmForMaskedLM(tiny_config(vocab_size=200, pkm_layers=[]))
+    with pytest.raises(MemoryExplorerError, match="has no product key memory layer"):
+        build_memory_explorer(plain, tokenizer, tmp_path / "e", [TEXT])
+    assert not any(tmp_path.iterdir())  # nothing half-written
+
+    script = load_script("memory_explorer")
+    folder = tmp_path / "plain"
+    plain.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with pytest.raises(MemoryExplorerError, match="has no product key memory layer"):
+        script.main(["--model_name_or_path", str(folder), "--output_dir", str(tmp_path / "out")])
+    folder = tmp_path / "pkm"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with pytest.raises(MemoryExplorerError, match="layer 7 has no memory"):
+        script.main(["--model_name_or_path", str(folder), "--output_dir", str(tmp_path / "out"), "--layers", "7"])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    with pytest.raises(MemoryExplorerError, match="the texts are empty"):
+        script.main(["--model_name_or_path", str(folder), "--output_dir", str(tmp_path / "out"), "--text_file", str(empty)])
+    with pytest.raises(SystemExit):
+        script.parse_args(["--model_name_or_path", str(folder), "--output_dir", "x", "--text_file", "missing.txt"])
+    assert not (tmp_path / "out").exists()
