@@ -1,5 +1,6 @@
-"""Run by `tests/test_triton_kernels.py` under the Triton interpreter (`TRITON_INTERPRET=1`): the Triton gathers of
-`kernels/triton_gathers.py`, on CPU tensors, equal EmbeddingBag and the memory's reference paths."""
+"""Run by `tests/test_triton_kernels.py` in a subprocess: the Triton gathers of `kernels/triton_gathers.py` equal
+EmbeddingBag and the memory's reference paths. On CPU tensors under the Triton interpreter (`TRITON_INTERPRET=1`), or,
+with `PKM_TRITON_TEST_DEVICE=cuda`, compiled on a GPU (tensors made on the default device)."""
 
 import copy
 import os
@@ -14,8 +15,12 @@ from modeling_pkm_bert.kernels import triton_gathers
 from modeling_pkm_bert.methods.optimizers import SparseRowAdam
 
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.exit("run through tests/test_triton_kernels.py: these tests need TRITON_INTERPRET=1", returncode=2)
+DEVICE = os.environ.get("PKM_TRITON_TEST_DEVICE", "cpu")
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.exit("run through tests/test_triton_kernels.py: these tests need TRITON_INTERPRET=1 on CPU", returncode=2)
+torch.set_default_device(DEVICE)
+# a failed device-side check (torch._assert_async) on CUDA ends the process's CUDA context: checked on CPU only
+cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="device-side assertions are checked on CPU (the interpreter)")
 
 
 def op_calls(function) -> dict[str, int]:
@@ -70,6 +75,7 @@ def test_row_dots_equal_dot_products(dim, index_dtype):
     torch.testing.assert_close(out.view(tokens, bag), expected, rtol=1e-5, atol=1e-5)
 
 
+@cpu_only
 def test_bad_inputs_raise_clear_errors():
     table, rows, weights, bounds = torch.randn(10, 4), torch.tensor([1, 2, 3]), torch.rand(3), torch.tensor([0, 3])
     with pytest.raises(RuntimeError, match=r"rows must be in \[0, 10\)"):
@@ -200,6 +206,7 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.pkm_bert.row_dots, (table, rows, grad_output, 4))
 
 
+@cpu_only
 def test_fused_backward_bad_inputs_raise_clear_errors():
     table, rows, weights, grad_output = torch.randn(10, 4), torch.tensor([1, 2, 3, 4]), torch.rand(4), torch.randn(2, 4)
     backward = torch.ops.pkm_bert.row_sum_backward
@@ -217,9 +224,20 @@ def test_fused_backward_bad_inputs_raise_clear_errors():
         backward(grad_output, table, rows.float(), weights, 2, True, True)
 
 
+@cpu_only
+def test_gpu_benchmark_runs_at_a_tiny_size():
+    """benchmarks/gpu_triton_gathers.py --smoke: every op and a corner of the sweep, on CPU (the figures mean nothing)."""
+    from helpers import load_script
+
+    results = load_script("gpu_triton_gathers", "benchmarks").main(["--smoke", "--sweep", "--dtypes", "bf16"])
+    ops = {(r["phase"], r["op"]) for r in results}
+    assert {("forward", "bag_sum"), ("forward", "EmbeddingBag"), ("backward", "row_sum_backward (fused)")} <= ops
+    assert {r["phase"] for r in results} == {"forward", "backward", "forward sweep", "backward sweep"}
+
+
 def on_triton(memory):
     memory = copy.deepcopy(memory)
-    memory.values.triton_devices = ("cpu",)
+    memory.values.triton_devices = (DEVICE,)
     return memory
 
 
