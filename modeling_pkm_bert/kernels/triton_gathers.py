@@ -90,7 +90,10 @@ if triton is not None:
             valid = lookups < end
             row = tl.load(rows + lookups, mask=valid, other=0).to(tl.int64)
             weight = tl.load(weights + lookups, mask=valid, other=0.0).to(tl.float32)
-            mask = valid[:, None] if EVEN_DIM else valid[:, None] & in_row[None, :]
+            if EVEN_DIM:
+                mask = valid[:, None]
+            else:
+                mask = valid[:, None] & in_row[None, :]
             tile = tl.load(table + row[:, None] * dim + columns[None, :], mask=mask, other=0.0)
             total += tile.to(tl.float32) * weight[:, None]  # reduced across lookups once, after the loop
         out_row = out + bag.to(tl.int64) * dim
@@ -136,7 +139,7 @@ if triton is not None:
             if WEIGHTS_GRAD:
                 tile = tl.load(table + row[:, None] * dim + columns[None, :], mask=mask, other=0.0)
                 dots += tile.to(tl.float32) * g[None, :]
-            if TABLE_GRAD:  # the result unused: `red` instructions, no round trip; relaxed: no fences
+            if TABLE_GRAD:  # result unused (Triton emits reductions, no round trip); relaxed: no fences
                 target_at = grad_table + target[:, None] * dim + columns[None, :]
                 tl.atomic_add(target_at, weight[:, None] * g[None, :], mask=mask, sem="relaxed")
         if WEIGHTS_GRAD:
