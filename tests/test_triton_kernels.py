@@ -1,5 +1,6 @@
-"""The Triton value gathers (`triton_kernels.py`): checked on CPU tensors under the Triton interpreter, in a
-subprocess (the interpreter is chosen when the kernels are defined); and the CPU fallback when they are not there."""
+"""The Triton value gathers (`kernels/triton_gathers.py`): checked on CPU tensors under the Triton interpreter, in a
+subprocess (the interpreter is chosen when the kernels are defined), and compiled on CUDA where a GPU is; their launch
+configurations and the loops Triton compiles for an H200 (no GPU needed); the CPU fallback when they are not there."""
 
 import os
 import re
@@ -10,6 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.backends
+except ImportError:
+    triton = None
 
 from modeling_pkm_bert import ProductKeyMemory
 from modeling_pkm_bert.kernels import triton_gathers as triton_kernels
@@ -66,6 +73,49 @@ def test_launch_configurations_keep_as_many_bytes_in_flight_for_bf16_as_for_fp32
     assert triton_kernels.bag_sum_config(768, 4, 1.6)["BLOCK_LOOKUPS"] == 2
     assert triton_kernels.bag_sum_config(300, 4, 4)["BLOCK_DIM"] == 64  # 320 columns read for 300, not 512
     assert triton_kernels.row_sum_backward_config(128, 768)["BLOCK_LOOKUPS"] == 128
+
+
+def compiled_loop(kernel, signature: dict, constexprs: dict, num_warps: int) -> str:
+    """The PTX of the (only) loop of `kernel` compiled for an H100/H200 (sm_90), without a GPU: Triton's own compiler,
+    pointers 16-B aligned and integers divisible by 16 (as Triton specializes them at the paper's size)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind != "constexpr"}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+    lines = ptx.splitlines()
+    header = next(i for i, line in enumerate(lines) if "Loop Header" in line)
+    label = re.search(r"(\$L__BB\d+_\d+):", lines[header] + lines[header - 1]).group(1)
+    back_edge = next(i for i in range(header, len(lines)) if re.search(rf"bra\s+{re.escape(label)};", lines[i]))
+    return "\n".join(lines[header:back_edge])
+
+
+def test_compiled_loops_stream_rows_without_barriers():
+    """The bf16 fix, checked in the code an H200 runs (compiled here for sm_90, no GPU needed): at the paper's size the
+    loop of `bag_sum` has no barrier (the old per-tile `tl.sum` put 8 `bar.sync` in each bf16 iteration, with 4 vector
+    loads) and issues as many 16-B table loads per thread in bf16 as in fp32 (8); the fused backward's loop has no
+    barrier and adds with vector reductions that return nothing (`red`, relaxed), not `atom`."""
+    if not triton_kernels.available() or "nvidia" not in triton.backends.backends:
+        pytest.skip("needs the triton package with its NVIDIA backend (the compiler runs without a GPU)")
+    for dtype, size in (("fp32", 4), ("bf16", 2)):
+        config = triton_kernels.bag_sum_config(768, size, 128)
+        signature = {"table": f"*{dtype}", "rows": "*i64", "weights": f"*{dtype}", "offsets": "*i64",
+                     "out": f"*{dtype}", "dim": "i32", "BLOCK_LOOKUPS": "constexpr", "BLOCK_DIM": "constexpr",
+                     "EVEN_DIM": "constexpr"}  # fmt: skip
+        constexprs = {"BLOCK_LOOKUPS": config["BLOCK_LOOKUPS"], "BLOCK_DIM": config["BLOCK_DIM"], "EVEN_DIM": True}
+        loop = compiled_loop(triton_kernels._bag_sum_kernel, signature, constexprs, config["num_warps"])
+        assert "bar.sync" not in loop, dtype
+        assert loop.count("ld.global.v4.b32") == 8, dtype  # 32 KiB a tile / (256 threads x 16 B)
+    config = triton_kernels.row_sum_backward_config(128, 768)
+    signature = {"grad_output": "*bf16", "table": "*bf16", "rows": "*i64", "weights": "*fp32", "slots": "*i64",
+                 "grad_table": "*fp32", "grad_weights": "*fp32", "bag": "i32", "dim": "i32"}  # fmt: skip
+    constexprs = {"TABLE_GRAD": True, "WEIGHTS_GRAD": True, "HAS_SLOTS": False,
+                  "BLOCK_LOOKUPS": config["BLOCK_LOOKUPS"], "BLOCK_DIM": config["BLOCK_DIM"]}  # fmt: skip
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    loop = compiled_loop(triton_kernels._row_sum_backward_kernel, signature, constexprs, config["num_warps"])
+    assert "bar.sync" not in loop and "atom." not in loop
+    assert "red.global.gpu.relaxed.add.v4.f32" in loop
 
 
 def test_off_by_default_and_cpu_fallback_without_registered_kernels():
