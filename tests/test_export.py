@@ -311,3 +311,25 @@ def test_onnx_export_of_a_remote_code_model_without_the_package(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert float(result.stdout.strip().splitlines()[-1]) < 1e-5
+
+
+@pytest.mark.parametrize("class_name", ["BertPkmForMaskedLM", "BertPkmForCausalLM"])
+def test_export_and_onnx_of_n_gram_memories_equal_eager(class_name, tmp_path):
+    """Hashed n-gram memories (issue 35): the hash is integer ops plus a gather, exported with dynamic shapes (padding
+    included) and run in onnxruntime."""
+    model = tiny_model(class_name, ngram_layers=[0, 1], ngram_table_size=211, ngram_dim=4)
+    with torch.no_grad():  # a contributing memory (its value projection starts at zero)
+        for i in (0, 1):
+            model.bert.encoder.layer[i].ngram.value.weight.normal_()
+    no_cache = {"use_cache": False} if class_name == "BertPkmForCausalLM" else {}
+    program = export_program(model, batch(class_name, 2, 6, pad_from=4), dynamic=True)
+    for size, length, pad_from in [(3, 9, 2), (2, 6, None)]:
+        inputs = batch(class_name, size, length, pad_from)
+        with torch.no_grad():
+            assert_outputs_equal(program.module()(**inputs), model(**inputs, **no_cache))
+    if class_name == "BertPkmForMaskedLM":
+        path = export_onnx(model, tmp_path / "model.onnx", batch(class_name, 2, 6, pad_from=3))
+        inputs = batch(class_name, 3, 8, pad_from=2)
+        with torch.no_grad():
+            expected = model(**inputs).logits
+        torch.testing.assert_close(torch.from_numpy(run_onnx(path, inputs)["logits"]), expected, atol=1e-4, rtol=1e-4)

