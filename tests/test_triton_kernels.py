@@ -102,15 +102,16 @@ def test_compiled_loops_stream_rows_without_barriers():
         config = triton_kernels.bag_sum_config(768, size, 128)
         signature = {"table": f"*{dtype}", "rows": "*i64", "weights": f"*{dtype}", "offsets": "*i64",
                      "out": f"*{dtype}", "dim": "i32", "BLOCK_LOOKUPS": "constexpr", "BLOCK_DIM": "constexpr",
-                     "EVEN_DIM": "constexpr"}  # fmt: skip
-        constexprs = {"BLOCK_LOOKUPS": config["BLOCK_LOOKUPS"], "BLOCK_DIM": config["BLOCK_DIM"], "EVEN_DIM": True}
+                     "EVEN_DIM": "constexpr", "ACC": "constexpr"}  # fmt: skip
+        constexprs = {"BLOCK_LOOKUPS": config["BLOCK_LOOKUPS"], "BLOCK_DIM": config["BLOCK_DIM"], "EVEN_DIM": True,
+                      "ACC": triton.language.float32}
         loop = compiled_loop(triton_kernels._bag_sum_kernel, signature, constexprs, config["num_warps"])
         assert "bar.sync" not in loop, dtype
         assert loop.count("ld.global.v4.b32") == 8, dtype  # 32 KiB a tile / (256 threads x 16 B)
     config = triton_kernels.row_sum_backward_config(128, 768)
     signature = {"grad_output": "*bf16", "table": "*bf16", "rows": "*i64", "weights": "*fp32", "slots": "*i64",
                  "grad_table": "*fp32", "grad_weights": "*fp32", "bag": "i32", "dim": "i32"}  # fmt: skip
-    constexprs = {"TABLE_GRAD": True, "WEIGHTS_GRAD": True, "HAS_SLOTS": False,
+    constexprs = {"TABLE_GRAD": True, "WEIGHTS_GRAD": True, "HAS_SLOTS": False, "ACC": triton.language.float32,
                   "BLOCK_LOOKUPS": config["BLOCK_LOOKUPS"], "BLOCK_DIM": config["BLOCK_DIM"]}  # fmt: skip
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     loop = compiled_loop(triton_kernels._row_sum_backward_kernel, signature, constexprs, config["num_warps"])

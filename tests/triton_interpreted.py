@@ -116,11 +116,13 @@ def embedding_bag_gradients(table, rows, weights, grad_output):
 
 
 def assert_rounded_once(actual, exact, dtype):
-    """fp32: fp32 sums in another order; bf16: an fp32 sum rounded once to bf16 (within one bf16 ulp, 2**-7 relative:
-    the interpreter truncates where a GPU rounds to nearest), plus the fp32 summation error near zero."""
+    """fp32: fp32 sums in another order; bf16 and fp16: an fp32 sum rounded once (within one ulp, 2**-7 and 2**-10
+    relative: the interpreter truncates where a GPU rounds to nearest), plus the fp32 summation error near zero; fp64:
+    fp64 sums (an fp32 sum would be off by ~1e-7)."""
     assert actual.dtype == dtype
-    relative = {torch.float32: 1e-5, torch.bfloat16: 2**-7}[dtype]
-    tolerance = exact.abs() * relative + 1e-5 * exact.abs().max().clamp_min(1)
+    relative = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float64: 1e-12}[dtype]
+    summation = 1e-12 if dtype == torch.float64 else 1e-5
+    tolerance = exact.abs() * relative + summation * exact.abs().max().clamp_min(1)
     assert torch.isfinite(actual).all()
     assert ((actual.double() - exact).abs() <= tolerance).all(), (actual.double() - exact).abs().max()
 
@@ -132,6 +134,8 @@ DTYPES_AND_SHAPES = [
     (torch.float32, torch.float32, 2, 20, 300, torch.int32),  # wider than a row block, duplicates in each bag
     (torch.bfloat16, torch.float32, 3, 9, 45, torch.int64),  # bf16 values, fp32 softmax weights (the memory's case)
     (torch.bfloat16, torch.bfloat16, 2, 12, 24, torch.int32),
+    (torch.float16, torch.float32, 2, 6, 20, torch.int32),
+    (torch.float64, torch.float64, 2, 5, 33, torch.int64),  # fp64 sums, not fp32
 ]
 
 

@@ -6,7 +6,7 @@ GPU (Meta's memory layers report < 400 GB/s on an H100, against ~3 TB/s for thei
 of a memory's gathers:
 
 - `bag_sum(table, rows, weights, offsets)`: `out[b] = sum of weights[l] * table[rows[l]]` over the lookups
-  `l in [offsets[b], offsets[b + 1])`, fp32 sums. It is the forward lookup (bags of `heads * knn` lookups per token)
+  `l in [offsets[b], offsets[b + 1])`, fp32 sums (fp64 for fp64 inputs). It is the forward lookup (bags of `heads * knn` lookups per token)
   and the sorted-segment value gradient (bags: the lookups of each used row sorted by row; table: the output
   gradient).
 - `row_dots(table, rows, other, bag)`: `out[l] = dot(table[rows[l]], other[l // bag])`, the gradient of each
@@ -44,7 +44,8 @@ sm_90 without a GPU and checks): no barrier in either loop, 8 16-B loads per thr
 - `tl.multiple_of`/`tl.max_contiguous` on the column offsets (contiguous runs of BLOCK_DIM starting at multiples of
   BLOCK_DIM, true by construction) and Triton's own specialization of `dim` divisible by 16 let the loads be 16 B
   vectors; a row block that divides `dim` drops the column mask (`EVEN_DIM`).
-Accumulation stays fp32 for every dtype; the result is rounded once to the table's dtype.
+Accumulation stays fp32 for fp32, bf16 and fp16 (fp64 for fp64 inputs); the result is rounded once to the table's
+dtype.
 
 Importing `modeling_pkm_bert` registers them as `torch.ops.pkm_bert.bag_sum`, `row_dots` and `row_sum_backward` for
 CUDA tensors when the `triton` package is installed. Under the Triton interpreter (`TRITON_INTERPRET=1` before the
@@ -81,48 +82,50 @@ if triton is not None:
     @triton.jit
     def _bag_sum_kernel(
         table, rows, weights, offsets, out, dim,
-        BLOCK_LOOKUPS: tl.constexpr, BLOCK_DIM: tl.constexpr, EVEN_DIM: tl.constexpr,
+        BLOCK_LOOKUPS: tl.constexpr, BLOCK_DIM: tl.constexpr, EVEN_DIM: tl.constexpr, ACC: tl.constexpr,
     ):  # fmt: skip
         bag, block = tl.program_id(0), tl.program_id(1)
         columns = block * BLOCK_DIM + tl.arange(0, BLOCK_DIM)
         columns = tl.max_contiguous(tl.multiple_of(columns, BLOCK_DIM), BLOCK_DIM)
         in_row = columns < dim
         begin, end = tl.load(offsets + bag), tl.load(offsets + bag + 1)
-        total = tl.zeros([BLOCK_LOOKUPS, BLOCK_DIM], dtype=tl.float32)
+        total = tl.zeros([BLOCK_LOOKUPS, BLOCK_DIM], dtype=ACC)
         for start in range(begin, end, BLOCK_LOOKUPS):
             lookups = start + tl.arange(0, BLOCK_LOOKUPS)
             valid = lookups < end
             row = tl.load(rows + lookups, mask=valid, other=0).to(tl.int64)
-            weight = tl.load(weights + lookups, mask=valid, other=0.0).to(tl.float32)
+            weight = tl.load(weights + lookups, mask=valid, other=0.0).to(ACC)
             if EVEN_DIM:
                 mask = valid[:, None]
             else:
                 mask = valid[:, None] & in_row[None, :]
             tile = tl.load(table + row[:, None] * dim + columns[None, :], mask=mask, other=0.0)
-            total += tile.to(tl.float32) * weight[:, None]  # reduced across lookups once, after the loop
+            total += tile.to(ACC) * weight[:, None]  # reduced across lookups once, after the loop
         out_row = out + bag.to(tl.int64) * dim
         tl.store(out_row + columns, tl.sum(total, axis=0).to(out.dtype.element_ty), mask=in_row)
 
     @triton.jit
-    def _row_dots_kernel(table, rows, other, out, n_lookups, bag, dim, BLOCK_LOOKUPS: tl.constexpr, BLOCK_DIM: tl.constexpr):
+    def _row_dots_kernel(
+        table, rows, other, out, n_lookups, bag, dim, BLOCK_LOOKUPS: tl.constexpr, BLOCK_DIM: tl.constexpr, ACC: tl.constexpr
+    ):
         lookups = tl.program_id(0).to(tl.int64) * BLOCK_LOOKUPS + tl.arange(0, BLOCK_LOOKUPS)
         valid = lookups < n_lookups
         row = tl.load(rows + lookups, mask=valid, other=0).to(tl.int64)
         token = lookups // bag
-        total = tl.zeros([BLOCK_LOOKUPS, BLOCK_DIM], dtype=tl.float32)
+        total = tl.zeros([BLOCK_LOOKUPS, BLOCK_DIM], dtype=ACC)
         for start in range(0, dim, BLOCK_DIM):
             columns = start + tl.arange(0, BLOCK_DIM)
             mask = valid[:, None] & (columns < dim)[None, :]
             a = tl.load(table + row[:, None] * dim + columns[None, :], mask=mask, other=0.0)
             b = tl.load(other + token[:, None] * dim + columns[None, :], mask=mask, other=0.0)
-            total += a.to(tl.float32) * b.to(tl.float32)
+            total += a.to(ACC) * b.to(ACC)
         tl.store(out + lookups, tl.sum(total, axis=1).to(out.dtype.element_ty), mask=valid)
 
     @triton.jit
     def _row_sum_backward_kernel(
         grad_output, table, rows, weights, slots, grad_table, grad_weights, bag, dim,
         TABLE_GRAD: tl.constexpr, WEIGHTS_GRAD: tl.constexpr, HAS_SLOTS: tl.constexpr,
-        BLOCK_LOOKUPS: tl.constexpr, BLOCK_DIM: tl.constexpr,
+        BLOCK_LOOKUPS: tl.constexpr, BLOCK_DIM: tl.constexpr, ACC: tl.constexpr,
     ):  # fmt: skip
         token, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
         within = chunk * BLOCK_LOOKUPS + tl.arange(0, BLOCK_LOOKUPS)
@@ -133,16 +136,16 @@ if triton is not None:
             target = tl.load(slots + lookups, mask=valid, other=0).to(tl.int64)
         else:
             target = row
-        weight = tl.load(weights + lookups, mask=valid, other=0.0).to(tl.float32)
-        dots = tl.zeros([BLOCK_LOOKUPS, BLOCK_DIM], dtype=tl.float32)
+        weight = tl.load(weights + lookups, mask=valid, other=0.0).to(ACC)
+        dots = tl.zeros([BLOCK_LOOKUPS, BLOCK_DIM], dtype=ACC)
         for start in range(0, dim, BLOCK_DIM):
             columns = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK_DIM), BLOCK_DIM), BLOCK_DIM)
             in_row = columns < dim
-            g = tl.load(grad_output + token * dim + columns, mask=in_row, other=0.0).to(tl.float32)
+            g = tl.load(grad_output + token * dim + columns, mask=in_row, other=0.0).to(ACC)
             mask = valid[:, None] & in_row[None, :]
             if WEIGHTS_GRAD:
                 tile = tl.load(table + row[:, None] * dim + columns[None, :], mask=mask, other=0.0)
-                dots += tile.to(tl.float32) * g[None, :]
+                dots += tile.to(ACC) * g[None, :]
             if TABLE_GRAD:  # result unused (Triton emits reductions, no round trip); relaxed: no fences
                 target_at = grad_table + target[:, None] * dim + columns[None, :]
                 tl.atomic_add(target_at, weight[:, None] * g[None, :], mask=mask, sem="relaxed")
@@ -160,6 +163,11 @@ def _check_rows(rows: torch.Tensor, n_rows: int, name: str = "rows"):
         raise ValueError(f"{name} must be int32 or int64, got {rows.dtype}")
     # an out-of-range row would read past the table; checked on the device (no host sync), raised at the next sync
     torch._assert_async(((rows >= 0) & (rows < n_rows)).all(), f"{name} must be in [0, {n_rows})")
+
+
+def _accumulator(*tensors: torch.Tensor):
+    """The sums' dtype: fp64 where an input is fp64 (fp32 sums would silently lose its precision), else fp32."""
+    return tl.float64 if any(t.dtype == torch.float64 for t in tensors) else tl.float32
 
 
 def bag_sum_config(dim: int, element_size: int, mean_bag: float) -> dict:
@@ -187,7 +195,8 @@ def launch_bag_sum(table, rows, weights, offsets, out, config: Optional[dict] = 
         return out
     config = dict(config or bag_sum_config(dim, table.element_size(), rows.numel() / n_bags))
     grid = (n_bags, triton.cdiv(dim, config["BLOCK_DIM"]))
-    _bag_sum_kernel[grid](table, rows, weights, offsets, out, dim, EVEN_DIM=dim % config["BLOCK_DIM"] == 0, **config)
+    even_dim, acc = dim % config["BLOCK_DIM"] == 0, _accumulator(table, weights)
+    _bag_sum_kernel[grid](table, rows, weights, offsets, out, dim, EVEN_DIM=even_dim, ACC=acc, **config)
     return out
 
 
@@ -225,7 +234,8 @@ def _row_dots(table: torch.Tensor, rows: torch.Tensor, other: torch.Tensor, bag:
     if n_lookups:
         block_dim = min(triton.next_power_of_2(max(dim, 1)), 128)
         _row_dots_kernel[(triton.cdiv(n_lookups, 32),)](table, rows.contiguous(), other, out, n_lookups, bag, dim,
-                                                         BLOCK_LOOKUPS=32, BLOCK_DIM=block_dim)  # fmt: skip
+                                                         BLOCK_LOOKUPS=32, BLOCK_DIM=block_dim,
+                                                         ACC=_accumulator(table, other))  # fmt: skip
     return out
 
 
@@ -240,8 +250,8 @@ def row_sum_backward_config(bag: int, dim: int) -> dict:
 def launch_row_sum_backward(
     grad_output, table, rows, weights, bag, grad_table, grad_weights, slots=None, config: Optional[dict] = None
 ):
-    """Runs `_row_sum_backward_kernel`, adding into the fp32 `grad_table` (None: no table gradient) and storing
-    `grad_weights` (None: none); `config` defaults to `row_sum_backward_config`. Inputs unchecked."""
+    """Runs `_row_sum_backward_kernel`, adding into `grad_table` (fp32, fp64 for fp64 inputs; None: no table gradient)
+    and storing `grad_weights` (None: none); `config` defaults to `row_sum_backward_config`. Inputs unchecked."""
     tokens, dim = grad_output.shape
     if not (tokens and dim and bag) or (grad_table is None and grad_weights is None):
         return
@@ -250,7 +260,7 @@ def launch_row_sum_backward(
     _row_sum_backward_kernel[grid](
         grad_output, table, rows, weights, slots if slots is not None else rows, grad_table, grad_weights, bag, dim,
         TABLE_GRAD=grad_table is not None, WEIGHTS_GRAD=grad_weights is not None, HAS_SLOTS=slots is not None,
-        **config,
+        ACC=_accumulator(grad_output, table, weights), **config,
     )  # fmt: skip
 
 
@@ -274,9 +284,10 @@ def _row_sum_backward(
     rows, weights = rows.contiguous(), weights.contiguous()
     slots = slots.contiguous() if slots is not None else None
     grad_table = grad_weights = None
-    if table_grad:  # fp32 sums whatever the table's dtype (atomics into an fp32 buffer, then one rounding)
+    if table_grad:  # fp32 sums for every narrower dtype (atomics into an fp32 buffer, then one rounding)
         shape = (n_slots if slots is not None else table.shape[0], table.shape[1])
-        grad_table = torch.zeros(shape, dtype=torch.float32, device=table.device)
+        wide = torch.float64 if _accumulator(grad_output, table, weights) == tl.float64 else torch.float32
+        grad_table = torch.zeros(shape, dtype=wide, device=table.device)
     if weights_grad:
         grad_weights = torch.empty_like(weights)
     launch_row_sum_backward(grad_output, table, rows, weights, bag, grad_table, grad_weights, slots)
