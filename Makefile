@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo convert test test-fast test-compat test-latest lint benchmark clean
+.PHONY: setup demo convert test test-fast test-compat test-latest lint browser benchmark clean
 
 setup: $(VENV)/.installed
 
@@ -48,6 +48,18 @@ test: setup $(MIN_VENV)/.installed
 # second environment); the README's `make test` stays the whole suite
 test-fast: setup
 	$(PY) -m pytest -q -m "not multiprocess" tests
+
+# the headless browser of tests/test_memory_explorer.py (Debian's chromium package), best effort: where it cannot be
+# installed (not root, no apt, offline) this says so and succeeds, and that test skips naming why
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
+	    echo "chromium: $$(command -v chromium || command -v chromium-browser)"; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+	    apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1; then \
+	    echo "chromium installed"; \
+	else \
+	    echo "chromium is not installed and could not be (apt-get install chromium, as root): the browser test of tests/test_memory_explorer.py will skip"; \
+	fi
 
 # ruff with the repository's configuration (ruff.toml); the suite runs it too (tests/test_layout.py)
 lint: setup

@@ -80,6 +80,7 @@ def test_numbers_equal_the_memory_report_and_memory_usage(model, tokenizer, expl
     folder, summary = explorer
     report = write_memory_report(model, tokenizer, tmp_path / "report", texts=[TEXT], max_seq_length=LENGTH,
                                  max_sequences=SEQUENCES)  # fmt: skip
+    assert "run_scripts/memory_explorer.py" in (tmp_path / "report" / "memory_report.md").read_text()  # the link
     tracker, token_ids = tracker_of(model, tokenizer)
     assert json.loads((folder / "explorer.json").read_text()) == read_explorer_data(folder) == summary
     assert summary["tokens"] == LENGTH * SEQUENCES and [layer["name"] for layer in summary["layers"]] == ["layer_0", "layer_2"]

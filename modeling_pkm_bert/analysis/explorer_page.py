@@ -219,7 +219,7 @@ function contextLine(position, windowSize) {
   var before = tokens.slice(from, position).join(" "), after = tokens.slice(position + 1, to).join(" ");
   var centre = tokens[position];
   var span = el("span", {"class": "context"}, [
-    (from > start ? "\u2026 " : "") + words(before) + (centre.indexOf("##") === 0 ? "" : " "),
+    (from > start ? "\u2026 " : "") + words(before).replace(/^##/, "") + (centre.indexOf("##") === 0 ? "" : " "),
     el("mark", {text: centre.replace(/^##/, "")}),
     words(" " + after).replace(/^ ##/, "") + (to < start + length ? " \u2026" : "")
   ]);

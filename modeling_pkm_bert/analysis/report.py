@@ -508,6 +508,12 @@ def _write_report_files(
         )
     else:
         lines.append(f"Usage measured on {len(class_data.dataset)} labelled examples (the model in eval mode).")
+    lines += [
+        "",
+        "What the slots hold (the contexts that select each slot, the tokens its value promotes, a search): the memory "
+        "explorer, `python run_scripts/memory_explorer.py --model_name_or_path <model> --output_dir <folder>` "
+        "(docs/memory_explorer.md), for the same texts with the same numbers.",
+    ]
     lines += ["", "## Usage per memory layer", "", *_layer_table(usage), ""]
     report = {"usage": usage}
     for layer, accumulator in tracker.accumulators.items():
