@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_config
 from transformers import BertConfig, BertForMaskedLM
 
-from modeling_pkm_bert import BertPkmForCausalLM, BertPkmForMaskedLM, BertPkmModel
+from modeling_pkm_bert import BertPkmForCausalLM, BertPkmForMaskedLM, BertPkmForSequenceClassification, BertPkmModel
 from modeling_pkm_bert.modeling_bert_pkm import BertPkmLoadingError
 from modeling_pkm_bert.ngram_memory import NgramMemory, hash_multipliers, largest_primes_below
 
@@ -281,3 +281,63 @@ def test_quantization_and_memory_parallel_refuse_n_gram_memories_clearly():
     assert model.config.pkm_values_quantization is None  # left as it was
     with pytest.raises(ValueError, match="n-gram memories .*does not shard"):
         shard_memory_values(model, device_mesh=None)
+
+
+# --- integrations: PEFT, Trainer -----------------------------------------------------------------------------------
+
+
+def test_lora_adapter_with_trained_n_gram_memories_reloads_exactly(tmp_path):
+    from peft import PeftModel, get_peft_model
+
+    from modeling_pkm_bert.integrations.lora import pkm_lora_config
+
+    torch.manual_seed(0)
+    config = tiny_config(pkm_layers=[], num_labels=2, **NGRAM)
+    learned(BertPkmForSequenceClassification(config)).save_pretrained(tmp_path / "base")
+    ids = torch.randint(5, 99, (4, 8))
+    labels = torch.tensor([0, 1, 1, 0])
+    base = BertPkmForSequenceClassification.from_pretrained(tmp_path / "base")
+    lora = pkm_lora_config(base, ngram_memories=True, task_type="SEQ_CLS", r=4)
+    assert "ngram" in lora.modules_to_save
+    model = get_peft_model(base, lora)
+    before = model.base_model.model.bert.encoder.layer[0].ngram.modules_to_save["default"].tables.weight.clone()
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):
+        model(input_ids=ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    after = model.base_model.model.bert.encoder.layer[0].ngram.modules_to_save["default"].tables.weight
+    assert not torch.equal(before, after)  # the tables trained with the adapter
+    model.eval().save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(
+        BertPkmForSequenceClassification.from_pretrained(tmp_path / "base"), tmp_path / "adapter"
+    ).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="no n-gram memory"):
+        pkm_lora_config(BertPkmForSequenceClassification(tiny_config(num_labels=2)), ngram_memories=True)
+
+
+def test_pkm_trainer_trains_n_gram_tables_in_the_memory_group(tmp_path):
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from modeling_pkm_bert.integrations.trainer import PkmTrainer
+    from modeling_pkm_bert.methods.optimizers import PKM_VALUES_GROUP
+
+    model = learned(BertPkmForMaskedLM(tiny_config(pkm_layers=[], **NGRAM)))
+    ids = torch.randint(5, 99, (8, 8))
+    dataset = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-4, report_to=[],
+        use_cpu=True, save_strategy="no", disable_tqdm=True,
+    )
+    before = model.bert.encoder.layer[0].ngram.tables.weight.detach().clone()
+    trainer = PkmTrainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    groups = {group["name"]: group for group in trainer.optimizer.param_groups}
+    assert groups[PKM_VALUES_GROUP]["lr"] == 1e-3
+    assert {id(p) for p in groups[PKM_VALUES_GROUP]["params"]} == {
+        id(model.bert.encoder.layer[i].ngram.tables.weight) for i in (0, 2)
+    }
+    assert not torch.equal(before, model.bert.encoder.layer[0].ngram.tables.weight)

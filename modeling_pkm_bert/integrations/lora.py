@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from ..utils.memories import memory_modules
+from ..utils.memories import memory_modules, ngram_memory_modules
 
 
 BERT_LORA_TARGETS = ("query", "value")  # transformers' BERT attention projections, PEFT's default for BERT
@@ -20,6 +20,7 @@ def pkm_lora_config(
     target_modules: Iterable[str] | str | None = None,
     query_proj: bool = False,
     modules_to_save: Iterable[str] | None = None,
+    ngram_memories: bool = False,
     **lora_kwargs,
 ):
     """A `peft.LoraConfig` for `model` whose `modules_to_save` holds the memories' query BatchNorms (running
@@ -36,13 +37,18 @@ def pkm_lora_config(
         query_proj: also adapt the memories' query projection (`query_proj`).
         modules_to_save: further modules trained and saved in full (e.g. a new classification head; PEFT adds
             `classifier` itself for `task_type="SEQ_CLS"`).
+        ngram_memories: train and save the hashed n-gram memories (`ngram`: tables, convolution, projections) in full
+            with the adapter; by default they stay frozen, as the base model's (they hold no running statistics, so
+            an adapter without them reloads exactly).
         **lora_kwargs: any other `LoraConfig` field (`r`, `lora_alpha`, `lora_dropout`, `task_type`, ...).
     """
     from peft import LoraConfig
 
-    memories = memory_modules(model)
-    if not memories:
-        raise ValueError(f"{type(model).__name__} has no product key memory; use peft.LoraConfig directly")
+    memories, ngram = memory_modules(model), ngram_memory_modules(model)
+    if not memories and not ngram:
+        raise ValueError(f"{type(model).__name__} has no product key or n-gram memory; use peft.LoraConfig directly")
+    if ngram_memories and not ngram:
+        raise ValueError(f"ngram_memories=True: {type(model).__name__} has no n-gram memory (ngram_layers)")
     if isinstance(target_modules, str):
         target_modules = [target_modules]
     targets = list(BERT_LORA_TARGETS if target_modules is None else target_modules)
@@ -58,6 +64,8 @@ def pkm_lora_config(
     for memory in memories.values():
         if isinstance(memory.query_batchnorm, nn.modules.batchnorm._BatchNorm) and "query_batchnorm" not in to_save:
             to_save.append("query_batchnorm")
+    if ngram_memories and "ngram" not in to_save:
+        to_save.append("ngram")
     return LoraConfig(target_modules=targets, modules_to_save=to_save or None, **lora_kwargs)
 
 

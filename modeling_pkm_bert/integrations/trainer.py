@@ -24,7 +24,7 @@ from ..methods.optimizers import (
     pkm_param_groups,
     set_sparse_values,
 )
-from ..utils.memories import memory_modules
+from ..utils.memories import memory_modules, ngram_memory_modules
 
 
 MEMORY_OPTIMIZERS = ("adam", "sparse_row_adam")
@@ -71,7 +71,7 @@ def pkm_optimizer(
     memory_optimizer: str = "adam",
 ) -> torch.optim.Optimizer:
     """The optimizer of a Trainer run: torch AdamW with `args`' learning rate, betas, epsilon and weight decay (none on
-    biases and norms) for everything but the memory values, which get their own group `"pkm_values"` at
+    biases and norms) for everything but the memory values (and n-gram tables), which get their own group `"pkm_values"` at
     `memory_learning_rate` without weight decay: Adam (`memory_optimizer="adam"`, the same AdamW with weight decay 0)
     or `optimization.SparseRowAdam` (`"sparse_row_adam"`: only the rows a step read are updated; [`PkmTrainer`] also
     makes their gradient sparse, the plain Trainer keeps it dense since its gradient clipping cannot take a sparse one)."""
@@ -86,10 +86,10 @@ def pkm_optimizer(
         raise ValueError(
             f"TrainingArguments.optim={optim!r}: the memory-aware optimizer is torch AdamW; use optim in {_ADAMW_OPTIMS}"
         )
-    if not memory_modules(model):
+    if not memory_modules(model) and not ngram_memory_modules(model):
         raise ValueError(
-            f"{type(model).__name__} has no product key memory: nothing to put in the {PKM_VALUES_GROUP!r} group "
-            "(use the plain Trainer)"
+            f"{type(model).__name__} has no product key or n-gram memory: nothing to put in the {PKM_VALUES_GROUP!r} "
+            "group (use the plain Trainer)"
         )
     groups = pkm_param_groups(
         model, lr=args.learning_rate, weight_decay=args.weight_decay, memory_lr=memory_learning_rate
