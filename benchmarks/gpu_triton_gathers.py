@@ -137,10 +137,12 @@ def bench_dtype(args, name: str, device: torch.device, measure) -> list[dict]:
             gbps = n_bytes / ms / 1e6
             results.append({"dtype": name, "phase": phase, "op": op, "ms": ms, "GB/s": gbps,
                             "of copy": gbps / copy, "x EmbeddingBag": reference / ms})  # fmt: skip
-        results.append({"dtype": name, "phase": phase, "op": "copy_ (same bytes)", "ms": n_bytes / copy / 1e6,
-                        "GB/s": copy, "of copy": 1.0, "x EmbeddingBag": reference / (n_bytes / copy / 1e6)})  # fmt: skip
+        copy_ms = n_bytes / copy / 1e6
+        results.append({"dtype": name, "phase": phase, "op": "copy_ (same bytes)", "ms": copy_ms, "GB/s": copy,
+                        "of copy": 1.0, "x EmbeddingBag": reference / copy_ms})  # fmt: skip
     if args.sweep:
-        results += sweep(args, name, measure, table, rows, flat_weights, bounds, grad_output, forward_bytes, backward_bytes)
+        tensors = (table, rows, flat_weights, bounds, grad_output)
+        results += sweep(args, name, measure, *tensors, forward_bytes, backward_bytes)
     return results
 
 
@@ -192,7 +194,8 @@ def markdown(results: list[dict]) -> str:
     for r in main + swept:
         share = f"{r['of copy']:.0%}" if "of copy" in r else ""
         ratio = f"{r['x EmbeddingBag']:.2f}" if "x EmbeddingBag" in r else ""
-        lines.append(f"| {r['dtype']} | {r['phase']} | {r['op']} | {r['ms']:.3f} | {r['GB/s']:.0f} | {share} | {ratio} |")
+        cells = (r["dtype"], r["phase"], r["op"], f"{r['ms']:.3f}", f"{r['GB/s']:.0f}", share, ratio)
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -169,15 +169,17 @@ def test_fused_backward_into_the_coalesced_rows_of_a_sparse_gradient():
     table, rows = torch.randn(40, 19), lookups(4, 6, 40, torch.int64)
     weights, grad_output = torch.randn(4, 6), torch.randn(4, 19)
     used, slots = torch.unique(rows.reshape(-1), return_inverse=True)
-    dense, _ = torch.ops.pkm_bert.row_sum_backward(grad_output, table, rows.reshape(-1), weights.reshape(-1), 6, True, False)
+    flat_rows, flat_weights = rows.reshape(-1), weights.reshape(-1)
+    dense, _ = torch.ops.pkm_bert.row_sum_backward(grad_output, table, flat_rows, flat_weights, 6, True, False)
     coalesced, _ = torch.ops.pkm_bert.row_sum_backward(
-        grad_output, table, rows.reshape(-1), weights.reshape(-1), 6, True, False, slots, used.numel()
+        grad_output, table, flat_rows, flat_weights, 6, True, False, slots, used.numel()
     )
     torch.testing.assert_close(coalesced, dense[used], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(
-    "config", [{"BLOCK_LOOKUPS": 2, "BLOCK_DIM": 16, "num_warps": 1}, {"BLOCK_LOOKUPS": 8, "BLOCK_DIM": 64, "num_warps": 4}]
+    "config",
+    [{"BLOCK_LOOKUPS": 2, "BLOCK_DIM": 16, "num_warps": 1}, {"BLOCK_LOOKUPS": 8, "BLOCK_DIM": 64, "num_warps": 4}],
 )
 def test_every_launch_configuration_sums_the_same(config):
     """Bags spanning several lookup tiles, rows spanning several (or one padded) column blocks: the configurations that
@@ -198,7 +200,8 @@ def test_every_launch_configuration_sums_the_same(config):
 
 def test_opcheck():
     torch.manual_seed(9)
-    table, rows, weights, grad_output = torch.randn(12, 10), torch.randint(0, 12, (8,)), torch.randn(8), torch.randn(2, 10)
+    table, rows, weights = torch.randn(12, 10), torch.randint(0, 12, (8,)), torch.randn(8)
+    grad_output = torch.randn(2, 10)
     used, slots = torch.unique(rows, return_inverse=True)
     for args in (
         (grad_output, table, rows, weights, 4, True, True),
@@ -230,7 +233,7 @@ def test_fused_backward_bad_inputs_raise_clear_errors():
 
 @cpu_only
 def test_gpu_benchmark_runs_at_a_tiny_size():
-    """benchmarks/gpu_triton_gathers.py --smoke: every op and a corner of the sweep, on CPU (the figures mean nothing)."""
+    """benchmarks/gpu_triton_gathers.py --smoke: every op and a corner of the sweep, on CPU (figures meaningless)."""
     from helpers import load_script
 
     results = load_script("gpu_triton_gathers", "benchmarks").main(["--smoke", "--sweep", "--dtypes", "bf16"])

@@ -6,9 +6,9 @@ GPU (Meta's memory layers report < 400 GB/s on an H100, against ~3 TB/s for thei
 of a memory's gathers:
 
 - `bag_sum(table, rows, weights, offsets)`: `out[b] = sum of weights[l] * table[rows[l]]` over the lookups
-  `l in [offsets[b], offsets[b + 1])`, fp32 sums (fp64 for fp64 inputs). It is the forward lookup (bags of `heads * knn` lookups per token)
-  and the sorted-segment value gradient (bags: the lookups of each used row sorted by row; table: the output
-  gradient).
+  `l in [offsets[b], offsets[b + 1])`, fp32 sums (fp64 for fp64 inputs). It is the forward lookup (bags of
+  `heads * knn` lookups per token) and the sorted-segment value gradient (bags: the lookups of each used row sorted by
+  row; table: the output gradient).
 - `row_dots(table, rows, other, bag)`: `out[l] = dot(table[rows[l]], other[l // bag])`, the gradient of each
   per-sample weight.
 - `row_sum_backward(grad_output, table, rows, weights, bag, table_grad, weights_grad, slots=None, n_slots=-1)`: the
@@ -106,8 +106,9 @@ if triton is not None:
 
     @triton.jit
     def _row_dots_kernel(
-        table, rows, other, out, n_lookups, bag, dim, BLOCK_LOOKUPS: tl.constexpr, BLOCK_DIM: tl.constexpr, ACC: tl.constexpr
-    ):
+        table, rows, other, out, n_lookups, bag, dim,
+        BLOCK_LOOKUPS: tl.constexpr, BLOCK_DIM: tl.constexpr, ACC: tl.constexpr,
+    ):  # fmt: skip
         lookups = tl.program_id(0).to(tl.int64) * BLOCK_LOOKUPS + tl.arange(0, BLOCK_LOOKUPS)
         valid = lookups < n_lookups
         row = tl.load(rows + lookups, mask=valid, other=0).to(tl.int64)
@@ -173,7 +174,8 @@ def _accumulator(*tensors: torch.Tensor):
 def bag_sum_config(dim: int, element_size: int, mean_bag: float) -> dict:
     """The launch parameters of `bag_sum` for rows of `dim` elements of `element_size` bytes in bags of `mean_bag`
     lookups on average (see the module docstring): a row block of 2 KiB of a row at most, the widest that leaves at most
-    a quarter of its lanes masked (else the one that pads `dim` least); as many lookups as the mean bag holds, up to a tile of `_TILE_BYTES`; 8 warps for a full tile."""
+    a quarter of its lanes masked (else the one that pads `dim` least); as many lookups as the mean bag holds, up to a
+    tile of `_TILE_BYTES`; 8 warps for a full tile."""
     widest = max(2048 // element_size, 16)
     candidates = [width for width in (1024, 512, 256, 128, 64, 32, 16) if width <= widest]
     candidates = [width for width in candidates if width <= max(triton.next_power_of_2(dim), 16)]
@@ -244,7 +246,8 @@ def row_sum_backward_config(bag: int, dim: int) -> dict:
     `grad_output` row is then read once), columns in blocks that keep the `(lookups, columns)` tile at 8192 elements."""
     block_lookups = min(triton.next_power_of_2(bag), 128)
     block_dim = min(max(8192 // block_lookups, 16), max(triton.next_power_of_2(dim), 16))
-    return {"BLOCK_LOOKUPS": block_lookups, "BLOCK_DIM": block_dim, "num_warps": 8 if block_lookups * block_dim >= 4096 else 4}
+    num_warps = 8 if block_lookups * block_dim >= 4096 else 4
+    return {"BLOCK_LOOKUPS": block_lookups, "BLOCK_DIM": block_dim, "num_warps": num_warps}
 
 
 def launch_row_sum_backward(
