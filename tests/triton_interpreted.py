@@ -160,7 +160,8 @@ def test_bag_sum_and_fused_backward_equal_embedding_bag(dtype, weights_dtype, to
     table_only = torch.ops.pkm_bert.row_sum_backward(grad_output, table, flat_rows, flat_weights, bag, True, False)
     weights_only = torch.ops.pkm_bert.row_sum_backward(grad_output, table, flat_rows, flat_weights, bag, False, True)
     assert table_only[1].numel() == 0 and weights_only[0].numel() == 0
-    assert torch.equal(table_only[0], fused[0]) and torch.equal(weights_only[1], fused[1])
+    assert_rounded_once(table_only[0], grad_table.nan_to_num(), dtype)  # (atomics: the order of a GPU's sums varies)
+    assert torch.equal(weights_only[1], fused[1])
 
 
 def test_fused_backward_into_the_coalesced_rows_of_a_sparse_gradient():
