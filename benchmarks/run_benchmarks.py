@@ -6,6 +6,9 @@
     python benchmarks/run_benchmarks.py --sections options --append   # Memory+ options, appended to RESULTS.md
 
 Sections:
+- overhead: the host time and dispatched aten ops of a forward + backward at a tiny size (the launch-bound cost of a
+  GPU step, measured on CPU): ours in each mode (dense, sparse, Memory+ options, relu scores; CPU and GPU paths)
+  against lucidrains' and the XLM-style layer.
 - layer: one PKM layer at the paper's size (768 in/out, 512^2 slots, 4 heads, knn 32, k_dim 256, query BN), 8x128
   tokens, forward + backward, against lucidrains' product-key-memory 0.3.0 and a plain XLM-style implementation
   (benchmarks/xlm_reference.py); peak memory of each in a fresh process (VmHWM); in the full run again with
@@ -50,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from modeling_pkm_bert.methods.optimizers import (  # noqa: E402
     SparseRowAdam,
@@ -330,12 +334,13 @@ def section_layer(args) -> list[str]:
 
 
 def compiled_layer(args) -> list[str]:
-    """Our layer (dense value grads) eager vs `torch.compile`d, its training lookup run eagerly (the default) or traced."""
+    """Our layer (dense value grads) eager vs `torch.compile`d: the training lookup traced (the default: one graph, the
+    search and the value lookup as custom ops) or run eagerly (`trace_training_lookup = False`)."""
     rounds = 3 if args.quick else 5
     torch.manual_seed(1)
     x, g = torch.randn(8, 128, 768, requires_grad=True), torch.randn(8, 128, 768)
-    modules = {kind: build_layer("ours_dense").train() for kind in ("eager", "compiled", "compiled_traced")}
-    modules["compiled_traced"].trace_training_lookup = True
+    modules = {kind: build_layer("ours_dense").train() for kind in ("eager", "compiled", "compiled_eager_lookup")}
+    modules["compiled_eager_lookup"].trace_training_lookup = False
     # inductor; compiles in the first call below
     steps = {kind: layer_step_fn(m if kind == "eager" else torch.compile(m), x, g) for kind, m in modules.items()}
     start = time.perf_counter()
@@ -345,8 +350,8 @@ def compiled_layer(args) -> list[str]:
     samples = interleaved(steps, rounds=rounds, warmup=1)
     labels = {
         "eager": "eager",
-        "compiled": "`torch.compile` (inductor); the lookup that needs gradients runs eagerly (default)",
-        "compiled_traced": "`torch.compile` (inductor), `trace_training_lookup = True` (one graph, torch's generic backward)",
+        "compiled": "`torch.compile` (inductor), default: one graph, the search and the lookup custom ops (fused backward)",
+        "compiled_eager_lookup": "`torch.compile` (inductor), `trace_training_lookup = False` (the lookup runs eagerly)",
     }
     lines = [
         "",
@@ -358,6 +363,114 @@ def compiled_layer(args) -> list[str]:
     ]
     for kind, label in labels.items():
         lines.append(f"| {label} | {fmt_ms(median(samples[kind]))} | {paired_ratio(samples, kind, 'eager'):.2f} |")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------- host overhead
+
+TINY = dict(n_keys=8, heads=4, knn=4, k_dim=32)  # lucidrains' dim_head is a query half: 16
+OVERHEAD_IMPLS = {
+    "lucidrains": "lucidrains `PKM` 0.3.0",
+    "xlm": "XLM-style plain torch (`benchmarks/xlm_reference.py`)",
+    "dense": "ours, dense value grad",
+    "sparse": "ours, `sparse=True`",
+    "memory_plus": "ours, Memory+ options (`qk_norm`, `output_gate='swilu'`, `memory_scale`)",
+    "relu": "ours, `score_activation='relu'`",
+    "dense_gpu_paths": "ours, dense, GPU paths (no CSR kernels)",
+    "sparse_gpu_paths": "ours, `sparse=True`, GPU paths (no CSR kernels)",
+}
+
+
+def build_tiny_layer(impl: str):
+    torch.manual_seed(0)
+    if impl == "lucidrains":
+        from product_key_memory import PKM
+
+        return PKM(dim=32, heads=4, num_keys=8, topk=4, dim_head=16)
+    if impl == "xlm":
+        from xlm_reference import XlmProductKeyMemory
+
+        return XlmProductKeyMemory(32, 32, **TINY)
+    options = {
+        "sparse": dict(sparse=True), "sparse_gpu_paths": dict(sparse=True), "relu": dict(score_activation="relu"),
+        "memory_plus": dict(qk_norm=True, output_gate="swilu", memory_scale=0.01),
+    }.get(impl, {})  # fmt: skip
+    return ProductKeyMemory(32, 32, **TINY, **options)
+
+
+class DispatchedOps(TorchDispatchMode):
+    """Counts the aten ops dispatched (on a GPU: each a kernel launch or a view), those inside autograd functions too."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def with_paths(impl: str, step):
+    """The step with the switches of `impl`: the native CPU selection off for all of ours (a GPU has none); the
+    `_gpu_paths` variants also without the CPU sparse CSR kernels (the value backward a GPU runs)."""
+    from modeling_pkm_bert import product_key_memory_ops
+
+    def run():
+        saved = ProductKeyMemory.native_search, product_key_memory_ops.CPU_SPARSE_KERNELS
+        ProductKeyMemory.native_search = False
+        product_key_memory_ops.CPU_SPARSE_KERNELS = not impl.endswith("_gpu_paths")
+        try:
+            step()
+        finally:
+            ProductKeyMemory.native_search, product_key_memory_ops.CPU_SPARSE_KERNELS = saved
+
+    return run
+
+
+def section_overhead(args) -> list[str]:
+    """Host time and dispatched ops of a training step at a size where the arithmetic is negligible: what a GPU step
+    of these layers costs on the host (launch-bound), measured on CPU."""
+    rounds, repeats = (5, 20) if args.quick else (15, 50)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(1)
+        x, g = torch.randn(2, 4, 32, requires_grad=True), torch.randn(2, 4, 32)
+        steps = {impl: with_paths(impl, layer_step_fn(build_tiny_layer(impl).train(), x, g)) for impl in OVERHEAD_IMPLS}
+        ops = {}
+        for impl, step in steps.items():
+            for _ in range(3):  # buffers, caches
+                step()
+            with DispatchedOps() as counter:
+                step()
+            ops[impl] = counter.count
+
+        def repeated(step):
+            return lambda: [step() for _ in range(repeats)]
+
+        samples = interleaved({impl: repeated(step) for impl, step in steps.items()}, rounds=rounds, warmup=1)
+    finally:
+        torch.set_num_threads(threads)
+    lines = [
+        "## Host overhead of a step (tiny size)",
+        "",
+        "Forward + backward of one layer at 32 in/out, 8^2 slots, 4 heads, knn 4, k_dim 32 (lucidrains: `dim_head=16`, "
+        "its query half), input 2 x 4 x 32, one torch thread: the arithmetic is negligible, so the time is the host "
+        "side of a step (Python, dispatch, autograd), what bounds these layers on a GPU at the paper's size. Ours run "
+        "with the native CPU selection off (a GPU has none); the `GPU paths` rows also without the CPU sparse CSR "
+        "kernels, as on a GPU. Dispatched ops: aten ops seen by a `TorchDispatchMode` in one step (those inside our "
+        "autograd functions included), each a kernel launch or a view on a GPU. Time: median over "
+        f"{rounds} interleaved rounds of {repeats} steps each (+1 warm-up round); ratio: paired median of "
+        "time / lucidrains' time (lower is faster; the goal is <= 0.8 with fewer ops than lucidrains).",
+        "",
+        "| implementation | dispatched ops | us per step | time / lucidrains | ops / lucidrains |",
+        "|---|---|---|---|---|",
+    ]
+    for impl, label in OVERHEAD_IMPLS.items():
+        lines.append(
+            f"| {label} | {ops[impl]} | {median(samples[impl]) / repeats * 1e6:.0f} | "
+            f"{paired_ratio(samples, impl, 'lucidrains'):.2f} | {ops[impl] / ops['lucidrains']:.2f} |"
+        )
     return lines
 
 
@@ -1369,6 +1482,7 @@ def section_quantized(args) -> list[str]:
 
 
 SECTIONS = {
+    "overhead": section_overhead,
     "layer": section_layer,
     "update": section_update,
     "train": section_train,

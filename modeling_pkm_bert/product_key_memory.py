@@ -25,6 +25,7 @@ from .product_key_memory_ops import (
     row_sum_op,
     search_op,
     select_product_keys,
+    subkey_scores,
     triton_bag_sum,
 )
 
@@ -33,6 +34,12 @@ def check_memory_scale(name: str, value) -> None:
     """A memory scale must be a finite nonzero number: 0 would cut every gradient of the memory but its own."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value == 0:
         raise ValueError(f"{name}={value!r} must be a finite nonzero number (e.g. 0.01 for a near-zero start) or None")
+
+
+def _dropout(dropout: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """`dropout(hidden_states)`, without the module call where it is a no-op (`p == 0`, the default: a memory step is
+    host-bound on a GPU, and every call counts)."""
+    return hidden_states if getattr(dropout, "p", None) == 0 else dropout(hidden_states)
 
 
 class ProductKeyMemory(nn.Module):
@@ -127,6 +134,7 @@ class ProductKeyMemory(nn.Module):
             values = ProductKeyValues(n_keys**2, self.v_dim, sparse=bool(sparse))
         else:
             self._check_shared_values(values, sparse)
+            values.shared = True  # its lookups sum their gradients into one buffer (SharedGradient)
         self.values = values
         self.value_dropout = nn.Dropout(value_dropout)
         if self.qk_norm:  # one norm for the query halves, one for the sub-keys
@@ -178,7 +186,7 @@ class ProductKeyMemory(nn.Module):
         return self._lookup(hidden_states)
 
     def _lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        inputs = self.input_dropout(hidden_states)
+        inputs = _dropout(self.input_dropout, hidden_states)
         queries = self.query_proj(inputs)
         batchnorms = self.training and not torch.compiler.is_compiling() and self.query_batchnorms()
         if batchnorms and torch._C._current_graph_task_id() != -1:  # run inside backward: checkpointing recomputes
@@ -187,8 +195,8 @@ class ProductKeyMemory(nn.Module):
             if batchnorms:
                 self._check_batch_statistics(hidden_states, queries)
             queries = self.query_batchnorm(queries)
-        queries = self.query_dropout(queries)
-        scores, indices = self.search(queries.unflatten(-1, (self.heads, self.k_dim)))
+        queries = _dropout(self.query_dropout, queries)
+        scores, indices = self._search(queries)  # (tokens, heads, knn)
         weights = self.score_weights(scores)
         output = self.values(
             indices.flatten(1), per_sample_weights=weights.flatten(1).to(lookup_dtype(self.values.weight))
@@ -196,10 +204,12 @@ class ProductKeyMemory(nn.Module):
         output = output.to(hidden_states.dtype)
         if self.output_gate == "swilu" or self.memory_scale is not None:
             output = self.memory_output(output, inputs)
-        return self.value_dropout(output)
+        return _dropout(self.value_dropout, output)
 
     def query_batchnorms(self) -> list[nn.Module]:
         """The BatchNorms that normalise the queries: the query BatchNorm, or the copies inside a wrapper of it."""
+        if type(self.query_batchnorm) is nn.BatchNorm1d:  # the usual case, without walking the modules
+            return [self.query_batchnorm]
         return [module for module in self.query_batchnorm.modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)]
 
     def _recomputed_batchnorm(self, queries: torch.Tensor, batchnorms: list[nn.Module]) -> torch.Tensor:
@@ -246,25 +256,26 @@ class ProductKeyMemory(nn.Module):
         """Exact top-`knn` product keys of each head: `(..., heads, k_dim)` -> scores, indices `(..., heads, knn)`."""
         if queries.shape[-2:] != (self.heads, self.k_dim):
             raise ValueError(f"queries must end in (heads, k_dim) = {(self.heads, self.k_dim)}, got {tuple(queries.shape)}")
-        batch_shape, knn, n_keys = queries.shape[:-2], self.knn, self.n_keys
-        halves = queries.reshape(-1, self.heads * 2, self.k_dim // 2).transpose(0, 1)  # (heads * 2, tokens, half)
-        keys = self.scoring_keys().to(halves.dtype).flatten(0, 1)  # (heads * 2, n_keys, half)
-        if self.qk_norm:
-            halves = self.query_norm(halves)
-        needs_grad = torch.is_grad_enabled() and (halves.requires_grad or keys.requires_grad)
-        prune, native = self.prune_candidates, self.native_search
-        if needs_grad and self.fused_search_backward:  # one node: the selected sub-keys' gradients only
+        scores, indices = self._search(queries.reshape(-1, self.heads * self.k_dim))
+        shape = (*queries.shape[:-2], self.heads, self.knn)
+        return scores.view(shape), indices.view(shape)
+
+    def _search(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`search` on a flat batch: queries `(tokens, heads * k_dim)` -> scores, indices `(tokens, heads, knn)`."""
+        knn, prune, native = self.knn, self.prune_candidates, self.native_search
+        keys = self.scoring_keys().to(queries.dtype)  # (heads, 2, n_keys, half)
+        if self.qk_norm:  # (tokens, heads * 2, half)
+            queries = self.query_norm(queries.view(queries.shape[0], self.heads * 2, self.k_dim // 2))
+        needs_grad = torch.is_grad_enabled() and (queries.requires_grad or keys.requires_grad)
+        if needs_grad and self.fused_search_backward:  # one node, reshapes included
             if torch.compiler.is_compiling() and not is_exporting():
-                scores, indices = search_op(halves, keys, knn, prune, native)
-            else:
-                scores, indices = ProductKeySearch.apply(halves, keys, knn, prune, native)
-        elif not needs_grad:  # fp32 on CPU: the selection in a native kernel (kernels/cpu.py)
-            scores, indices = select_product_keys(torch.bmm(halves, keys.transpose(1, 2)), knn, prune, native)
-        else:  # the reference: torch's own backward of the sub-key scores, (heads * 2, tokens, knn) sorted descending
-            half_scores, half_indices = torch.bmm(halves, keys.transpose(1, 2)).topk(knn, dim=-1)
-            scores, indices = combine_halves(half_scores, half_indices, n_keys, knn, prune)
-            scores, indices = scores.transpose(0, 1), indices.transpose(0, 1)
-        return scores.reshape(*batch_shape, self.heads, knn), indices.reshape(*batch_shape, self.heads, knn)
+                return search_op(queries, keys, knn, prune, native)
+            return ProductKeySearch.apply(queries, keys, knn, prune, native)
+        if not needs_grad:  # fp32 on CPU: the selection in a native kernel (kernels/cpu.py)
+            return select_product_keys(subkey_scores(queries, keys), knn, prune, native)
+        # the reference: torch's own backward of the sub-key scores, (heads * 2, tokens, knn) sorted descending
+        half_scores, half_indices = subkey_scores(queries, keys).topk(knn, dim=-1)
+        return combine_halves(half_scores, half_indices, self.n_keys, knn, prune)
 
     def scoring_keys(self) -> torch.Tensor:
         """The sub-keys the queries are scored against, `(heads, 2, n_keys, k_dim // 2)`: `keys`, with `qk_norm` normalised."""
@@ -389,6 +400,9 @@ class ProductKeyValues(nn.EmbeddingBag):
         super().__init__(num_embeddings, embedding_dim, mode="sum", sparse=sparse, **kwargs)
         self._workspaces = {}
         self._shared_gradient = SharedGradient()
+        # set when a second memory reads this table: only then do the lookups keep track of each other (a table read
+        # twice otherwise, e.g. a memory module called twice, gets autograd's out-of-place sum: the same gradient)
+        self.shared = False
 
     def forward(self, input, offsets=None, per_sample_weights=None):
         if is_exporting():  # standard ops only
@@ -414,7 +428,8 @@ class ProductKeyValues(nn.EmbeddingBag):
             return row_sum_op(self.weight, input, per_sample_weights, self.sparse, triton)
         if needs_grad and self.fused_backward:
             return WeightedRowSum.apply(
-                self.weight, input, per_sample_weights, self.sparse, self._workspaces, triton, self._shared_gradient
+                self.weight, input, per_sample_weights, self.sparse, self._workspaces, triton,
+                self._shared_gradient if self.shared else None,
             )
         if triton and not needs_grad:
             return triton_bag_sum(self.weight, input, per_sample_weights)

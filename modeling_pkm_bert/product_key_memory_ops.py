@@ -160,9 +160,10 @@ class WeightedRowSum(torch.autograd.Function):
         ctx.bags = None
         if triton:
             return triton_bag_sum(weight, indices, per_sample_weights)
-        if not (sparse or _csr_kernels(ctx, weight, weight.dtype)):  # the dense row sums of EmbeddingBag's own backward
-            return _embedding_bag_keeping_bags(ctx, weight, indices, per_sample_weights)
-        return F.embedding_bag(indices, weight, mode="sum", per_sample_weights=per_sample_weights)
+        ctx.bags = bag_layout(indices)  # kept for a dense gradient in EmbeddingBag's own backward (no CSR kernels)
+        return torch.embedding_bag(
+            weight, indices.reshape(-1), ctx.bags[0], False, 0, False, per_sample_weights.reshape(-1), False, None
+        )[0]
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -176,11 +177,17 @@ def row_sum_gradients(ctx, weight, indices, per_sample_weights, grad_output):
     others), in the path that suits the device and dtypes (see [`WeightedRowSum`])."""
     grad_output = grad_output.contiguous()
     so_far = _TableGradientSoFar(ctx)
-    if _csr_kernels(ctx, weight, grad_output.dtype):
+    small = indices.numel() * weight.shape[1] <= SMALL_LOOKUP_ELEMENTS
+    if _csr_kernels(ctx, weight, grad_output.dtype) and not small:
         backward = _sparse_csr_backward if ctx.sparse else _dense_csr_backward
     else:
         backward = _row_sums_backward
     return backward(ctx, weight, indices, per_sample_weights, grad_output, so_far)
+
+
+# up to this many elements of looked-up rows (lookups x v_dim), the value backward is EmbeddingBag's own (one op for each
+# gradient, a sparse one coalesced): at such sizes a step is host-bound on every device, and fewer ops win
+SMALL_LOOKUP_ELEMENTS = 2**16
 
 
 def _csr_kernels(ctx, weight, dtype) -> bool:
@@ -192,22 +199,21 @@ def _csr_kernels(ctx, weight, dtype) -> bool:
 _BAG_LAYOUTS: dict = {}
 
 
-def _embedding_bag_keeping_bags(ctx, weight, indices, per_sample_weights):
-    """`F.embedding_bag` in sum mode for 2-d `indices`, keeping the bag layout for the backward in `ctx.bags` (offsets,
-    the bag of each lookup, the bag sizes, made once per shape): then the dense value gradient and the per-sample
-    weights' gradient are one op each, as in EmbeddingBag's own backward, where no CSR kernels run (GPUs, other
-    dtypes)."""
+def bag_layout(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The bags of 2-d `indices` (one bag of `indices.shape[1]` lookups per row) as EmbeddingBag's kernels take them:
+    the offsets, the bag of each lookup and the bag sizes, made once per shape (not on every step: three small ops)."""
     tokens, bag = indices.shape
     key = (tokens, bag, indices.device)
     bags = _BAG_LAYOUTS.get(key)
-    if bags is None:
+    if bags is None or torch.compiler.is_compiling():
         if len(_BAG_LAYOUTS) >= 16:  # token counts vary with padding: a few recent shapes only
             _BAG_LAYOUTS.clear()
         bag_of_lookup = torch.arange(tokens, device=indices.device).repeat_interleave(bag)
         bag_size = torch.full((tokens,), bag, dtype=torch.int64, device=indices.device)
-        bags = _BAG_LAYOUTS[key] = torch.arange(0, tokens * bag, bag, device=indices.device), bag_of_lookup, bag_size
-    ctx.bags = bags
-    return F.embedding_bag(indices, weight, mode="sum", per_sample_weights=per_sample_weights)
+        bags = torch.arange(0, tokens * bag, bag, device=indices.device), bag_of_lookup, bag_size
+        if not torch.compiler.is_compiling():
+            _BAG_LAYOUTS[key] = bags
+    return bags
 
 
 class _TableGradientSoFar:
@@ -354,11 +360,19 @@ def _row_sums_backward(ctx, weight, indices, per_sample_weights, grad_output, so
         grad_per_sample_weights = torch.ops.aten._embedding_bag_per_sample_weights_backward(
             grad_output, weight, flat, offsets, offset2bag, 0, -1
         ).view(tokens, bag)
-    if ctx.needs_input_grad[0] and bags is not None and not ctx.sparse:
-        _, offset2bag, bag_size = bags
-        grad_weight = torch.ops.aten._embedding_bag_dense_backward(
-            grad_output, flat, offset2bag, bag_size, bag_size, n_rows, False, 0, per_sample_weights.reshape(-1), -1
-        ).to(weight.dtype)  # (the maximum indices of mode "max": unused in mode "sum")
+    small = bags is not None and indices.numel() * dim <= SMALL_LOOKUP_ELEMENTS
+    if ctx.needs_input_grad[0] and bags is not None and (small or not ctx.sparse):  # EmbeddingBag's own backward
+        offsets, offset2bag, bag_size = bags
+        flat_weights = per_sample_weights.reshape(-1)
+        if ctx.sparse:  # one entry per lookup, then one per row
+            grad_weight = torch.ops.aten._embedding_bag_sparse_backward(
+                grad_output, flat, offsets, offset2bag, bag_size, n_rows, False, 0, flat_weights, -1
+            ).coalesce()
+        else:  # (the maximum indices of mode "max": unused in mode "sum")
+            grad_weight = torch.ops.aten._embedding_bag_dense_backward(
+                grad_output, flat, offset2bag, bag_size, bag_size, n_rows, False, 0, flat_weights, -1
+            )
+        grad_weight = grad_weight.to(weight.dtype)
     elif ctx.needs_input_grad[0]:
         sorted_rows, _, tokens_of_lookups, weights_of_lookups = _lookups_by_row(
             indices, per_sample_weights, grad_output.dtype
@@ -388,27 +402,52 @@ def triton_bag_sum(weight: torch.Tensor, indices: torch.Tensor, per_sample_weigh
 
 
 class ProductKeySearch(torch.autograd.Function):
-    """The exact top-`knn` product keys of every head, one autograd node: `(heads * 2, tokens, half)` query halves and
-    `(heads * 2, n_keys, half)` sub-keys -> scores and indices `(tokens, heads, knn)`.
+    """The exact top-`knn` product keys of every head, one autograd node: queries `(tokens, ...)` (each token's
+    `heads * 2` halves of `half` values, in any trailing shape) and sub-keys `(heads, 2, n_keys, half)` -> scores and
+    indices `(tokens, heads, knn)`.
 
-    The forward scores the sub-keys (one bmm) and selects ([`select_product_keys`]) without recording anything; the
-    score of product key `i1 * n_keys + i2` is the sum of sub-key scores `i1` (first half) and `i2` (second half), so
-    its gradient goes to those two, then to the queries and the selected sub-keys only ([`_subkey_score_gradients`]),
-    not through an `n_keys`-wide score gradient that is zero but for `knn` entries per row.
+    The forward scores the sub-keys (one bmm) and selects ([`select_product_keys`]) without recording anything, the
+    reshapes included; the score of product key `i1 * n_keys + i2` is the sum of sub-key scores `i1` (first half) and
+    `i2` (second half), so its gradient goes to those two, then to the queries and sub-keys
+    ([`product_key_score_gradients`]), returned in the inputs' own shapes.
     """
 
     @staticmethod
-    def forward(ctx, halves, keys, knn, prune=True, native=True):
-        scores, indices = select_product_keys(torch.bmm(halves, keys.transpose(1, 2)), knn, prune, native)
-        ctx.save_for_backward(halves, keys, indices)
+    def forward(ctx, queries, keys, knn, prune=True, native=True):
+        scores, indices = select_product_keys(subkey_scores(queries, keys), knn, prune, native)
+        ctx.save_for_backward(queries, keys, indices)
         ctx.mark_non_differentiable(indices)
+        ctx.set_materialize_grads(False)  # no zeros made for the indices' gradient
         return scores, indices
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_scores, _grad_indices):
-        halves, keys, indices = ctx.saved_tensors
-        return *product_key_score_gradients(ctx.needs_input_grad[:2], halves, keys, indices, grad_scores), None, None, None
+        queries, keys, indices = ctx.saved_tensors
+        grads = query_and_key_gradients(ctx.needs_input_grad[:2], queries, keys, indices, grad_scores)
+        return *grads, None, None, None
+
+
+def subkey_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`(heads * 2, tokens, n_keys)`: each query half scored against its head-half's sub-keys (one bmm)."""
+    groups, n_keys, half = keys.shape[0] * keys.shape[1], keys.shape[2], keys.shape[3]
+    return torch.bmm(queries.reshape(-1, groups, half).transpose(0, 1), keys.reshape(groups, n_keys, half).transpose(1, 2))
+
+
+def query_and_key_gradients(needs_input_grad, queries, keys, indices, grad_scores):
+    """[`product_key_score_gradients`] for queries `(tokens, ...)` and sub-keys `(heads, 2, n_keys, half)`, in their
+    shapes (None where not needed, or where the scores got no gradient)."""
+    if grad_scores is None:
+        return None, None
+    groups, n_keys, half = keys.shape[0] * keys.shape[1], keys.shape[2], keys.shape[3]
+    halves = queries.reshape(-1, groups, half).transpose(0, 1)
+    grad_halves, grad_keys = product_key_score_gradients(
+        needs_input_grad, halves, keys.reshape(groups, n_keys, half), indices, grad_scores
+    )
+    return (
+        grad_halves.transpose(0, 1).reshape(queries.shape) if grad_halves is not None else None,
+        grad_keys.view(keys.shape) if grad_keys is not None else None,
+    )
 
 
 def select_product_keys(subkey_scores: torch.Tensor, knn: int, prune: bool = True, native: bool = True):
@@ -419,8 +458,7 @@ def select_product_keys(subkey_scores: torch.Tensor, knn: int, prune: bool = Tru
     if select is not None:
         return select(subkey_scores, knn)
     half_scores, half_indices = subkey_scores.topk(knn, dim=-1)
-    scores, indices = combine_halves(half_scores, half_indices, subkey_scores.shape[-1], knn, prune)
-    return scores.transpose(0, 1).contiguous(), indices.transpose(0, 1).contiguous()
+    return combine_halves(half_scores, half_indices, subkey_scores.shape[-1], knn, prune)
 
 
 # a dense sub-key score gradient up to this many multiply-adds (groups * tokens * n_keys * half) on CPU: below, its two
@@ -510,23 +548,23 @@ def _candidate_pair_tensors(knn: int, device) -> tuple[torch.Tensor, torch.Tenso
 def combine_halves(
     half_scores: torch.Tensor, half_indices: torch.Tensor, n_keys: int, knn: int, prune: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The best `knn` product keys from each half's sorted top-`knn`: `(heads * 2, tokens, knn)` -> `(heads, tokens, knn)`.
+    """The best `knn` product keys from each half's sorted top-`knn`: `(heads * 2, tokens, knn)` -> `(tokens, heads, knn)`.
 
     A product key is the concatenation of its two sub-keys, so its score is the sum of the halves' scores; with
     `prune`, only the rank pairs `(a, b)` with `(a + 1) * (b + 1) <= knn` are scored (exact), else all `knn ** 2`, as XLM.
+    The halves are read through `(tokens, heads, knn)` views, so that the results come out in that layout, contiguous.
     """
-    half_scores, half_indices = half_scores.unflatten(0, (-1, 2)), half_indices.unflatten(0, (-1, 2))
+    first_scores, second_scores = half_scores.transpose(0, 1).unflatten(1, (-1, 2)).unbind(2)
+    first_indices, second_indices = half_indices.transpose(0, 1).unflatten(1, (-1, 2)).unbind(2)
     if prune:
         first, second = _candidate_pair_tensors(knn, half_scores.device)
-        candidate_scores = half_scores[:, 0].index_select(-1, first) + half_scores[:, 1].index_select(-1, second)
-        scores, best = candidate_scores.topk(knn, dim=-1)  # (heads, tokens, knn)
-        indices = half_indices[:, 0].gather(-1, first[best]) * n_keys + half_indices[:, 1].gather(-1, second[best])
-    else:
-        candidate_scores = half_scores[:, 0, :, :, None] + half_scores[:, 1, :, None, :]  # (heads, tokens, knn, knn)
-        candidate_indices = half_indices[:, 0, :, :, None] * n_keys + half_indices[:, 1, :, None, :]
-        scores, best = candidate_scores.flatten(-2).topk(knn, dim=-1)
-        indices = candidate_indices.flatten(-2).gather(-1, best)
-    return scores, indices
+        candidate_scores = first_scores.index_select(-1, first) + second_scores.index_select(-1, second)
+        candidate_indices = first_indices.index_select(-1, first) * n_keys + second_indices.index_select(-1, second)
+    else:  # (tokens, heads, knn * knn)
+        candidate_scores = (first_scores[..., :, None] + second_scores[..., None, :]).flatten(-2)
+        candidate_indices = (first_indices[..., :, None] * n_keys + second_indices[..., None, :]).flatten(-2)
+    scores, best = candidate_scores.topk(knn, dim=-1)
+    return scores, candidate_indices.gather(-1, best)
 
 
 def native_selection(subkey_scores: torch.Tensor):
@@ -570,40 +608,39 @@ def _custom_op(name: str, function, fake, backward=None, setup_context=None):
 
 
 def _search_op(
-    halves: torch.Tensor, keys: torch.Tensor, knn: int, prune: bool, native: bool
+    queries: torch.Tensor, keys: torch.Tensor, knn: int, prune: bool, native: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return select_product_keys(torch.bmm(halves, keys.transpose(1, 2)), knn, prune, native)
+    return select_product_keys(subkey_scores(queries, keys), knn, prune, native)
 
 
-def _fake_search(halves, keys, knn, prune, native):
-    shape = (halves.shape[1], halves.shape[0] // 2, knn)
-    return halves.new_empty(shape), halves.new_empty(shape, dtype=torch.int64)
+def _fake_search(queries, keys, knn, prune, native):
+    shape = (queries.shape[0], keys.shape[0], knn)
+    return queries.new_empty(shape), queries.new_empty(shape, dtype=torch.int64)
 
 
 def _setup_search(ctx, inputs, output):
-    halves, keys = inputs[:2]
-    ctx.save_for_backward(halves, keys, output[1])
+    queries, keys = inputs[:2]
+    ctx.save_for_backward(queries, keys, output[1])
     ctx.mark_non_differentiable(output[1])
 
 
 def _search_backward(ctx, grad_scores, _grad_indices):
-    halves, keys, indices = ctx.saved_tensors
+    queries, keys, indices = ctx.saved_tensors
     needs = ctx.needs_input_grad[:2]
-    grad_halves, grad_keys = search_backward_op(halves, keys, indices, grad_scores, *needs)
-    return (grad_halves if needs[0] else None), (grad_keys if needs[1] else None), None, None, None
+    grad_queries, grad_keys = search_backward_op(queries, keys, indices, grad_scores, *needs)
+    return (grad_queries if needs[0] else None), (grad_keys if needs[1] else None), None, None, None
 
 
 def _search_backward_op(
-    halves: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, grad_scores: torch.Tensor, halves_grad: bool,
+    queries: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, grad_scores: torch.Tensor, queries_grad: bool,
     keys_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    grads = product_key_score_gradients((halves_grad, keys_grad), halves, keys, indices, grad_scores.contiguous())
-    return tuple(g if g is not None else t.new_empty(0) for g, t in zip(grads, (halves, keys)))
+    grads = query_and_key_gradients((queries_grad, keys_grad), queries, keys, indices, grad_scores.contiguous())
+    return tuple(g.contiguous() if g is not None else t.new_empty(0) for g, t in zip(grads, (queries, keys)))
 
 
-def _fake_search_backward(halves, keys, indices, grad_scores, halves_grad, keys_grad):
-    # contiguous, as the real gradients (`halves` itself is a transposed view)
-    return halves.new_empty(halves.shape if halves_grad else 0), keys.new_empty(keys.shape if keys_grad else 0)
+def _fake_search_backward(queries, keys, indices, grad_scores, queries_grad, keys_grad):
+    return queries.new_empty(queries.shape if queries_grad else 0), keys.new_empty(keys.shape if keys_grad else 0)
 
 
 class _OpLookup:

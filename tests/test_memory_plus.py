@@ -76,9 +76,14 @@ def reference(memory: ProductKeyMemory, x: torch.Tensor, table: torch.Tensor) ->
 
 
 def fast_paths(on: bool, monkeypatch):
+    import modeling_pkm_bert.product_key_memory_ops as pkm
+
     monkeypatch.setattr(ProductKeyMemory, "native_search", on)
     monkeypatch.setattr(ProductKeyMemory, "fused_search_backward", on)
     monkeypatch.setattr(ProductKeyValues, "fused_backward", on)
+    # the tiny memories here take the paths of large ones (the CSR kernels and their reused buffers)
+    monkeypatch.setattr(pkm, "SMALL_LOOKUP_ELEMENTS", 0)
+    monkeypatch.setattr(pkm, "DENSE_SCORE_GRADIENT_CPU_LIMIT", 0)
 
 
 def gradients(module_list, x, outputs):

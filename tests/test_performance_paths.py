@@ -29,6 +29,14 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def _large_size_paths(monkeypatch):
+    """The tiny layers here take the paths of large ones (CPU: the sparse CSR kernels and their reused buffers, the
+    sub-key score gradient through the selected keys), unless a test asks for the small-size ones."""
+    monkeypatch.setattr(product_key_memory_ops, "SMALL_LOOKUP_ELEMENTS", 0)
+    monkeypatch.setattr(product_key_memory_ops, "DENSE_SCORE_GRADIENT_CPU_LIMIT", 0)
+
+
 def brute_force_topk(memory, queries):
     n = memory.n_keys
     keys = memory.keys
@@ -84,8 +92,7 @@ def test_pruned_search_equals_brute_force(n_keys, heads, knn, k_dim, batch_shape
 def test_fast_search_equals_full_grid_reference_with_gradients(prune, fused, score_gradient, monkeypatch):
     """Pruned candidates and the one-node search (`ProductKeySearch`, whose backward scatters a dense sub-key score
     gradient or goes through the selected sub-keys only) vs XLM's full grid with torch's own backward."""
-    limit = 2**40 if score_gradient == "dense" else 0
-    monkeypatch.setattr(product_key_memory_ops, "DENSE_SCORE_GRADIENT_CPU_LIMIT", limit)
+    monkeypatch.setattr(product_key_memory_ops, "DENSE_SCORE_GRADIENT_CPU_LIMIT", 2**40 if score_gradient == "dense" else 0)
     memory = ProductKeyMemory(12, n_keys=16, heads=3, knn=8, k_dim=10).double()
     queries = torch.randn(20, 3, 10, dtype=torch.float64)
     weights = torch.randn(20, 3, 8, dtype=torch.float64)
@@ -123,14 +130,16 @@ def test_values_module_is_an_embedding_bag_with_the_hook_contract():
     torch.testing.assert_close(values_out.view(3, 5, 10), out)
 
 
-@pytest.mark.parametrize("csr_kernels", [True, False])
+@pytest.mark.parametrize("paths", ["cpu", "gpu", "small"])
 @pytest.mark.parametrize("sparse", [False, True])
 @pytest.mark.parametrize("with_mask", [False, True])
-def test_fast_path_equals_reference_outputs_and_gradients(sparse, with_mask, csr_kernels, monkeypatch):
-    """Both backward implementations (CPU sparse kernels; the EmbeddingBag-style one used on GPUs and in bf16, with
-    the dense sub-key score gradient of GPUs)."""
-    monkeypatch.setattr(product_key_memory_ops, "CPU_SPARSE_KERNELS", csr_kernels)
-    monkeypatch.setattr(product_key_memory_ops, "DENSE_SCORE_GRADIENT_CPU_LIMIT", 0 if csr_kernels else 2**40)
+def test_fast_path_equals_reference_outputs_and_gradients(sparse, with_mask, paths, monkeypatch):
+    """Every backward implementation: CPU (sparse CSR kernels, the sub-key score gradient through the selected keys);
+    GPU (EmbeddingBag's dense backward or sorted segments for a sparse gradient, the dense sub-key score gradient);
+    small sizes on any device (EmbeddingBag's own backward, a sparse gradient coalesced)."""
+    monkeypatch.setattr(product_key_memory_ops, "CPU_SPARSE_KERNELS", paths == "cpu")
+    monkeypatch.setattr(product_key_memory_ops, "DENSE_SCORE_GRADIENT_CPU_LIMIT", 0 if paths == "cpu" else 2**40)
+    monkeypatch.setattr(product_key_memory_ops, "SMALL_LOOKUP_ELEMENTS", 2**40 if paths == "small" else 0)
     memory = ProductKeyMemory(24, 20, n_keys=16, heads=3, knn=8, k_dim=16).double().train()
     x = torch.randn(4, 7, 24, dtype=torch.float64)
     g = torch.randn(4, 7, 20, dtype=torch.float64)
@@ -554,12 +563,14 @@ def test_custom_ops_pass_opcheck(sparse):
     torch.library.opcheck tests them."""
     ops = torch.ops.pkm_bert
     torch.manual_seed(3)
-    halves, keys = torch.randn(4, 6, 5, requires_grad=True), torch.randn(4, 8, 5, requires_grad=True)
-    torch.library.opcheck(ops.product_key_search_v1.default, (halves, keys, 4, True, False))
-    scores, indices = ops.product_key_search_v1.default(halves.detach(), keys.detach(), 4, True, False)
+    # 6 tokens, 2 heads of 2 halves of 5, 8 sub-keys per half
+    queries, keys = torch.randn(6, 20, requires_grad=True), torch.randn(2, 2, 8, 5, requires_grad=True)
+    torch.library.opcheck(ops.product_key_search_v1.default, (queries, keys, 4, True, False))
+    scores, indices = ops.product_key_search_v1.default(queries.detach(), keys.detach(), 4, True, False)
+    assert scores.shape == indices.shape == (6, 2, 4)
     for needs in ((True, True), (True, False)):
         # (the backward ops are not differentiable themselves: inputs without gradients)
-        arguments = (halves.detach(), keys.detach(), indices, torch.randn(6, 2, 4), *needs)
+        arguments = (queries.detach(), keys.detach(), indices, torch.randn(6, 2, 4), *needs)
         torch.library.opcheck(ops.product_key_search_backward_v1.default, arguments)
     weight, rows = torch.randn(64, 7, requires_grad=True), torch.randint(0, 64, (6, 8))
     weights = torch.rand(6, 8, requires_grad=True)

@@ -225,8 +225,7 @@ def _pair_tensors(knn: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _torch_selection(subkey_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same selection with torch ops (`ProductKeyMemory.search`'s own path)."""
     half_scores, half_indices = subkey_scores.topk(knn, dim=-1)
-    scores, indices = combine_halves(half_scores, half_indices, subkey_scores.shape[-1], knn, prune=True)
-    return scores.transpose(0, 1).contiguous(), indices.transpose(0, 1).contiguous()
+    return combine_halves(half_scores, half_indices, subkey_scores.shape[-1], knn, prune=True)
 
 
 def select_product_keys_native(
