@@ -11,7 +11,14 @@ reference), an environment variable, and the input checks. `name = default`: wha
   and `row_dots` (`kernels/triton_gathers.py`, registered on CUDA, and on CPU under `TRITON_INTERPRET=1`). Empty:
   EmbeddingBag's kernels.
 - `CPU_SPARSE_KERNELS = True` (this module): the CPU fp32/fp64 value backward in torch's sparse CSR kernels. False:
-  the EmbeddingBag-style kernels used elsewhere.
+  the EmbeddingBag-style kernels used elsewhere (on GPUs: EmbeddingBag's dense backward, sorted segments for a sparse
+  gradient).
+- `SMALL_LOOKUP_ELEMENTS = 65536` (this module): up to this many elements of looked-up rows (lookups x v_dim) a step
+  is host-bound on any device, and the value backward is EmbeddingBag's own (one op per gradient, a sparse one
+  coalesced). 0: the paths above at every size.
+- `DENSE_SCORE_GRADIENT_CPU_LIMIT = 1048576` (this module): `ProductKeySearch`'s backward scatters a dense sub-key
+  score gradient and multiplies it out (two bmm) on GPUs, and on CPU up to this many multiply-adds; above, it goes
+  through the selected sub-keys only. 0: the latter on CPU at every size.
 - `ProductKeyMemory.prune_candidates = True`: only the `(a + 1) * (b + 1) <= knn` pairs of the halves' top-knn lists
   are scored (exact). False: all `knn ** 2` pairs, as XLM (and no native selection).
 - `ProductKeyMemory.fused_search_backward = True`: `ProductKeySearch`, the search as one autograd node (under

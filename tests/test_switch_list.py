@@ -15,15 +15,17 @@ def switches() -> dict[str, object]:
         for name, value in vars(cls).items()
         if not name.startswith("_") and isinstance(value, (bool, tuple))
     }
-    found.update(
-        (name, value) for name, value in vars(product_key_memory_ops).items() if name.isupper() and isinstance(value, bool)
+    found.update(  # the flags and the size thresholds of the paths (OPS_VERSION names the custom ops: not a switch)
+        (name, value)
+        for name, value in vars(product_key_memory_ops).items()
+        if name.isupper() and isinstance(value, (bool, int)) and name != "OPS_VERSION"
     )
     return found
 
 
 def test_the_switch_list_names_every_switch_with_its_default():
     listing = product_key_memory_ops.__doc__
-    assert len(switches()) >= 8  # the discovery finds the fast paths and the input check
+    assert len(switches()) >= 10  # the discovery finds the fast paths, their size thresholds and the input check
     for name, default in switches().items():
         assert f"`{name} = {default!r}`" in listing, f"{name} (default {default!r}) is missing from the switch list"
     assert "`PKM_BERT_NATIVE=0`" in listing  # the environment variable that keeps the native CPU selection off
