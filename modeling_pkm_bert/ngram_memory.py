@@ -165,9 +165,16 @@ class NgramMemory(nn.Module):
                 f"{self.layer_name}: input_ids of shape {tuple(input_ids.shape)} must match the hidden states' "
                 f"{tuple(hidden_states.shape[:-1])}"
             )
+        tokens = self.context_tokens(input_ids, history_ids)
+        x = self.mixed_rows(self.bucket_indices(tokens), input_ids.shape[1])
+        output = self.gate(hidden_states, x) * self.value(x)
+        return output.masked_fill((input_ids < 0)[..., None], 0.0)
+
+    def context_tokens(self, input_ids: torch.Tensor, history_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The ids with the context the n-grams and the convolution reach beyond them: `history_ids` or the boundary
+        (-1) on the left, the boundary on the right; (batch, context_left + seq + context_right)."""
         boundary = torch.full((), -1, dtype=torch.long, device=input_ids.device)
-        ids = input_ids.long()
-        left = boundary.expand(ids.shape[0], self.context_left)
+        left = boundary.expand(input_ids.shape[0], self.context_left)
         if history_ids is not None:
             if not self.causal:
                 raise ValueError(f"{self.layer_name}: history_ids are for causal memories (cached generation)")
@@ -177,22 +184,24 @@ class NgramMemory(nn.Module):
                     f"context_length) = {tuple(left.shape)}"
                 )
             left = history_ids.long()
-        right = boundary.expand(ids.shape[0], self.context_right)
-        tokens = torch.cat([left, ids, right], dim=1)
-        embeddings = self.lookup(tokens)  # (batch, seq + conv_kernel - 1, memory_dim)
-        padding = ids < 0
+        right = boundary.expand(input_ids.shape[0], self.context_right)
+        return torch.cat([left, input_ids.long(), right], dim=1)
 
+    def mixed_rows(self, indices: torch.Tensor, length: int) -> torch.Tensor:
+        """`x = e + silu(conv(RMSNorm(e)))` at the `length` positions, `e` the concatenated rows of `indices` (batch,
+        length + conv_kernel - 1, num_tables)."""
+        embeddings = self.tables(indices).flatten(-2)
         mixed = self.conv(self.embedding_norm(embeddings).transpose(1, 2)).transpose(1, 2)
-        length = ids.shape[1]
-        x = embeddings[:, self.conv_left : self.conv_left + length] + F.silu(mixed)
+        return embeddings[:, self.conv_left : self.conv_left + length] + F.silu(mixed)
+
+    def gate(self, hidden_states: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The scalar gate of each position, `sigmoid(RMSNorm(h) . RMSNorm(W_k x) / sqrt(hidden_size))`: (..., 1)."""
         key = self.key_norm(self.key(x))
-        gate = torch.sigmoid((self.hidden_norm(hidden_states) * key).sum(-1, keepdim=True) / self.hidden_size**0.5)
-        output = gate * self.value(x)
-        return output.masked_fill(padding[..., None], 0.0)
+        return torch.sigmoid((self.hidden_norm(hidden_states) * key).sum(-1, keepdim=True) / self.hidden_size**0.5)
 
     def bucket_indices(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Rows of `tables` read at each n-gram position of `tokens` (batch, n), < 0 meaning the boundary: (batch,
-        n - span, num_tables), span = the n-grams' reach beyond the positions (context_left - conv_left + ...)."""
+        """Rows of `tables` read at each position of `tokens` (`context_tokens`; < 0: the boundary) whose n-grams lie
+        inside it: (batch, positions, num_tables), positions = the length less the n-grams' reach on both sides."""
         boundary = self.vocab_size
         canonical = tokens.clamp(min=0)
         if self.token_map is not None:
@@ -216,12 +225,6 @@ class NgramMemory(nn.Module):
             result.append(h)
         hashed = torch.stack(result, dim=-1)  # (batch, positions, num_tables)
         return torch.remainder(hashed, self.table_primes) + self.table_offsets
-
-    def lookup(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The concatenated table rows of every position of `tokens` whose n-grams lie inside it."""
-        indices = self.bucket_indices(tokens)
-        rows = self.tables(indices)  # (batch, positions, num_tables, dim)
-        return rows.flatten(-2)
 
     def reset_parameters(self):
         nn.init.normal_(self.tables.weight, std=self.dim**-0.5)

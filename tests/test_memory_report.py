@@ -229,3 +229,30 @@ def test_scripts_write_metrics_log_and_memory_report(tokenizer, tmp_path):
     assert (tmp_path / "squad" / "metrics.jsonl").is_file()
     report = json.loads((tmp_path / "squad" / "memory_report" / "memory_report.json").read_text())
     assert report["usage"]["layer_1"]["tokens"] > 0
+
+
+def test_report_of_n_gram_memories_counts_buckets_collisions_and_gates(tokenizer, tmp_path):
+    """Issue 35: bucket usage, collisions and the gate of each n-gram memory, with a figure; an n-gram-only model too."""
+    from modeling_pkm_bert.analysis.ngram_usage import NgramUsageTracker
+
+    torch.manual_seed(0)
+    config = tiny_config(vocab_size=200, pkm_layers=[], ngram_layers=[0, 2], ngram_table_size=53, ngram_heads=2, ngram_dim=4)
+    model = BertPkmForMaskedLM(config).eval()
+    report = write_memory_report(model, tokenizer, tmp_path / "report", texts=[TEXT], max_seq_length=32, max_sequences=6)
+    usage = report["ngram_usage"]
+    assert sorted(usage) == ["layer_0", "layer_2"] and report["usage"] == {}
+    layer = usage["layer_0"]
+    memory = model.bert.encoder.layer[0].ngram
+    assert layer["tokens"] == 6 * 32 and layer["rows"] == sum(memory.primes)
+    # recount: the rows read by the real tokens' own n-grams
+    ids = torch.tensor([row["input_ids"] for row in report_module.text_sequences(tokenizer, [TEXT], 32, 6)])
+    rows = memory.bucket_indices(memory.context_tokens(ids))[:, memory.conv_left : memory.conv_left + 32]
+    assert layer["bucket_usage"] == pytest.approx(rows.unique().numel() / sum(memory.primes))
+    # 8 tables of <= 53 rows for ~190 tokens: collisions are certain, every head colliding is rarer
+    assert all(0 < layer["collision_any_head"][k] <= 1 for k in layer["collision_any_head"])
+    assert all(layer["collision_every_head"][k] <= layer["collision_any_head"][k] for k in layer["collision_any_head"])
+    assert sum(layer["gate_histogram"]) == layer["tokens"] and 0 < layer["gate_mean"] < 1
+    text = (tmp_path / "report" / "memory_report.md").read_text()
+    assert "## n-gram memories" in text and "layer_0_ngram.png" in text
+    assert (tmp_path / "report" / "layer_0_ngram.png").read_bytes()[:8] == PNG
+    assert set(NgramUsageTracker(model).memories) == {"layer_0", "layer_2"}

@@ -17,6 +17,7 @@ scripts log); this module only counts through them and draws. The report is writ
 `output_dir` and renamed into place when complete, so a failure leaves no half-written report.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -31,9 +32,10 @@ from torch import nn
 
 from ..hub.conversion import replace_folder, staging_folder
 from ..utils.lazy_imports import moved_names
-from ..utils.memories import memory_modules
+from ..utils.memories import memory_modules, ngram_memory_modules
 from .class_usage import PerClassMemoryUsage
 from .memory_usage import MemoryUsageTracker
+from .ngram_usage import NgramUsageTracker, ngram_report_lines, plot_ngram_usage
 from .metrics_log import METRICS_LOG_NAME, is_finite, read_metrics_log
 
 
@@ -118,10 +120,16 @@ def model_batches(tokenizer, rows: Sequence[dict], batch_size: int, device):
 
 @torch.no_grad()
 def measure_usage(
-    model: nn.Module, tokenizer, sequences: Sequence[dict] | None, class_data: ClassData | None, batch_size: int = 8
+    model: nn.Module,
+    tokenizer,
+    sequences: Sequence[dict] | None,
+    class_data: ClassData | None,
+    batch_size: int = 8,
+    ngram_tracker: NgramUsageTracker | None = None,
 ):
     """Runs the model (eval mode) over `sequences` and `class_data`; returns (MemoryUsageTracker, PerClassMemoryUsage
-    or None). The overall usage counts `sequences` when given, else the class examples."""
+    or None). The overall usage counts `sequences` when given, else the class examples; so does `ngram_tracker`
+    (the n-gram memories), when given."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -129,7 +137,7 @@ def measure_usage(
     per_class = None
     try:
         if sequences is not None:
-            with tracker:
+            with tracker, ngram_tracker or contextlib.nullcontext():
                 for batch, _ in model_batches(tokenizer, sequences, batch_size, device):
                     model(**batch)
         if class_data is not None:
@@ -137,6 +145,8 @@ def measure_usage(
             per_class = PerClassMemoryUsage(model, len(classes)) if classes else None
             if sequences is None:
                 tracker.attach()
+                if ngram_tracker is not None:
+                    ngram_tracker.attach()
             if per_class is not None:
                 per_class.attach()
             try:
@@ -148,6 +158,8 @@ def measure_usage(
                     model(**batch)
             finally:
                 tracker.detach()
+                if ngram_tracker is not None:
+                    ngram_tracker.detach()
                 if per_class is not None:
                     per_class.detach()
     finally:
@@ -466,10 +478,10 @@ def write_memory_report(
         MemoryReportError: The model has no memory; no data was given; the text is shorter than one sequence; the
             examples have no labels; the run directory has neither a metrics log nor staleness state.
     """
-    if not memory_modules(model) and not MemoryUsageTracker(model).memories:
+    if not memory_modules(model) and not MemoryUsageTracker(model).memories and not ngram_memory_modules(model):
         raise MemoryReportError(
-            f"the model ({type(model).__name__}) has no product key memory layer: nothing to report (a plain BERT, "
-            "or a BertPkm config with pkm_layers=[])"
+            f"the model ({type(model).__name__}) has no product key memory layer and no n-gram memory: nothing to "
+            "report (a plain BERT, or a BertPkm config with pkm_layers=[] and no ngram_layers)"
         )
     if texts is None and class_data is None:
         raise MemoryReportError("the memory report needs data: a validation text or labelled class examples")
@@ -478,7 +490,8 @@ def write_memory_report(
     if class_data is not None and len(class_data.dataset) == 0:
         raise MemoryReportError("the class examples are empty")
 
-    tracker, per_class = measure_usage(model, tokenizer, sequences, class_data, batch_size)
+    ngram = NgramUsageTracker(model)  # the n-gram memories, counted in the same forward passes
+    tracker, per_class = measure_usage(model, tokenizer, sequences, class_data, batch_size, ngram_tracker=ngram)
     usage = tracker.results()
     class_results = per_class.results(class_data.label_names) if per_class is not None else None
 
@@ -487,7 +500,7 @@ def write_memory_report(
     staging = staging_folder(output_dir)
     try:
         report = _write_report_files(str(staging), tracker, usage, per_class, class_results, class_data, run,
-                                     sequences, max_seq_length, title or "Memory report")
+                                     sequences, max_seq_length, title or "Memory report", ngram.results())
         replace_folder(staging, output_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -496,7 +509,7 @@ def write_memory_report(
 
 
 def _write_report_files(
-    folder, tracker, usage, per_class, class_results, class_data, run, sequences, max_seq_length, title
+    folder, tracker, usage, per_class, class_results, class_data, run, sequences, max_seq_length, title, ngram_usage=None
 ):
     lines = [f"# {title}", ""]
     if sequences is not None:
@@ -514,7 +527,7 @@ def _write_report_files(
         "explorer, `python run_scripts/memory_explorer.py --model_name_or_path <model> --output_dir <folder>` "
         "(docs/memory_explorer.md), for the same texts with the same numbers.",
     ]
-    lines += ["", "## Usage per memory layer", "", *_layer_table(usage), ""]
+    lines += ["", "## Usage per memory layer", "", *_layer_table(usage), ""] if usage else [""]
     report = {"usage": usage}
     for layer, accumulator in tracker.accumulators.items():
         memory = tracker.memories[layer]
@@ -529,7 +542,14 @@ def _write_report_files(
             f"![{layer}: sorted usage curve]({os.path.basename(curve)})",
             "",
         ]
-    if per_class is not None:
+    if ngram_usage:
+        report["ngram_usage"] = ngram_usage
+        figures = {
+            layer: os.path.basename(plot_ngram_usage(layer, m, os.path.join(folder, f"{layer}_ngram.png")))
+            for layer, m in ngram_usage.items()
+        }
+        lines += ngram_report_lines(ngram_usage, figures)
+    if per_class is not None and class_results:
         names = class_data.label_names
         report["class_usage"] = class_results
         lines += ["## Per-class usage (Figure 4)", ""]
