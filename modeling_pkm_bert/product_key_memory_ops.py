@@ -10,6 +10,9 @@ reference), an environment variable, and the input checks. `name = default`: wha
 - `ProductKeyValues.triton_devices = ()`: device types whose gathers run in the Triton ops `torch.ops.pkm_bert.bag_sum`
   and `row_dots` (`kernels/triton_gathers.py`, registered on CUDA, and on CPU under `TRITON_INTERPRET=1`). Empty:
   EmbeddingBag's kernels.
+- `TRITON_FUSED_BACKWARD = True` (this module): with `triton_devices`, the value backward is one pass of
+  `torch.ops.pkm_bert.row_sum_backward` (both gradients; the table's by fp32 atomics, into the used rows for a sparse
+  gradient). False: a sort by row, `bag_sum` over the rows' segments and `row_dots`.
 - `CPU_SPARSE_KERNELS = True` (this module): the CPU fp32/fp64 value backward in torch's sparse CSR kernels. False:
   the EmbeddingBag-style kernels used elsewhere (on GPUs: EmbeddingBag's dense backward, sorted segments for a sparse
   gradient).
@@ -102,6 +105,8 @@ def _reusable_buffer(
 
 # CPU fp32/fp64: torch's sparse CSR kernels for the value backward (False: the EmbeddingBag-style kernels used elsewhere)
 CPU_SPARSE_KERNELS = True
+# with Triton gathers: the value backward in one pass of `row_sum_backward` (False: sort, `bag_sum` and `row_dots`)
+TRITON_FUSED_BACKWARD = True
 
 
 def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -185,7 +190,9 @@ def row_sum_gradients(ctx, weight, indices, per_sample_weights, grad_output):
     grad_output = grad_output.contiguous()
     so_far = _TableGradientSoFar(ctx)
     small = indices.numel() * weight.shape[1] <= SMALL_LOOKUP_ELEMENTS
-    if _csr_kernels(ctx, weight, grad_output.dtype) and not small:
+    if ctx.triton and TRITON_FUSED_BACKWARD:
+        backward = _fused_triton_backward
+    elif _csr_kernels(ctx, weight, grad_output.dtype) and not small:
         backward = _sparse_csr_backward if ctx.sparse else _dense_csr_backward
     else:
         backward = _row_sums_backward
@@ -398,6 +405,23 @@ def _row_sums_backward(ctx, weight, indices, per_sample_weights, grad_output, so
             grad_weight = _sparse_rows(used, grad_rows, n_rows)
         else:
             grad_weight = grad_rows.new_zeros(n_rows, dim).index_copy_(0, used, grad_rows)
+    return so_far.total(grad_weight, so_far.partial), grad_per_sample_weights
+
+
+def _fused_triton_backward(ctx, weight, indices, per_sample_weights, grad_output, so_far):
+    """With `ctx.triton`: both gradients from one pass over the lookups (`torch.ops.pkm_bert.row_sum_backward`); a
+    sparse table gradient goes to the coalesced rows (slot of each lookup: the inverse of `torch.unique`)."""
+    tokens, bag = indices.shape
+    flat, table_grad, weights_grad = indices.reshape(-1), ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    used, slots = torch.unique(flat, return_inverse=True) if table_grad and ctx.sparse else (None, None)
+    grad_weight, grad_per_sample_weights = torch.ops.pkm_bert.row_sum_backward(
+        grad_output, weight, flat, per_sample_weights.reshape(-1), bag, table_grad, weights_grad,
+        slots, -1 if used is None else used.numel(),
+    )  # fmt: skip
+    if table_grad and ctx.sparse:
+        grad_weight = _sparse_rows(used, grad_weight, weight.shape[0])
+    grad_weight = grad_weight if table_grad else None
+    grad_per_sample_weights = grad_per_sample_weights.view(tokens, bag) if weights_grad else None
     return so_far.total(grad_weight, so_far.partial), grad_per_sample_weights
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import modeling_pkm_bert  # noqa: F401  (registers the ops, for CPU tensors too under the interpreter)
-from modeling_pkm_bert import ProductKeyMemory
+from modeling_pkm_bert import ProductKeyMemory, product_key_memory_ops
 from modeling_pkm_bert.kernels import triton_gathers
 from modeling_pkm_bert.methods.optimizers import SparseRowAdam
 
@@ -27,7 +27,7 @@ def op_calls(function) -> dict[str, int]:
     with torch.profiler.profile() as profile:
         function()
     return {name: sum(event.count for event in profile.key_averages() if event.key == name)
-            for name in ("pkm_bert::bag_sum", "pkm_bert::row_dots")}  # fmt: skip
+            for name in ("pkm_bert::bag_sum", "pkm_bert::row_dots", "pkm_bert::row_sum_backward")}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -265,13 +265,14 @@ def test_inference_lookup_uses_bag_sum():
         triton = on_triton(memory)
         calls = op_calls(lambda: triton(x))
         torch.testing.assert_close(triton(x), expected, rtol=1e-5, atol=1e-6)
-    assert calls == {"pkm_bert::bag_sum": 1, "pkm_bert::row_dots": 0}
-    assert op_calls(lambda: memory(x)) == {"pkm_bert::bag_sum": 0, "pkm_bert::row_dots": 0}  # off by default
+    assert calls == {"pkm_bert::bag_sum": 1, "pkm_bert::row_dots": 0, "pkm_bert::row_sum_backward": 0}
+    assert set(op_calls(lambda: memory(x)).values()) == {0}  # off by default
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("sparse", [False, True])
 @pytest.mark.parametrize("with_mask", [False, True])
-def test_training_with_triton_gathers_equals_reference(sparse, with_mask):
+def test_training_with_triton_gathers_equals_reference(sparse, with_mask, fused, monkeypatch):
     """Outputs and every gradient, then the parameters after 3 steps (AdamW; SparseRowAdam or Adam on the values)."""
     torch.manual_seed(5)
     memory = ProductKeyMemory(16, 12, n_keys=8, heads=2, knn=4, k_dim=8, query_bias=False).train()
@@ -292,7 +293,9 @@ def test_training_with_triton_gathers_equals_reference(sparse, with_mask):
             outputs = []
             run = lambda: outputs.append(module(xx, mask if with_mask else None)) or (outputs[0] * g).sum().backward()  # noqa: E731
             if name == "fast":
-                assert op_calls(run) == {"pkm_bert::bag_sum": 2, "pkm_bert::row_dots": 1}  # lookup, value grad; dots
+                monkeypatch.setattr(product_key_memory_ops, "TRITON_FUSED_BACKWARD", fused)
+                expected = (1, 0, 1) if fused else (2, 1, 0)  # lookup; both gradients in one pass, else value grad, dots
+                assert tuple(op_calls(run).values()) == expected
             else:
                 run()
             grads = {n: p.grad.to_dense() if p.grad.is_sparse else p.grad for n, p in module.named_parameters()}
