@@ -4,7 +4,8 @@
 The memory explorer of a BertPkm model: one static page (`index.html`, opened from disk, no server, no network) that
 shows, per memory layer, the slots ranked by use with the usage curve (the memory report's numbers for the same texts),
 each slot's contexts and the tokens its value promotes, and which slots a token's occurrences select, per layer and
-head. Its data (`explorer.json`, and `data/*.js` loaded as slots are opened) sits beside it.
+head; for hashed n-gram memories the same per bucket, with its collisions. Its data (`explorer.json`, and `data/*.js`
+loaded as slots are opened) sits beside it.
 
     python run_scripts/memory_explorer.py --model_name_or_path out/resm --output_dir out/resm/explorer
     python run_scripts/memory_explorer.py --model_name_or_path out/resm --text_file a.txt b.txt \\
@@ -46,7 +47,9 @@ def parse_args(argv=None):
     parser.add_argument("--dataset_config_name", default=None, help="Its configuration (e.g. wikitext-2-raw-v1).")
     parser.add_argument("--dataset_split", default="validation", help="Its split.")
     parser.add_argument("--text_column", default="text", help="Its text column.")
-    parser.add_argument("--layers", nargs="+", type=int, default=None, help="Encoder layers to explore (default: all).")
+    parser.add_argument(
+        "--layers", nargs="+", type=int, default=None, help="Encoder layers whose memories to explore (default: all)."
+    )
     parser.add_argument("--max_seq_length", type=int, default=128, help="Tokens per sequence (as the memory report).")
     parser.add_argument("--max_tokens", type=int, default=100_000, help="Run at most this many tokens (whole sequences).")
     parser.add_argument("--contexts_per_slot", type=int, default=10, help="The heaviest contexts kept per slot.")

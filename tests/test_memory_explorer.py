@@ -21,9 +21,11 @@ from modeling_pkm_bert.analysis.explorer import (
     MemoryExplorerError,
     SlotSelections,
     build_memory_explorer,
+    project_ngram_buckets,
     project_values,
     read_explorer_data,
 )
+from modeling_pkm_bert.ngram_memory import NgramMemory
 from modeling_pkm_bert.analysis.memory_usage import track_memory_usage
 
 
@@ -212,6 +214,145 @@ def test_most_used_slots_only_are_projected_on_request(model, tokenizer, tmp_pat
         assert layer["projected_slots"] == 5 and sorted(promoted) == sorted(layer["ranked"]["slot"][:5])
 
 
+# ---- hashed n-gram memories ----
+
+
+@pytest.fixture(scope="module")
+def ngram_model():
+    """Memories of both kinds: n-gram memories at layers 0 and 2 (their convolution and value projection set to random
+    values: they start at zero), a product key memory at layer 2."""
+    torch.manual_seed(3)
+    model = BertPkmForMaskedLM(tiny_config(vocab_size=200, pkm_layers=[2], ngram_layers=[0, 2], ngram_table_size=53,
+                                           ngram_dim=4))  # fmt: skip
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, NgramMemory):
+                for parameter in (module.conv.weight, module.value.weight, module.value.bias):
+                    parameter.normal_(std=0.3)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def ngram_explorer(ngram_model, tokenizer, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ngram") / "explorer"
+    summary = build_memory_explorer(ngram_model, tokenizer, folder, [TEXT], max_seq_length=LENGTH, max_tokens=LENGTH * 4,
+                                    contexts_per_slot=1000, chunk_size=64)  # fmt: skip
+    return folder, summary
+
+
+def test_ngram_buckets_gates_and_collisions_equal_a_direct_computation(ngram_model, tokenizer, ngram_explorer):
+    """Per position and table the bucket is the memory's own hash (`bucket_indices`) of the sequence with its edges;
+    the gate is the factor of the memory's output over its value projection; per bucket the reads, the summed gate, the
+    contexts (all kept here) with the n-gram's span, and the collisions add up."""
+    folder, summary = ngram_explorer
+    assert [layer["name"] for layer in summary["layers"]] == ["layer_0_ngram", "layer_2", "layer_2_ngram"]
+    sequences = report_module.text_sequences(tokenizer, [TEXT], LENGTH, 4)
+    ids = torch.tensor([s["input_ids"] for s in sequences])
+    captured = {}
+    hooks = []
+    for index in (0, 2):
+        memory = ngram_model.bert.encoder.layer[index].ngram
+        hooks.append(memory.register_forward_hook(lambda m, args, out, i=index: captured.__setitem__(("out", i), out)))
+        hooks.append(memory.value.register_forward_hook(lambda m, args, out, i=index: captured.__setitem__(("v", i), out)))
+    with torch.no_grad():
+        ngram_model(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
+    tokens = read_explorer_data(folder, "tokens")["tokens"]
+    for index in (0, 2):
+        memory, name = ngram_model.bert.encoder.layer[index].ngram, f"layer_{index}_ngram"
+        layer = layer_of(summary, name)
+        edges = torch.full((ids.shape[0], memory.context_left), -1), torch.full((ids.shape[0], memory.context_right), -1)
+        buckets = memory.bucket_indices(torch.cat([edges[0], ids, edges[1]], dim=1))
+        buckets = buckets[:, memory.conv_left : memory.conv_left + LENGTH].reshape(-1, memory.num_tables)
+        output, value = captured[("out", index)], captured[("v", index)]
+        gate = ((output * value).sum(-1) / (value * value).sum(-1)).flatten()
+        selections = read_explorer_data(folder, f"{name}/selections")
+        assert "top1" not in selections and selections["head_top1"] == buckets.T.tolist()
+        assert torch.allclose(torch.tensor(selections["head_top1_weight"][0]), gate, atol=1e-4)
+
+        reads = torch.bincount(buckets.flatten(), minlength=layer["size"])
+        ranked = layer["ranked"]
+        assert sorted(ranked["slot"]) == reads.nonzero().squeeze(1).tolist() and layer["size"] == memory.tables.num_embeddings
+        assert ranked["used"] == reads[ranked["slot"]].tolist() == sorted(ranked["used"], reverse=True)
+        gate_sums = torch.zeros(layer["size"], dtype=torch.float64).index_add_(
+            0, buckets.flatten(), gate.double().repeat_interleave(memory.num_tables))
+        assert ranked["weight"] == pytest.approx(gate_sums[ranked["slot"]].tolist(), rel=1e-5)
+        assert layer["metrics"]["mu"] == (reads > 0).double().mean().item() and layer["never_selected"] == int((reads == 0).sum())
+        assert layer["metrics"]["tokens"] == LENGTH * 4 and layer["never_picked"] is None
+
+        contexts, _ = all_contexts(folder, layer)
+        collisions = {}
+        for chunk in layer["chunks"]:
+            collisions.update(read_explorer_data(folder, f"{name}/slots_{chunk:05d}")["collisions"])
+        for bucket in ranked["slot"]:
+            kept = contexts[bucket]
+            table = next(t for t, info in enumerate(layer["tables"]) if info["offset"] <= bucket < info["offset"] + info["size"])
+            order, ending = layer["tables"][table]["order"], layer["tables"][table]["side"] == "ending"
+            assert len(kept) == reads[bucket] and all(buckets[p, table] == bucket for p, _, _, _, _ in kept)
+            for position, weight, _, first, last in kept:
+                start = position - position % LENGTH
+                assert (first, last) == ((max(start, position - order + 1), position) if ending else
+                                         (position, min(start + LENGTH - 1, position + order - 1)))  # fmt: skip
+            grams = collisions[str(bucket)]
+            assert sum(count for _, count in grams["ngrams"]) == reads[bucket] or grams["distinct"] > len(grams["ngrams"])
+            # each n-gram read here, as text (a cut one ends in the boundary mark), is among its collisions
+            if grams["distinct"] <= len(grams["ngrams"]):
+                texts = {text for text, _ in grams["ngrams"]}
+                for position, _, _, first, last in kept:
+                    missing = order - (last - first + 1)
+                    text = " ".join(tokens[first : last + 1])
+                    text = " ".join(["\u2205"] * missing + [text]) if ending and missing else text
+                    text = " ".join([text] + ["\u2205"] * missing) if not ending and missing else text
+                    assert text in texts
+
+
+def test_ngram_projection_is_the_documented_one(ngram_model):
+    """E @ (gamma * (d - mean(d))), d = W_v[:, table] @ row: the row through its table's columns of the value
+    projection, the gain of the attention block's LayerNorm the memory adds to, the output embedding."""
+    layer = ngram_model.bert.encoder.layer[2]
+    memory = layer.ngram
+    buckets = torch.tensor([0, memory.offsets[3] + 7, memory.tables.num_embeddings - 1])
+    expected = []
+    for bucket in buckets.tolist():
+        table = max(t for t, offset in enumerate(memory.offsets) if offset <= bucket)
+        d = memory.value.weight[:, table * memory.dim : (table + 1) * memory.dim] @ memory.tables.weight[bucket]
+        d = (d - d.mean()) * layer.attention.output.LayerNorm.weight
+        expected.append(ngram_model.cls.predictions.decoder.weight @ d)
+    assert torch.allclose(project_ngram_buckets(ngram_model, memory, buckets), torch.stack(expected), atol=1e-5)
+
+
+def test_a_browser_shows_a_bucket_with_its_collisions(ngram_explorer):
+    chromium_or_skip()
+    folder, summary = ngram_explorer
+    layer = layer_of(summary, "layer_2_ngram")
+    bucket = layer["ranked"]["slot"][0]
+    data = read_explorer_data(folder, f"layer_2_ngram/slots_{bucket // 64:05d}")
+    tokens = read_explorer_data(folder, "tokens")["tokens"]
+    with Browser() as browser:
+        browser.open((folder / "index.html").as_uri())
+        page_ready(browser)
+        browser.evaluate("document.getElementById('layer-layer_2_ngram').click()")
+        page_ready(browser)
+        assert browser.evaluate("document.querySelector('#layer-view h2').textContent").startswith(
+            f"layer_2_ngram: {layer['size']} buckets, hashed n-gram memory, 16 tables")
+        assert browser.evaluate("document.querySelector('#metrics [data-metric=mu] td').textContent") == (
+            f"{100 * layer['metrics']['mu']:.2f} %")
+        assert browser.evaluate("document.querySelectorAll('#metrics [data-metric=top1_mu]').length") == 0
+        browser.evaluate(f"document.querySelector('#slot-table tr[data-slot=\"{bucket}\"]').click()")
+        page_ready(browser)
+        shown = browser.evaluate("Array.from(document.querySelectorAll('#collisions [data-ngram]')).map(s => [s.dataset.ngram,"
+                                 " +s.dataset.count])")  # fmt: skip
+        assert shown == data["collisions"][str(bucket)]["ngrams"]
+        marks = browser.evaluate("Array.from(document.querySelectorAll('#contexts mark')).map(m => m.textContent)")
+        assert marks == [" ".join(tokens[first : last + 1]) for _, _, _, first, last in data["contexts"][str(bucket)]]
+        browser.evaluate("document.getElementById('search').value = 'elizabeth'; document.getElementById('search-button').click()")
+        page_ready(browser)
+        assert browser.evaluate("document.querySelectorAll('.search-layer[data-layer=layer_2_ngram] [data-head]').length") == 16
+        assert browser.evaluate("document.querySelector('.search-layer[data-layer=layer_2_ngram] [data-head=\"0\"] td')"
+                                ".textContent") == "table 0: 2-gram ending here, hash 0"  # fmt: skip
+
+
 # ---- the page in a real browser ----
 
 
@@ -236,7 +377,7 @@ def test_a_browser_selects_a_layer_opens_a_slot_and_searches(explorer, tokenizer
 
         # select a layer: its metrics and its ranked slots
         browser.evaluate("document.getElementById('layer-layer_2').click()")
-        assert page_ready(browser) == "#layer=layer_2&sort=top1"
+        assert page_ready(browser) == "#layer=layer_2"
         layer = layer_of(summary, "layer_2")
         m = layer["metrics"]
         shown = dict(browser.evaluate(
@@ -254,6 +395,14 @@ def test_a_browser_selects_a_layer_opens_a_slot_and_searches(explorer, tokenizer
         assert [r[0] for r in rows] == ranked["slot"][:50] and [r[1] for r in rows] == ranked["top1"][:50]
         assert [r[2] for r in rows] == pytest.approx(ranked["weight"][:50], abs=5e-4)
         browser.screenshot(tmp_path / "explorer_layer.png")
+
+        # sort by summed weight
+        browser.evaluate("document.getElementById('sort-weight').click()")
+        assert page_ready(browser) == "#layer=layer_2&sort=weight"
+        heaviest = max(zip(ranked["weight"], ranked["slot"]))[1]
+        assert browser.evaluate("+document.querySelector('#slot-table tr[data-slot]').dataset.slot") == heaviest
+        browser.evaluate("document.getElementById('sort-top1').click()")
+        page_ready(browser)
 
         # page through the slots
         browser.evaluate("document.getElementById('next-page').click()")
@@ -296,7 +445,7 @@ def test_a_browser_selects_a_layer_opens_a_slot_and_searches(explorer, tokenizer
 
         # a search result opens its slot in its layer
         browser.evaluate("document.querySelector('.search-layer[data-layer=layer_0] [data-head=top1] a').click()")
-        assert page_ready(browser).startswith("#layer=layer_0&sort=top1&slot=")
+        assert re.fullmatch(r"#layer=layer_0&sort=top1&slot=\d+&q=elizabeth", page_ready(browser))
 
         # a layer that does not exist is named, and the first layer shown
         browser.evaluate("location.hash = 'layer=layer_9'")
@@ -333,7 +482,7 @@ def test_bad_input_is_named(model, tokenizer, tmp_path):
     with pytest.raises(MemoryExplorerError, match="max_tokens=10 is less than one sequence of 128 tokens"):
         build_memory_explorer(model, tokenizer, tmp_path / "d", [TEXT], max_tokens=10)
     plain = BertPkmForMaskedLM(tiny_config(vocab_size=200, pkm_layers=[]))
-    with pytest.raises(MemoryExplorerError, match="has no product key memory layer"):
+    with pytest.raises(MemoryExplorerError, match=r"has no memory layer \(product key or hashed n-gram\)"):
         build_memory_explorer(plain, tokenizer, tmp_path / "e", [TEXT])
     assert not any(tmp_path.iterdir())  # nothing half-written
 
@@ -341,7 +490,7 @@ def test_bad_input_is_named(model, tokenizer, tmp_path):
     folder = tmp_path / "plain"
     plain.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    with pytest.raises(MemoryExplorerError, match="has no product key memory layer"):
+    with pytest.raises(MemoryExplorerError, match=r"has no memory layer \(product key or hashed n-gram\)"):
         script.main(["--model_name_or_path", str(folder), "--output_dir", str(tmp_path / "out")])
     folder = tmp_path / "pkm"
     model.save_pretrained(folder)

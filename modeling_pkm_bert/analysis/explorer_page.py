@@ -85,7 +85,7 @@ function el(tag, attrs, children) {
 function state() {
   var params = new URLSearchParams(location.hash.slice(1));
   return {
-    layer: params.get("layer"), sort: params.get("sort") === "weight" ? "weight" : "top1",
+    layer: params.get("layer"), sort: params.get("sort"),
     page: Math.max(0, parseInt(params.get("page") || "0", 10) || 0),
     slot: params.has("slot") ? parseInt(params.get("slot"), 10) : null,
     q: params.get("q") || "", window: params.has("window") ? parseInt(params.get("window"), 10) : null
@@ -104,22 +104,46 @@ function go(changes) {
 var PER_PAGE = 50, summary = null, tokens = null, orders = {};
 var pct = function (x) { return (100 * x).toFixed(2) + " %"; };
 
+function sortKey(layer, sort) {  // a column of the layer (product keys: top1, weight; n-grams: used, weight)
+  var keys = layer.columns.map(function (c) { return c[0]; });
+  return keys.indexOf(sort) >= 0 ? sort : keys[0];
+}
+
 function rankedOrder(layer, sort) {
+  sort = sortKey(layer, sort);
   var key = layer.name + "/" + sort;
   if (!orders[key]) {
-    var index = layer.ranked.slot.map(function (_, i) { return i; });
-    if (sort === "weight") {  // the summary is in top-1 order; by weight, then top-1, then slot
-      var r = layer.ranked;
-      index.sort(function (a, b) { return r.weight[b] - r.weight[a] || r.top1[b] - r.top1[a] || r.slot[a] - r.slot[b]; });
+    var index = layer.ranked.slot.map(function (_, i) { return i; }), r = layer.ranked;
+    var keys = [sort].concat(layer.columns.map(function (c) { return c[0]; }).filter(function (k) { return k !== sort; }));
+    if (sort !== layer.columns[0][0]) {  // the summary is in the first column's order; else by this column, then the others, then slot
+      index.sort(function (a, b) {
+        for (var k = 0; k < keys.length; k++) { var d = r[keys[k]][b] - r[keys[k]][a]; if (d) return d; }
+        return r.slot[a] - r.slot[b];
+      });
     }
     orders[key] = index;
   }
   return orders[key];
 }
 
+function tableOf(layer, bucket) {  // the n-gram table holding a bucket (tables are consecutive row ranges)
+  var tables = layer.tables;
+  for (var t = tables.length - 1; t >= 0; t--) if (bucket >= tables[t].offset) return [t, tables[t]];
+  return [0, tables[0]];
+}
+
+function tableLabel(table) {
+  return table.order + "-gram " + table.side + " here, hash " + table.hash;
+}
+
 function slotLabel(layer, slot) {
   if (layer.kind === "product_key") return slot + " (" + Math.floor(slot / layer.n_keys) + ", " + slot % layer.n_keys + ")";
+  if (layer.kind === "ngram") { var t = tableOf(layer, slot); return slot + " (table " + t[0] + ", row " + (slot - t[1].offset) + ")"; }
   return String(slot);
+}
+
+function headLabel(layer, h) {
+  return layer.kind === "ngram" ? "table " + h + ": " + tableLabel(layer.tables[h]) : "head " + h;
 }
 
 function renderLayers(current) {
@@ -151,7 +175,9 @@ function curveSvg(layer) {
   var X = function (x) { return left + x * (w - left - 6); }, Y = function (y) { return h - bottom - y * (h - bottom - 6); };
   add("rect", {x: X(0), y: Y(1), width: X(1) - X(0), height: Y(0) - Y(1), fill: "none", stroke: "#bcccdc"});
   add("line", {x1: X(0), y1: Y(0), x2: X(1), y2: Y(1), stroke: "#bcccdc", "stroke-dasharray": "3 3"});
-  [["used", "#1f77b4", "selected (u)"], ["weight", "#2ca02c", "weight (w)"], ["top1", "#d62728", "top-1 picks (t)"]].forEach(function (c, i) {
+  var ngram = layer.kind === "ngram";
+  [["used", "#1f77b4", ngram ? "reads" : "selected (u)"], ["weight", "#2ca02c", ngram ? "gate (w)" : "weight (w)"],
+   ["top1", "#d62728", "top-1 picks (t)"]].filter(function (c) { return layer.curve[c[0]]; }).forEach(function (c, i) {
     var points = layer.curve.x.map(function (x, j) { return X(x).toFixed(1) + "," + Y(layer.curve[c[0]][j]).toFixed(1); });
     add("polyline", {points: points.join(" "), fill: "none", stroke: c[1], "stroke-width": 1.6});
     add("line", {x1: w + 4, y1: 14 + 14 * i, x2: w + 22, y2: 14 + 14 * i, stroke: c[1], "stroke-width": 2});
@@ -168,59 +194,67 @@ function curveSvg(layer) {
 function renderLayer(layer, s) {
   var view = document.getElementById("layer-view"), m = layer.metrics, unit = layer.unit;
   view.innerHTML = "";
+  var ngram = layer.kind === "ngram", selected = ngram ? "read" : "selected";
   view.appendChild(el("h2", {text: layer.name + ": " + layer.size.toLocaleString("en") + " " + unit + "s, " +
-    layer.kind.replace("_", " ") + " memory" + (layer.heads ? ", " + layer.heads + " heads x top-" + layer.knn : "")}));
+    (ngram ? "hashed n-gram memory, " + layer.tables.length + " tables" :
+     layer.kind.replace("_", " ") + " memory" + (layer.heads ? ", " + layer.heads + " heads x top-" + layer.knn : ""))}));
+  var fixed = function (key) { return m[key] === undefined ? null : m[key].toFixed(4); };
   var rows = [
-    ["tokens", "tokens", String(m.tokens)], ["mu", "MU (selected at least once)", pct(m.mu)],
-    ["top1_mu", "top-1 MU (some token's top-1 pick)", pct(m.top1_mu)],
-    ["never_picked", unit + "s never picked (top-1)", layer.never_picked + " (" + pct(layer.never_picked / layer.size) + ")"],
-    ["never_selected", unit + "s never selected", layer.never_selected + " (" + pct(layer.never_selected / layer.size) + ")"],
-    ["kl_u", "KL_u (nats)", m.kl_u.toFixed(4)], ["kl_w", "KL_w (nats)", m.kl_w.toFixed(4)],
-    ["gini_u", "Gini_u", m.gini_u.toFixed(4)], ["gini_w", "Gini_w", m.gini_w.toFixed(4)],
-    ["top50_w", unit + "s holding 50 % of the weight", String(m.top50_w)],
-    ["top90_w", unit + "s holding 90 % of the weight", String(m.top90_w)]
-  ];
+    ["tokens", "tokens", String(m.tokens)], ["mu", "MU (" + selected + " at least once)", pct(m.mu)],
+    ["top1_mu", "top-1 MU (some token's top-1 pick)", m.top1_mu === undefined ? null : pct(m.top1_mu)],
+    ["never_picked", unit + "s never picked (top-1)", layer.never_picked === null ? null : layer.never_picked + " (" + pct(layer.never_picked / layer.size) + ")"],
+    ["never_selected", unit + "s never " + selected, layer.never_selected + " (" + pct(layer.never_selected / layer.size) + ")"],
+    ["kl_u", "KL_u (nats)", fixed("kl_u")], ["kl_w", "KL_w (nats)", fixed("kl_w")],
+    ["gini_u", "Gini_u", fixed("gini_u")], ["gini_w", "Gini_w", fixed("gini_w")],
+    ["top50_w", unit + "s holding 50 % of the weight", m.top50_w === undefined ? null : String(m.top50_w)],
+    ["top90_w", unit + "s holding 90 % of the weight", m.top90_w === undefined ? null : String(m.top90_w)],
+    ["top50_u", unit + "s holding 50 % of the reads", ngram ? String(m.top50_u) : null],
+    ["top90_u", unit + "s holding 90 % of the reads", ngram ? String(m.top90_u) : null]
+  ].filter(function (r) { return r[2] !== null; });
   var table = el("table", {id: "metrics"}, rows.map(function (r) {
     return el("tr", {"data-metric": r[0]}, [el("th", {text: r[1]}), el("td", {text: r[2]})]);
   }));
   view.appendChild(el("div", {style: "display:flex;gap:12px;flex-wrap:wrap"}, [el("div", {style: "flex:1;min-width:250px"}, [table]), curveSvg(layer)]));
 
-  var order = rankedOrder(layer, s.sort), r = layer.ranked, pages = Math.max(1, Math.ceil(order.length / PER_PAGE));
+  var sort = sortKey(layer, s.sort), order = rankedOrder(layer, sort), r = layer.ranked;
+  var pages = Math.max(1, Math.ceil(order.length / PER_PAGE)), label = {};
+  layer.columns.forEach(function (c) { label[c[0]] = c[1]; });
   var page = Math.min(s.page, pages - 1);
   var goto = el("input", {id: "goto-slot", type: "number", min: 0, max: layer.size - 1, style: "width:90px", placeholder: unit + " #"});
   goto.onkeydown = function (event) { if (event.key === "Enter" && goto.value !== "") go({slot: parseInt(goto.value, 10)}); };
-  view.appendChild(el("h3", {text: "Slots ranked by " + (s.sort === "top1" ? "top-1 picks" : "summed weight") +
-    " (" + order.length.toLocaleString("en") + " selected at least once; the " + layer.never_selected.toLocaleString("en") + " never selected are not listed)"}));
+  view.appendChild(el("h3", {text: unit[0].toUpperCase() + unit.slice(1) + "s ranked by " + label[sort] +
+    " (" + order.length.toLocaleString("en") + " " + selected + " at least once; the " + layer.never_selected.toLocaleString("en") + " never " + selected + " are not listed)"}));
   view.appendChild(el("div", {"class": "pager"}, [
     el("button", {id: "prev-page", text: "\u2190 previous", onclick: function () { go({page: Math.max(0, page - 1)}); }}),
     el("span", {id: "page-label", text: "page " + (page + 1) + " of " + pages}),
     el("button", {id: "next-page", text: "next \u2192", onclick: function () { go({page: Math.min(pages - 1, page + 1)}); }}),
-    el("button", {id: "sort-top1", text: "by top-1", onclick: function () { go({sort: "top1", page: 0}); }}),
-    el("button", {id: "sort-weight", text: "by weight", onclick: function () { go({sort: "weight", page: 0}); }}),
-    goto
-  ]));
-  var head = el("tr", {}, ["rank", unit + " (i1, i2)", "top-1 picks", "summed weight", "selected"].map(function (t) { return el("th", {text: t}); }));
+  ].concat(layer.columns.slice(0, 2).map(function (c) {
+    return el("button", {id: "sort-" + c[0], text: "by " + c[1], onclick: function () { go({sort: c[0], page: 0}); }});
+  })).concat([goto])));
+  var where = ngram ? " (table, row)" : " (i1, i2)";
+  var head = el("tr", {}, ["rank", unit + where].concat(layer.columns.map(function (c) { return c[1]; })).map(function (t) { return el("th", {text: t}); }));
   var body = order.slice(page * PER_PAGE, (page + 1) * PER_PAGE).map(function (i, k) {
     return el("tr", {"data-slot": r.slot[i], "class": r.slot[i] === s.slot ? "open" : "",
                      onclick: function () { go({slot: r.slot[i]}); }}, [
-      el("td", {text: String(page * PER_PAGE + k + 1)}), el("td", {text: slotLabel(layer, r.slot[i])}),
-      el("td", {"data-field": "top1", text: String(r.top1[i])}), el("td", {"data-field": "weight", text: r.weight[i].toFixed(3)}),
-      el("td", {"data-field": "used", text: String(r.used[i])})
-    ]);
+      el("td", {text: String(page * PER_PAGE + k + 1)}), el("td", {text: slotLabel(layer, r.slot[i])})
+    ].concat(layer.columns.map(function (c) {
+      return el("td", {"data-field": c[0], text: c[0] === "weight" ? r.weight[i].toFixed(3) : String(r[c[0]][i])});
+    })));
   });
   view.appendChild(el("table", {id: "slot-table"}, [head].concat(body)));
 }
 
 function words(text) { return text.replace(/ ##/g, ""); }
 
-function contextLine(position, windowSize) {
+function contextLine(position, windowSize, first, last) {  // [first, last]: the highlighted tokens (default: position)
+  first = first === undefined ? position : first; last = last === undefined ? position : last;
   var length = summary.sequence_length, start = position - position % length;
-  var from = Math.max(start, position - windowSize), to = Math.min(start + length, position + windowSize + 1);
-  var before = tokens.slice(from, position).join(" "), after = tokens.slice(position + 1, to).join(" ");
-  var centre = tokens[position];
+  var from = Math.max(start, first - windowSize), to = Math.min(start + length, last + windowSize + 1);
+  var before = tokens.slice(from, first).join(" "), after = tokens.slice(last + 1, to).join(" ");
+  var centre = tokens.slice(first, last + 1).join(" ");
   var span = el("span", {"class": "context"}, [
     (from > start ? "\u2026 " : "") + words(before).replace(/^##/, "") + (centre.indexOf("##") === 0 ? "" : " "),
-    el("mark", {text: centre.replace(/^##/, "")}),
+    el("mark", {text: words(centre).replace(/^##/, "")}),
     words(" " + after).replace(/^ ##/, "") + (to < start + length ? " \u2026" : "")
   ]);
   return span;
@@ -241,9 +275,11 @@ function renderSlot(layer, s) {
     var windowSize = s.window !== null && s.window >= 0 ? s.window : summary.window;
     view.innerHTML = "";
     view.appendChild(el("h2", {id: "slot-title", text: layer.name + ", " + unit + " " + slotLabel(layer, slot)}));
-    view.appendChild(el("p", {id: "slot-counts", text: i < 0 ? "never selected by these " + summary.tokens + " tokens" :
-      r.top1[i] + " top-1 picks, summed weight " + r.weight[i].toFixed(3) + ", selected by " + r.used[i] + " tokens (rank " +
-      (rankedOrder(layer, "top1").indexOf(i) + 1) + " by top-1 picks)"}));
+    var first = layer.columns[0];
+    view.appendChild(el("p", {id: "slot-counts", text: i < 0 ? "never " + (layer.kind === "ngram" ? "read" : "selected") + " by these " + summary.tokens + " tokens" :
+      layer.columns.map(function (c) { return (c[0] === "weight" ? r.weight[i].toFixed(3) : r[c[0]][i]) + " " + c[1]; }).join(", ") +
+      " (rank " + (rankedOrder(layer, first[0]).indexOf(i) + 1) + " by " + first[1] + ")" +
+      (layer.kind === "ngram" ? "; " + tableLabel(tableOf(layer, slot)[1]) : "")}));
     view.appendChild(el("h3", {text: "Tokens its value promotes"}));
     var p = layer.projection;
     view.appendChild(el("p", {"class": "muted", text: p.formula + "; E = " + p.E + (p.gamma ? ", gamma = " + p.gamma : "") +
@@ -251,17 +287,23 @@ function renderSlot(layer, s) {
     view.appendChild(promoted ? el("div", {id: "promoted", "class": "tokens"}, promoted.map(function (t) {
       return el("span", {"data-token": t[0]}, [t[0], el("small", {text: t[1].toFixed(2)})]);
     })) : el("p", {id: "promoted", "class": "muted", text: "not projected (--max_projected_slots)"}));
-    view.appendChild(el("h3", {text: "Contexts that selected it (heaviest " + summary.contexts_per_slot + "; weight w(x) of the " + unit + ", \u2605 = the token's top-1 pick)"}));
+    view.appendChild(el("h3", {text: layer.kind === "ngram" ?
+      "Contexts that read it (the n-gram highlighted; the " + summary.contexts_per_slot + " with the largest gate g, shown)" :
+      "Contexts that selected it (heaviest " + summary.contexts_per_slot + "; weight w(x) of the " + unit + ", \u2605 = the token's top-1 pick)"}));
     if (!contexts.length) view.appendChild(el("p", {"class": "muted", id: "contexts", text: "no context selected it"}));
     else view.appendChild(el("ol", {id: "contexts", "class": "contexts"}, contexts.map(function (c) {
       return el("li", {"data-position": c[0], "data-weight": c[1]}, [
         el("span", {"class": "w", text: c[1].toFixed(3)}), c[2] ? el("span", {"class": "top1", text: "\u2605"}) : "",
-        contextLine(c[0], windowSize)
+        contextLine(c[0], windowSize, c[3], c[4])
       ]);
     })));
-    if (data.collisions && data.collisions[String(slot)]) {  // hashed memories: what shares the bucket
-      view.appendChild(el("h3", {text: "Collisions (what hashes to this " + unit + ")"}));
-      view.appendChild(el("p", {id: "collisions", text: data.collisions[String(slot)].join(", ")}));
+    var collided = data.collisions && data.collisions[String(slot)];
+    if (collided) {  // hashed memories: the distinct n-grams that share the bucket
+      view.appendChild(el("h3", {text: "Collisions: the " + collided.distinct + " distinct n-gram" + (collided.distinct === 1 ? "" : "s") +
+        " hashed to this " + unit + " (\u2205 = beyond the sequence's edge)"}));
+      view.appendChild(el("div", {id: "collisions", "class": "tokens"}, collided.ngrams.map(function (g) {
+        return el("span", {"data-ngram": g[0], "data-count": g[1]}, [g[0], el("small", {text: "\u00d7" + g[1]})]);
+      })));
     }
   });
 }
@@ -305,14 +347,19 @@ function renderSearch(s) {
     summary.layers.forEach(function (layer, k) {
       var sel = all[k];
       var block = el("div", {"class": "search-layer", "data-layer": layer.name});
-      block.appendChild(el("h3", {text: layer.name + ": top-1 " + layer.unit + "s of the occurrences"}));
-      var top = counted(positions.map(function (p) { return sel.top1[p]; }));
-      block.appendChild(el("p", {"data-head": "top1"}, [slotLinks(layer, top, 12), top.length > 12 ? "\u2026 (" + top.length + " in all)" : ""]));
+      if (sel.top1) {
+        block.appendChild(el("h3", {text: layer.name + ": top-1 " + layer.unit + "s of the occurrences"}));
+        var top = counted(positions.map(function (p) { return sel.top1[p]; }));
+        block.appendChild(el("p", {"data-head": "top1"}, [slotLinks(layer, top, 12), top.length > 12 ? "\u2026 (" + top.length + " in all)" : ""]));
+      } else {
+        block.appendChild(el("h3", {text: layer.name + ": the " + layer.unit + "s the occurrences read"}));
+      }
       var rows = sel.head_top1.map(function (head, h) {
         var pairs = counted(positions.map(function (p) { return head[p]; }));
-        return el("tr", {"data-head": String(h)}, [el("td", {text: "head " + h}), el("td", {style: "text-align:left"}, [slotLinks(layer, pairs, 8)])]);
+        return el("tr", {"data-head": String(h)}, [el("td", {text: headLabel(layer, h)}), el("td", {style: "text-align:left"}, [slotLinks(layer, pairs, 8)])]);
       });
-      block.appendChild(el("table", {"class": "heads"}, [el("tr", {}, [el("th", {text: "head"}), el("th", {style: "text-align:left", text: "its best " + layer.unit + " \u00d7 occurrences"})])].concat(rows)));
+      var what = layer.kind === "ngram" ? "its " + layer.unit + " \u00d7 occurrences" : "its best " + layer.unit + " \u00d7 occurrences";
+      block.appendChild(el("table", {"class": "heads"}, [el("tr", {}, [el("th", {text: layer.kind === "ngram" ? "table" : "head"}), el("th", {style: "text-align:left", text: what})])].concat(rows)));
       view.appendChild(block);
     });
   });
