@@ -1,10 +1,10 @@
-"""Does `torch.compile` remove the launch overhead of a PKM layer step on a GPU? Wall times of forward + backward at
-the paper's size, 8 x 128 tokens (the layers of `run_benchmarks.py` section 1): lucidrains' PKM and ours (dense value
-gradient, `trace_training_lookup=True` when compiled; sparse eager), eager and compiled with the default mode and
-`mode="reduce-overhead"` (CUDA graphs). Interleaved rounds, medians, ratios paired per round.
+"""The PKM layer on a GPU, eager and compiled, fp32 and bf16, against lucidrains' PKM: wall times of forward + backward
+at the paper's size, 8 x 128 tokens (the layers of `run_benchmarks.py` section 1). Ours: dense and sparse value
+gradients (a compiled step is one graph: the search and the lookup are custom ops, `fullgraph=True`), and on the Triton
+gathers where they are registered. Interleaved rounds, CUDA-synchronised medians, ratios paired per round.
 
-    python benchmarks/gpu_layer_compile.py                 # on a CUDA machine; benchmarks/RESULTS.md section 5 (H200)
-    python benchmarks/gpu_layer_compile.py --device cpu --rounds 1 --modes   # a smoke run of the code, eager only
+    python benchmarks/gpu_layer_compile.py                 # on a CUDA machine (benchmarks/gpu_check.sh runs it)
+    python benchmarks/gpu_layer_compile.py --device cpu --size tiny --rounds 1   # a smoke run of the code (the tests)
 """
 
 import argparse
@@ -15,51 +15,70 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import run_benchmarks as rb  # noqa: E402  (the layers and timing helpers of section 1)
+import run_benchmarks as rb  # noqa: E402  (the layers and timing helpers)
+
+
+SIZES = {  # (layer builder, input shape)
+    "paper": (rb.build_layer, (8, 128, 768)),
+    "tiny": (rb.build_tiny_layer, (2, 4, 32)),
+}
+
+
+def build(impl: str, size: str, device: str, dtype: torch.dtype):
+    builder = SIZES[size][0]
+    name = {"ours_dense": "dense", "ours_sparse": "sparse"}.get(impl, impl) if size == "tiny" else impl
+    module = builder(name.removesuffix("_triton")).to(device=device, dtype=dtype).train()
+    if impl.endswith("_triton"):
+        module.values.triton_devices = (torch.device(device).type,)
+    return module
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--size", choices=list(SIZES), default="paper")
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--modes", nargs="*", default=["default", "reduce-overhead"], help="torch.compile modes")
+    parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
+    parser.add_argument("--modes", nargs="*", default=["eager", "default"], help="eager and/or torch.compile modes")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("gpu_layer_compile.py times CUDA steps: no CUDA device here (--device cpu for a smoke run)")
-    x = torch.randn(8, 128, 768, device=args.device, requires_grad=True)
-    g = torch.randn(8, 128, 768, device=args.device)
-    steps = {}
+        sys.exit("gpu_layer_compile.py times CUDA steps: no CUDA device here (--device cpu --size tiny for a smoke run)")
+    impls = ["lucidrains", "ours_dense", "ours_sparse"]
+    if rb.triton_on(args.device):
+        impls += ["ours_dense_triton", "ours_sparse_triton"]
+    print(f"device: {torch.cuda.get_device_name() if args.device == 'cuda' else args.device}; torch {torch.__version__}")
+    print("\n| dtype | step | median ms | speed-up vs lucidrains eager (paired) |\n|---|---|---|---|")
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        x = torch.randn(*SIZES[args.size][1], device=args.device, dtype=dtype, requires_grad=True)
+        g = torch.randn(*SIZES[args.size][1], device=args.device, dtype=dtype)
+        steps = {}
+        for impl in impls:
+            for mode in args.modes:
+                module = build(impl, args.size, args.device, dtype)
+                if mode == "eager":
+                    runner = module
+                else:  # ours: one graph (fullgraph), sparse gradients included
+                    runner = torch.compile(module, mode=None if mode == "default" else mode, fullgraph=impl != "lucidrains")
 
-    def add(name, impl, mode=None):
-        module = rb.build_layer(impl).to(args.device).train()
-        if impl.startswith("ours"):
-            module.trace_training_lookup = mode is not None  # a compiled training step traces the lookup too
-        runner = torch.compile(module, mode=None if mode == "default" else mode) if mode else module
+                def step(module=module, runner=runner):
+                    for p in module.parameters():
+                        p.grad = None
+                    x.grad = None
+                    (runner(x) * g).sum().backward()
 
-        def step():
-            for p in module.parameters():
-                p.grad = None
-            x.grad = None
-            (runner(x) * g).sum().backward()
-
-        start = time.perf_counter()
-        for _ in range(3):
-            step()
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        print(f"{name}: warm-up (and compilation) {time.perf_counter() - start:.1f} s", flush=True)
-        steps[name] = rb.synchronized(step, args.device)
-
-    add("lucidrains eager", "lucidrains")
-    add("ours dense eager", "ours_dense")
-    add("ours sparse eager", "ours_sparse")
-    for mode in args.modes:
-        add(f"ours dense compiled {mode}", "ours_dense", mode)
-        add(f"lucidrains compiled {mode}", "lucidrains", mode)
-    samples = rb.interleaved(steps, rounds=args.rounds, warmup=2)
-    print("\n| step | median ms | speed-up vs lucidrains eager |\n|---|---|---|")
-    for name, values in samples.items():
-        print(f"| {name} | {rb.median(values) * 1e3:.2f} | {rb.paired_ratio(samples, 'lucidrains eager', name):.2f}x |")
+                start = time.perf_counter()
+                for _ in range(3):
+                    step()
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                name = f"{impl} {mode}"
+                print(f"<!-- {dtype_name} {name}: warm-up (and compilation) {time.perf_counter() - start:.1f} s -->", flush=True)
+                steps[name] = rb.synchronized(step, args.device)
+        samples = rb.interleaved(steps, rounds=args.rounds, warmup=2)
+        for name, values in samples.items():
+            speedup = rb.paired_ratio(samples, "lucidrains eager", name)
+            print(f"| {dtype_name} | {name} | {rb.median(values) * 1e3:.3f} | {speedup:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -118,3 +118,44 @@ def test_trainer_section_times_both_trainers_and_measures_the_sparse_gradient(be
     dense_mib, sparse_mib = map(float, re.findall(r"[\d.]+", cells[3]))
     assert 0 < read <= 100 and dense_mib == 0.25 and 0 < sparse_mib  # 32^2 x 64 fp32; the sparse one measured
     assert float(cells[4]) > 0 and float(cells[5]) > 0
+
+
+def test_overhead_section_counts_the_dispatched_ops_of_every_mode(bench):
+    """`--sections overhead`: a row per implementation with its op count and time; ours (dense, sparse, relu scores; CPU
+    and GPU paths) dispatch fewer aten ops a step than lucidrains' layer (the count does not depend on the machine)."""
+    import argparse
+
+    lines = bench.section_overhead(argparse.Namespace(quick=True))
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in lines if line.startswith("| ") and "---" not in line}
+    ops = {impl: int(rows[label][1]) for impl, label in bench.OVERHEAD_IMPLS.items()}
+    assert all(count > 20 for count in ops.values()), ops
+    for impl in ("dense", "sparse", "relu", "dense_gpu_paths", "sparse_gpu_paths"):
+        assert ops[impl] < ops["lucidrains"], (impl, ops)
+    assert ops["xlm"] > ops["lucidrains"]  # its loop over heads
+
+
+@pytest.mark.multiprocess
+def test_gpu_benchmarks_smoke_on_cpu(tmp_path):
+    """The GPU scripts run their code end to end on CPU at a tiny size (on a GPU: benchmarks/gpu_check.sh)."""
+    import subprocess
+
+    from conftest import REPO_ROOT
+
+    for command in (
+        ["benchmarks/gpu_layer_compile.py", "--device", "cpu", "--size", "tiny", "--rounds", "1", "--dtypes", "float32",
+         "--modes", "eager"],
+        ["benchmarks/gpu_train_step.py", "--device", "cpu", "--size", "tiny", "--rounds", "1", "--batch", "2",
+         "--precisions", "fp32"],
+    ):  # fmt: skip
+        result = subprocess.run([sys.executable, *command], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        table = [line for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+        assert len(table) == 4, result.stdout  # the header and three rows
+    # gpu_check.sh runs the parts named in PARTS, each with a line in the summary, and without CUDA each says so
+    env = {**__import__("os").environ, "OUT": str(tmp_path), "PARTS": "layer_compile train_step", "PYTHON": sys.executable}
+    result = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    assert [line.split()[0] for line in summary] == ["layer_compile", "train_step"], result.stdout[-2000:]
+    if not torch.cuda.is_available():
+        assert "no CUDA device here" in (tmp_path / "layer_compile.log").read_text()
