@@ -6,10 +6,11 @@ Switches, the one place they are documented: class or module attributes (set one
 reference), an environment variable, and the input checks. `name = default`: what it does; then the other setting.
 
 - `ProductKeyValues.fused_backward = True`: `WeightedRowSum` (compiled: the custom op `weighted_row_sum_v1`), the value
-  and per-sample-weight gradients from one sort of the lookups. False: EmbeddingBag's backward.
-- `ProductKeyValues.triton_devices = ()`: device types whose gathers run in the Triton ops `torch.ops.pkm_bert.bag_sum`
-  and `row_dots` (`kernels/triton_gathers.py`, registered on CUDA, and on CPU under `TRITON_INTERPRET=1`). Empty:
-  EmbeddingBag's kernels.
+  and per-sample-weight gradients in the cheapest path for the device and size (below). False: EmbeddingBag's backward
+  through autograd.
+- `ProductKeyValues.triton_devices = ()`: device types whose gathers run in the Triton ops `torch.ops.pkm_bert.bag_sum`,
+  `row_sum_backward` and `row_dots` (`kernels/triton_gathers.py`, registered on CUDA, and on CPU under
+  `TRITON_INTERPRET=1`). Empty: EmbeddingBag's kernels.
 - `TRITON_FUSED_BACKWARD = True` (this module): with `triton_devices`, the value backward is one pass of
   `torch.ops.pkm_bert.row_sum_backward` (both gradients; the table's by fp32 atomics, into the used rows for a sparse
   gradient). False: a sort by row, `bag_sum` over the rows' segments and `row_dots`.

@@ -27,4 +27,4 @@ def register() -> None:
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":  # triton's import costs ~0.2 s
         from . import triton_gathers
 
-        triton_gathers.register()  # torch.ops.pkm_bert.bag_sum / row_dots, where ProductKeyValues.triton_devices says
+        triton_gathers.register()  # torch.ops.pkm_bert.bag_sum, row_dots, row_sum_backward (ProductKeyValues.triton_devices)
