@@ -341,3 +341,33 @@ def test_pkm_trainer_trains_n_gram_tables_in_the_memory_group(tmp_path):
         id(model.bert.encoder.layer[i].ngram.tables.weight) for i in (0, 2)
     }
     assert not torch.equal(before, model.bert.encoder.layer[0].ngram.tables.weight)
+
+
+# --- the evidence script, tiny (benchmarks/ngram_memory.py; the real run: benchmarks/NGRAM_MEMORY.md) -------------
+
+
+@pytest.mark.multiprocess
+def test_ngram_benchmark_runs_its_arms_and_reports(tmp_path):
+    from helpers import load_script
+    from transformers import BertTokenizer
+
+    bench = load_script("ngram_memory", folder="benchmarks")
+    source = tmp_path / "bert"
+    words = (bench.DATA / "pride_and_prejudice_validation.txt").read_text().lower().split()[:400]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted(set(words))[:250]
+    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(source)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=37, max_position_embeddings=64)
+    BertForMaskedLM(config).save_pretrained(source)
+    report = tmp_path / "NGRAM_MEMORY.md"
+    argv = ["--model_name_or_path", str(source), "--output_dir", str(tmp_path / "runs"), "--report", str(report)]
+    argv += ["--tiny", "--seeds", "0", "--arms", "0", "3", "--max_train_steps", "2", "--max_seq_length", "32"]
+    argv += ["--max_eval_samples", "4", "--glue_train_samples", "16"]
+    if not (bench.SHARED_DATA / "glue" / "SST-2").is_dir():
+        argv.append("--skip_glue")
+    bench.main(argv)
+    bench.main(argv[:6] + ["--tiny", "--speed", "--speed_rounds", "1"])
+    bench.main(argv + ["--report_only"])
+    text = report.read_text()
+    assert "| plain | 1 |" in text and "| both | 1 |" in text and "s / step" in text
+    assert "n-gram / PKM" not in text and "PKM time / n-gram time" in text  # the speed section, from speed.json
