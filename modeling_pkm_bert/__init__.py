@@ -40,13 +40,24 @@ _PUBLIC = {
         "BertPkmModel",
         "BertPkmPreTrainedModel",
     ),
+    ".configuration_roberta_pkm": ("ROBERTA_AUTO_MAP", "RobertaPkmConfig"),
+    ".modeling_roberta_pkm": (
+        "RobertaPkmForCausalLM",
+        "RobertaPkmForMaskedLM",
+        "RobertaPkmForMultipleChoice",
+        "RobertaPkmForQuestionAnswering",
+        "RobertaPkmForSequenceClassification",
+        "RobertaPkmForTokenClassification",
+        "RobertaPkmModel",
+        "RobertaPkmPreTrainedModel",
+    ),
     ".product_key_memory": ("ProductKeyMemory", "ProductKeyValues"),
     ".kernels.cpu": ("use_huge_pages",),
     ".parallel.memory_parallel": ("shard_memory_values",),
     ".serving.quantization": ("quantize_memory_values",),
 }
 # the modules that run the memory: resolving a name of theirs registers the native kernels first
-_RUN_THE_MEMORY = (".modeling_bert_pkm", ".product_key_memory", ".kernels.cpu", ".serving.quantization")
+_RUN_THE_MEMORY = (".modeling_bert_pkm", ".modeling_roberta_pkm", ".product_key_memory", ".kernels.cpu", ".serving.quantization")
 _REGISTERS_KERNELS = {name for module in _RUN_THE_MEMORY for name in _PUBLIC[module]}
 _resolve, __dir__, _ = lazy_exports(__name__, _PUBLIC)
 
@@ -99,18 +110,22 @@ def __getattr__(name):
 
 
 def register_auto_classes() -> None:
-    """Make `AutoConfig`/`AutoModel*` resolve `model_type="bert_pkm"` to this package in the current process."""
+    """Make `AutoConfig`/`AutoModel*` resolve `model_type="bert_pkm"` and `"roberta_pkm"` to this package in the
+    current process."""
     import transformers
 
-    from . import kernels, modeling_bert_pkm
+    from . import kernels, modeling_bert_pkm, modeling_roberta_pkm
     from .configuration_bert_pkm import AUTO_MAP, BertPkmConfig
+    from .configuration_roberta_pkm import ROBERTA_AUTO_MAP, RobertaPkmConfig
 
     kernels.register()
-    transformers.AutoConfig.register(BertPkmConfig.model_type, BertPkmConfig, exist_ok=True)
-    for auto_class, target in AUTO_MAP.items():
-        if auto_class != "AutoConfig":
-            model_class = getattr(modeling_bert_pkm, target.split(".")[-1])
-            getattr(transformers, auto_class).register(BertPkmConfig, model_class, exist_ok=True)
+    families = [(BertPkmConfig, AUTO_MAP, modeling_bert_pkm), (RobertaPkmConfig, ROBERTA_AUTO_MAP, modeling_roberta_pkm)]
+    for config_class, auto_map, module in families:
+        transformers.AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+        for auto_class, target in auto_map.items():
+            if auto_class != "AutoConfig":
+                model_class = getattr(module, target.split(".")[-1])
+                getattr(transformers, auto_class).register(config_class, model_class, exist_ok=True)
 
 
 __all__ = sorted(
@@ -118,6 +133,8 @@ __all__ = sorted(
         "BertPkmConfig",
         *_PUBLIC[".modeling_bert_pkm"],
         "ProductKeyMemory",
+        "RobertaPkmConfig",
+        *_PUBLIC[".modeling_roberta_pkm"],
         "quantize_memory_values",
         "register_auto_classes",
         "shard_memory_values",

@@ -21,6 +21,8 @@ REMOTE_CODE_FILES = (
     "product_key_memory.py",
     "product_key_memory_ops.py",
     "ngram_memory.py",
+    "configuration_roberta_pkm.py",
+    "modeling_roberta_pkm.py",
 )
 SUPPORTED_TRANSFORMERS = ((5, 4), (6, 0))  # >= 5.4 (dataclass configs, v5 loading), < 6
 
@@ -175,7 +177,7 @@ class BertPkmConfig(BertConfig):
 
     def _check_pkm_fields(self):
         def fail(field, problem):
-            raise ValueError(f"BertPkmConfig.{field}={getattr(self, field)!r}: {problem}")
+            raise ValueError(f"{type(self).__name__}.{field}={getattr(self, field)!r}: {problem}")
 
         n = self.num_hidden_layers
         if any(i < 0 or i >= n for i in self.pkm_layers):

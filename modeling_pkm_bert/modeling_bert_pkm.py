@@ -796,13 +796,16 @@ class BertPkmModel(BertPkmPreTrainedModel):
     _no_split_modules = ["BertPkmEmbeddings", "BertPkmLayer"]
     # eager forwards check that ids index the embedding tables (one host sync); False skips it
     validate_input_values = True
+    # a model family with other embeddings (RobertaPkm) sets its own class and the position its tokens start at
+    embeddings_class = BertPkmEmbeddings
+    first_position = 0
 
     def __init__(self, config: BertPkmConfig, add_pooling_layer=True):
         super().__init__(config)
         self.config = config
         self.gradient_checkpointing = False
 
-        self.embeddings = BertPkmEmbeddings(config)
+        self.embeddings = self.embeddings_class(config)
         self.encoder = BertPkmEncoder(config)
         self.pooler = BertPkmPooler(config) if add_pooling_layer else None
         # pkm_shared_values: the table is one module in every memory; transformers' tied weights save it once (under
@@ -1031,10 +1034,11 @@ class BertPkmModel(BertPkmPreTrainedModel):
         batch, length = shape
         if batch == 0 or length == 0:
             _refuse(name, shape, "holds no token: every batch needs at least one sequence of at least one token")
-        if position_ids is None and past_length + length > config.max_position_embeddings:
+        last_position = self.first_position + past_length + length - 1
+        if position_ids is None and last_position >= config.max_position_embeddings:
             past = f" after past_key_values of {past_length} tokens" if past_length else ""
             raise ValueError(
-                f"{name} of shape {shape}: {length} tokens{past} reach position {past_length + length - 1}, beyond the"
+                f"{name} of shape {shape}: {length} tokens{past} reach position {last_position}, beyond the"
                 f" position embeddings (max_position_embeddings={config.max_position_embeddings}); truncate the input"
             )
         if position_ids is not None and tuple(position_ids.shape) not in (shape, (1, length)):
@@ -1113,6 +1117,19 @@ def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     allowed = mask.bool()
     zero = torch.zeros((), dtype=dtype, device=mask.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+def add_ngram_history(model_inputs: dict, input_ids: torch.Tensor, context: int, kwargs: dict) -> dict:
+    """A generation step's inputs with, for n-gram memories reading `context` tokens back, `ngram_history_ids`: the
+    tokens before the step's new ones (padding as -1)."""
+    new_ids = model_inputs.get("input_ids")
+    if context and new_ids is not None and new_ids.shape[1] < input_ids.shape[1]:
+        history = input_ids[:, : input_ids.shape[1] - new_ids.shape[1]][:, -context:]
+        mask = model_inputs.get("attention_mask", kwargs.get("attention_mask"))
+        if mask is not None and mask.dim() == 2 and mask.shape[1] == input_ids.shape[1]:
+            history = history.masked_fill(mask[:, : input_ids.shape[1] - new_ids.shape[1]][:, -context:] == 0, -1)
+        model_inputs["ngram_history_ids"] = history
+    return model_inputs
 
 
 class BertPkmForMaskedLM(BertPkmPreTrainedModel):
@@ -1217,15 +1234,7 @@ class BertPkmForCausalLM(BertPkmPreTrainedModel, GenerationMixin):
         """transformers' inputs for a generation step; with n-gram memories also `ngram_history_ids`, the tokens
         before the step's new ones (padding as -1), which the memories hash beside them."""
         model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
-        context = self.bert.ngram_context_length
-        new_ids = model_inputs.get("input_ids")
-        if context and new_ids is not None and new_ids.shape[1] < input_ids.shape[1]:
-            history = input_ids[:, : input_ids.shape[1] - new_ids.shape[1]][:, -context:]
-            mask = model_inputs.get("attention_mask", kwargs.get("attention_mask"))
-            if mask is not None and mask.dim() == 2 and mask.shape[1] == input_ids.shape[1]:
-                history = history.masked_fill(mask[:, : input_ids.shape[1] - new_ids.shape[1]][:, -context:] == 0, -1)
-            model_inputs["ngram_history_ids"] = history
-        return model_inputs
+        return add_ngram_history(model_inputs, input_ids, self.bert.ngram_context_length, kwargs)
 
     def forward(
         self,

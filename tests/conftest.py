@@ -49,6 +49,29 @@ def tiny_config(**overrides) -> BertPkmConfig:
     return BertPkmConfig(**kwargs)
 
 
+def tiny_roberta_config(**overrides):
+    """`tiny_config`'s sizes as a RobertaPkm config (RoBERTa's special ids: <s> 0, <pad> 1, </s> 2; one token type;
+    positions from pad_token_id + 1 = 2, so 64 tokens fit)."""
+    from modeling_pkm_bert import RobertaPkmConfig
+
+    kwargs = dict(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=66,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pkm_layers=[1],
+        pkm_n_keys=8,
+        pkm_heads=2,
+        pkm_knn=4,
+        pkm_k_dim=16,
+    )
+    return RobertaPkmConfig(**{**kwargs, **overrides})
+
+
 @pytest.fixture
 def shared_data() -> Path:
     """The project's real data folder, or a skip naming why it is missing."""

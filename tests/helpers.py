@@ -17,6 +17,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 OUTPUT_TAIL = 3000
 
 
+def bert_pkm_code_files() -> list[str]:
+    """The remote-code files a saved BertPkm folder holds: the shipped files its classes import (the RobertaPkm files
+    travel with RobertaPkm models only)."""
+    from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
+
+    return [name for name in REMOTE_CODE_FILES if "roberta" not in name]
+
+
 def load_script(name: str, folder: str | Path = "run_scripts"):
     """`folder/name.py` (relative to the repository, or absolute) executed as a fresh module named `name`: the scripts
     and benchmarks are not a package. The module is in `sys.modules` while it executes, as under a real import."""

@@ -29,7 +29,7 @@ from transformers import (
     RobertaModel,
 )
 
-from helpers import load_script
+from helpers import bert_pkm_code_files, load_script
 from modeling_pkm_bert import (
     AUTO_MAP,
     BertPkmConfig,
@@ -39,12 +39,11 @@ from modeling_pkm_bert import (
 )
 from modeling_pkm_bert.hub import conversion
 from modeling_pkm_bert.hub.conversion import convert_to_pkm, save_converted, source_license
-from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 
 
 SMALL_PKM = dict(pkm_layers=[1], pkm_n_keys=8, pkm_heads=2, pkm_knn=4, pkm_k_dim=16, pkm_value_init="zeros")
 TOL = 1e-4
-CODE_FILES = set(REMOTE_CODE_FILES)
+CODE_FILES = set(bert_pkm_code_files())
 
 
 def bert_config(**kw):
@@ -264,9 +263,11 @@ def test_unsupported_sources_are_refused(tmp_path):
     GPT2Config(n_layer=2, n_embd=32, n_head=4).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         convert_to_pkm(tmp_path / "gpt2", **SMALL_PKM)
+    # RoBERTa converts into the RobertaPkm classes (tests/test_roberta_pkm.py), never into a BertPkm one
     roberta = RobertaModel(RobertaConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4))
-    with pytest.raises(ValueError, match="model_type 'roberta' is not supported"):
-        convert_to_pkm(roberta, **SMALL_PKM)
+    assert type(convert_to_pkm(roberta, **SMALL_PKM)[0]).__name__ == "RobertaPkmModel"
+    with pytest.raises(ValueError, match="does not fit a RobertaModel source"):
+        convert_to_pkm(roberta, BertPkmModel, **SMALL_PKM)
     config = bert_config(architectures=["BertForSomethingElse"])
     config.save_pretrained(tmp_path / "odd")
     with pytest.raises(ValueError, match="architecture 'BertForSomethingElse' is not supported"):

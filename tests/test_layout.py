@@ -13,7 +13,8 @@ import sys
 import warnings
 
 import pytest
-from conftest import REPO_ROOT, tiny_config
+from conftest import REPO_ROOT, tiny_config, tiny_roberta_config
+from helpers import bert_pkm_code_files
 
 import modeling_pkm_bert
 from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
@@ -31,10 +32,13 @@ def test_package_root_holds_exactly_the_remote_code_files():
 
 
 def test_save_pretrained_writes_exactly_the_remote_code_files(tmp_path):
-    from modeling_pkm_bert import BertPkmForMaskedLM
+    from modeling_pkm_bert import BertPkmForMaskedLM, RobertaPkmForMaskedLM
 
-    BertPkmForMaskedLM(tiny_config()).save_pretrained(tmp_path)
-    assert sorted(path.name for path in tmp_path.glob("*.py")) == sorted(REMOTE_CODE_FILES)
+    BertPkmForMaskedLM(tiny_config()).save_pretrained(tmp_path / "bert")
+    assert sorted(path.name for path in (tmp_path / "bert").glob("*.py")) == sorted(bert_pkm_code_files())
+    # a RobertaPkm model imports the BertPkm files too: its folder holds every shipped file
+    RobertaPkmForMaskedLM(tiny_roberta_config()).save_pretrained(tmp_path / "roberta")
+    assert sorted(path.name for path in (tmp_path / "roberta").glob("*.py")) == sorted(REMOTE_CODE_FILES)
 
 
 def test_upload_list_takes_the_remote_code_files(tmp_path):

@@ -13,6 +13,7 @@ from transformers import (
 )
 
 from conftest import tiny_config
+from helpers import bert_pkm_code_files
 from modeling_pkm_bert import (
     BertPkmForCausalLM,
     BertPkmForMaskedLM,
@@ -23,7 +24,6 @@ from modeling_pkm_bert import (
     BertPkmModel,
     ProductKeyMemory,
 )
-from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 from modeling_pkm_bert.modeling_bert_pkm import CACHE_FIELD
 
 
@@ -196,7 +196,7 @@ def test_save_and_load_round_trip(tmp_path, dtype):
     input_ids, attention_mask = batch()
     assert torch.equal(model(input_ids, attention_mask=attention_mask).logits, loaded(input_ids, attention_mask=attention_mask).logits)
     assert (tmp_path / "model.safetensors").exists()
-    for code in REMOTE_CODE_FILES:
+    for code in bert_pkm_code_files():
         assert (tmp_path / code).exists(), code
 
 

@@ -9,16 +9,15 @@ from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 from transformers import BertConfig, BertForMaskedLM, BertTokenizer
 
 from conftest import tiny_config
-from helpers import load_script
+from helpers import bert_pkm_code_files, load_script
 from modeling_pkm_bert import BertPkmForMaskedLM
 from modeling_pkm_bert.hub import upload
-from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 
 
 HUB_FILES = {
     "README.md",
     "config.json",
-    *REMOTE_CODE_FILES,
+    *bert_pkm_code_files(),
     "model.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
@@ -141,7 +140,7 @@ def test_push_script_writes_a_card_and_uploads_the_model_only(hub, trained_dir, 
     printed = capsys.readouterr().out
     assert hub.calls == []  # a dry run contacts nothing
     # README, all_results, config, weights, the two tokenizer files and the remote code
-    assert f"Would upload {6 + len(REMOTE_CODE_FILES)} files to me/run" in printed and "step_10" not in printed
+    assert f"Would upload {6 + len(bert_pkm_code_files())} files to me/run" in printed and "step_10" not in printed
     assert "README.md (a model card, written at upload)" in printed
     assert not (trained_dir / "README.md").exists()  # and writes nothing (test_security.py hashes the whole tree)
     script.main(["--model_dir", str(trained_dir), "--hub_model_id", "me/run", "--license", "mit"])

@@ -14,6 +14,7 @@ from transformers import BertTokenizer
 from transformers.pipelines import SUPPORTED_TASKS
 
 from conftest import REPO_ROOT, tiny_config
+from helpers import bert_pkm_code_files
 from modeling_pkm_bert import (
     AUTO_MAP,
     BertPkmForMaskedLM,
@@ -21,7 +22,6 @@ from modeling_pkm_bert import (
     BertPkmForSequenceClassification,
     BertPkmForTokenClassification,
 )
-from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 
 
 WORDS = "the a cat dog sat on mat is was good bad movie film great awful who where what paris london city lives in".split()
@@ -101,7 +101,7 @@ def test_saved_folders_load_as_remote_code_offline_with_identical_outputs(tmp_pa
                 expected["base"] = model.bert(input_ids, attention_mask=attention_mask).last_hidden_state
         config = json.loads((folder / "config.json").read_text())
         assert config["auto_map"] == AUTO_MAP
-        for code in REMOTE_CODE_FILES:
+        for code in bert_pkm_code_files():
             assert (folder / code).is_file(), code
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}

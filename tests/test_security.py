@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO_ROOT, tiny_config
-from helpers import load_script, reset_accelerate_state
+from helpers import bert_pkm_code_files, load_script, reset_accelerate_state
 from safetensors.torch import load_file
 from transformers import BertTokenizer
 
@@ -28,7 +28,6 @@ from modeling_pkm_bert.kernels import cpu as cpu_kernels
 from modeling_pkm_bert.kernels.cpu import PORTABLE_FLAGS
 from modeling_pkm_bert.hub.card_command import redact_secrets
 from modeling_pkm_bert.training import save_final_outputs, tracker_config
-from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 
 
 SCRIPTS = REPO_ROOT / "run_scripts"
@@ -163,7 +162,7 @@ def run_folder(tmp_path):
 
 def test_upload_sends_the_allow_list_only(run_folder, monkeypatch):
     folder, wanted = run_folder
-    model_files = {"config.json", "model.safetensors", *REMOTE_CODE_FILES, "tokenizer.json", "tokenizer_config.json"}
+    model_files = {"config.json", "model.safetensors", *bert_pkm_code_files(), "tokenizer.json", "tokenizer_config.json"}
     assert set(upload.files_to_upload(folder)) == model_files | wanted
 
     calls = []

@@ -20,9 +20,11 @@ import transformers
 from huggingface_hub import try_to_load_from_cache
 from transformers import AutoConfig, AutoTokenizer, BertConfig, PreTrainedModel
 
-from .. import kernels, modeling_bert_pkm
+from .. import kernels, modeling_bert_pkm, modeling_roberta_pkm
 from ..configuration_bert_pkm import AUTO_MAP, BertPkmConfig
+from ..configuration_roberta_pkm import ROBERTA_AUTO_MAP, RobertaPkmConfig
 from ..modeling_bert_pkm import BertPkmPreTrainedModel
+from ..modeling_roberta_pkm import RobertaPkmPreTrainedModel
 from .model_card import (  # noqa: F401 (card_*, curated_results, ...: importable from here, as in release 0.2.0)
     HEAD_PREFIXES,
     PKM_FIELDS,
@@ -47,6 +49,7 @@ from .upload import (  # noqa: F401 (files_to_upload, ...: importable from here,
 
 
 TARGET_CLASSES = [target.split(".")[-1] for auto, target in AUTO_MAP.items() if auto != "AutoConfig"]
+ROBERTA_TARGET_CLASSES = [target.split(".")[-1] for auto, target in ROBERTA_AUTO_MAP.items() if auto != "AutoConfig"]
 
 
 # source architecture -> (transformers class loaded to read every tensor of the checkpoint, default BertPkm class);
@@ -68,10 +71,26 @@ SOURCE_ARCHITECTURES = {
     "DistilBertForMultipleChoice": ("DistilBertForMultipleChoice", "BertPkmForMultipleChoice"),
     "DistilBertForTokenClassification": ("DistilBertForTokenClassification", "BertPkmForTokenClassification"),
     "DistilBertForQuestionAnswering": ("DistilBertForQuestionAnswering", "BertPkmForQuestionAnswering"),
+    # RoBERTa, DistilRoBERTa and XLM-RoBERTa: the same tensor names (`roberta.`, `lm_head.`, `classifier.`), read
+    # through their own class (no RoBERTa class holds both an LM head and the pooler)
+    **{
+        f"{family}{head}": (f"{family}{head}", f"RobertaPkm{head}")
+        for family in ("Roberta", "XLMRoberta")
+        for head in ("Model", "ForMaskedLM", "ForCausalLM", "ForSequenceClassification", "ForMultipleChoice",
+                     "ForTokenClassification", "ForQuestionAnswering")
+    },
 }
 
 
-SUPPORTED_MODEL_TYPES = ("bert", "distilbert")
+# model_type -> the architecture of a checkpoint whose config names none
+SOURCE_BASE_ARCHITECTURES = {
+    "bert": "BertModel",
+    "distilbert": "DistilBertModel",
+    "roberta": "RobertaModel",
+    "xlm-roberta": "XLMRobertaModel",
+}
+SUPPORTED_MODEL_TYPES = tuple(SOURCE_BASE_ARCHITECTURES)
+ROBERTA_MODEL_TYPES = ("roberta", "xlm-roberta")  # converted into the RobertaPkm classes
 
 
 # the shape of the network: weights are copied, so these cannot change in a conversion
@@ -187,7 +206,7 @@ def convert_to_pkm(
     source_model, architecture, not_in_checkpoint, unread = _load_source(source)
     source_name = _source_name(source)
     src_config = source_model.config
-    target_class = _resolve_target_class(target_class, architecture)
+    target_class = _resolve_target_class(target_class, architecture, src_config.model_type in ROBERTA_MODEL_TYPES)
     config = _target_config(src_config, source_name, config_overrides or {}, pkm_kwargs)
 
     model = target_class(config)
@@ -330,7 +349,8 @@ def _check_model_type(config, source_name):
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"{source_name}: model_type {config.model_type!r} is not supported; convert_to_pkm converts BERT"
-            f" (model_type 'bert') and DistilBERT ('distilbert') checkpoints"
+            f" (model_type 'bert'), DistilBERT ('distilbert'), RoBERTa and DistilRoBERTa ('roberta') and XLM-RoBERTa"
+            f" ('xlm-roberta') checkpoints"
         )
     position_embedding_type = getattr(config, "position_embedding_type", "absolute")
     if position_embedding_type != "absolute":
@@ -369,10 +389,10 @@ def check_source(source: str | os.PathLike, offline: bool = False) -> None:
             model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             return  # transformers' own error names the file
-        if model_type == BertPkmConfig.model_type:
+        if model_type in (BertPkmConfig.model_type, RobertaPkmConfig.model_type):
             raise ValueError(
-                f"{str(source)!r} is already a BertPkm model (model_type {model_type!r}): fine-tune it as it is "
-                "(run_mlm.py, run_glue.py, run_squad.py --model_name_or_path take it), or convert its BERT source again "
+                f"{str(source)!r} is already a PKM model (model_type {model_type!r}): fine-tune it as it is "
+                "(run_mlm.py, run_glue.py, run_squad.py --model_name_or_path take it), or convert its source again "
                 "to change its memories"
             )
 
@@ -388,8 +408,7 @@ def _load_source(source) -> tuple[PreTrainedModel, str, set[str], set[str]]:
     check_source(source, offline=huggingface_hub.constants.HF_HUB_OFFLINE)
     config = AutoConfig.from_pretrained(source, trust_remote_code=False)
     _check_model_type(config, source_name)
-    base = "BertModel" if config.model_type == "bert" else "DistilBertModel"
-    architecture = (config.architectures or [base])[0]
+    architecture = (config.architectures or [SOURCE_BASE_ARCHITECTURES[config.model_type]])[0]
     _check_architecture(architecture, source_name)
     load_class = getattr(transformers, SOURCE_ARCHITECTURES[architecture][0])
     verbosity = transformers.logging.get_verbosity()
@@ -401,23 +420,34 @@ def _load_source(source) -> tuple[PreTrainedModel, str, set[str], set[str]]:
     return model, architecture, set(info["missing_keys"]), set(info["unexpected_keys"])
 
 
-def _resolve_target_class(target_class, architecture) -> type[BertPkmPreTrainedModel]:
+def _resolve_target_class(target_class, architecture, roberta: bool) -> type[BertPkmPreTrainedModel]:
+    """The class to build: the source head's by default; a RoBERTa-family source takes the RobertaPkm class of a
+    BertPkm name (`BertPkmForSequenceClassification` -> `RobertaPkmForSequenceClassification`), as the scripts pass."""
     if target_class is None:
         target_class = SOURCE_ARCHITECTURES[architecture][1]
+    names, module = (ROBERTA_TARGET_CLASSES, modeling_roberta_pkm) if roberta else (TARGET_CLASSES, modeling_bert_pkm)
     if isinstance(target_class, str):
-        if target_class not in TARGET_CLASSES:
-            raise ValueError(f"target_class {target_class!r} is not a BertPkm model class: {TARGET_CLASSES}")
-        target_class = getattr(modeling_bert_pkm, target_class)
+        if roberta and target_class in TARGET_CLASSES:
+            target_class = target_class.replace("BertPkm", "RobertaPkm", 1)
+        if target_class not in names:
+            family = "RobertaPkm" if roberta else "BertPkm"
+            raise ValueError(f"target_class {target_class!r} is not a {family} model class: {names}")
+        target_class = getattr(module, target_class)
     if not (isinstance(target_class, type) and issubclass(target_class, BertPkmPreTrainedModel)):
-        raise ValueError(f"target_class must be a BertPkm model class {TARGET_CLASSES}, got {target_class!r}")
+        raise ValueError(f"target_class must be a model class {names}, got {target_class!r}")
+    if issubclass(target_class, RobertaPkmPreTrainedModel) != roberta:
+        raise ValueError(
+            f"target_class {target_class.__name__} does not fit a {architecture} source: RoBERTa-family checkpoints"
+            f" convert into the RobertaPkm classes, BERT and DistilBERT ones into the BertPkm classes ({names})"
+        )
     return target_class
 
 
 def _bert_fields(src_config) -> dict:
     """The BertConfig fields of a BERT or DistilBERT config (DistilBERT: zero token types, LayerNorm eps 1e-12)."""
-    if src_config.model_type == "bert":
+    if src_config.model_type in ("bert", *ROBERTA_MODEL_TYPES):  # RoBERTa's config has BERT's fields
         names = [f.name for f in dataclasses.fields(BertConfig) if f.name not in _RUNTIME_FIELDS]
-        return {name: getattr(src_config, name) for name in names}
+        return {name: getattr(src_config, name) for name in names if hasattr(src_config, name)}
     c = src_config
     return {
         "vocab_size": c.vocab_size,
@@ -464,14 +494,15 @@ def _target_config(src_config, source_name, config_overrides, pkm_kwargs) -> Ber
             f"pkm_layers={list(layers)} does not fit {source_name}: it has {depth} layers (num_hidden_layers), so"
             f" memory layer indices must be in [0, {depth - 1}] (0-based)"
         )
-    return BertPkmConfig(**kwargs)
+    config_class = RobertaPkmConfig if src_config.model_type in ROBERTA_MODEL_TYPES else BertPkmConfig
+    return config_class(**kwargs)
 
 
 def _canonical_name(src_name: str, source_model: PreTrainedModel) -> str | None:
     """A source tensor's name in BERT terms: body as in BertModel (`encoder.layer.0...`), heads as in BertFor*."""
     prefix = source_model.base_model_prefix + "."
     name = src_name[len(prefix) :] if src_name.startswith(prefix) else src_name
-    if source_model.config.model_type == "bert":
+    if source_model.config.model_type != "distilbert":  # BERT and RoBERTa names are already BertPkm's / RobertaPkm's
         return name
     for pattern, replacement in _DISTILBERT_RENAMES:
         new, n = re.subn("^" + pattern, replacement, name)

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 # the pkm_* and ngram_* fields a card lists; the heads a conversion may add
 PKM_FIELDS = [f.name for f in dataclasses.fields(BertPkmConfig) if f.name.startswith(("pkm_", "ngram_"))]
-HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.")
+HEAD_PREFIXES = ("cls.", "lm_head.", "classifier.", "qa_outputs.")  # lm_head: RoBERTa's
 
 
 PIPELINE_TAGS = {

@@ -13,6 +13,7 @@ from huggingface_hub import HfApi
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
 from ..configuration_bert_pkm import AUTO_MAP, REMOTE_CODE_FILES, BertPkmConfig
+from ..configuration_roberta_pkm import ROBERTA_AUTO_MAP, RobertaPkmConfig
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
@@ -32,10 +33,12 @@ def check_hub_folder(folder: str | os.PathLike) -> None:
         raise ValueError(f"{folder}: no config.json, not a saved model folder")
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     problems = []
-    if config.get("model_type") != BertPkmConfig.model_type:
-        problems.append(f"model_type is {config.get('model_type')!r}, not {BertPkmConfig.model_type!r}")
+    auto_maps = {BertPkmConfig.model_type: AUTO_MAP, RobertaPkmConfig.model_type: ROBERTA_AUTO_MAP}
+    if config.get("model_type") not in auto_maps:
+        problems.append(f"model_type is {config.get('model_type')!r}, not one of {sorted(auto_maps)}")
     auto_map = config.get("auto_map") or {}
-    absent = {k: v for k, v in AUTO_MAP.items() if auto_map.get(k) != v}
+    expected = auto_maps.get(config.get("model_type"), AUTO_MAP)
+    absent = {k: v for k, v in expected.items() if auto_map.get(k) != v}
     if absent:
         problems.append(f"config.json auto_map lacks {sorted(absent)}")
     modules = {target.split(".")[0] for target in auto_map.values()}

@@ -1,0 +1,244 @@
+"""RobertaPkm: RoBERTa / DistilRoBERTa / XLM-RoBERTa checkpoints converted function-preserving (+Init), every head
+trained a step, saved folders loaded through remote code without the package, the fill-mask and text-classification
+pipelines. Tiny random models built with transformers' own classes and a byte-level BPE tokenizer built here."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from tokenizers.pre_tokenizers import ByteLevel
+from transformers import RobertaConfig, RobertaTokenizer, XLMRobertaConfig
+
+from conftest import tiny_roberta_config
+from modeling_pkm_bert import (
+    ROBERTA_AUTO_MAP,
+    BertPkmForMaskedLM,
+    RobertaPkmConfig,
+    RobertaPkmForCausalLM,
+    RobertaPkmForMaskedLM,
+    RobertaPkmForMultipleChoice,
+    RobertaPkmForQuestionAnswering,
+    RobertaPkmForSequenceClassification,
+    RobertaPkmForTokenClassification,
+    RobertaPkmModel,
+)
+from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
+from modeling_pkm_bert.hub.conversion import convert_to_pkm, load_source_tokenizer, save_converted
+
+
+SMALL_PKM = dict(pkm_layers=[1], pkm_n_keys=8, pkm_heads=2, pkm_knn=4, pkm_k_dim=16, pkm_value_init="zeros")
+SPECIAL = ["<s>", "<pad>", "</s>", "<unk>"]  # RoBERTa's ids 0-3; <mask> is the last id
+HEADS = ["Model", "ForMaskedLM", "ForCausalLM", "ForSequenceClassification", "ForMultipleChoice",
+         "ForTokenClassification", "ForQuestionAnswering"]  # fmt: skip
+
+
+def tiny_tokenizer(folder=None) -> RobertaTokenizer:
+    """A byte-level BPE tokenizer (RoBERTa's kind): the 256 byte symbols and a few merged words."""
+    alphabet = sorted(ByteLevel.alphabet())
+    words = ["Ġthe", "Ġcat", "Ġsat", "Ġon", "Ġmat", "Ġa", "Ġgood", "Ġmovie"]
+    merges, vocab_words = [], []
+    for word in words:  # left-to-right merges: Ġ t -> Ġt, Ġt h -> Ġth, ...
+        for end in range(2, len(word) + 1):
+            merged = word[:end]
+            if merged not in vocab_words:
+                merges.append((word[: end - 1], word[end - 1]))
+                vocab_words.append(merged)
+    vocab = {token: i for i, token in enumerate(SPECIAL + alphabet + vocab_words + ["<mask>"])}
+    tokenizer = RobertaTokenizer(vocab=vocab, merges=merges)
+    if folder is not None:
+        tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+VOCAB_SIZE = len(tiny_tokenizer())
+
+
+def source_config(kind: str, **overrides):
+    config_class = XLMRobertaConfig if kind == "xlm-roberta" else RobertaConfig
+    kwargs = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=66, type_vocab_size=1, layer_norm_eps=1e-5, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+    )  # fmt: skip
+    return config_class(**{**kwargs, **overrides})
+
+
+def source_model(kind: str, head: str, **overrides):
+    family = "XLMRoberta" if kind == "xlm-roberta" else "Roberta"
+    torch.manual_seed(1)
+    num_labels = 2 if head == "ForQuestionAnswering" else 3  # start and end logits
+    config = source_config(kind, is_decoder=head == "ForCausalLM", num_labels=num_labels, **overrides)
+    return getattr(transformers, f"{family}{head}")(config).eval()
+
+
+def batch(multiple_choice=False):
+    """Two sequences, the first padded (<pad> = 1): positions count from 2 and skip the padding."""
+    input_ids = torch.tensor([[0, 40, 41, 42, 2, 1, 1], [0, 43, 44, 45, 46, 47, 2]])
+    attention_mask = (input_ids != 1).long()
+    if multiple_choice:
+        return input_ids[None].repeat(2, 1, 1), attention_mask[None].repeat(2, 1, 1)
+    return input_ids, attention_mask
+
+
+def outputs_of(model, head, multiple_choice=False):
+    input_ids, attention_mask = batch(multiple_choice)
+    with torch.no_grad():
+        output = model(input_ids, attention_mask=attention_mask)
+    if head == "ForQuestionAnswering":
+        return torch.stack([output.start_logits, output.end_logits])
+    if head == "Model":
+        return output.last_hidden_state
+    return output.logits
+
+
+@pytest.mark.parametrize("kind", ["roberta", "xlm-roberta"])
+@pytest.mark.parametrize("head", HEADS)
+def test_conversion_computes_what_the_source_computes(tmp_path, kind, head):
+    source = source_model(kind, head)
+    source.save_pretrained(tmp_path / "source")
+    model, report = convert_to_pkm(tmp_path / "source", **SMALL_PKM)
+    assert type(model).__name__ == f"RobertaPkm{head}" and model.config.model_type == "roberta_pkm"
+    assert model.config.pad_token_id == 1 and model.config.type_vocab_size == 1
+    new_outside_memories = [n for n in report.new if ".memory." not in n]
+    assert new_outside_memories == [], new_outside_memories  # every head the source has is carried
+    multiple_choice = head == "ForMultipleChoice"
+    expected, got = outputs_of(source, head, multiple_choice), outputs_of(model, head, multiple_choice)
+    assert (got - expected).abs().max() <= 1e-5
+    # the padded sequence computes what it computes alone
+    if head in ("ForMaskedLM", "ForTokenClassification"):
+        alone = outputs_of_single(model)
+        assert (alone - got[0, :5]).abs().max() <= 1e-5
+
+
+def outputs_of_single(model):
+    input_ids, _ = batch()
+    with torch.no_grad():
+        return model(input_ids[:1, :5]).logits[0]
+
+
+def test_distilroberta_style_source_with_fewer_layers(tmp_path):
+    source = source_model("roberta", "ForMaskedLM", num_hidden_layers=2)
+    source.save_pretrained(tmp_path / "source")
+    tiny_tokenizer(tmp_path / "source")
+    model, report = convert_to_pkm(tmp_path / "source", **{**SMALL_PKM, "pkm_layers": [0]})
+    assert model.config.num_hidden_layers == 2 and report.memory_layers == [0]
+    assert (outputs_of(model, "ForMaskedLM") - outputs_of(source, "ForMaskedLM")).abs().max() <= 1e-5
+    folder = save_converted(model, report, tmp_path / "out", tokenizer=load_source_tokenizer(tmp_path / "source"),
+                            source_name="distilroberta/tiny", license="apache-2.0")  # fmt: skip
+    saved = json.loads((folder / "config.json").read_text())
+    assert saved["model_type"] == "roberta_pkm" and saved["auto_map"] == ROBERTA_AUTO_MAP
+    assert saved["tokenizer_class"] == "RobertaTokenizer"
+    assert {"tokenizer.json", "tokenizer_config.json", "README.md", *REMOTE_CODE_FILES} <= set(os.listdir(folder))
+    card = (folder / "README.md").read_text()
+    assert "distilroberta/tiny" in card and "apache-2.0" in card
+
+
+def test_conversion_refuses_a_roberta_source_into_a_bert_class(tmp_path):
+    with pytest.raises(ValueError, match="RobertaPkm classes"):
+        convert_to_pkm(source_model("roberta", "ForMaskedLM"), target_class=BertPkmForMaskedLM, **SMALL_PKM)
+    # a BertPkm name (as the scripts pass) becomes the RobertaPkm class
+    model, _ = convert_to_pkm(source_model("roberta", "ForMaskedLM"), "BertPkmForSequenceClassification", **SMALL_PKM)
+    assert isinstance(model, RobertaPkmForSequenceClassification)
+
+
+def test_positions_count_from_the_padding_id_and_the_limit_says_so():
+    model = RobertaPkmModel(tiny_roberta_config()).eval()
+    input_ids = torch.full((1, 64), 5)
+    model(input_ids)  # positions 2..65: the last position embedding
+    with pytest.raises(ValueError, match="reach position 66, beyond the position embeddings"):
+        model(torch.full((1, 65), 5))
+    with pytest.raises(ValueError, match="pad_token_id"):
+        RobertaPkmConfig(pad_token_id=None)
+    with pytest.raises(ValueError, match="RobertaPkmConfig.pkm_layers"):
+        tiny_roberta_config(pkm_layers=[7])
+
+
+@pytest.mark.parametrize(
+    "model_class",
+    [RobertaPkmForMaskedLM, RobertaPkmForCausalLM, RobertaPkmForSequenceClassification, RobertaPkmForMultipleChoice,
+     RobertaPkmForTokenClassification, RobertaPkmForQuestionAnswering],
+)  # fmt: skip
+def test_a_training_step_of_every_head_moves_the_memory(model_class):
+    num_labels = 2 if model_class is RobertaPkmForQuestionAnswering else 3
+    config = tiny_roberta_config(num_labels=num_labels, is_decoder=model_class is RobertaPkmForCausalLM)
+    model = model_class(config).train()
+    multiple_choice = model_class is RobertaPkmForMultipleChoice
+    input_ids, attention_mask = batch(multiple_choice)
+    labels = {
+        RobertaPkmForMaskedLM: {"labels": input_ids.masked_fill(attention_mask == 0, -100)},
+        RobertaPkmForCausalLM: {"labels": input_ids.masked_fill(attention_mask == 0, -100)},
+        RobertaPkmForSequenceClassification: {"labels": torch.tensor([0, 2])},
+        RobertaPkmForMultipleChoice: {"labels": torch.tensor([1, 0])},
+        RobertaPkmForTokenClassification: {"labels": torch.zeros_like(input_ids)},
+        RobertaPkmForQuestionAnswering: {"start_positions": torch.tensor([1, 2]), "end_positions": torch.tensor([3, 4])},
+    }[model_class]
+    memory = model.base_model.encoder.layer[1].memory
+    before = memory.values.weight.detach().clone()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loss = model(input_ids, attention_mask=attention_mask, **labels).loss
+    assert torch.isfinite(loss)
+    loss.backward()
+    optimizer.step()
+    assert not torch.equal(memory.values.weight, before)
+
+
+def test_causal_lm_generates_with_a_cache():
+    model = RobertaPkmForCausalLM(tiny_roberta_config(is_decoder=True)).eval()
+    input_ids = torch.tensor([[0, 40, 41]])
+    generated = model.generate(input_ids, max_new_tokens=4, do_sample=False, pad_token_id=1)
+    assert generated.shape == (1, 7)
+    without_cache = model.generate(input_ids, max_new_tokens=4, do_sample=False, pad_token_id=1, use_cache=False)
+    assert torch.equal(generated, without_cache)
+
+
+# Runs in a fresh interpreter whose import of modeling_pkm_bert is made to fail: only the folder's code can be used.
+REMOTE_SCRIPT = r"""
+import json, sys
+sys.modules["modeling_pkm_bert"] = None
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification, pipeline
+folders = json.loads(sys.argv[1])
+inputs, mask = torch.tensor(json.loads(sys.argv[2])), torch.tensor(json.loads(sys.argv[3]))
+out = {"config_class": type(AutoConfig.from_pretrained(folders["mlm"], trust_remote_code=True)).__name__}
+for name, auto in [("mlm", AutoModelForMaskedLM), ("cls", AutoModelForSequenceClassification)]:
+    model = auto.from_pretrained(folders[name], trust_remote_code=True).eval()
+    out[name + "_module"] = type(model).__module__
+    with torch.no_grad():
+        out[name] = model(inputs, attention_mask=mask).logits.tolist()
+base = AutoModel.from_pretrained(folders["mlm"], trust_remote_code=True)
+out["base_class"] = type(base).__name__
+out["fill-mask"] = pipeline("fill-mask", model=folders["mlm"], trust_remote_code=True)(" the cat<mask> on the mat", top_k=3)
+out["text-classification"] = pipeline("text-classification", model=folders["cls"], trust_remote_code=True)(" a good movie")
+print("RESULT" + json.dumps(out, default=float))
+"""
+
+
+def test_saved_folders_load_as_remote_code_with_the_pipelines(tmp_path):
+    input_ids, attention_mask = batch()
+    folders, expected = {}, {}
+    for name, head in [("mlm", "ForMaskedLM"), ("cls", "ForSequenceClassification")]:
+        source = source_model("roberta", head)
+        source.save_pretrained(tmp_path / f"{name}_source")
+        tiny_tokenizer(tmp_path / f"{name}_source")
+        model, report = convert_to_pkm(tmp_path / f"{name}_source", **{**SMALL_PKM, "pkm_value_init": "normal"})
+        tokenizer = load_source_tokenizer(tmp_path / f"{name}_source")
+        folders[name] = str(save_converted(model, report, tmp_path / name, tokenizer=tokenizer, source_name="tiny"))
+        expected[name] = outputs_of(model, head)
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), TOKENIZERS_PARALLELISM="false")
+    arguments = [json.dumps(folders), json.dumps(input_ids.tolist()), json.dumps(attention_mask.tolist())]
+    completed = subprocess.run([sys.executable, "-c", REMOTE_SCRIPT, *arguments], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    out = json.loads(completed.stdout.split("RESULT", 1)[1])
+    for name in ("mlm", "cls"):
+        assert torch.allclose(torch.tensor(out[name]), expected[name], atol=1e-6), name
+        assert out[name + "_module"].startswith("transformers_modules."), out[name + "_module"]
+    assert out["config_class"] == "RobertaPkmConfig" and out["base_class"] == "RobertaPkmModel"
+    assert len(out["fill-mask"]) == 3 and all("<mask>" not in r["sequence"] for r in out["fill-mask"])
+    assert out["text-classification"][0]["label"] in ("LABEL_0", "LABEL_1", "LABEL_2")
