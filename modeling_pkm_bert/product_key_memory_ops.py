@@ -508,8 +508,9 @@ def product_key_score_gradients(needs_input_grad, halves, keys, indices, grad_sc
     if halves.device.type != "cpu" or groups * tokens * n_keys * half <= DENSE_SCORE_GRADIENT_CPU_LIMIT:
         grad_subkey_scores = halves.new_zeros(groups // 2, 2, tokens, n_keys)
         grad_scores, indices = grad_scores.transpose(0, 1).to(halves.dtype), indices.transpose(0, 1)  # (heads, tokens, knn)
-        grad_subkey_scores[:, 0].scatter_add_(-1, indices.div(n_keys, rounding_mode="floor"), grad_scores)
-        grad_subkey_scores[:, 1].scatter_add_(-1, indices.remainder(n_keys), grad_scores)
+        first, second = grad_subkey_scores.unbind(1)
+        first.scatter_add_(-1, indices.div(n_keys, rounding_mode="floor"), grad_scores)
+        second.scatter_add_(-1, indices.remainder(n_keys), grad_scores)
         grad_subkey_scores = grad_subkey_scores.view(groups, tokens, n_keys)
         return (
             torch.bmm(grad_subkey_scores, keys) if needs_input_grad[0] else None,
