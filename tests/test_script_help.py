@@ -71,12 +71,13 @@ def test_help_is_complete_and_imports_nothing_heavy(script, monkeypatch):
 
 
 def test_pkm_flags_follow_the_config():
-    """The flag module reads the pkm_* fields from configuration_bert_pkm.py's source: they match the class."""
+    """The flag module reads the pkm_* and ngram_* fields from configuration_bert_pkm.py's source: they match the
+    class."""
     from modeling_pkm_bert.hub import conversion
     from modeling_pkm_bert import training
 
-    # every pkm_* field a user sets (pkm_weights_checksum is written by save_pretrained: no flag)
-    fields = {f.name: f.default for f in dataclasses.fields(BertPkmConfig) if f.name.startswith("pkm_")}
+    # every pkm_* / ngram_* field a user sets (pkm_weights_checksum is written by save_pretrained: no flag)
+    fields = {f.name: f.default for f in dataclasses.fields(BertPkmConfig) if f.name.startswith(("pkm_", "ngram_"))}
     fields.pop("pkm_weights_checksum")
     assert {name: default for name, (_, default) in PKM_FLAG_FIELDS.items()} == fields == {
         name: field.default for name, field in training.PKM_FIELDS.items()
