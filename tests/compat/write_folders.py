@@ -41,6 +41,9 @@ FOLDERS = {  # name: (class, config overrides)
     "choice": (BertPkmForMultipleChoice, {}),
     "causal": (BertPkmForCausalLM, {"is_decoder": True}),
     "causal_memory_plus": (BertPkmForCausalLM, {"is_decoder": True, **MEMORY_PLUS}),
+    # hashed n-gram memories (issue 35), beside product keys; their value projections made non-zero below
+    "mlm_ngram": (BertPkmForMaskedLM, {"ngram_layers": [1], "ngram_table_size": 101, "ngram_dim": 4}),
+    "causal_ngram": (BertPkmForCausalLM, {"is_decoder": True, "ngram_layers": [0, 1], "ngram_table_size": 101, "ngram_dim": 4}),
 }
 
 
@@ -66,6 +69,10 @@ def main(out_dir: str, names: list[str]):
             continue
         torch.manual_seed(index)
         model = model_class(tiny_config(**overrides)).train()
+        with torch.no_grad():
+            for module in model.modules():
+                if type(module).__name__ == "NgramMemory":  # starts function-preserving: make it contribute
+                    module.value.weight.normal_()
         with torch.no_grad():  # moves the query BatchNorm statistics, which must travel with the folder
             model(**fixed_inputs(name, model.config.vocab_size))
         model.eval()
