@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """
-Convert a BERT or DistilBERT checkpoint (local folder or Hub id) into a BertPkm model with product key memory layers
-("+Init" of Kim & Jung 2020) and save it as a complete Hub repository; optionally push it to the Hub.
+Convert a BERT, DistilBERT, RoBERTa, DistilRoBERTa or XLM-RoBERTa checkpoint (local folder or Hub id) into a BertPkm
+or RobertaPkm model with product key memory layers ("+Init" of Kim & Jung 2020) and save it as a complete Hub
+repository; optionally push it to the Hub.
 
     python run_scripts/convert_to_pkm.py --model_name_or_path bert-base-uncased --output_dir bert-pkm \
         --pkm_layers 4 8 --pkm_mode resm --pkm_value_init zeros
@@ -47,9 +48,9 @@ logger = logging.getLogger(__name__)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Convert a BERT/DistilBERT checkpoint into a BertPkm model.")
+    parser = argparse.ArgumentParser(description="Convert a BERT/DistilBERT/RoBERTa/XLM-RoBERTa checkpoint into a BertPkm/RobertaPkm model.")
     parser.add_argument(
-        "--model_name_or_path", type=str, required=True, help="BERT or DistilBERT checkpoint: a local folder or Hub id."
+        "--model_name_or_path", type=str, required=True, help="BERT, DistilBERT, RoBERTa or XLM-RoBERTa checkpoint: a local folder or Hub id."
     )
     parser.add_argument("--output_dir", type=str, required=True, help="Where to write the converted Hub folder.")
     parser.add_argument(
@@ -57,7 +58,8 @@ def parse_args(argv=None):
         type=str,
         default=None,
         choices=TARGET_CLASSES,
-        help="BertPkm class to build (default: the one of the source's head, BertForMaskedLM -> BertPkmForMaskedLM).",
+        help="BertPkm class to build (default: the one of the source's head, BertForMaskedLM -> BertPkmForMaskedLM); "
+        "a RoBERTa-family source builds the RobertaPkm class of the same head.",
     )
     parser.add_argument(
         "--num_labels", type=int, default=None, help="Labels of a new classification head (with --target_class)."

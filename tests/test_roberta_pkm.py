@@ -14,6 +14,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 from transformers import RobertaConfig, RobertaTokenizer, XLMRobertaConfig
 
 from conftest import tiny_roberta_config
+from helpers import load_script
 from modeling_pkm_bert import (
     ROBERTA_AUTO_MAP,
     BertPkmForMaskedLM,
@@ -242,3 +243,20 @@ def test_saved_folders_load_as_remote_code_with_the_pipelines(tmp_path):
     assert out["config_class"] == "RobertaPkmConfig" and out["base_class"] == "RobertaPkmModel"
     assert len(out["fill-mask"]) == 3 and all("<mask>" not in r["sequence"] for r in out["fill-mask"])
     assert out["text-classification"][0]["label"] in ("LABEL_0", "LABEL_1", "LABEL_2")
+
+
+def test_cli_converts_an_xlm_roberta_folder_from_its_config_alone(tmp_path, capsys):
+    source = source_model("xlm-roberta", "ForSequenceClassification")
+    source.save_pretrained(tmp_path / "source")
+    tiny_tokenizer(tmp_path / "source")
+    out = tmp_path / "converted"
+    argv = ["--model_name_or_path", str(tmp_path / "source"), "--output_dir", str(out), "--pkm_layers", "1"]
+    argv += ["--pkm_n_keys", "8", "--pkm_heads", "2", "--pkm_knn", "4", "--pkm_k_dim", "16", "--pkm_value_init", "zeros"]
+    load_script("convert_to_pkm").main(argv)
+
+    assert "RobertaPkmForSequenceClassification" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "roberta_pkm" and config["pkm_layers"] == [1] and config["auto_map"] == ROBERTA_AUTO_MAP
+    model = RobertaPkmForSequenceClassification.from_pretrained(out).eval()
+    got, expected = outputs_of(model, "ForSequenceClassification"), outputs_of(source, "ForSequenceClassification")
+    assert (got - expected).abs().max() <= 1e-5
