@@ -58,8 +58,8 @@ import torch
 from torch import nn
 
 from ..hub.conversion import replace_folder, staging_folder
-from .memory_usage import MemoryUsageAccumulator, MemoryUsageTracker, merge_duplicate_slots
 from ..utils.memories import is_ngram_memory, ngram_memory_modules, readable_name
+from .memory_usage import MemoryUsageAccumulator, MemoryUsageTracker, merge_duplicate_slots
 from .report import MemoryReportError, model_batches, text_sequences
 
 
@@ -72,7 +72,7 @@ FORMAT_VERSION = 1
 CURVE_POINTS = 200
 # candidate contexts kept between prunings (per layer): bounds memory for any number of tokens
 PRUNE_AT = 1 << 22
-PROJECTION_BLOCK = 1024
+PROJECTION_BLOCK = 1024  # value rows projected at once: (1024, vocab) logits, 125 MB for BERT's vocabulary
 
 
 class MemoryExplorerError(MemoryReportError):
@@ -561,7 +561,7 @@ def _write_chunks(folder, name, size, summary, tokenizer, model, selections, pro
             contexts.setdefault(str(slot), []).append(entry)
         promoted = {}
         here = projected[(projected >= first) & (projected < last)]
-        for block in here.split(PROJECTION_BLOCK):  # (block, vocab) logits at a time: 125 MB for BERT's vocabulary
+        for block in here.split(PROJECTION_BLOCK):
             logits, ids = project(block).topk(top_tokens, dim=-1)
             for slot, row_ids, row_logits in zip(block.tolist(), ids.tolist(), logits.tolist()):
                 tokens = tokenizer.convert_ids_to_tokens(row_ids)
@@ -710,7 +710,7 @@ def _ngram_collisions(memory, token_ids, buckets_per_token, sequence_length, tok
                 if token not in names:
                     names[token] = tokenizer.convert_ids_to_tokens(token)
                 parts.append(names[token])
-        return " ".join(parts)
+        return " ".join(parts).replace(" ##", "")  # wordpieces joined, as the page shows text
 
     chunks = {}
     for bucket, grams in collisions.items():
