@@ -70,7 +70,7 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
     from accelerate.logging import get_logger
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from modeling_pkm_bert import BertPkmConfig, register_auto_classes
+    from modeling_pkm_bert import BertPkmConfig, RobertaPkmConfig, register_auto_classes
     from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage
     from modeling_pkm_bert.analysis.report import write_run_memory_report
     from modeling_pkm_bert.methods.optimizers import freeze_memory
@@ -82,7 +82,13 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
         evaluate_language_model,
         load_raw_datasets,
     )
-    from modeling_pkm_bert.training.loading import config_from_scratch, load_model, pkm_kwargs_from_args
+    from modeling_pkm_bert.training.loading import (
+        ROBERTA_FAMILY_MODEL_TYPES,
+        config_from_scratch,
+        load_model,
+        pkm_kwargs_from_args,
+        usable_positions,
+    )
     from modeling_pkm_bert.training.loop import TrainingLoop, create_scheduler, finish_run, plan_training_steps
     from modeling_pkm_bert.training.preparation import prepare_training, start_run
     from modeling_pkm_bert.training.results import tracker_config
@@ -91,9 +97,13 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
 
     logger = get_logger(__name__)
 
-    MODEL_TYPES = (*(config.model_type for config in MODEL_FOR_CAUSAL_LM_MAPPING.keys()), BertPkmConfig.model_type)
+    MODEL_TYPES = (
+        *(config.model_type for config in MODEL_FOR_CAUSAL_LM_MAPPING.keys()),
+        BertPkmConfig.model_type,
+        RobertaPkmConfig.model_type,
+    )
     # BERT-family configs are bidirectional unless made decoders
-    DECODER_MODEL_TYPES = ("bert", BertPkmConfig.model_type)
+    DECODER_MODEL_TYPES = ("bert", BertPkmConfig.model_type, *ROBERTA_FAMILY_MODEL_TYPES)
 
 # The embedded default data: public-domain excerpts (see run_scripts/data/README.md).
 EMBEDDED_DATA = Path(__file__).resolve().parent / "data"
@@ -227,7 +237,7 @@ def main(argv=None):
 
     # Blocks: no longer than the model's positions.
     config = model.config
-    max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    max_positions = usable_positions(config)  # RoBERTa: max_position_embeddings - 2
     block_size = args.block_size or min(1024, max_positions or 1024, tokenizer.model_max_length)
     if max_positions is not None and block_size > max_positions:
         raise ValueError(

@@ -304,7 +304,7 @@ def main(argv=None):
     model_type = AutoConfig.from_pretrained(
         args.model_name_or_path, trust_remote_code=args.trust_remote_code
     ).model_type
-    if args.ignore_mismatched_sizes and (not pkm_kwargs or model_type == "bert_pkm"):
+    if args.ignore_mismatched_sizes and (not pkm_kwargs or model_type in ("bert_pkm", "roberta_pkm")):
         config_overrides["ignore_mismatched_sizes"] = (
             True  # a from_pretrained argument (conversion re-initialises itself)
         )

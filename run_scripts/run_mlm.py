@@ -100,7 +100,12 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
         evaluate_language_model,
         load_raw_datasets,
     )
-    from modeling_pkm_bert.training.loading import config_from_scratch, load_model, pkm_kwargs_from_args
+    from modeling_pkm_bert.training.loading import (
+        config_from_scratch,
+        load_model,
+        pkm_kwargs_from_args,
+        usable_positions,
+    )
     from modeling_pkm_bert.training.loop import TrainingLoop, create_scheduler, finish_run, plan_training_steps
     from modeling_pkm_bert.training.preparation import prepare_training, start_run
     from modeling_pkm_bert.training.results import tracker_config
@@ -253,7 +258,7 @@ def main(argv=None):
 
     # Preprocessing the datasets: tokenize, then concatenate the texts and cut them into blocks of max_seq_length
     # (or one sequence per line with --line_by_line).
-    max_positions = model.config.max_position_embeddings
+    max_positions = usable_positions(model.config)  # RoBERTa: max_position_embeddings - 2
     if args.max_seq_length is None:
         max_seq_length = min(tokenizer.model_max_length, 1024, max_positions)
         logger.info(f"--max_seq_length not given: using {max_seq_length}")

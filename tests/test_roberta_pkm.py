@@ -14,7 +14,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 from transformers import RobertaConfig, RobertaTokenizer, XLMRobertaConfig
 
 from conftest import tiny_roberta_config
-from helpers import load_script
+from helpers import load_script, reset_accelerate_state
 from modeling_pkm_bert import (
     ROBERTA_AUTO_MAP,
     BertPkmForMaskedLM,
@@ -71,7 +71,7 @@ def source_config(kind: str, **overrides):
 def source_model(kind: str, head: str, **overrides):
     family = "XLMRoberta" if kind == "xlm-roberta" else "Roberta"
     torch.manual_seed(1)
-    num_labels = 2 if head == "ForQuestionAnswering" else 3  # start and end logits
+    num_labels = 3 if head in ("ForSequenceClassification", "ForTokenClassification") else 2  # QA: start and end
     config = source_config(kind, is_decoder=head == "ForCausalLM", num_labels=num_labels, **overrides)
     return getattr(transformers, f"{family}{head}")(config).eval()
 
@@ -135,7 +135,8 @@ def test_distilroberta_style_source_with_fewer_layers(tmp_path):
     assert saved["tokenizer_class"] == "RobertaTokenizer"
     assert {"tokenizer.json", "tokenizer_config.json", "README.md", *REMOTE_CODE_FILES} <= set(os.listdir(folder))
     card = (folder / "README.md").read_text()
-    assert "distilroberta/tiny" in card and "apache-2.0" in card
+    assert "distilroberta/tiny" in card and "apache-2.0" in card and "RoBERTa with product key memory" in card
+    assert "pipeline_tag: fill-mask" in card and "- roberta_pkm" in card and "AutoModelForMaskedLM" in card
 
 
 def test_conversion_refuses_a_roberta_source_into_a_bert_class(tmp_path):
@@ -260,3 +261,125 @@ def test_cli_converts_an_xlm_roberta_folder_from_its_config_alone(tmp_path, caps
     model = RobertaPkmForSequenceClassification.from_pretrained(out).eval()
     got, expected = outputs_of(model, "ForSequenceClassification"), outputs_of(source, "ForSequenceClassification")
     assert (got - expected).abs().max() <= 1e-5
+
+
+SENTENCES = ["a good movie", "the cat sat on the mat", "a bad film", "the movie was good", "awful and bad",
+             "good good good", "the mat is bad", "a great cat"]  # fmt: skip
+
+
+@pytest.fixture
+def roberta_folder(tmp_path):
+    folder = tmp_path / "roberta"
+    source_model("roberta", "ForMaskedLM").save_pretrained(folder)
+    tiny_tokenizer(folder)
+    return folder
+
+
+def test_run_glue_converts_a_roberta_checkpoint_on_load_and_trains_the_saved_folder(roberta_folder, tmp_path):
+    rows = [f"{sentence}\t{i % 2}\n" for i, sentence in enumerate(SENTENCES * 2)]
+    (tmp_path / "train.tsv").write_text("sentence\tlabel\n" + "".join(rows))
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\n" + "".join(rows[:8]))
+    run_glue = load_script("run_glue")
+
+    def glue(model, output_dir, options):
+        argv = ["--model_name_or_path", str(model), "--task_name", "sst2", "--output_dir", str(output_dir)]
+        argv += ["--train_file", str(tmp_path / "train.tsv"), "--validation_file", str(tmp_path / "dev.tsv")]
+        argv += "--per_device_train_batch_size 4 --per_device_eval_batch_size 8 --max_length 16 --seed 1".split()
+        try:
+            return run_glue.main(argv + options.split())
+        finally:
+            reset_accelerate_state()
+
+    pkm_flags = "--pkm_layers 1 --pkm_n_keys 8 --pkm_heads 2 --pkm_knn 4 --pkm_k_dim 16"
+    converted = glue(roberta_folder, tmp_path / "converted", f"--max_train_steps 2 {pkm_flags}")
+    assert "eval_accuracy" in converted and "eval_memory/layer_1/top1_mu" in converted
+    saved = json.loads((tmp_path / "converted" / "config.json").read_text())
+    assert (saved["model_type"], saved["architectures"]) == ("roberta_pkm", ["RobertaPkmForSequenceClassification"])
+    # the saved RobertaPkm folder trains on as it is (its classes, no conversion)
+    again = glue(tmp_path / "converted", tmp_path / "again", "--max_train_steps 1")
+    assert "eval_accuracy" in again
+
+
+def test_run_mlm_converts_a_roberta_checkpoint_on_load(roberta_folder, tmp_path):
+    (tmp_path / "train.txt").write_text("\n".join(SENTENCES * 4) + "\n")
+    run_mlm = load_script("run_mlm")
+    argv = ["--model_name_or_path", str(roberta_folder), "--output_dir", str(tmp_path / "out")]
+    argv += ["--train_file", str(tmp_path / "train.txt"), "--validation_file", str(tmp_path / "train.txt")]
+    argv += "--max_seq_length 16 --per_device_train_batch_size 4 --per_device_eval_batch_size 8 --seed 1".split()
+    argv += "--max_train_steps 2 --pkm_layers 1 --pkm_n_keys 8 --pkm_heads 2 --pkm_knn 4 --pkm_k_dim 16".split()
+    try:
+        results = run_mlm.main(argv)
+    finally:
+        reset_accelerate_state()
+    assert results["perplexity"] > 1 and "eval_memory/layer_1/mu" in results
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (saved["model_type"], saved["architectures"]) == ("roberta_pkm", ["RobertaPkmForMaskedLM"])
+
+
+def test_run_clm_makes_a_roberta_checkpoint_a_decoder_with_blocks_that_fit_its_positions(roberta_folder, tmp_path):
+    (tmp_path / "train.txt").write_text(" ".join(SENTENCES * 40) + "\n")
+    run_clm = load_script("run_clm")
+    argv = ["--model_name_or_path", str(roberta_folder), "--output_dir", str(tmp_path / "out")]
+    argv += ["--train_file", str(tmp_path / "train.txt"), "--validation_files", f"text={tmp_path / 'train.txt'}"]
+    argv += "--per_device_train_batch_size 2 --per_device_eval_batch_size 2 --seed 1 --max_eval_samples 2".split()
+    argv += "--max_train_steps 1 --pkm_layers 1 --pkm_n_keys 8 --pkm_heads 2 --pkm_knn 4 --pkm_k_dim 16".split()
+    try:  # no --block_size: the model's 66 positions hold 64 tokens (RoBERTa's start at pad_token_id + 1 = 2)
+        results = run_clm.main(argv)
+    finally:
+        reset_accelerate_state()
+    assert results["eval_text_perplexity"] > 1
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (saved["model_type"], saved["is_decoder"]) == ("roberta_pkm", True)
+    assert saved["architectures"] == ["RobertaPkmForCausalLM"]
+
+
+def test_run_squad_converts_a_roberta_checkpoint_on_load(roberta_folder, tmp_path):
+    context = "the cat sat on the mat in a good movie"
+    questions = [{"id": f"q{i}", "question": question, "answers": [{"text": answer, "answer_start": context.index(answer)}]}
+                 for i, (question, answer) in enumerate([("who sat", "the cat"), ("where", "on the mat"),
+                                                          ("what movie", "a good movie")])]  # fmt: skip
+    data = {"version": "1.1", "data": [{"title": "t", "paragraphs": [{"context": context, "qas": questions}]}]}
+    (tmp_path / "squad.json").write_text(json.dumps(data))
+    run_squad = load_script("run_squad")
+    argv = ["--model_name_or_path", str(roberta_folder), "--output_dir", str(tmp_path / "out")]
+    argv += ["--train_file", str(tmp_path / "squad.json"), "--validation_file", str(tmp_path / "squad.json")]
+    argv += "--max_seq_length 48 --doc_stride 16 --per_device_train_batch_size 2 --per_device_eval_batch_size 2".split()
+    argv += "--max_train_steps 1 --pkm_layers 1 --pkm_n_keys 8 --pkm_heads 2 --pkm_knn 4 --pkm_k_dim 16".split()
+    try:
+        results = run_squad.main(argv)
+    finally:
+        reset_accelerate_state()
+    assert 0 <= results["eval_exact_match"] <= results["eval_f1"] <= 100
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (saved["model_type"], saved["architectures"]) == ("roberta_pkm", ["RobertaPkmForQuestionAnswering"])
+
+
+def test_memory_methods_run_on_robertapkm_as_on_bertpkm(tmp_path):
+    """Memory+ options, the memory report's tracker, TRIME's check, --freeze_memory, int8 tables (in memory and as a
+    folder) and refresh_code: the same code paths as for BertPkm (they find memories by module type)."""
+    from modeling_pkm_bert import quantize_memory_values
+    from modeling_pkm_bert.analysis.memory_usage import track_memory_usage
+    from modeling_pkm_bert.hub.refresh import refresh_code
+    from modeling_pkm_bert.hub.upload import quantize_folder
+    from modeling_pkm_bert.methods.optimizers import freeze_memory
+    from modeling_pkm_bert.methods.trime import check_trime_model
+
+    memory_plus = dict(pkm_layers=[0, 2], pkm_shared_values=True, pkm_output_gate="swilu", pkm_qk_norm=True)
+    model = RobertaPkmForMaskedLM(tiny_roberta_config(**memory_plus)).eval()
+    input_ids, attention_mask = batch()
+    with track_memory_usage(model) as tracker, torch.no_grad():
+        expected = model(input_ids, attention_mask=attention_mask).logits
+    assert set(tracker.results()) == {"layer_0", "layer_2", "shared_values"}
+    check_trime_model(model)
+    assert freeze_memory(model) > 0 and not model.roberta.encoder.layer[0].memory.values.weight.requires_grad
+
+    model.save_pretrained(tmp_path / "mlm")
+    quantized = RobertaPkmForMaskedLM.from_pretrained(quantize_folder(tmp_path / "mlm", tmp_path / "int8", 8)).eval()
+    assert quantized.config.pkm_values_quantization == "int8"
+    with torch.no_grad():
+        assert (quantized(input_ids, attention_mask=attention_mask).logits - expected).abs().max() < 0.1
+    quantize_memory_values(model, 8)
+    assert model.config.pkm_values_quantization == "int8"
+
+    (tmp_path / "mlm" / "modeling_roberta_pkm.py").write_text("# an old copy\n")
+    assert refresh_code(tmp_path / "mlm") == ["modeling_roberta_pkm.py"]

@@ -36,7 +36,10 @@ PIPELINE_TAGS = {
 }
 
 
+# RobertaPkm classes have the pipeline task and Auto class of the BertPkm class of the same head
+PIPELINE_TAGS.update({name.replace("BertPkm", "RobertaPkm"): tag for name, tag in PIPELINE_TAGS.items()})
 _AUTO_CLASS_OF = {target.split(".")[-1]: auto for auto, target in AUTO_MAP.items()}
+_AUTO_CLASS_OF.update({name.replace("BertPkm", "RobertaPkm"): auto for name, auto in _AUTO_CLASS_OF.items()})
 
 
 _BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
@@ -254,14 +257,15 @@ def write_model_card(
     architecture = (config.get("architectures") or ["BertPkmModel"])[0]
     auto_class = _AUTO_CLASS_OF.get(architecture, "AutoModel")
     base_model = hub_id_or_none(base_model)
-    tags = ["pkm", "product-key-memory", "bert", "bert_pkm", f"pkm-{config['pkm_mode']}", "custom_code"]
-    if report is not None and report.source_architecture.startswith("DistilBert"):
-        tags.insert(3, "distilbert")
+    family = "roberta" if config.get("model_type") == "roberta_pkm" else "bert"
+    tags = ["pkm", "product-key-memory", family, f"{family}_pkm", f"pkm-{config['pkm_mode']}", "custom_code"]
+    if report is not None and report.source_architecture.startswith(("DistilBert", "XLMRoberta")):
+        tags.insert(3, "distilbert" if report.source_architecture.startswith("DistilBert") else "xlm-roberta")
     metadata = card_metadata(base_model, license, tags, PIPELINE_TAGS.get(architecture))
     counts = folder_parameter_counts(folder)
     name = model_name or repo_id or folder.name
     load_from = repo_id or "path/to/this/folder"
-    source = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a BERT checkpoint"
+    source = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"a {family.upper()} checkpoint"
     if report is not None and not base_model:
         source = f"`{_shown_name(report.source)}`"
     mode = {"resm": "beside the feed-forward network (ResM)", "replace": "instead of the feed-forward network"}
@@ -269,7 +273,8 @@ def write_model_card(
     lines = [
         f"# {name}",
         "",
-        f"BERT with product key memory (PKM, Lample et al. 2019) at layers {config['pkm_layers']},"
+        f"{'RoBERTa' if family == 'roberta' else 'BERT'} with product key memory (PKM, Lample et al. 2019) at layers"
+        f" {config['pkm_layers']},"
         f" {mode[config['pkm_mode']]}, as in Kim & Jung 2020 (*Large Product Key Memory for Pretrained Language"
         f" Models*). Architecture: `{architecture}`.",
     ]

@@ -13,6 +13,10 @@ from pathlib import Path
 import torch
 
 from ..configuration_bert_pkm import AUTO_MAP, PKM_CODE_VERSION, REMOTE_CODE_FILES
+from ..configuration_roberta_pkm import ROBERTA_AUTO_MAP
+
+
+AUTO_MAPS = {"bert_pkm": AUTO_MAP, "roberta_pkm": ROBERTA_AUTO_MAP}  # model_type -> the auto_map its folders carry
 
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the package root: the remote-code files
@@ -70,14 +74,18 @@ def refresh_code(folder: str | os.PathLike, dry_run: bool = False) -> list[str]:
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json: not a saved model folder")
     config = json.loads(config_path.read_text())
-    if config.get("model_type") != "bert_pkm":
-        raise ValueError(f"{folder} holds a {config.get('model_type')!r} model, not a BertPkm one (model_type 'bert_pkm')")
-    architecture = (config.get("architectures") or ["BertPkmModel"])[0]
-    auto_class = {target.split(".")[-1]: auto for auto, target in AUTO_MAP.items()}.get(architecture)
+    auto_map = AUTO_MAPS.get(config.get("model_type"))
+    if auto_map is None:
+        raise ValueError(
+            f"{folder} holds a {config.get('model_type')!r} model, not a BertPkm one (model_type 'bert_pkm') or a"
+            " RobertaPkm one ('roberta_pkm')"
+        )
+    architecture = (config.get("architectures") or [auto_map["AutoModel"].split(".")[-1]])[0]
+    auto_class = {target.split(".")[-1]: auto for auto, target in auto_map.items()}.get(architecture)
     if auto_class is None:
-        raise ValueError(f"{folder}: unknown architecture {architecture!r}; expected one of {sorted(AUTO_MAP.values())}")
+        raise ValueError(f"{folder}: unknown architecture {architecture!r}; expected one of {sorted(auto_map.values())}")
 
-    new_config = {**config, "auto_map": {**config.get("auto_map", {}), **AUTO_MAP}, "pkm_code_version": PKM_CODE_VERSION}
+    new_config = {**config, "auto_map": {**config.get("auto_map", {}), **auto_map}, "pkm_code_version": PKM_CODE_VERSION}
     new_files = {name: (PACKAGE_DIR / name).read_text() for name in REMOTE_CODE_FILES}
     new_files["config.json"] = json.dumps(new_config, indent=2, sort_keys=True) + "\n"
     changed = [

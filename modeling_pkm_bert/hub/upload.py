@@ -172,7 +172,7 @@ def quantize_folder(model_dir, output_dir, bits: int = 8) -> str:
     left as it is. Refuses an existing non-empty `output_dir`. Returns `output_dir`."""
     import shutil
 
-    from .. import modeling_bert_pkm
+    from .. import modeling_bert_pkm, modeling_roberta_pkm
     from ..serving.quantization import BITS, quantize_memory_values
 
     if isinstance(bits, bool) or bits not in BITS:
@@ -182,9 +182,10 @@ def quantize_folder(model_dir, output_dir, bits: int = 8) -> str:
         raise ValueError(f"{target} exists and is not empty: give another folder for the quantized model")
     config = json.loads((source / "config.json").read_text())
     architecture = (config.get("architectures") or ["BertPkmModel"])[0]
-    model_class = getattr(modeling_bert_pkm, architecture, None)
+    module = modeling_roberta_pkm if architecture.startswith("RobertaPkm") else modeling_bert_pkm
+    model_class = getattr(module, architecture, None)
     if model_class is None:
-        raise ValueError(f"{source}: architectures={config.get('architectures')} names no BertPkm class")
+        raise ValueError(f"{source}: architectures={config.get('architectures')} names no BertPkm or RobertaPkm class")
     model = model_class.from_pretrained(source)
     quantize_memory_values(model, bits)
     target.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,11 @@ import dataclasses
 import torch
 
 from ..configuration_bert_pkm import BertPkmConfig
+from ..configuration_roberta_pkm import RobertaPkmConfig
+
+
+# the model types of this package's models: a checkpoint of one is loaded as it is, never converted
+PKM_MODEL_TYPES = (BertPkmConfig.model_type, RobertaPkmConfig.model_type)
 
 
 # the pkm_* and ngram_* fields a user sets (pkm_weights_checksum is written by save_pretrained)
@@ -48,13 +53,14 @@ def load_model(
 ):
     """Loads the model a script trains, in fp32.
 
-    - a BertPkm checkpoint: loaded as is (runtime pkm_* fields such as dropouts may be overridden);
-    - a plain BERT/DistilBERT checkpoint with pkm_kwargs: converted on load (+Init), new memories initialised;
+    - a BertPkm or RobertaPkm checkpoint: loaded as is (runtime pkm_* fields such as dropouts may be overridden);
+    - a plain BERT/DistilBERT/RoBERTa/XLM-RoBERTa checkpoint with pkm_kwargs: converted on load (+Init, into the
+      RobertaPkm class of the task for the RoBERTa family), new memories initialised;
     - a plain checkpoint without pkm_kwargs: the plain transformers model (the baseline).
     """
     import transformers
 
-    from .. import modeling_bert_pkm
+    from .. import modeling_bert_pkm, modeling_roberta_pkm
     from .. import register_auto_classes
     from ..hub.conversion import convert_to_pkm
 
@@ -66,21 +72,24 @@ def load_model(
     pkm_kwargs, config_overrides = dict(pkm_kwargs or {}), dict(config_overrides or {})
     config = transformers.AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
 
-    if config.model_type == BertPkmConfig.model_type:
+    if config.model_type in PKM_MODEL_TYPES:
         structural = {k: v for k, v in pkm_kwargs.items() if k not in RUNTIME_PKM_FIELDS and getattr(config, k) != v}
         if structural:
             raise ValueError(
-                f"{model_name_or_path} is already a BertPkm model; its {sorted(structural)} cannot change without "
-                "new weights (convert the plain BERT checkpoint instead)"
+                f"{model_name_or_path} is already a PKM model ({config.model_type}); its {sorted(structural)} cannot"
+                " change without new weights (convert the plain BERT / RoBERTa checkpoint instead)"
             )
-        pkm_class = getattr(modeling_bert_pkm, pkm_class_name)
+        if config.model_type == RobertaPkmConfig.model_type:
+            pkm_class = getattr(modeling_roberta_pkm, pkm_class_name.replace("BertPkm", "RobertaPkm", 1))
+        else:
+            pkm_class = getattr(modeling_bert_pkm, pkm_class_name)
         model = in_process_memory(
             pkm_class.from_pretrained(model_name_or_path, dtype=torch.float32, **pkm_kwargs, **config_overrides)
         )
     elif pkm_kwargs:  # the conversion copies every weight into new tensors
         model, report = convert_to_pkm(
             model_name_or_path,
-            getattr(modeling_bert_pkm, pkm_class_name),
+            pkm_class_name,  # a name: the RobertaPkm class of the task for a RoBERTa-family source
             config_overrides=config_overrides,
             **pkm_kwargs,
         )
@@ -94,6 +103,19 @@ def load_model(
             )
         )
     return model.float()
+
+
+# RoBERTa-family model types: their positions start at pad_token_id + 1
+ROBERTA_FAMILY_MODEL_TYPES = ("roberta", "xlm-roberta", RobertaPkmConfig.model_type)
+
+
+def usable_positions(config) -> int | None:
+    """The most tokens a sequence of the model may hold: `max_position_embeddings` (GPT-2: `n_positions`), less the
+    `pad_token_id + 1` positions a RoBERTa-family model skips (roberta-base: 514 -> 512); None where unknown."""
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if positions is not None and config.model_type in ROBERTA_FAMILY_MODEL_TYPES:
+        positions -= config.pad_token_id + 1
+    return positions
 
 
 @torch.no_grad()
