@@ -472,6 +472,25 @@ def test_script_writes_the_page(model, tokenizer, tmp_path):
     assert "Memory explorer of model" in (tmp_path / "out" / "index.html").read_text()
 
 
+def test_script_reads_a_dataset(model, tokenizer, tmp_path):
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    data = tmp_path / "data"
+    data.mkdir()
+    paragraphs = [p for p in TEXT.split("\n") if p.strip()]
+    (data / "validation.jsonl").write_text("".join(json.dumps({"content": p}) + "\n" for p in paragraphs))
+    script = load_script("memory_explorer")
+    args = ["--model_name_or_path", str(folder), "--output_dir", str(tmp_path / "out"), "--dataset_name", str(data),
+            "--max_seq_length", str(LENGTH), "--max_tokens", "64"]  # fmt: skip
+    with pytest.raises(MemoryExplorerError, match="--text_column 'text' is not a column of .* \\(columns: \\['content'\\]\\)"):
+        script.main(args)
+    summary = script.main([*args, "--text_column", "content"])
+    sequences = report_module.text_sequences(tokenizer, paragraphs, LENGTH, 2)
+    tokens = read_explorer_data(tmp_path / "out", "tokens")["tokens"]
+    assert summary["tokens"] == 64 and tokens == tokenizer.convert_ids_to_tokens([i for s in sequences for i in s["input_ids"]])
+
+
 def test_bad_input_is_named(model, tokenizer, tmp_path):
     with pytest.raises(MemoryExplorerError, match="layer 5 has no memory: the model's memory layers are layer_0, layer_2"):
         build_memory_explorer(model, tokenizer, tmp_path / "a", [TEXT], layers=[5])
