@@ -383,3 +383,13 @@ def test_memory_methods_run_on_robertapkm_as_on_bertpkm(tmp_path):
 
     (tmp_path / "mlm" / "modeling_roberta_pkm.py").write_text("# an old copy\n")
     assert refresh_code(tmp_path / "mlm") == ["modeling_roberta_pkm.py"]
+
+
+def test_register_auto_classes_resolves_roberta_pkm_folders_without_remote_code(tmp_path):
+    from modeling_pkm_bert import register_auto_classes
+
+    register_auto_classes()
+    RobertaPkmForTokenClassification(tiny_roberta_config(num_labels=4)).save_pretrained(tmp_path)
+    model = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path)
+    assert type(model) is RobertaPkmForTokenClassification  # the package's class, not a copy from the folder
+    assert type(transformers.AutoModel.from_config(model.config)) is RobertaPkmModel

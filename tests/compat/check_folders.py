@@ -30,6 +30,7 @@ AUTO_CLASSES = {
     "BertPkmForMultipleChoice": "AutoModelForMultipleChoice",
     "BertPkmForCausalLM": "AutoModelForCausalLM",
 }
+AUTO_CLASSES.update({name.replace("BertPkm", "RobertaPkm"): auto for name, auto in AUTO_CLASSES.items()})
 
 
 def main(folders_dir: str):

@@ -1,8 +1,9 @@
-"""Writes tiny BertPkm folders of every head (plain and with the Memory+ options; a causal LM) with the installed
-package and transformers, and `expected.json` with their outputs on fixed inputs, greedy generations and fill-mask
-answers: `python write_folders.py OUT_DIR [NAME ...]` (default: all of FOLDERS). `check_folders.py` loads them elsewhere
-through remote code. `tests/fixtures/bert_pkm_0.2.0` was written by `write_folders.py tests/fixtures/bert_pkm_0.2.0 mlm
-causal_memory_plus` and is never rewritten: it is what every later release must still load."""
+"""Writes tiny BertPkm and RobertaPkm folders of every head (plain and with the Memory+ options; a causal LM) with the
+installed package and transformers, and `expected.json` with their outputs on fixed inputs, greedy generations and
+fill-mask answers: `python write_folders.py OUT_DIR [NAME ...]` (default: all of FOLDERS). `check_folders.py` loads them
+elsewhere through remote code. `tests/fixtures/bert_pkm_0.2.0` was written by `write_folders.py
+tests/fixtures/bert_pkm_0.2.0 mlm causal_memory_plus` and is never rewritten: it is what every later release must still
+load."""
 
 import json
 import sys
@@ -21,6 +22,10 @@ from modeling_pkm_bert import (
     BertPkmForSequenceClassification,
     BertPkmForTokenClassification,
     BertPkmModel,
+    RobertaPkmConfig,
+    RobertaPkmForCausalLM,
+    RobertaPkmForMaskedLM,
+    RobertaPkmForSequenceClassification,
 )
 
 
@@ -44,15 +49,19 @@ FOLDERS = {  # name: (class, config overrides)
     # hashed n-gram memories (issue 35), beside product keys; their value projections made non-zero below
     "mlm_ngram": (BertPkmForMaskedLM, {"ngram_layers": [1], "ngram_table_size": 101, "ngram_dim": 4}),
     "causal_ngram": (BertPkmForCausalLM, {"is_decoder": True, "ngram_layers": [0, 1], "ngram_table_size": 101, "ngram_dim": 4}),
+    # the RoBERTa family (issue 36): its own embeddings and heads around the same layers
+    "roberta_mlm": (RobertaPkmForMaskedLM, {}),
+    "roberta_cls_memory_plus": (RobertaPkmForSequenceClassification, {"num_labels": 3, **MEMORY_PLUS}),
+    "roberta_causal": (RobertaPkmForCausalLM, {"is_decoder": True}),
 }
 
 
-def tiny_config(**overrides) -> BertPkmConfig:
+def tiny_config(config_class=BertPkmConfig, **overrides) -> BertPkmConfig:
     fields = dict(
         vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
         max_position_embeddings=64, pkm_layers=[0, 2], pkm_n_keys=8, pkm_heads=2, pkm_knn=4, pkm_k_dim=16,
     )  # fmt: skip
-    return BertPkmConfig(**{**fields, **overrides})
+    return config_class(**{**fields, **overrides})
 
 
 def outputs_of(model, name: str) -> list:
@@ -68,7 +77,8 @@ def main(out_dir: str, names: list[str]):
         if names and name not in names:
             continue
         torch.manual_seed(index)
-        model = model_class(tiny_config(**overrides)).train()
+        config_class = RobertaPkmConfig if model_class.__name__.startswith("Roberta") else BertPkmConfig
+        model = model_class(tiny_config(config_class, **overrides)).train()
         with torch.no_grad():
             for module in model.modules():
                 if type(module).__name__ == "NgramMemory":  # starts function-preserving: make it contribute
