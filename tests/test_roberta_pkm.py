@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -393,3 +394,45 @@ def test_register_auto_classes_resolves_roberta_pkm_folders_without_remote_code(
     model = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path)
     assert type(model) is RobertaPkmForTokenClassification  # the package's class, not a copy from the folder
     assert type(transformers.AutoModel.from_config(model.config)) is RobertaPkmModel
+
+
+@pytest.fixture
+def robertapkm_folder(tmp_path):
+    folder = tmp_path / "robertapkm"
+    torch.manual_seed(0)
+    RobertaPkmForMaskedLM(tiny_roberta_config(vocab_size=VOCAB_SIZE)).save_pretrained(folder)
+    tiny_tokenizer(folder)
+    return folder
+
+
+def test_sparse_memory_finetuning_moves_only_value_rows_of_a_robertapkm_model(robertapkm_folder, tmp_path):
+    from safetensors.torch import load_file
+
+    (tmp_path / "train.txt").write_text("\n".join(SENTENCES * 4) + "\n")
+    background = Path(load_script("run_mlm").__file__).parent / "data" / "pride_and_prejudice_validation.txt"
+    argv = ["--model_name_or_path", str(robertapkm_folder), "--output_dir", str(tmp_path / "out")]
+    argv += ["--train_file", str(tmp_path / "train.txt"), "--validation_file", str(tmp_path / "train.txt")]
+    argv += "--max_seq_length 16 --per_device_train_batch_size 4 --per_device_eval_batch_size 8 --seed 3".split()
+    argv += f"--max_train_steps 2 --sparse_memory_finetuning --smf_background_file {background}".split()
+    argv += "--smf_background_batches 2 --smf_top_t 6 --memory_optimizer sgd --memory_learning_rate 1.0".split()
+    try:
+        load_script("run_mlm").main(argv)
+    finally:
+        reset_accelerate_state()
+    initial, trained = load_file(robertapkm_folder / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    moved = [n for n in trained if not torch.equal(trained[n], initial[n]) and not n.endswith("num_batches_tracked")]
+    assert moved == ["roberta.encoder.layer.1.memory.values.weight"]
+
+
+def test_trime_trains_a_roberta_decoder(roberta_folder, tmp_path):
+    (tmp_path / "train.txt").write_text(" ".join(SENTENCES * 40) + "\n")
+    argv = ["--model_name_or_path", str(roberta_folder), "--output_dir", str(tmp_path / "out"), "--trime", "long"]
+    argv += ["--train_file", str(tmp_path / "train.txt"), "--validation_files", f"text={tmp_path / 'train.txt'}"]
+    argv += "--block_size 16 --per_device_train_batch_size 2 --per_device_eval_batch_size 2 --seed 1".split()
+    argv += "--max_train_steps 2 --max_eval_samples 2 --pkm_layers 1 --pkm_n_keys 8 --pkm_heads 2 --pkm_knn 4".split()
+    argv += "--pkm_k_dim 16".split()
+    try:
+        results = load_script("run_clm").main(argv)
+    finally:
+        reset_accelerate_state()
+    assert results["eval_text_perplexity"] > 1 and any(key.startswith("eval_text_trime") for key in results), results
