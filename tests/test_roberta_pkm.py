@@ -436,3 +436,45 @@ def test_trime_trains_a_roberta_decoder(roberta_folder, tmp_path):
     finally:
         reset_accelerate_state()
     assert results["eval_text_perplexity"] > 1 and any(key.startswith("eval_text_trime") for key in results), results
+
+
+def _memory_parallel_worker(rank, port, out_dir):
+    """One of two processes: a RobertaPkm masked LM under FSDP2 + memory-parallel value tables, on its half of the
+    batch; writes its logits and loss."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from modeling_pkm_bert.parallel import fully_shard_with_memory_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = RobertaPkmForMaskedLM(tiny_roberta_config(pkm_layers=[0, 2])).eval()
+    fully_shard_with_memory_parallel(model, init_device_mesh("cpu", (2,)))
+    input_ids, attention_mask = batch()
+    rows = slice(rank, rank + 1)
+    output = model(input_ids[rows], attention_mask=attention_mask[rows], labels=input_ids[rows])
+    torch.save({"logits": output.logits.detach(), "loss": output.loss.detach()}, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_memory_parallel_values_on_two_processes_compute_what_one_process_computes(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_memory_parallel_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    torch.manual_seed(0)
+    model = RobertaPkmForMaskedLM(tiny_roberta_config(pkm_layers=[0, 2])).eval()
+    input_ids, attention_mask = batch()
+    for rank in range(2):
+        rows = slice(rank, rank + 1)
+        with torch.no_grad():
+            expected = model(input_ids[rows], attention_mask=attention_mask[rows], labels=input_ids[rows])
+        got = torch.load(tmp_path / f"{rank}.pt")
+        assert (got["logits"] - expected.logits).abs().max() < 1e-5 and (got["loss"] - expected.loss).abs() < 1e-5
