@@ -153,7 +153,10 @@ def test_causal_generation_with_a_cache_gives_the_tokens_of_generation_without_o
     with torch.no_grad():
         cached = model.generate(prompts, use_cache=True, **kwargs)
         uncached = model.generate(prompts, use_cache=False, **kwargs)
+        # beam search reorders the cache between steps: the history comes from the reordered token ids
+        beams = [model.generate(prompts, use_cache=c, num_beams=3, **kwargs) for c in (True, False)]
     assert torch.equal(cached, uncached)
+    assert torch.equal(beams[0], beams[1])
     # and step by step: the logits of each new token equal the full forward's
     ids = cached[1:, :]
     with torch.no_grad():
