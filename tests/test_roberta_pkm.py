@@ -478,3 +478,27 @@ def test_memory_parallel_values_on_two_processes_compute_what_one_process_comput
             expected = model(input_ids[rows], attention_mask=attention_mask[rows], labels=input_ids[rows])
         got = torch.load(tmp_path / f"{rank}.pt")
         assert (got["logits"] - expected.logits).abs().max() < 1e-5 and (got["loss"] - expected.loss).abs() < 1e-5
+
+
+def test_cli_converts_a_hub_id_from_the_cache_and_the_card_names_the_base_model(tmp_path):
+    """A Hub id resolved offline from the Hub cache (as after `hf download`): converted, the tokenizer copied, the
+    card's base_model the Hub id and its license the source card's."""
+    repo = tmp_path / "cache" / "models--someone--tiny-xlmr"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    source = source_model("xlm-roberta", "ForMaskedLM")
+    source.save_pretrained(snapshot)
+    tiny_tokenizer(snapshot)
+    (snapshot / "README.md").write_text("---\nlicense: mit\n---\n# tiny XLM-R\n")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    script = Path(load_script("convert_to_pkm").__file__)
+    argv = ["--model_name_or_path", "someone/tiny-xlmr", "--output_dir", str(tmp_path / "out"), "--pkm_layers", "1"]
+    argv += "--pkm_n_keys 8 --pkm_heads 2 --pkm_knn 4 --pkm_k_dim 16 --pkm_value_init zeros".split()
+    completed = subprocess.run([sys.executable, str(script), *argv], env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "base_model: someone/tiny-xlmr" in card and "license: mit" in card and "- xlm-roberta" in card
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["tokenizer_class"] == "RobertaTokenizer"
+    model = RobertaPkmForMaskedLM.from_pretrained(tmp_path / "out").eval()
+    assert (outputs_of(model, "ForMaskedLM") - outputs_of(source, "ForMaskedLM")).abs().max() <= 1e-5
