@@ -374,3 +374,19 @@ def test_ngram_benchmark_runs_its_arms_and_reports(tmp_path):
     text = report.read_text()
     assert "| plain | 1 |" in text and "| both | 1 |" in text and "s / step" in text
     assert "n-gram / PKM" not in text and "PKM time / n-gram time" in text  # the speed section, from speed.json
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradient_checkpointing_gives_the_gradients_of_training_without(use_reentrant):
+    torch.manual_seed(0)
+    model = learned(BertPkmForMaskedLM(tiny_config(**NGRAM))).train()
+    ids = torch.randint(5, 99, (2, 7))
+    grads = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        grads.append(model.bert.encoder.layer[0].ngram.tables.weight.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0])
+    assert grads[0].abs().sum() > 0
