@@ -143,6 +143,9 @@ def test_distilroberta_style_source_with_fewer_layers(tmp_path):
 def test_conversion_refuses_a_roberta_source_into_a_bert_class(tmp_path):
     with pytest.raises(ValueError, match="RobertaPkm classes"):
         convert_to_pkm(source_model("roberta", "ForMaskedLM"), target_class=BertPkmForMaskedLM, **SMALL_PKM)
+    RobertaPkmModel(tiny_roberta_config()).save_pretrained(tmp_path / "converted")
+    with pytest.raises(ValueError, match="is already a RobertaPkm model"):
+        convert_to_pkm(tmp_path / "converted", **SMALL_PKM)
     # a BertPkm name (as the scripts pass) becomes the RobertaPkm class
     model, _ = convert_to_pkm(source_model("roberta", "ForMaskedLM"), "BertPkmForSequenceClassification", **SMALL_PKM)
     assert isinstance(model, RobertaPkmForSequenceClassification)

@@ -390,8 +390,9 @@ def check_source(source: str | os.PathLike, offline: bool = False) -> None:
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             return  # transformers' own error names the file
         if model_type in (BertPkmConfig.model_type, RobertaPkmConfig.model_type):
+            family = "RobertaPkm" if model_type == RobertaPkmConfig.model_type else "BertPkm"
             raise ValueError(
-                f"{str(source)!r} is already a PKM model (model_type {model_type!r}): fine-tune it as it is "
+                f"{str(source)!r} is already a {family} model (model_type {model_type!r}): fine-tune it as it is "
                 "(run_mlm.py, run_glue.py, run_squad.py --model_name_or_path take it), or convert its source again "
                 "to change its memories"
             )
