@@ -1,4 +1,5 @@
-"""What transformers' common model tests check for BERT (tests/test_modeling_common.py), for every BertPkm class:
+"""What transformers' common model tests check for BERT (tests/test_modeling_common.py), for every BertPkm and
+RobertaPkm class:
 batching equivalence, save/load, initialisation of weights missing from a checkpoint, training with gradient
 checkpointing (reentrant and not) equal to training without, query BatchNorm statistics included."""
 
@@ -9,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import modeling_pkm_bert
-from conftest import tiny_config
+from conftest import tiny_config, tiny_roberta_config
 from modeling_pkm_bert.utils.memories import memory_modules
 
 
@@ -22,11 +23,18 @@ CLASSES = [
     "BertPkmForQuestionAnswering",
     "BertPkmForMultipleChoice",
 ]
+CLASSES += [name.replace("BertPkm", "RobertaPkm") for name in CLASSES]  # the same layers, RoBERTa's embeddings and heads
+
+
+def head(class_name: str) -> str:
+    """The BertPkm class of the same head (`RobertaPkmForMaskedLM` -> `BertPkmForMaskedLM`)."""
+    return class_name.replace("RobertaPkm", "BertPkm")
 
 
 def make_model(class_name: str) -> torch.nn.Module:
-    labels = 3 if class_name in ("BertPkmForSequenceClassification", "BertPkmForTokenClassification") else 2
-    config = tiny_config(is_decoder=class_name == "BertPkmForCausalLM", pkm_layers=[0, 2], num_labels=labels)
+    labels = 3 if head(class_name) in ("BertPkmForSequenceClassification", "BertPkmForTokenClassification") else 2
+    make_config = tiny_roberta_config if class_name.startswith("RobertaPkm") else tiny_config
+    config = make_config(is_decoder=head(class_name) == "BertPkmForCausalLM", pkm_layers=[0, 2], num_labels=labels)
     return getattr(modeling_pkm_bert, class_name)(config)
 
 
@@ -35,9 +43,9 @@ def make_inputs(class_name: str, size: int = 3, length: int = 7) -> dict:
     mask = torch.ones_like(ids)
     mask[0, length - 3 :] = 0  # one padded row
     inputs = {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
-    if class_name == "BertPkmForMultipleChoice":
+    if head(class_name) == "BertPkmForMultipleChoice":
         inputs = {name: torch.stack([value, value.flip(0)], 1) for name, value in inputs.items()}
-    if class_name == "BertPkmForCausalLM":
+    if head(class_name) == "BertPkmForCausalLM":
         inputs["use_cache"] = False  # the forward pass, without a cache among the outputs
     return inputs
 
@@ -59,7 +67,7 @@ def test_batching_equivalence(class_name):
             assert alone.keys() == batched.keys()
             for name in batched.keys():
                 torch.testing.assert_close(alone[name], batched[name][row : row + 1], atol=1e-5, rtol=1e-5, msg=name)
-        if class_name in ("BertPkmModel", "BertPkmForMaskedLM", "BertPkmForTokenClassification"):
+        if head(class_name) in ("BertPkmModel", "BertPkmForMaskedLM", "BertPkmForTokenClassification"):
             length = int(inputs["attention_mask"][0].sum())
             unpadded = model(**{name: value[:1, :length] for name, value in inputs.items()})
             torch.testing.assert_close(unpadded[0], batched[0][:1, :length], atol=1e-5, rtol=1e-5)
