@@ -46,7 +46,7 @@ def pkm_lora_config(
 
     memories, ngram = memory_modules(model), ngram_memory_modules(model)
     if not memories and not ngram:
-        raise ValueError(f"{type(model).__name__} has no product key or n-gram memory; use peft.LoraConfig directly")
+        raise ValueError(f"{type(model).__name__} has no product key memory and no n-gram memory; use peft.LoraConfig directly")
     if ngram_memories and not ngram:
         raise ValueError(f"ngram_memories=True: {type(model).__name__} has no n-gram memory (ngram_layers)")
     if isinstance(target_modules, str):

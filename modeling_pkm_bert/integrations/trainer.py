@@ -88,8 +88,8 @@ def pkm_optimizer(
         )
     if not memory_modules(model) and not ngram_memory_modules(model):
         raise ValueError(
-            f"{type(model).__name__} has no product key or n-gram memory: nothing to put in the {PKM_VALUES_GROUP!r} "
-            "group (use the plain Trainer)"
+            f"{type(model).__name__} has no product key memory and no n-gram memory: nothing to put in the "
+            f"{PKM_VALUES_GROUP!r} group (use the plain Trainer)"
         )
     groups = pkm_param_groups(
         model, lr=args.learning_rate, weight_decay=args.weight_decay, memory_lr=memory_learning_rate
