@@ -17,13 +17,21 @@ import torch
 
 from conftest import REPO_ROOT
 
-from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
+from modeling_pkm_bert.configuration_bert_pkm import PKM_CODE_VERSION, REMOTE_CODE_FILES
 
 
 pytestmark = pytest.mark.multiprocess  # the suite runs other interpreters (.venv-min, the newest releases)
 
 COMPAT = REPO_ROOT / "tests" / "compat"
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "bert_pkm_0.2.0"
+# the folders of each release that every later one must still load, and what check_folders.py checks in them
+FIXTURES = {
+    "0.2.0": (FIXTURE, ["mlm", "causal_memory_plus", "fill-mask", "train:causal_memory_plus"]),
+    "0.3.0": (
+        REPO_ROOT / "tests" / "fixtures" / "bert_pkm_0.3.0",  # n-gram memories and the RoBERTa family arrived
+        ["mlm", "causal_memory_plus", "mlm_ngram", "causal_ngram", "roberta_mlm", "fill-mask", "train:causal_memory_plus"],
+    ),
+}
 MIN_PYTHON = os.environ.get("PKM_COMPAT_MIN_PYTHON")
 NEWEST_PYTHON = os.environ.get("PKM_COMPAT_NEWEST_PYTHON", sys.executable)
 PYTHONS = {"newest": NEWEST_PYTHON, **({"min": MIN_PYTHON} if MIN_PYTHON else {})}
@@ -72,14 +80,17 @@ def test_folders_written_under_one_version_run_under_the_other(writer, reader, t
     assert len(report["checked"]) == len(json.loads((tmp_path / "expected.json").read_text())["folders"]) + 5
 
 
+@pytest.mark.parametrize("release", list(FIXTURES))
 @pytest.mark.parametrize("env", ["newest", pytest.param("min", marks=needs_min)])
-def test_the_fixture_folder_of_0_2_0_still_runs_through_its_own_code(env):
+def test_the_fixture_folders_of_each_release_still_run_through_their_own_code(env, release):
     """A change (ours or transformers') that breaks folders already on the Hub fails here."""
-    report = json.loads(run(PYTHONS[env], str(COMPAT / "check_folders.py"), str(FIXTURE)).stdout.splitlines()[-1])
-    assert report["checked"] == ["mlm", "causal_memory_plus", "fill-mask", "train:causal_memory_plus"]
+    folder, checked = FIXTURES[release]
+    report = json.loads(run(PYTHONS[env], str(COMPAT / "check_folders.py"), str(folder)).stdout.splitlines()[-1])
+    assert report["checked"] == checked
 
 
-def test_the_fixture_weights_load_into_the_current_classes():
+@pytest.mark.parametrize("release", list(FIXTURES))
+def test_the_fixture_weights_load_into_the_current_classes(release):
     import modeling_pkm_bert
 
     sys.path.insert(0, str(COMPAT))
@@ -87,9 +98,10 @@ def test_the_fixture_weights_load_into_the_current_classes():
         from inputs import fixed_inputs, forward_kwargs
     finally:
         sys.path.remove(str(COMPAT))
-    expected = json.loads((FIXTURE / "expected.json").read_text())
+    folder = FIXTURES[release][0]
+    expected = json.loads((folder / "expected.json").read_text())
     for name, record in expected["folders"].items():
-        model = getattr(modeling_pkm_bert, record["class"]).from_pretrained(FIXTURE / name).eval()
+        model = getattr(modeling_pkm_bert, record["class"]).from_pretrained(folder / name).eval()
         with torch.no_grad():
             outputs = model(**fixed_inputs(name, model.config.vocab_size), **forward_kwargs(name))
         torch.testing.assert_close(outputs[0], torch.tensor(record["outputs"]), atol=1e-5, rtol=1e-5, msg=name)
@@ -114,7 +126,7 @@ def test_importing_the_package_and_loading_a_folder_print_nothing(env):
 
 
 def test_an_unsupported_transformers_is_named_with_the_code_version_and_the_range():
-    from modeling_pkm_bert.configuration_bert_pkm import PKM_CODE_VERSION, check_transformers_version
+    from modeling_pkm_bert.configuration_bert_pkm import check_transformers_version
 
     check_transformers_version("5.4.0")
     check_transformers_version("5.99.1.dev0")
@@ -143,7 +155,7 @@ def test_a_folder_written_before_0_2_0_runs_again_after_refresh_code(tmp_path):
     # 0.2.0 split product_key_memory.py: the layer, and its fast paths in product_key_memory_ops.py (a new file)
     assert sorted(path.name for path in (folder / "mlm").glob("*.py")) == sorted(REMOTE_CODE_FILES)
     config = json.loads((folder / "mlm" / "config.json").read_text())
-    assert config["pkm_code_version"] == "0.2.0" and config["auto_map"]["AutoModelForCausalLM"].endswith("BertPkmForCausalLM")
+    assert config["pkm_code_version"] == PKM_CODE_VERSION and config["auto_map"]["AutoModelForCausalLM"].endswith("BertPkmForCausalLM")
     assert (folder / "mlm" / "model.safetensors").read_bytes() == weights
     report = json.loads(run(sys.executable, str(COMPAT / "check_folders.py"), str(folder)).stdout.splitlines()[-1])
     assert report["checked"] == ["mlm", "fill-mask"]

@@ -2,8 +2,9 @@
 installed package and transformers, and `expected.json` with their outputs on fixed inputs, greedy generations and
 fill-mask answers: `python write_folders.py OUT_DIR [NAME ...]` (default: all of FOLDERS). `check_folders.py` loads them
 elsewhere through remote code. `tests/fixtures/bert_pkm_0.2.0` was written by `write_folders.py
-tests/fixtures/bert_pkm_0.2.0 mlm causal_memory_plus` and is never rewritten: it is what every later release must still
-load."""
+tests/fixtures/bert_pkm_0.2.0 mlm causal_memory_plus`, `tests/fixtures/bert_pkm_0.3.0` by `write_folders.py
+tests/fixtures/bert_pkm_0.3.0 mlm causal_memory_plus mlm_ngram causal_ngram roberta_mlm`; they are never rewritten:
+what every later release must still load."""
 
 import json
 import sys
