@@ -157,10 +157,11 @@ class WeightedRowSum(torch.autograd.Function):
       or all rows, dense (`sparse=False`), without a separate zero-fill and scatter;
     - the gradient of each per-sample weight, `dot(weight[indices[t, j]], grad_output[t])`, is a sampled matrix
       product over the same pattern, which reads the value rows in ascending order.
-    Three paths compute them: on CPU in fp32/fp64, torch's sparse CSR kernels, for a dense ([`_dense_csr_backward`]) or
-    a sparse ([`_sparse_csr_backward`]) weight gradient; elsewhere EmbeddingBag-style kernels do the same sums
-    ([`_row_sums_backward`]): with `triton`, the Triton ops `torch.ops.pkm_bert.bag_sum` and `row_dots`
-    (`kernels/triton_gathers.py`), else EmbeddingBag's.
+    The paths ([`row_sum_gradients`] chooses): on CPU in fp32/fp64, torch's sparse CSR kernels, for a dense
+    ([`_dense_csr_backward`]) or a sparse ([`_sparse_csr_backward`]) weight gradient; with `triton`, one pass of
+    `torch.ops.pkm_bert.row_sum_backward` (`kernels/triton_gathers.py`); elsewhere, and at sizes up to
+    `SMALL_LOOKUP_ELEMENTS` where a step is host-bound, EmbeddingBag's own kernels, one op per gradient (a large sparse
+    gradient by sorted segments) ([`_row_sums_backward`]).
     """
 
     @staticmethod
