@@ -442,6 +442,9 @@ def test_sigkill_during_a_checkpoint_save_then_resume_latest_is_exact(tiny, stra
     staleness of the uninterrupted run. A pickle planted in the checkpoint is never loaded."""
     output_dir = tmp_path / "out"
     env = {**os.environ, "PKM_BERT_PAUSE_BEFORE_PUBLISHING": "step_4", "HF_HUB_OFFLINE": "1"}
+    # the killed run's steps continue in this process: the same number of torch threads (a float sum split over
+    # another number of threads may round differently; an earlier test in the suite may have left this one at 1)
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     with open(tmp_path / "log", "w") as log:
         process = subprocess.Popen(
