@@ -15,10 +15,15 @@ tables of the largest primes <= 16384 rows x 24 features (6.26M per layer, layer
     OMP_NUM_THREADS=1 python benchmarks/ngram_memory.py --arms 0 2 & OMP_NUM_THREADS=1 python benchmarks/ngram_memory.py --arms 1 3
     python benchmarks/ngram_memory.py --report_only
 
+Every finished run's metrics are kept in `benchmarks/ngram_memory.json` (committed with the report: the run folders
+under outputs/ are not), and the report is written from it; `--speed` adds its measurements there too.
+
 `--tiny` (the suite's version): a random 2-layer BERT folder instead of MiniLM, a few steps.
 """
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import platform
@@ -65,14 +70,21 @@ def parse_args(argv=None):
     parser.add_argument("--max_eval_samples", type=int, default=100)
     parser.add_argument("--glue_train_samples", type=int, default=2000)
     parser.add_argument("--glue_learning_rate", type=float, default=5e-5)
-    parser.add_argument("--skip_glue", action="store_true")
+    parser.add_argument("--tasks", nargs="+", choices=["mlm", "sst2"], default=["mlm", "sst2"])
+    parser.add_argument("--skip_glue", action="store_true", help="the same as --tasks mlm")
+    parser.add_argument("--results", default=None, help="default: benchmarks/ngram_memory.json (--tiny: in --output_dir)")
     parser.add_argument("--report_only", action="store_true", help="only write the report from finished runs")
     parser.add_argument("--tiny", action="store_true", help="the suite's version: tiny model and budget")
     parser.add_argument("--speed", action="store_true", help="measure the layer and Table 1 costs (item 4) instead")
     parser.add_argument("--speed_rounds", type=int, default=5)
     parser.add_argument("--speed_parts", nargs="+", choices=["layer", "steps"], default=["layer", "steps"],
                         help="layer: the layers and Table 1; steps: each arm's training step (merged into speed.json)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.skip_glue:
+        args.tasks = ["mlm"]
+    if args.results is None:
+        args.results = str(Path(args.output_dir) / "results.json" if args.tiny else HERE / "ngram_memory.json")
+    return args
 
 
 def run_dir(args, arm: str, task: str, seed: int) -> Path:
@@ -154,14 +166,57 @@ def mean_spread(values: list[float], digits: int = 1) -> str:
     return f"{statistics.mean(values):,.{digits}f} ± {statistics.stdev(values):,.{digits}f} (range {min(values):,.{digits}f}–{max(values):,.{digits}f})"
 
 
+def load_results(args) -> dict:
+    """The results file: {"runs": {"<task>/<arm slug>/<seed>": metrics}, "speed": {...}}."""
+    path = Path(args.results)
+    return json.loads(path.read_text()) if path.exists() else {"runs": {}}
+
+
+def save_results(args, results: dict) -> None:
+    path = Path(args.results)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    os.replace(temporary, path)  # atomic: two processes of the comparison write it in turn
+
+
+@contextlib.contextmanager
+def results_lock(args):
+    """Held while reading, changing and writing the results file: the two processes of the comparison share it."""
+    lock = Path(args.output_dir) / "results.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def record_run(args, arm: str, task: str, seed: int) -> None:
+    """Keeps a finished run's metrics (its all_results.json) in the results file."""
+    metrics = json.loads((run_dir(args, arm, task, seed) / "all_results.json").read_text())
+    with results_lock(args):
+        results = load_results(args)
+        results["runs"][f"{task}/{SLUGS[arm]}/{seed}"] = metrics
+        save_results(args, results)
+
+
 def results(args, task: str) -> dict:
+    """{(arm, seed): metrics} of the finished runs of `task` with a seed of `args.seeds`, from the results file."""
+    runs = load_results(args)["runs"]
     found = {}
     for arm in ARMS:
         for seed in args.seeds:
-            path = run_dir(args, arm, task, seed) / "all_results.json"
-            if path.exists():
-                found[arm, seed] = json.loads(path.read_text())
+            metrics = runs.get(f"{task}/{SLUGS[arm]}/{seed}")
+            if metrics is not None:
+                found[arm, seed] = metrics
     return found
+
+
+def _step_cost(runs: list[dict]) -> str:
+    """The runs' own seconds per step (train_time / steps), over the runs that kept it."""
+    return mean_spread([r["train_time"] / r["step"] for r in runs if r.get("train_time") and r.get("step")], 2)
 
 
 def write_report(args, model_path: str) -> str:
@@ -204,6 +259,15 @@ def write_report(args, model_path: str) -> str:
         lines.append(shown(glue_command(args, model_path, arm, args.seeds[0]), model_path).replace(
             str(Path(args.output_dir)), "outputs/ngram_memory"))
     lines += ["```", "", "(`--seed 0` shown; the runs use each seed of the list.)", ""]
+    recovered = sorted({r["recovered"] for r in [*mlm.values(), *glue.values()] if r.get("recovered")})
+    if recovered:
+        groups = []
+        for task, found in (("masked-LM", mlm), ("SST-2", glue)):
+            seeds = sorted({seed for (_, seed), r in found.items() if r.get("recovered")})
+            if seeds:
+                groups.append(f"the {task} runs of seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}")
+        lines += [f"Of the runs below, {' and '.join(groups)} are {'; '.join(recovered)}. 's / step in the run' "
+                  "averages the runs that kept their step time.", ""]
     if not mlm and not glue:
         return "\n".join(lines + ["No run has finished yet."]) + "\n"
     sets = [name for name in SETS if any(f"eval_{name}_perplexity" in r for r in mlm.values())]
@@ -215,8 +279,7 @@ def write_report(args, model_path: str) -> str:
         runs = [r for (a, _), r in mlm.items() if a == arm]
         if runs:
             cells = [mean_spread([r[f"eval_{name}_perplexity"] for r in runs]) for name in sets]
-            cost = mean_spread([r["train_time"] / r["step"] for r in runs], 2)
-            lines.append(f"| {arm} | {len(runs)} | " + " | ".join(cells) + f" | {cost} |")
+            lines.append(f"| {arm} | {len(runs)} | " + " | ".join(cells) + f" | {_step_cost(runs)} |")
     lines += ["", "Every run (before training → after):", ""]
     lines += ["| arm | seed | " + " | ".join(SETS[name] for name in sets) + " |", "|---|---:|" + "---:|" * len(sets)]
     for (arm, seed), r in sorted(mlm.items(), key=lambda item: (list(ARMS).index(item[0][0]), item[0][1])):
@@ -234,10 +297,12 @@ def write_report(args, model_path: str) -> str:
             if runs:
                 accuracies = [r["eval_accuracy"] for r in runs.values()]
                 each = ", ".join(f"{seed}: {r['eval_accuracy']:.3f}" for seed, r in sorted(runs.items()))
-                cost = mean_spread([r["train_time"] / r["step"] for r in runs.values() if r.get("step")], 2)
-                lines.append(f"| {arm} | {len(runs)} | {mean_spread(accuracies, 3)} | {each} | {cost} |")
-    if speed_file(args).exists():
-        lines += ["", *speed_lines(json.loads(speed_file(args).read_text()))]
+                lines.append(
+                    f"| {arm} | {len(runs)} | {mean_spread(accuracies, 3)} | {each} | {_step_cost(list(runs.values()))} |"
+                )
+    speed = load_results(args).get("speed")
+    if speed:
+        lines += ["", *speed_lines(speed)]
     if not args.tiny:
         lines += ["", *READING]
     return "\n".join(lines) + "\n"
@@ -295,10 +360,6 @@ def _verdicts(mlm: dict, sets: list[str]) -> list[str]:
 
 
 # ---- item 4: speed, n-gram memory beside a PKM layer of the same table bytes, and in Table 1 ----
-
-
-def speed_file(args) -> Path:
-    return Path(args.output_dir) / "speed.json"
 
 
 def _median_ratio(times: dict, reference: str, other: str) -> float:
@@ -364,6 +425,7 @@ def measure_speed(args) -> dict:
                 "ms": {name: 1000 * statistics.median(t) for name, t in times.items()},
                 "n-gram / PKM time": _median_ratio(times, "n-gram", "PKM") ** -1,
             }
+    result["quantized"] = measure_quantized_ngram(args, layers["n-gram"].eval(), vocab)
     del layers
     base = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=12 if not small else 2,
                 num_attention_heads=12 if not small else 4, intermediate_size=4 * hidden)
@@ -392,6 +454,43 @@ def measure_speed(args) -> dict:
     result["machine"] = f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU cores (shared), 1 thread"
     result["rounds"] = args.speed_rounds
     return result
+
+
+def measure_quantized_ngram(args, layer, vocab: int) -> dict:
+    """The n-gram layer in inference with fp32, int8 and 4-bit tables (`quantize_memory_values`): interleaved rounds,
+    medians, time / fp32 time of the same rounds, the tables' bytes and the output's relative error against fp32."""
+    import copy
+
+    import torch
+
+    from modeling_pkm_bert import quantize_memory_values
+
+    layers = {"fp32": layer}
+    for bits, name in ((8, "int8"), (4, "4-bit")):
+        layers[name] = copy.deepcopy(layer)
+        quantize_memory_values(layers[name], bits=bits)
+    out = {"table_bytes": {name: m.tables.weight.nbytes for name, m in layers.items()}, "ms": {}, "/ fp32": {},
+           "relative_error": {}}
+    for batch in (1, 8):
+        hidden_states = torch.randn(batch, 128, layer.hidden_size)
+        ids = torch.randint(5, vocab, (batch, 128))
+        times = {name: [] for name in layers}
+        with torch.inference_mode():
+            outputs = {name: m(hidden_states, ids) for name, m in layers.items()}
+            for _ in range(args.speed_rounds + 1):
+                for name, m in layers.items():
+                    start = time.perf_counter()
+                    m(hidden_states, ids)
+                    times[name].append(time.perf_counter() - start)
+        times = {name: t[1:] for name, t in times.items()}
+        key = f"{batch}x128"
+        out["ms"][key] = {name: 1000 * statistics.median(t) for name, t in times.items()}
+        out["/ fp32"][key] = {name: _median_ratio(times, name, "fp32") for name in layers}
+        reference = outputs["fp32"]
+        out["relative_error"][key] = {
+            name: ((o - reference).norm() / reference.norm()).item() for name, o in outputs.items()
+        }
+    return out
 
 
 def measure_training_steps(args) -> dict:
@@ -461,6 +560,23 @@ def speed_lines(speed: dict) -> list[str]:
         lines.append(
             f"| {tokens} | {mode} | {row['ms']['PKM']:.1f} | {row['ms']['n-gram']:.1f} | {row['n-gram / PKM time']:.2f} |"
         )
+    quantized = speed.get("quantized")
+    if quantized:
+        mib = {name: b / 2**20 for name, b in quantized["table_bytes"].items()}
+        lines += [
+            "",
+            "Serving tables (`quantize_memory_values`): the same n-gram layer in inference with its tables packed "
+            "int8 or 4-bit (rows of 48 values: int8 " + f"{mib['int8']:,.0f} MiB, 4-bit {mib['4-bit']:,.0f} MiB "
+            f"against {mib['fp32']:,.0f} MiB in fp32), read by torch's quantized EmbeddingBag kernels as bags of one "
+            "row; the relative error is that of the layer's output against the fp32 tables':",
+            "",
+            "| tokens | tables | ms | time / fp32 time | relative error |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for key, times in quantized["ms"].items():
+            for name, ms in times.items():
+                lines.append(f"| {key} | {name} | {ms:.1f} | {quantized['/ fp32'][key][name]:.2f} | "
+                             f"{quantized['relative_error'][key][name]:.4f} |")
     lines += [
         "",
         "Table 1's setting (BERT-base, 1 x 128 tokens, inference, random weights, memories at layers 4 and 8; the "
@@ -488,14 +604,16 @@ def speed_lines(speed: dict) -> list[str]:
 def main(argv=None):
     args = parse_args(argv)
     if args.speed:
-        speed = json.loads(speed_file(args).read_text()) if speed_file(args).exists() else {}
+        measured = {}
         if "layer" in args.speed_parts:
-            speed.update(measure_speed(args))
+            measured.update(measure_speed(args))
         if "steps" in args.speed_parts:
-            speed["steps"] = measure_training_steps(args)
-        speed_file(args).parent.mkdir(parents=True, exist_ok=True)
-        speed_file(args).write_text(json.dumps(speed, indent=2))
-        print("\n".join(speed_lines(speed)))
+            measured["steps"] = measure_training_steps(args)
+        with results_lock(args):  # read after measuring: the comparison's runs may have written it meanwhile
+            results = load_results(args)
+            results["speed"] = {**results.get("speed", {}), **measured}
+            save_results(args, results)
+        print("\n".join(speed_lines(results["speed"])))
         return
     model_path = args.model_name_or_path or _minilm_path()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -503,15 +621,17 @@ def main(argv=None):
     if not args.report_only:
         for seed in args.seeds:  # seed-major: a first comparison exists even if time runs out
             for arm in [list(ARMS)[i] for i in args.arms]:
-                tasks = [("mlm", mlm_command)] + ([] if args.skip_glue else [("sst2", glue_command)])
-                for task, command in tasks:
-                    if (run_dir(args, arm, task, seed) / "all_results.json").exists():
+                commands = {"mlm": mlm_command, "sst2": glue_command}
+                for task in [t for t in ("mlm", "sst2") if t in args.tasks]:
+                    if f"{task}/{SLUGS[arm]}/{seed}" in load_results(args)["runs"]:
                         continue
-                    words = command(args, model_path, arm, seed)
-                    print(f"$ {shown(words, model_path)}", flush=True)
-                    start = time.time()
-                    subprocess.run(words, check=True, env=env, cwd=REPO_ROOT)
-                    print(f"  {time.time() - start:.0f} s", flush=True)
+                    if not (run_dir(args, arm, task, seed) / "all_results.json").exists():
+                        words = commands[task](args, model_path, arm, seed)
+                        print(f"$ {shown(words, model_path)}", flush=True)
+                        start = time.time()
+                        subprocess.run(words, check=True, env=env, cwd=REPO_ROOT)
+                        print(f"  {time.time() - start:.0f} s", flush=True)
+                    record_run(args, arm, task, seed)
     report = write_report(args, model_path)
     Path(args.report).write_text(report, encoding="utf-8")
     print(report)

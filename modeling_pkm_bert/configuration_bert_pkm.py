@@ -111,8 +111,9 @@ class BertPkmConfig(BertConfig):
     pkm_memory_scale (`float`, *optional*):
         A learned scalar on the memory output, initialised to this value (e.g. 0.01 beside a pretrained FFN); None: none.
     pkm_values_quantization (`str`, *optional*):
-        How the value tables are stored: None (default): floating point, trainable; `"int8"`: row-wise int8 (an fp32
-        scale and bias per row), `"4bit"`: row-wise 4-bit (fp16 scale and bias), FBGEMM's packed rows, inference only.
+        How the memory tables (product-key values and n-gram tables alike) are stored: None (default): floating point,
+        trainable; `"int8"`: row-wise int8 (an fp32 scale and bias per row), `"4bit"`: row-wise 4-bit (fp16 scale and
+        bias), FBGEMM's packed rows, inference only.
         Written by `modeling_pkm_bert.quantize_memory_values` (`--quantize_values 8|4`); not set by hand.
     ngram_layers (`list[int]`, *optional*, defaults to `[]`):
         0-based indices of the layers that get a hashed n-gram memory (Engram-style, `NgramMemory`), added to the

@@ -412,6 +412,15 @@ def value_table(config) -> ProductKeyValues | QuantizedProductKeyValues:
     return ProductKeyValues(config.pkm_mem_size, config.hidden_size)
 
 
+def packed_table_factory(config):
+    """With `pkm_values_quantization`, `(rows, dim) -> ` an empty packed table (filled by `from_pretrained`): the
+    format of every memory table of the model, n-gram tables included; else None (fp32 tables)."""
+    quantization = getattr(config, "pkm_values_quantization", None)
+    if not quantization:
+        return None
+    return lambda rows, dim: QuantizedProductKeyValues(rows, dim, VALUE_QUANTIZATIONS[quantization])
+
+
 def ngram_memory(config, layer_idx: int) -> NgramMemory:
     """The n-gram memory of layer `layer_idx` (causal in a decoder); each layer hashes with its own multipliers."""
     memory = NgramMemory(
@@ -425,6 +434,7 @@ def ngram_memory(config, layer_idx: int) -> NgramMemory:
         causal=config.is_decoder,
         token_map=config.ngram_token_map,
         seed=layer_idx,
+        packed_tables=packed_table_factory(config),
     )
     memory.layer_name = f"encoder.layer.{layer_idx}.ngram"
     return memory
@@ -760,7 +770,8 @@ class BertPkmPreTrainedModel(PreTrainedModel):
         elif isinstance(module, NgramMemory):
             # tables as the module's own init; the convolution and the value projection at zero (a memory added to a
             # trained model starts function-preserving); the hash constants are fixed by the config
-            init.normal_(module.tables.weight, mean=0.0, std=module.dim**-0.5)
+            if not isinstance(module.tables, QuantizedProductKeyValues):  # packed rows are only ever loaded
+                init.normal_(module.tables.weight, mean=0.0, std=module.dim**-0.5)
             for parameter in (module.conv.weight, module.conv.bias, module.value.weight, module.value.bias):
                 init.zeros_(parameter)
             for name, value in module.hash_buffers().items():

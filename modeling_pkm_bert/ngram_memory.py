@@ -71,7 +71,9 @@ class NgramMemory(nn.Module):
     id to a canonical id (e.g. lowercase and accent-folded forms of the vocabulary) before hashing.
 
     All tables are rows of one `nn.Embedding`, `tables` (`sparse=True`: a sparse gradient over the rows a step used);
-    table `t` holds rows `[offsets[t], offsets[t] + primes[t])`.
+    table `t` holds rows `[offsets[t], offsets[t] + primes[t])`. For serving, `tables` may instead be packed int8/4-bit
+    rows: `packed_tables(rows, dim)` builds that module (called as `tables(indices (n, 1)) -> (n, dim)` fp32 rows, e.g.
+    the product-key memory's `QuantizedProductKeyValues`; filled by loading, made by `quantize_memory_values`).
     """
 
     # how errors name this memory (BertPkmLayer sets e.g. "encoder.layer.1.ngram")
@@ -90,6 +92,7 @@ class NgramMemory(nn.Module):
         token_map: bool = False,
         seed: int = 0,
         sparse: bool = False,
+        packed_tables=None,
     ):
         super().__init__()
         if not orders or any(int(n) < 1 for n in orders) or len(set(orders)) != len(orders):
@@ -123,7 +126,8 @@ class NgramMemory(nn.Module):
         self.context_right = self.conv_right + (0 if causal else max(self.orders) - 1)
 
         memory_dim = self.num_tables * dim
-        self.tables = nn.Embedding(sum(self.primes), dim, sparse=sparse)
+        rows = sum(self.primes)
+        self.tables = nn.Embedding(rows, dim, sparse=sparse) if packed_tables is None else packed_tables(rows, dim)
         self.embedding_norm = nn.RMSNorm(memory_dim, eps=1e-6)
         self.conv = nn.Conv1d(memory_dim, memory_dim, conv_kernel, groups=memory_dim)
         self.key = nn.Linear(memory_dim, hidden_size)
@@ -190,9 +194,17 @@ class NgramMemory(nn.Module):
     def mixed_rows(self, indices: torch.Tensor, length: int) -> torch.Tensor:
         """`x = e + silu(conv(RMSNorm(e)))` at the `length` positions, `e` the concatenated rows of `indices` (batch,
         length + conv_kernel - 1, num_tables)."""
-        embeddings = self.tables(indices).flatten(-2)
+        embeddings = self.table_rows(indices).flatten(-2)
         mixed = self.conv(self.embedding_norm(embeddings).transpose(1, 2)).transpose(1, 2)
         return embeddings[:, self.conv_left : self.conv_left + length] + F.silu(mixed)
+
+    def table_rows(self, indices: torch.Tensor) -> torch.Tensor:
+        """The rows of `tables` at `indices` (any shape): `(*indices.shape, dim)`."""
+        if isinstance(self.tables, nn.Embedding):
+            return self.tables(indices)
+        # packed rows: one bag of one row per index, dequantised to fp32, then in the projections' dtype
+        rows = self.tables(indices.reshape(-1, 1)).to(self.key.weight.dtype)
+        return rows.view(*indices.shape, self.dim)
 
     def gate(self, hidden_states: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The scalar gate of each position, `sigmoid(RMSNorm(h) . RMSNorm(W_k x) / sqrt(hidden_size))`: (..., 1)."""
@@ -227,7 +239,8 @@ class NgramMemory(nn.Module):
         return torch.remainder(hashed, self.table_primes) + self.table_offsets
 
     def reset_parameters(self):
-        nn.init.normal_(self.tables.weight, std=self.dim**-0.5)
+        if isinstance(self.tables, nn.Embedding):  # packed rows are only ever loaded
+            nn.init.normal_(self.tables.weight, std=self.dim**-0.5)
         nn.init.zeros_(self.conv.weight)
         nn.init.zeros_(self.conv.bias)
         nn.init.zeros_(self.value.weight)

@@ -322,6 +322,29 @@ def test_ngram_projection_is_the_documented_one(ngram_model):
     assert torch.allclose(project_ngram_buckets(ngram_model, memory, buckets), torch.stack(expected), atol=1e-5)
 
 
+def test_packed_n_gram_tables_are_explored_as_their_fp32_rows(ngram_model):
+    """int8 serving tables (quantize_memory_values): the recorder sees the same buckets, the projection reads the
+    dequantised rows."""
+    import copy
+
+    from modeling_pkm_bert import quantize_memory_values
+    from modeling_pkm_bert.analysis.explorer import NgramRecorder
+
+    quantized = copy.deepcopy(ngram_model).eval()
+    quantize_memory_values(quantized, bits=8)
+    memory, packed = ngram_model.bert.encoder.layer[2].ngram, quantized.bert.encoder.layer[2].ngram
+    buckets = torch.tensor([0, memory.offsets[3] + 7, memory.tables.num_embeddings - 1])
+    expected = project_ngram_buckets(ngram_model, memory, buckets)
+    assert ((project_ngram_buckets(quantized, packed, buckets) - expected).norm() / expected.norm()) < 0.02
+    ids = torch.randint(5, ngram_model.config.vocab_size, (2, 12))
+    reads = []
+    for model, layer in ((ngram_model.eval(), memory), (quantized, packed)):
+        with NgramRecorder({"layer_2_ngram": layer}, 4) as recorder, torch.no_grad():
+            model(ids)
+        reads.append(recorder.reads["layer_2_ngram"])
+    assert reads[0].sum() == 2 * 12 * memory.num_tables and torch.equal(reads[0], reads[1])
+
+
 def test_a_browser_shows_a_bucket_with_its_collisions(ngram_explorer):
     chromium_or_skip()
     folder, summary = ngram_explorer

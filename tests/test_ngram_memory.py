@@ -274,14 +274,126 @@ def test_tables_train_in_the_memory_group_with_sparse_row_updates():
     assert freeze_memory(model) > 0 and not any(p.requires_grad for p in model.bert.encoder.layer[0].ngram.parameters())
 
 
-def test_quantization_and_memory_parallel_refuse_n_gram_memories_clearly():
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("bits, name, tolerance, ratio", [(8, "int8", 0.02, 0.32), (4, "4bit", 0.25, 0.16)])
+def test_quantized_n_gram_tables_serve_up_to_rounding_save_small_and_reload(tmp_path, bits, name, tolerance, ratio):
+    from safetensors import safe_open
+
     from modeling_pkm_bert import quantize_memory_values
+    from modeling_pkm_bert.product_key_memory import QuantizedProductKeyValues
+
+    torch.manual_seed(0)
+    config = tiny_config(pkm_layers=[1], ngram_layers=[0, 2], ngram_table_size=211, ngram_dim=32)
+    learned(BertPkmForMaskedLM(config)).save_pretrained(tmp_path / "fp32")
+    reference = BertPkmForMaskedLM.from_pretrained(tmp_path / "fp32").eval()
+    model = BertPkmForMaskedLM.from_pretrained(tmp_path / "fp32").eval()
+    ids = torch.randint(5, 99, (2, 9))
+    ids[0, 3] = MASK
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+
+    assert quantize_memory_values(model, bits=bits) == 3  # one product-key value table, two n-gram tables
+    assert model.config.pkm_values_quantization == name
+    ngram, fp32 = model.bert.encoder.layer[0].ngram, reference.bert.encoder.layer[0].ngram
+    assert isinstance(ngram.tables, QuantizedProductKeyValues) and ngram.tables.weight.dtype == torch.uint8
+    hidden = torch.randn(2, 9, config.hidden_size)
+    with torch.no_grad():
+        # the packed rows are the fp32 rows up to rounding, and the memory's output follows
+        assert relative_error(ngram.tables.dequantize(), fp32.tables.weight) < tolerance / 2
+        assert relative_error(ngram(hidden, ids), fp32(hidden, ids)) < tolerance
+        expected = model(ids, attention_mask=mask).logits
+        assert relative_error(expected, reference(ids, attention_mask=mask).logits) < tolerance
+    assert torch.equal(ngram.bucket_indices(ngram.context_tokens(ids)), fp32.bucket_indices(fp32.context_tokens(ids)))
+
+    model.save_pretrained(tmp_path / name)
+
+    def table_bytes(folder):
+        with safe_open(folder / "model.safetensors", "pt") as f:
+            return sum(f.get_tensor(k).nbytes for k in f.keys() if "ngram.tables" in k)
+
+    assert table_bytes(tmp_path / name) <= ratio * table_bytes(tmp_path / "fp32")
+    loaded, info = BertPkmForMaskedLM.from_pretrained(tmp_path / name, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids, attention_mask=mask).logits, expected)
+    # serving only: training and a second quantization are refused, naming the problem
+    with pytest.raises(RuntimeError, match="quantized \\(inference only\\)"):
+        loaded.train()(ids, labels=ids)
+    with pytest.raises(ValueError, match="already"):
+        quantize_memory_values(loaded, bits=bits)
+
+
+def test_quantized_n_gram_memories_alone_and_in_a_causal_model_generate_as_with_fp32():
+    from modeling_pkm_bert import quantize_memory_values
+
+    model = BertPkmForMaskedLM(tiny_config(pkm_layers=[], ngram_layers=[1], ngram_dim=8)).eval()
+    assert quantize_memory_values(model, bits=8) == 1  # a model with n-gram memories alone
+    causal = causal_model()
+    assert quantize_memory_values(causal, bits=8) == 3  # the product-key values and two n-gram tables
+    prompts = torch.tensor([[0, 0, 2, 10, 11], [2, 20, 21, 22, 23]])
+    kwargs = dict(attention_mask=(prompts != 0).long(), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():  # the cached history reads the packed rows as the full forward does
+        assert torch.equal(causal.generate(prompts, use_cache=True, **kwargs), causal.generate(prompts, use_cache=False, **kwargs))
+
+
+def test_4_bit_rows_of_an_odd_size_are_refused_before_any_table_changes():
+    from modeling_pkm_bert import quantize_memory_values
+
+    model = BertPkmForMaskedLM(tiny_config(pkm_layers=[1], ngram_layers=[0], ngram_dim=5)).eval()
+    with pytest.raises(ValueError, match="even row size.*encoder.layer.0.ngram.*5 values a row"):
+        quantize_memory_values(model, bits=4)
+    assert isinstance(model.bert.encoder.layer[0].ngram.tables, torch.nn.Embedding)
+    assert model.config.pkm_values_quantization is None
+    assert type(model.bert.encoder.layer[1].memory.values).__name__ == "ProductKeyValues"  # left as it was
+    assert quantize_memory_values(model, bits=8) == 2
+
+
+QUANTIZED_REMOTE = r"""
+import json, sys
+sys.modules["modeling_pkm_bert"] = None
+import torch
+from transformers import AutoModelForMaskedLM
+model = AutoModelForMaskedLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+with torch.no_grad():
+    logits = model(torch.tensor(json.loads(sys.argv[2]))).logits
+tables = model.bert.encoder.layer[0].ngram.tables
+print("RESULT" + json.dumps({"logits": logits.tolist(), "class": type(tables).__name__, "module": type(tables).__module__}))
+"""
+
+
+def test_a_quantized_n_gram_folder_runs_as_remote_code_without_the_package(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from modeling_pkm_bert import quantize_memory_values
+
+    model = learned(BertPkmForMaskedLM(tiny_config(pkm_layers=[1], **NGRAM))).eval()
+    quantize_memory_values(model, bits=4)
+    ids = torch.randint(5, 99, (2, 7))
+    with torch.no_grad():
+        expected = model(ids).logits
+    model.save_pretrained(tmp_path / "folder")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+    completed = subprocess.run(
+        [sys.executable, "-c", QUANTIZED_REMOTE, str(tmp_path / "folder"), json.dumps(ids.tolist())],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    out = json.loads(completed.stdout.split("RESULT", 1)[1])
+    assert out["class"] == "QuantizedProductKeyValues" and out["module"].startswith("transformers_modules.")
+    torch.testing.assert_close(torch.tensor(out["logits"]), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_memory_parallel_refuses_n_gram_memories_clearly():
     from modeling_pkm_bert.parallel.memory_parallel import shard_memory_values
 
     model = BertPkmForMaskedLM(tiny_config(**NGRAM))
-    with pytest.raises(ValueError, match="n-gram memories .*no packed int8/4-bit format"):
-        quantize_memory_values(model, bits=8)
-    assert model.config.pkm_values_quantization is None  # left as it was
     with pytest.raises(ValueError, match="n-gram memories .*does not shard"):
         shard_memory_values(model, device_mesh=None)
 
@@ -370,10 +482,19 @@ def test_ngram_benchmark_runs_its_arms_and_reports(tmp_path):
         argv.append("--skip_glue")
     bench.main(argv)
     bench.main(argv[:6] + ["--tiny", "--speed", "--speed_rounds", "1"])
+    # the report comes from the results file alone: the run folders may be gone
+    import json
+    import shutil
+
+    kept = json.loads((tmp_path / "runs" / "results.json").read_text())
+    assert {"mlm/plain/0", "mlm/both/0"} <= set(kept["runs"]) and {"layer", "quantized", "steps"} <= set(kept["speed"])
+    for folder in (tmp_path / "runs").glob("*_seed0"):
+        shutil.rmtree(folder)
     bench.main(argv + ["--report_only"])
     text = report.read_text()
     assert "| plain | 1 |" in text and "| both | 1 |" in text and "s / step" in text
-    assert "n-gram / PKM" not in text and "PKM time / n-gram time" in text  # the speed section, from speed.json
+    assert "n-gram / PKM" not in text and "PKM time / n-gram time" in text  # the speed section
+    assert "| 1x128 | int8 |" in text and "| 8x128 | 4-bit |" in text  # the packed serving tables
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

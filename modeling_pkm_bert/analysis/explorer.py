@@ -370,6 +370,8 @@ class NgramRecorder:
         _, key = self._seen.pop((name, "key"))
         gate = torch.sigmoid((hidden * key).sum(-1) / memory.hidden_size**0.5)  # (batch, seq), as forward computes it
         length = gate.shape[1]
+        # (batch, positions, num_tables); packed serving tables are read with the indices flattened
+        indices = indices.reshape(gate.shape[0], -1, memory.num_tables)
         indices = indices[:, memory.conv_left : memory.conv_left + length].reshape(-1, memory.num_tables).cpu()
         gate = gate.reshape(-1, 1).expand(-1, memory.num_tables).double().cpu()
         self.layers[name].update(indices, gate)
@@ -648,7 +650,10 @@ def project_ngram_buckets(model: nn.Module, memory: nn.Module, buckets: torch.Te
     embeddings, norm, _ = ngram_projection(model, memory)
     offsets = torch.tensor(memory.offsets)
     tables = torch.searchsorted(offsets, buckets, right=True) - 1
-    rows = memory.tables.weight[buckets].float()  # (buckets, dim)
+    if isinstance(memory.tables, nn.Embedding):
+        rows = memory.tables.weight[buckets].float()  # (buckets, dim)
+    else:  # packed serving rows (pkm_values_quantization), dequantised
+        rows = memory.tables(buckets.to(memory.tables.weight.device)[:, None]).float()
     columns = memory.value.weight.float().view(memory.hidden_size, memory.num_tables, memory.dim)[:, tables]
     directions = torch.einsum("htd,td->th", columns, rows)
     if norm is not None:

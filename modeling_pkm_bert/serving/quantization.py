@@ -1,4 +1,5 @@
-"""`quantize_memory_values`: each memory's value table as int8 or 4-bit rows (FBGEMM's row-wise layout), for serving.
+"""`quantize_memory_values`: each memory table (product-key values, n-gram tables) as int8 or 4-bit rows (FBGEMM's
+row-wise layout), for serving.
 
 The value tables are most of a BertPkm model's bytes, and a CPU lookup is bound by reading random rows; packed rows
 are 3.96x (int8) or 7.7x (4-bit) smaller than fp32 and read by torch's quantized EmbeddingBag kernels
@@ -30,12 +31,21 @@ def _memories(model: nn.Module) -> list[ProductKeyMemory]:
     return [module for module in model.modules() if isinstance(module, ProductKeyMemory)]
 
 
+def _tables(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every memory table of `model` as (owner, attribute): the product-key memories' `values`, the n-gram memories'
+    `tables`."""
+    return [(memory, "values") for memory in _memories(model)] + [
+        (memory, "tables") for memory in ngram_memory_modules(model).values()
+    ]
+
+
 def quantized_tables(model: nn.Module) -> list[QuantizedProductKeyValues]:
-    """The distinct quantized value tables of `model` (a shared table once)."""
+    """The distinct quantized memory tables of `model` (product-key values and n-gram tables; a shared table once)."""
     tables = {}
-    for memory in _memories(model):
-        if isinstance(memory.values, QuantizedProductKeyValues):
-            tables.setdefault(id(memory.values), memory.values)
+    for owner, attribute in _tables(model):
+        table = getattr(owner, attribute)
+        if isinstance(table, QuantizedProductKeyValues):
+            tables.setdefault(id(table), table)
     return list(tables.values())
 
 
@@ -85,49 +95,49 @@ def _prepack_torch(chunk: torch.Tensor, bits: int) -> torch.Tensor:
 
 @torch.no_grad()
 def quantize_memory_values(model: nn.Module, bits: int = 8) -> int:
-    """Replaces each memory's value table of `model` by a packed one, int8 (`bits=8`: an fp32 scale and bias per row,
-    3.96x smaller than fp32 at 768 values a row) or 4-bit (`bits=4`: fp16 scale and bias, 7.7x smaller), read through
-    torch's quantized EmbeddingBag kernels on the same lookup path; returns the number of tables packed. A table shared by
-    several memories (`pkm_shared_values`) becomes one packed table, still shared. The search, the softmax and the rest
-    of the model are unchanged, and `model.config.pkm_values_quantization` records the format ("int8" | "4bit"), so
-    `save_pretrained` writes a folder that loads as it is (with `trust_remote_code=True` where this package is not
-    installed). Inference only: a quantized model refuses training-mode forwards with gradients and training
-    checkpoints. The packed rows stay on the table's device; FBGEMM's kernels run on the CPU, elsewhere a dequantising
-    torch path reads the rows.
+    """Replaces each memory table of `model` by a packed one, int8 (`bits=8`: an fp32 scale and bias per row, 3.96x
+    smaller than fp32 at 768 values a row) or 4-bit (`bits=4`: fp16 scale and bias, 7.7x smaller), read through torch's
+    quantized EmbeddingBag kernels on the same lookup path; returns the number of tables packed. The tables are the
+    product-key memories' values and the hashed n-gram memories' tables (their rows are short: an n-gram row of 32
+    values packs 3.2x (int8) and 6.4x (4-bit) smaller, the scale and bias being a larger share). A table shared by
+    several memories (`pkm_shared_values`) becomes one packed table, still shared. The search, the hashing, the softmax
+    and the rest of the model are unchanged, and `model.config.pkm_values_quantization` records the format ("int8" |
+    "4bit") of every memory table, so `save_pretrained` writes a folder that loads as it is (with
+    `trust_remote_code=True` where this package is not installed). Inference only: a quantized model refuses
+    training-mode forwards with gradients and training checkpoints. The packed rows stay on the table's device;
+    FBGEMM's kernels run on the CPU, elsewhere a dequantising torch path reads the rows.
 
-    Raises ValueError for bits other than 8 or 4, a model without memories, a model already quantized, and a model
-    with hashed n-gram memories (their tables have no packed format).
+    Raises ValueError for bits other than 8 or 4, a model without memories, a model already quantized, and 4 bits for
+    rows of an odd number of values.
     """
     if isinstance(bits, bool) or bits not in BITS:
         raise ValueError(f"bits={bits!r}: quantize_memory_values packs 8 (int8) or 4 (4-bit) bits per value")
-    ngram = ngram_memory_modules(model)
-    if ngram:
-        # a folder must hold one storage format per config: packed PKM rows beside fp32 n-gram tables would be
-        # mistaken for a model whose memories are all compact
+    tables = _tables(model)
+    if not tables:
         raise ValueError(
-            f"{type(model).__name__} has hashed n-gram memories ({', '.join(ngram)}); their tables have no packed "
-            "int8/4-bit format yet, so quantize_memory_values refuses the model rather than pack the product-key "
-            "values alone. Serve it in fp32 or bf16, or quantize a model without ngram_layers"
+            f"{type(model).__name__} has no product key memory nor n-gram memory: there is no table to quantize"
         )
-    memories = _memories(model)
-    if not memories:
-        raise ValueError(f"{type(model).__name__} has no product key memory: there is no value table to quantize")
     done = quantized_tables(model)
     if done:
         raise ValueError(
-            f"the value tables are already {done[0].quantization}-quantized: quantizing twice would compound the"
+            f"the memory tables are already {done[0].quantization}-quantized: quantizing twice would compound the"
             " rounding; quantize the fp32 model (e.g. load its folder again) instead"
         )
+    for owner, attribute in tables:  # check every table before changing any
+        rows, dim = getattr(owner, attribute).weight.shape
+        if bits == 4 and dim % 2:
+            raise ValueError(
+                f"4-bit rows need an even row size; the table of {getattr(owner, 'layer_name', type(owner).__name__)} "
+                f"has {dim} values a row: use bits=8"
+            )
     packed = {}  # id(fp32 table) -> packed table
-    for memory in memories:
-        values = memory.values
-        if id(values) not in packed:
-            rows, dim = values.weight.shape
-            if bits == 4 and dim % 2:
-                raise ValueError(f"4-bit rows need an even row size; this table has {dim} values a row: use bits=8")
-            table = QuantizedProductKeyValues(rows, dim, bits, packed=prepack_rows(values.weight, bits).to(values.weight.device))
-            packed[id(values)] = table.train(values.training)
-        memory.values = packed[id(values)]
+    for owner, attribute in tables:
+        table = getattr(owner, attribute)
+        if id(table) not in packed:
+            rows, dim = table.weight.shape
+            quantized = QuantizedProductKeyValues(rows, dim, bits, packed=prepack_rows(table.weight, bits).to(table.weight.device))
+            packed[id(table)] = quantized.train(table.training)
+        setattr(owner, attribute, packed[id(table)])
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "pkm_values_quantization"):
         config.pkm_values_quantization = BITS[bits]
