@@ -17,6 +17,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run_benchmarks as rb  # noqa: E402  (the layers and timing helpers)
 
+from modeling_pkm_bert import product_key_memory_ops  # noqa: E402
+
 
 SIZES = {  # (layer builder, input shape)
     "paper": (rb.build_layer, (8, 128, 768)),
@@ -26,6 +28,7 @@ SIZES = {  # (layer builder, input shape)
 
 def build(impl: str, size: str, device: str, dtype: torch.dtype):
     builder = SIZES[size][0]
+    impl = impl.removesuffix("_fused")
     name = {"ours_dense": "dense", "ours_sparse": "sparse"}.get(impl, impl) if size == "tiny" else impl
     module = builder(name.removesuffix("_triton")).to(device=device, dtype=dtype).train()
     if impl.endswith("_triton"):
@@ -43,7 +46,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_layer_compile.py times CUDA steps: no CUDA device here (--device cpu --size tiny for a smoke run)")
-    impls = ["lucidrains", "ours_dense", "ours_sparse"]
+    # ours_dense_fused: eager with TORCH_AUTOGRAD_WHEN_HOST_BOUND off (the fused Python autograd nodes on the GPU, as
+    # before that switch), to decide its default from a GPU measurement
+    impls = ["lucidrains", "ours_dense", "ours_dense_fused", "ours_sparse"]
     if rb.triton_on(args.device):
         impls += ["ours_dense_triton", "ours_sparse_triton"]
     print(f"device: {torch.cuda.get_device_name() if args.device == 'cuda' else args.device}; torch {torch.__version__}")
@@ -54,18 +59,22 @@ def main(argv=None):
         g = torch.randn(*SIZES[args.size][1], device=args.device, dtype=dtype)
         steps = {}
         for impl in impls:
-            for mode in args.modes:
+            for mode in args.modes if not impl.endswith("_fused") else ["eager"]:
                 module = build(impl, args.size, args.device, dtype)
                 if mode == "eager":
                     runner = module
                 else:  # ours: one graph (fullgraph), sparse gradients included
                     runner = torch.compile(module, mode=None if mode == "default" else mode, fullgraph=impl != "lucidrains")
 
-                def step(module=module, runner=runner):
+                def step(module=module, runner=runner, fused=impl.endswith("_fused")):
                     for p in module.parameters():
                         p.grad = None
                     x.grad = None
-                    (runner(x) * g).sum().backward()
+                    product_key_memory_ops.TORCH_AUTOGRAD_WHEN_HOST_BOUND = not fused
+                    try:
+                        (runner(x) * g).sum().backward()
+                    finally:
+                        product_key_memory_ops.TORCH_AUTOGRAD_WHEN_HOST_BOUND = True
 
                 start = time.perf_counter()
                 for _ in range(3):

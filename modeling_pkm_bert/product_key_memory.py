@@ -20,9 +20,12 @@ from .product_key_memory_ops import (
     ProductKeySearch,
     SharedGradient,
     WeightedRowSum,
+    bag_layout,
     combine_halves,
     is_exporting,
+    lookup_is_host_bound,
     row_sum_op,
+    search_is_host_bound,
     search_op,
     select_product_keys,
     subkey_scores,
@@ -270,7 +273,9 @@ class ProductKeyMemory(nn.Module):
         if needs_grad and self.fused_search_backward:  # one node, reshapes included
             if torch.compiler.is_compiling() and not is_exporting():
                 return search_op(queries, keys, knn, prune, native)
-            return ProductKeySearch.apply(queries, keys, knn, prune, native)
+            scoring = queries.shape[0] * self.heads * self.k_dim * self.n_keys  # multiply-adds of the sub-key scores
+            if not search_is_host_bound(queries.device, scoring):
+                return ProductKeySearch.apply(queries, keys, knn, prune, native)
         if not needs_grad:  # fp32 on CPU: the selection in a native kernel (kernels/cpu.py)
             return select_product_keys(subkey_scores(queries, keys), knn, prune, native)
         # the reference: torch's own backward of the sub-key scores, (heads * 2, tokens, knn) sorted descending
@@ -413,6 +418,7 @@ class ProductKeyValues(nn.EmbeddingBag):
         if (
             offsets is not None
             or input.dim() != 2
+            or input.dtype != torch.long
             or per_sample_weights is None
             or self.max_norm is not None
             or self.padding_idx is not None
@@ -426,14 +432,23 @@ class ProductKeyValues(nn.EmbeddingBag):
         needs_grad = torch.is_grad_enabled() and (self.weight.requires_grad or per_sample_weights.requires_grad)
         if needs_grad and self.fused_backward and torch.compiler.is_compiling():  # one node of the graph
             return row_sum_op(self.weight, input, per_sample_weights, self.sparse, triton)
-        if needs_grad and self.fused_backward:
+        # a dense gradient of a table read once, host-bound: EmbeddingBag's own node (C++), the kernels WeightedRowSum
+        # would call there
+        own_node = not (self.sparse or self.shared or triton) and lookup_is_host_bound(
+            self.weight.device, input.numel() * self.embedding_dim
+        )
+        if needs_grad and self.fused_backward and not own_node:
             return WeightedRowSum.apply(
                 self.weight, input, per_sample_weights, self.sparse, self._workspaces, triton,
                 self._shared_gradient if self.shared else None,
             )
         if triton and not needs_grad:
             return triton_bag_sum(self.weight, input, per_sample_weights)
-        return super().forward(input, offsets, per_sample_weights)
+        # one bag of input.shape[1] rows per token: the offsets made once per shape, not on every call
+        offsets = bag_layout(input)[0]
+        return torch.embedding_bag(
+            self.weight, input.reshape(-1), offsets, False, 0, self.sparse, per_sample_weights.reshape(-1), False, None
+        )[0]
 
     def train(self, mode: bool = True):
         if not mode:

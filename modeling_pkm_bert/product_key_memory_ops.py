@@ -23,6 +23,11 @@ reference), an environment variable, and the input checks. `name = default`: wha
 - `DENSE_SCORE_GRADIENT_CPU_LIMIT = 1048576` (this module): `ProductKeySearch`'s backward scatters a dense sub-key
   score gradient and multiplies it out (two bmm) on GPUs, and on CPU up to this many multiply-adds; above, it goes
   through the selected sub-keys only. 0: the latter on CPU at every size.
+- `TORCH_AUTOGRAD_WHEN_HOST_BOUND = True` (this module): where a step costs host time rather than arithmetic (on GPUs,
+  and on CPU up to `SMALL_LOOKUP_ELEMENTS` for the value lookup and `DENSE_SCORE_GRADIENT_CPU_LIMIT` for the search),
+  the search and a dense value lookup of a table read by one memory differentiate through torch's own autograd nodes
+  (C++: no Python runs in their backward) instead of `ProductKeySearch` and `WeightedRowSum`: the value lookup in the
+  same kernels, the search in the reference ops (`fused_search_backward = False`). False: the fused nodes at every size.
 - `ProductKeyMemory.prune_candidates = True`: only the `(a + 1) * (b + 1) <= knn` pairs of the halves' top-knn lists
   are scored (exact). False: all `knn ** 2` pairs, as XLM (and no native selection).
 - `ProductKeyMemory.fused_search_backward = True`: `ProductKeySearch`, the search as one autograd node (under
@@ -204,6 +209,22 @@ def row_sum_gradients(ctx, weight, indices, per_sample_weights, grad_output):
 # up to this many elements of looked-up rows (lookups x v_dim), the value backward is EmbeddingBag's own (one op for each
 # gradient, a sparse one coalesced): at such sizes a step is host-bound on every device, and fewer ops win
 SMALL_LOOKUP_ELEMENTS = 2**16
+# where a step is host-bound (GPUs; CPU at the small sizes), torch's own autograd nodes for the search and a dense value
+# lookup: a Python backward (an autograd.Function) costs more host time than the ops it saves
+TORCH_AUTOGRAD_WHEN_HOST_BOUND = True
+
+
+def search_is_host_bound(device: torch.device, multiply_adds: int) -> bool:
+    """Whether a search with sub-key scores of `multiply_adds` on `device` takes torch's own autograd nodes: on GPUs
+    (launch-bound), on CPU up to `DENSE_SCORE_GRADIENT_CPU_LIMIT`; only with `TORCH_AUTOGRAD_WHEN_HOST_BOUND`."""
+    return TORCH_AUTOGRAD_WHEN_HOST_BOUND and (device.type != "cpu" or multiply_adds <= DENSE_SCORE_GRADIENT_CPU_LIMIT)
+
+
+def lookup_is_host_bound(device: torch.device, elements: int) -> bool:
+    """Whether a value lookup of `elements` looked-up values on `device` takes EmbeddingBag's own autograd node (a
+    dense gradient of a table read once): on GPUs, on CPU up to `SMALL_LOOKUP_ELEMENTS`; only with
+    `TORCH_AUTOGRAD_WHEN_HOST_BOUND`."""
+    return TORCH_AUTOGRAD_WHEN_HOST_BOUND and (device.type != "cpu" or elements <= SMALL_LOOKUP_ELEMENTS)
 
 
 def _csr_kernels(ctx, weight, dtype) -> bool:
@@ -224,9 +245,10 @@ def bag_layout(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     if bags is None or torch.compiler.is_compiling():
         if len(_BAG_LAYOUTS) >= 16:  # token counts vary with padding: a few recent shapes only
             _BAG_LAYOUTS.clear()
-        bag_of_lookup = torch.arange(tokens, device=indices.device).repeat_interleave(bag)
-        bag_size = torch.full((tokens,), bag, dtype=torch.int64, device=indices.device)
-        bags = torch.arange(0, tokens * bag, bag, device=indices.device), bag_of_lookup, bag_size
+        with torch.inference_mode(False):  # kept for later steps, which may save them for backward
+            bag_of_lookup = torch.arange(tokens, device=indices.device).repeat_interleave(bag)
+            bag_size = torch.full((tokens,), bag, dtype=torch.int64, device=indices.device)
+            bags = torch.arange(0, tokens * bag, bag, device=indices.device), bag_of_lookup, bag_size
         if not torch.compiler.is_compiling():
             _BAG_LAYOUTS[key] = bags
     return bags
@@ -380,10 +402,12 @@ def _row_sums_backward(ctx, weight, indices, per_sample_weights, grad_output, so
     if ctx.needs_input_grad[0] and bags is not None and (small or not ctx.sparse):  # EmbeddingBag's own backward
         offsets, offset2bag, bag_size = bags
         flat_weights = per_sample_weights.reshape(-1)
-        if ctx.sparse:  # one entry per lookup, then one per row
-            grad_weight = torch.ops.aten._embedding_bag_sparse_backward(
-                grad_output, flat, offsets, offset2bag, bag_size, n_rows, False, 0, flat_weights, -1
-            ).coalesce()
+        if ctx.sparse:  # the dense backward over the rows used only (their slots): the coalesced rows at once
+            used, slots = torch.unique(flat, return_inverse=True)
+            grad_rows = torch.ops.aten._embedding_bag_dense_backward(
+                grad_output, slots, offset2bag, bag_size, bag_size, used.numel(), False, 0, flat_weights, -1
+            )
+            grad_weight = _sparse_rows(used, grad_rows, n_rows)
         else:  # (the maximum indices of mode "max": unused in mode "sum")
             grad_weight = torch.ops.aten._embedding_bag_dense_backward(
                 grad_output, flat, offset2bag, bag_size, bag_size, n_rows, False, 0, flat_weights, -1
@@ -564,7 +588,8 @@ def _constant(key, make) -> torch.Tensor:
         return make()
     tensor = _CONSTANTS.get(key)
     if tensor is None:
-        tensor = _CONSTANTS[key] = make()
+        with torch.inference_mode(False):  # made under inference_mode, it could not be saved for a later backward
+            tensor = _CONSTANTS[key] = make()
     return tensor
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from modeling_pkm_bert import ProductKeyMemory, use_huge_pages
+from modeling_pkm_bert import ProductKeyMemory, product_key_memory_ops, use_huge_pages
 from modeling_pkm_bert.kernels import cpu as cpu_kernels
 from modeling_pkm_bert.kernels.cpu import FLAGS, PORTABLE_FLAGS, _torch_selection, select_product_keys_native
 from modeling_pkm_bert.methods.optimizers import SparseRowAdam
@@ -29,6 +29,13 @@ def compiled(flags):
     if cpu_kernels.library(flags) is None:
         pytest.skip(f"no C compiler could build the kernel with {' '.join(flags)} (the torch selection is used then)")
     return flags
+
+
+@pytest.fixture(autouse=True)
+def _fused_nodes_at_every_size(monkeypatch):
+    """The tiny layers here train through the fused search node, which runs the native selection, as large ones do
+    (at host-bound sizes the search takes torch's own nodes: `TORCH_AUTOGRAD_WHEN_HOST_BOUND`)."""
+    monkeypatch.setattr(product_key_memory_ops, "TORCH_AUTOGRAD_WHEN_HOST_BOUND", False)
 
 
 @pytest.fixture(params=[FLAGS, PORTABLE_FLAGS], ids=["native", "portable"])

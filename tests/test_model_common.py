@@ -83,10 +83,10 @@ def test_save_load_gives_the_same_outputs(class_name, tmp_path):
     inputs = make_inputs(class_name)
     model.save_pretrained(tmp_path)
     loaded = type(model).from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        assert torch.equal(first_output(loaded(**inputs)), first_output(model(**inputs)))
-    for name, buffer in model.state_dict().items():
+    for name, buffer in model.state_dict().items():  # every parameter and buffer, bitwise
         assert torch.equal(loaded.state_dict()[name], buffer), name
+    with torch.no_grad():  # the same weights at other addresses: a GEMM may sum in another order (seen: 9e-10)
+        torch.testing.assert_close(first_output(loaded(**inputs)), first_output(model(**inputs)), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("class_name", CLASSES)

@@ -130,16 +130,18 @@ def test_values_module_is_an_embedding_bag_with_the_hook_contract():
     torch.testing.assert_close(values_out.view(3, 5, 10), out)
 
 
-@pytest.mark.parametrize("paths", ["cpu", "gpu", "small"])
+@pytest.mark.parametrize("paths", ["cpu", "gpu", "small", "small_fused"])
 @pytest.mark.parametrize("sparse", [False, True])
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_fast_path_equals_reference_outputs_and_gradients(sparse, with_mask, paths, monkeypatch):
     """Every backward implementation: CPU (sparse CSR kernels, the sub-key score gradient through the selected keys);
-    GPU (EmbeddingBag's dense backward or sorted segments for a sparse gradient, the dense sub-key score gradient);
-    small sizes on any device (EmbeddingBag's own backward, a sparse gradient coalesced)."""
+    GPU with the fused nodes (EmbeddingBag's dense backward or sorted segments for a sparse gradient, the dense sub-key
+    score gradient); host-bound sizes (`small`: torch's own nodes for the search and a dense lookup, a sparse gradient
+    coalesced; `small_fused`: the fused nodes there, EmbeddingBag's own kernels inside)."""
     monkeypatch.setattr(product_key_memory_ops, "CPU_SPARSE_KERNELS", paths == "cpu")
     monkeypatch.setattr(product_key_memory_ops, "DENSE_SCORE_GRADIENT_CPU_LIMIT", 0 if paths == "cpu" else 2**40)
-    monkeypatch.setattr(product_key_memory_ops, "SMALL_LOOKUP_ELEMENTS", 2**40 if paths == "small" else 0)
+    monkeypatch.setattr(product_key_memory_ops, "SMALL_LOOKUP_ELEMENTS", 2**40 if paths.startswith("small") else 0)
+    monkeypatch.setattr(product_key_memory_ops, "TORCH_AUTOGRAD_WHEN_HOST_BOUND", paths == "small")
     memory = ProductKeyMemory(24, 20, n_keys=16, heads=3, knn=8, k_dim=16).double().train()
     x = torch.randn(4, 7, 24, dtype=torch.float64)
     g = torch.randn(4, 7, 20, dtype=torch.float64)
@@ -165,6 +167,47 @@ def test_fast_path_equals_reference_outputs_and_gradients(sparse, with_mask, pat
     for name, ref in ref_grads.items():
         torch.testing.assert_close(dense(grads[name]), ref, rtol=0, atol=1e-13, msg=name)
     torch.testing.assert_close(module.query_batchnorm.running_mean, results[0][3].query_batchnorm.running_mean)
+
+
+def _autograd_nodes(tensor: torch.Tensor) -> set[str]:
+    seen, names, stack = set(), set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            names.add(type(node).__name__)
+            stack += [next_node for next_node, _ in node.next_functions]
+    return names
+
+
+@pytest.mark.parametrize("host_bound", [True, False])
+def test_host_bound_steps_differentiate_through_torch_s_own_nodes(host_bound, monkeypatch):
+    """`TORCH_AUTOGRAD_WHEN_HOST_BOUND`: at host-bound sizes the search and a dense value lookup are torch's own
+    (C++) autograd nodes, no Python backward; off, or a sparse or shared table, the fused nodes; the same gradients."""
+    monkeypatch.setattr(product_key_memory_ops, "SMALL_LOOKUP_ELEMENTS", 2**40)
+    monkeypatch.setattr(product_key_memory_ops, "DENSE_SCORE_GRADIENT_CPU_LIMIT", 2**40)
+    monkeypatch.setattr(product_key_memory_ops, "TORCH_AUTOGRAD_WHEN_HOST_BOUND", host_bound)
+    torch.manual_seed(0)
+    memory = ProductKeyMemory(16, 12, n_keys=8, heads=2, knn=4, k_dim=8).double().train()
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    out = memory(x)
+    nodes = _autograd_nodes(out)
+    fused = {"WeightedRowSumBackward", "ProductKeySearchBackward"}
+    assert (nodes.isdisjoint(fused) and "EmbeddingBagBackward0" in nodes) if host_bound else fused <= nodes, nodes
+    out.square().sum().backward()
+    monkeypatch.setattr(product_key_memory_ops, "TORCH_AUTOGRAD_WHEN_HOST_BOUND", not host_bound)
+    other = copy.deepcopy(memory)
+    for p in other.parameters():
+        p.grad = None
+    xx = x.detach().clone().requires_grad_()
+    other(xx).square().sum().backward()
+    torch.testing.assert_close(xx.grad, x.grad, rtol=0, atol=1e-13)
+    for (name, p), q in zip(memory.named_parameters(), other.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-13, msg=name)
+    # a sparse table gradient keeps the fused node (one coalesced entry per row used)
+    monkeypatch.setattr(product_key_memory_ops, "TORCH_AUTOGRAD_WHEN_HOST_BOUND", True)
+    memory.sparse_values = True
+    assert "WeightedRowSumBackward" in _autograd_nodes(memory(x))
 
 
 @pytest.mark.parametrize("frozen", ["values", "keys", "memory"])
