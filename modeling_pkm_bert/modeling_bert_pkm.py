@@ -412,13 +412,14 @@ def value_table(config) -> ProductKeyValues | QuantizedProductKeyValues:
     return ProductKeyValues(config.pkm_mem_size, config.hidden_size)
 
 
-def packed_table_factory(config):
-    """With `pkm_values_quantization`, `(rows, dim) -> ` an empty packed table (filled by `from_pretrained`): the
-    format of every memory table of the model, n-gram tables included; else None (fp32 tables)."""
+def ngram_table_factory(config):
+    """`(rows, dim, sparse) ->` the n-gram tables of a memory: a [`ProductKeyValues`] (its cheaper dense backward into a
+    reused buffer), or with `pkm_values_quantization` an empty packed table (filled by `from_pretrained`), the format
+    of every memory table of the model."""
     quantization = getattr(config, "pkm_values_quantization", None)
-    if not quantization:
-        return None
-    return lambda rows, dim: QuantizedProductKeyValues(rows, dim, VALUE_QUANTIZATIONS[quantization])
+    if quantization:
+        return lambda rows, dim, sparse: QuantizedProductKeyValues(rows, dim, VALUE_QUANTIZATIONS[quantization])
+    return lambda rows, dim, sparse: ProductKeyValues(rows, dim, sparse=sparse)
 
 
 def ngram_memory(config, layer_idx: int) -> NgramMemory:
@@ -434,7 +435,7 @@ def ngram_memory(config, layer_idx: int) -> NgramMemory:
         causal=config.is_decoder,
         token_map=config.ngram_token_map,
         seed=layer_idx,
-        packed_tables=packed_table_factory(config),
+        table_factory=ngram_table_factory(config),
     )
     memory.layer_name = f"encoder.layer.{layer_idx}.ngram"
     return memory

@@ -71,9 +71,11 @@ class NgramMemory(nn.Module):
     id to a canonical id (e.g. lowercase and accent-folded forms of the vocabulary) before hashing.
 
     All tables are rows of one `nn.Embedding`, `tables` (`sparse=True`: a sparse gradient over the rows a step used);
-    table `t` holds rows `[offsets[t], offsets[t] + primes[t])`. For serving, `tables` may instead be packed int8/4-bit
-    rows: `packed_tables(rows, dim)` builds that module (called as `tables(indices (n, 1)) -> (n, dim)` fp32 rows, e.g.
-    the product-key memory's `QuantizedProductKeyValues`; filled by loading, made by `quantize_memory_values`).
+    table `t` holds rows `[offsets[t], offsets[t] + primes[t])`. `table_factory(rows, dim, sparse)` builds another
+    module for them, read as bags of one row each (`tables(indices (n, 1), per_sample_weights=ones) -> (n, dim)`, an
+    `nn.EmbeddingBag` in sum mode): the models pass the product-key memory's `ProductKeyValues`, whose dense backward
+    writes into a buffer reused between steps (an `nn.Embedding` allocates and zero-fills a table-sized gradient every
+    step), or, for serving, packed int8/4-bit rows (`QuantizedProductKeyValues`, made by `quantize_memory_values`).
     """
 
     # how errors name this memory (BertPkmLayer sets e.g. "encoder.layer.1.ngram")
@@ -92,7 +94,7 @@ class NgramMemory(nn.Module):
         token_map: bool = False,
         seed: int = 0,
         sparse: bool = False,
-        packed_tables=None,
+        table_factory=None,
     ):
         super().__init__()
         if not orders or any(int(n) < 1 for n in orders) or len(set(orders)) != len(orders):
@@ -127,7 +129,7 @@ class NgramMemory(nn.Module):
 
         memory_dim = self.num_tables * dim
         rows = sum(self.primes)
-        self.tables = nn.Embedding(rows, dim, sparse=sparse) if packed_tables is None else packed_tables(rows, dim)
+        self.tables = nn.Embedding(rows, dim, sparse=sparse) if table_factory is None else table_factory(rows, dim, sparse)
         self.embedding_norm = nn.RMSNorm(memory_dim, eps=1e-6)
         self.conv = nn.Conv1d(memory_dim, memory_dim, conv_kernel, groups=memory_dim)
         self.key = nn.Linear(memory_dim, hidden_size)
@@ -202,8 +204,10 @@ class NgramMemory(nn.Module):
         """The rows of `tables` at `indices` (any shape): `(*indices.shape, dim)`."""
         if isinstance(self.tables, nn.Embedding):
             return self.tables(indices)
-        # packed rows: one bag of one row per index, dequantised to fp32, then in the projections' dtype
-        rows = self.tables(indices.reshape(-1, 1)).to(self.key.weight.dtype)
+        # a bag of one row per index (packed rows come dequantised to fp32: then in the projections' dtype)
+        flat, weight = indices.reshape(-1, 1), self.tables.weight
+        ones = torch.ones(flat.shape, dtype=weight.dtype if weight.is_floating_point() else torch.float32, device=flat.device)
+        rows = self.tables(flat, per_sample_weights=ones).to(self.key.weight.dtype)
         return rows.view(*indices.shape, self.dim)
 
     def gate(self, hidden_states: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -239,7 +243,7 @@ class NgramMemory(nn.Module):
         return torch.remainder(hashed, self.table_primes) + self.table_offsets
 
     def reset_parameters(self):
-        if isinstance(self.tables, nn.Embedding):  # packed rows are only ever loaded
+        if self.tables.weight.is_floating_point():  # packed rows are only ever loaded
             nn.init.normal_(self.tables.weight, std=self.dim**-0.5)
         nn.init.zeros_(self.conv.weight)
         nn.init.zeros_(self.conv.bias)

@@ -86,6 +86,33 @@ def test_sparse_tables_give_a_sparse_gradient_over_the_rows_used():
     assert 0 < used.numel() <= 2 * (5 + 2) * layer.num_tables
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_product_key_value_tables_give_nn_embedding_s_outputs_and_gradients(sparse):
+    """The models' tables (`ProductKeyValues`, bags of one row: a dense gradient into a buffer reused between steps, a
+    sparse one coalesced) against the plain `nn.Embedding` ones, in fp64, over two steps."""
+    from modeling_pkm_bert.product_key_memory import ProductKeyValues
+
+    torch.manual_seed(0)
+    plain = memory(sparse=sparse).double().train()
+    bags = memory(sparse=sparse, table_factory=lambda rows, dim, sparse: ProductKeyValues(rows, dim, sparse=sparse))
+    bags = bags.double().train()
+    bags.load_state_dict(plain.state_dict())
+    assert isinstance(bags.tables, ProductKeyValues) and bags.tables.sparse == sparse
+    for _ in range(2):
+        h, ids = torch.randn(2, 5, 16, dtype=torch.float64), torch.randint(5, 50, (2, 5))
+        outputs = [layer(h, ids) for layer in (plain, bags)]
+        torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-13)
+        for layer, output in zip((plain, bags), outputs):
+            layer.zero_grad(set_to_none=True)
+            (output * torch.linspace(-1, 1, 16, dtype=torch.float64)).sum().backward()
+        for (name, p), q in zip(plain.named_parameters(), bags.parameters()):
+            expected, got = (t.to_dense() if t.is_sparse else t for t in (p.grad, q.grad))
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-13, msg=name)
+    if sparse:  # one entry per row read, sorted
+        rows = bags.tables.weight.grad._indices()[0]
+        assert torch.equal(rows, rows.unique())
+
+
 def test_token_map_hashes_canonical_ids():
     layer = memory(token_map=True)
     layer.token_map[7] = 9  # e.g. "The" -> "the"
@@ -345,7 +372,7 @@ def test_4_bit_rows_of_an_odd_size_are_refused_before_any_table_changes():
     model = BertPkmForMaskedLM(tiny_config(pkm_layers=[1], ngram_layers=[0], ngram_dim=5)).eval()
     with pytest.raises(ValueError, match="even row size.*encoder.layer.0.ngram.*5 values a row"):
         quantize_memory_values(model, bits=4)
-    assert isinstance(model.bert.encoder.layer[0].ngram.tables, torch.nn.Embedding)
+    assert model.bert.encoder.layer[0].ngram.tables.weight.dtype == torch.float32
     assert model.config.pkm_values_quantization is None
     assert type(model.bert.encoder.layer[1].memory.values).__name__ == "ProductKeyValues"  # left as it was
     assert quantize_memory_values(model, bits=8) == 2

@@ -650,7 +650,7 @@ def project_ngram_buckets(model: nn.Module, memory: nn.Module, buckets: torch.Te
     embeddings, norm, _ = ngram_projection(model, memory)
     offsets = torch.tensor(memory.offsets)
     tables = torch.searchsorted(offsets, buckets, right=True) - 1
-    if isinstance(memory.tables, nn.Embedding):
+    if memory.tables.weight.is_floating_point():
         rows = memory.tables.weight[buckets].float()  # (buckets, dim)
     else:  # packed serving rows (pkm_values_quantization), dequantised
         rows = memory.tables(buckets.to(memory.tables.weight.device)[:, None]).float()
