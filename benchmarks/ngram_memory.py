@@ -373,7 +373,7 @@ def measure_speed(args) -> dict:
     BERT-base at 1 x 128 tokens, inference, plain / +ResM at {4, 8} / +n-gram at {4, 8} / both."""
     import torch
 
-    from modeling_pkm_bert import BertPkmConfig, BertPkmModel, ProductKeyMemory
+    from modeling_pkm_bert import BertPkmConfig, BertPkmModel, ProductKeyMemory, ProductKeyValues
     from modeling_pkm_bert.ngram_memory import NgramMemory
 
     torch.set_num_threads(1)
@@ -383,7 +383,10 @@ def measure_speed(args) -> dict:
     n_keys, table, dim = (16, 211, 4) if small else (512, 262144, 48)
     layers = {
         "PKM": ProductKeyMemory(hidden, hidden, n_keys=n_keys, heads=4, knn=8 if small else 32, k_dim=32 if small else 256),
-        "n-gram": NgramMemory(hidden, vocab, table_size=table, dim=dim if small else 48),
+        # the tables as a BertPkm model builds them (ProductKeyValues: its dense backward into a reused buffer)
+        "n-gram": NgramMemory(hidden, vocab, table_size=table, dim=dim if small else 48,
+                              table_factory=lambda rows, dim, sparse: ProductKeyValues(rows, dim, sparse=sparse)),
+        "n-gram, nn.Embedding": NgramMemory(hidden, vocab, table_size=table, dim=dim if small else 48),
     }
     with torch.no_grad():
         for layer in layers.values():
@@ -401,11 +404,13 @@ def measure_speed(args) -> dict:
         calls = {
             "PKM": lambda layer, h: layer(h),
             "n-gram": lambda layer, h: layer(h, ids),
+            "n-gram, nn.Embedding": lambda layer, h: layer(h, ids),
         }
         for mode in ("training", "training, sparse", "inference"):
             # sparse: the tables' gradient holds the rows a step read (SparseRowAdam's input) instead of a dense
             # table-sized gradient allocated and zero-filled every step
-            layers["PKM"].sparse_values = layers["n-gram"].sparse = mode == "training, sparse"
+            layers["PKM"].sparse_values = mode == "training, sparse"
+            layers["n-gram"].sparse = layers["n-gram, nn.Embedding"].sparse = mode == "training, sparse"
             times = {name: [] for name in layers}
             for _ in range(args.speed_rounds + 1):  # the first round warms up
                 for name, layer in layers.items():
@@ -549,16 +554,20 @@ def speed_lines(speed: dict) -> list[str]:
         f"<= 262,144 rows x 48 (table {mib['n-gram']:,.0f} MiB), its projections non-zero.",
         "",
         "Training: forward + backward with dense table gradients (the default) or sparse ones (`set_sparse_values`, "
-        "as `--memory_optimizer sparse_row_adam` uses). A dense `nn.Embedding` gradient is a fresh zero-filled "
-        "table-sized tensor every step, which the PKM layer's own backward avoids (it reuses one buffer).",
+        "as `--memory_optimizer sparse_row_adam` uses). The n-gram tables are those a BertPkm model builds, a "
+        "`ProductKeyValues` read as bags of one row: like the PKM values, a dense gradient goes into a buffer reused "
+        "between steps; the last column is the same n-gram layer on a plain `nn.Embedding`, which allocates and "
+        "zero-fills a table-sized gradient every step (the n-gram memory's tables before release 0.4.0).",
         "",
-        "| tokens | mode | PKM ms | n-gram ms | PKM time / n-gram time |",
-        "|---|---|---:|---:|---:|",
+        "| tokens | mode | PKM ms | n-gram ms | PKM time / n-gram time | n-gram on nn.Embedding ms |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for key, row in speed["layer"].items():
         tokens, mode = key.split(" ", 1)
+        embedding = row["ms"].get("n-gram, nn.Embedding")
         lines.append(
-            f"| {tokens} | {mode} | {row['ms']['PKM']:.1f} | {row['ms']['n-gram']:.1f} | {row['n-gram / PKM time']:.2f} |"
+            f"| {tokens} | {mode} | {row['ms']['PKM']:.1f} | {row['ms']['n-gram']:.1f} | {row['n-gram / PKM time']:.2f} | "
+            + (f"{embedding:.1f} |" if embedding is not None else "– |")
         )
     quantized = speed.get("quantized")
     if quantized:
