@@ -3,7 +3,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="modeling-pkm-bert",
-    version="0.3.0",
+    version="0.4.0",
     description="Product key memory (PKM) for BERT in the Hugging Face ecosystem (Kim & Jung 2020, Lample et al. 2019)",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

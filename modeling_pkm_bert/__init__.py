@@ -25,7 +25,7 @@ import warnings
 from .utils.lazy_imports import lazy_exports
 
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 # the public names, each resolved on first use from the module that defines it
 _PUBLIC = {

@@ -29,7 +29,13 @@ FIXTURES = {
     "0.2.0": (FIXTURE, ["mlm", "causal_memory_plus", "fill-mask", "train:causal_memory_plus"]),
     "0.3.0": (
         REPO_ROOT / "tests" / "fixtures" / "bert_pkm_0.3.0",  # n-gram memories and the RoBERTa family arrived
-        ["mlm", "causal_memory_plus", "mlm_ngram", "causal_ngram", "roberta_mlm", "fill-mask", "train:causal_memory_plus"],
+        ["mlm", "causal_memory_plus", "mlm_ngram", "causal_ngram", "roberta_mlm", "fill-mask", "train:causal_memory_plus",
+         "train:causal_ngram"],
+    ),
+    "0.4.0": (
+        REPO_ROOT / "tests" / "fixtures" / "bert_pkm_0.4.0",  # int8/4-bit n-gram tables; n-gram tables as ProductKeyValues
+        ["mlm", "causal_memory_plus", "mlm_ngram", "causal_ngram", "mlm_ngram_int8", "roberta_mlm", "fill-mask",
+         "train:causal_memory_plus", "train:causal_ngram"],
     ),
 }
 MIN_PYTHON = os.environ.get("PKM_COMPAT_MIN_PYTHON")

@@ -59,7 +59,8 @@ def main(folders_dir: str):
     report["checked"].append("fill-mask")
 
     # a few training steps of each kind of head: every memory parameter gets a finite gradient, the loss goes down
-    trained = [("mlm_memory_plus", "tokens"), ("cls", "classes"), ("causal", "tokens"), ("causal_memory_plus", "tokens")]
+    trained = [("mlm_memory_plus", "tokens"), ("cls", "classes"), ("causal", "tokens"), ("causal_memory_plus", "tokens"),
+               ("causal_ngram", "tokens")]
     for name, labels in [(name, labels) for name, labels in trained if name in expected["folders"]]:
         model = getattr(transformers, AUTO_CLASSES[expected["folders"][name]["class"]]).from_pretrained(
             root / name, trust_remote_code=True

@@ -3,7 +3,9 @@ installed package and transformers, and `expected.json` with their outputs on fi
 fill-mask answers: `python write_folders.py OUT_DIR [NAME ...]` (default: all of FOLDERS). `check_folders.py` loads them
 elsewhere through remote code. `tests/fixtures/bert_pkm_0.2.0` was written by `write_folders.py
 tests/fixtures/bert_pkm_0.2.0 mlm causal_memory_plus`, `tests/fixtures/bert_pkm_0.3.0` by `write_folders.py
-tests/fixtures/bert_pkm_0.3.0 mlm causal_memory_plus mlm_ngram causal_ngram roberta_mlm`; they are never rewritten:
+tests/fixtures/bert_pkm_0.3.0 mlm causal_memory_plus mlm_ngram causal_ngram roberta_mlm`, `tests/fixtures/bert_pkm_0.4.0`
+by `write_folders.py tests/fixtures/bert_pkm_0.4.0 mlm causal_memory_plus mlm_ngram causal_ngram mlm_ngram_int8
+roberta_mlm`; they are never rewritten:
 what every later release must still load."""
 
 import json
@@ -27,6 +29,7 @@ from modeling_pkm_bert import (
     RobertaPkmForCausalLM,
     RobertaPkmForMaskedLM,
     RobertaPkmForSequenceClassification,
+    quantize_memory_values,
 )
 
 
@@ -50,11 +53,16 @@ FOLDERS = {  # name: (class, config overrides)
     # hashed n-gram memories (issue 35), beside product keys; their value projections made non-zero below
     "mlm_ngram": (BertPkmForMaskedLM, {"ngram_layers": [1], "ngram_table_size": 101, "ngram_dim": 4}),
     "causal_ngram": (BertPkmForCausalLM, {"is_decoder": True, "ngram_layers": [0, 1], "ngram_table_size": 101, "ngram_dim": 4}),
+    # int8 serving tables of both memory kinds (release 0.4.0), packed by quantize_memory_values before saving
+    "mlm_ngram_int8": (BertPkmForMaskedLM, {"ngram_layers": [1], "ngram_table_size": 101, "ngram_dim": 4}),
     # the RoBERTa family (issue 36): its own embeddings and heads around the same layers
     "roberta_mlm": (RobertaPkmForMaskedLM, {}),
     "roberta_cls_memory_plus": (RobertaPkmForSequenceClassification, {"num_labels": 3, **MEMORY_PLUS}),
     "roberta_causal": (RobertaPkmForCausalLM, {"is_decoder": True}),
 }
+
+
+QUANTIZED = {"mlm_ngram_int8": 8}  # folders saved with packed tables (bits)
 
 
 def tiny_config(config_class=BertPkmConfig, **overrides) -> BertPkmConfig:
@@ -87,6 +95,8 @@ def main(out_dir: str, names: list[str]):
         with torch.no_grad():  # moves the query BatchNorm statistics, which must travel with the folder
             model(**fixed_inputs(name, model.config.vocab_size))
         model.eval()
+        if name in QUANTIZED:
+            quantize_memory_values(model, bits=QUANTIZED[name])
         model.save_pretrained(out / name)
         tokenizer.save_pretrained(out / name)
         record = {"class": model_class.__name__, "outputs": outputs_of(model, name)}
