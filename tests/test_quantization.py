@@ -257,6 +257,28 @@ def test_torch_export_of_a_quantized_model():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_torch_export_and_onnx_of_quantized_n_gram_tables(tmp_path):
+    """Both memory kinds packed (int8): the exported program reads the n-gram tables' packed rows through the same
+    dequantising standard ops, and onnxruntime gives the eager model's outputs."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from modeling_pkm_bert.integrations.export import export_onnx
+
+    model = BertPkmModel(tiny_config(ngram_layers=[1], ngram_table_size=101, ngram_dim=4)).eval()
+    with torch.no_grad():
+        model.encoder.layer[1].ngram.value.weight.normal_()  # zero at the start: make the memory contribute
+    assert quantize_memory_values(model, bits=8) == len(model.config.pkm_layers) + 1  # the n-gram tables too
+    with torch.no_grad():
+        expected = model(INPUTS, attention_mask=MASK).last_hidden_state
+    program = torch.export.export(model, (), {"input_ids": INPUTS, "attention_mask": MASK})
+    ops = {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
+    assert not any("quantized" in op for op in ops)
+    with torch.no_grad():
+        out = program.module()(input_ids=INPUTS, attention_mask=MASK).last_hidden_state
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert export_onnx(model, tmp_path / "model.onnx", {"input_ids": INPUTS, "attention_mask": MASK}).is_file()
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_export_decoding_of_scales_equals_the_dtype_view(bits, monkeypatch):
     weight = torch.randn(50, 16) * 10
