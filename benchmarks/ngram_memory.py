@@ -215,8 +215,8 @@ def results(args, task: str) -> dict:
 
 
 def _step_cost(runs: list[dict]) -> str:
-    """The runs' own seconds per step (train_time / steps), over the runs that kept it."""
-    return mean_spread([r["train_time"] / r["step"] for r in runs if r.get("train_time") and r.get("step")], 2)
+    """The runs' own seconds per step (train_time / steps)."""
+    return mean_spread([r["train_time"] / r["step"] for r in runs if r.get("step")], 2)
 
 
 def write_report(args, model_path: str) -> str:
@@ -259,15 +259,6 @@ def write_report(args, model_path: str) -> str:
         lines.append(shown(glue_command(args, model_path, arm, args.seeds[0]), model_path).replace(
             str(Path(args.output_dir)), "outputs/ngram_memory"))
     lines += ["```", "", "(`--seed 0` shown; the runs use each seed of the list.)", ""]
-    recovered = sorted({r["recovered"] for r in [*mlm.values(), *glue.values()] if r.get("recovered")})
-    if recovered:
-        groups = []
-        for task, found in (("masked-LM", mlm), ("SST-2", glue)):
-            seeds = sorted({seed for (_, seed), r in found.items() if r.get("recovered")})
-            if seeds:
-                groups.append(f"the {task} runs of seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}")
-        lines += [f"Of the runs below, {' and '.join(groups)} are {'; '.join(recovered)}. 's / step in the run' "
-                  "averages the runs that kept their step time.", ""]
     if not mlm and not glue:
         return "\n".join(lines + ["No run has finished yet."]) + "\n"
     sets = [name for name in SETS if any(f"eval_{name}_perplexity" in r for r in mlm.values())]

@@ -9,6 +9,7 @@ Top-down, as `modeling_bert.py`: the building blocks, `BertPkmPreTrainedModel`, 
 in a section of its own, the checked loading and saving that `BertPkmPreTrainedModel` runs.
 """
 
+import functools
 import hashlib
 
 import torch
@@ -403,23 +404,19 @@ def memory_options(config, shared_values: ProductKeyValues | None = None) -> dic
     return options
 
 
+def memory_table(config, rows: int, dim: int, sparse: bool = False) -> ProductKeyValues | QuantizedProductKeyValues:
+    """A memory table of `rows` x `dim` for `config`: fp32 rows ([`ProductKeyValues`]: its dense backward into a reused
+    buffer), or, with `pkm_values_quantization`, empty packed ones (filled by `from_pretrained`): one format for every
+    memory table of the model, product-key values and n-gram tables alike."""
+    quantization = getattr(config, "pkm_values_quantization", None)
+    if quantization:
+        return QuantizedProductKeyValues(rows, dim, VALUE_QUANTIZATIONS[quantization])
+    return ProductKeyValues(rows, dim, sparse=sparse)
+
+
 def value_table(config) -> ProductKeyValues | QuantizedProductKeyValues:
-    """A memory's value table for `config`: fp32 rows, or empty packed ones with `pkm_values_quantization` (filled by
-    `from_pretrained`)."""
-    quantization = getattr(config, "pkm_values_quantization", None)
-    if quantization:
-        return QuantizedProductKeyValues(config.pkm_mem_size, config.hidden_size, VALUE_QUANTIZATIONS[quantization])
-    return ProductKeyValues(config.pkm_mem_size, config.hidden_size)
-
-
-def ngram_table_factory(config):
-    """`(rows, dim, sparse) ->` the n-gram tables of a memory: a [`ProductKeyValues`] (its cheaper dense backward into a
-    reused buffer), or with `pkm_values_quantization` an empty packed table (filled by `from_pretrained`), the format
-    of every memory table of the model."""
-    quantization = getattr(config, "pkm_values_quantization", None)
-    if quantization:
-        return lambda rows, dim, sparse: QuantizedProductKeyValues(rows, dim, VALUE_QUANTIZATIONS[quantization])
-    return lambda rows, dim, sparse: ProductKeyValues(rows, dim, sparse=sparse)
+    """A product key memory's value table for `config` ([`memory_table`])."""
+    return memory_table(config, config.pkm_mem_size, config.hidden_size)
 
 
 def ngram_memory(config, layer_idx: int) -> NgramMemory:
@@ -435,7 +432,7 @@ def ngram_memory(config, layer_idx: int) -> NgramMemory:
         causal=config.is_decoder,
         token_map=config.ngram_token_map,
         seed=layer_idx,
-        table_factory=ngram_table_factory(config),
+        table_factory=functools.partial(memory_table, config),
     )
     memory.layer_name = f"encoder.layer.{layer_idx}.ngram"
     return memory

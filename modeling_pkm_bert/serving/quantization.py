@@ -124,7 +124,7 @@ def quantize_memory_values(model: nn.Module, bits: int = 8) -> int:
             " rounding; quantize the fp32 model (e.g. load its folder again) instead"
         )
     for owner, attribute in tables:  # check every table before changing any
-        rows, dim = getattr(owner, attribute).weight.shape
+        dim = getattr(owner, attribute).weight.shape[1]
         if bits == 4 and dim % 2:
             raise ValueError(
                 f"4-bit rows need an even row size; the table of {getattr(owner, 'layer_name', type(owner).__name__)} "
