@@ -28,7 +28,7 @@ SIZES = {  # (layer builder, input shape)
 
 def build(impl: str, size: str, device: str, dtype: torch.dtype):
     builder = SIZES[size][0]
-    impl = impl.removesuffix("_fused")
+    impl = impl.removesuffix("_fused").removesuffix("_torch_nodes")
     name = {"ours_dense": "dense", "ours_sparse": "sparse"}.get(impl, impl) if size == "tiny" else impl
     module = builder(name.removesuffix("_triton")).to(device=device, dtype=dtype).train()
     if impl.endswith("_triton"):
@@ -46,9 +46,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_layer_compile.py times CUDA steps: no CUDA device here (--device cpu --size tiny for a smoke run)")
-    # ours_dense_fused: eager with TORCH_AUTOGRAD_WHEN_HOST_BOUND off (the fused Python autograd nodes on the GPU, as
-    # before that switch), to decide its default from a GPU measurement
-    impls = ["lucidrains", "ours_dense", "ours_dense_fused", "ours_sparse"]
+    # eager variants to decide the host-bound defaults from a GPU measurement: `_torch_nodes` with
+    # ONE_NODE_WHEN_HOST_BOUND off (torch's own nodes for the search and a dense lookup), `_fused` with
+    # TORCH_AUTOGRAD_WHEN_HOST_BOUND off too (the fused Python node of each phase)
+    impls = ["lucidrains", "ours_dense", "ours_dense_torch_nodes", "ours_dense_fused", "ours_sparse", "ours_sparse_fused"]
     if rb.triton_on(args.device):
         impls += ["ours_dense_triton", "ours_sparse_triton"]
     print(f"device: {torch.cuda.get_device_name() if args.device == 'cuda' else args.device}; torch {torch.__version__}")
@@ -59,22 +60,25 @@ def main(argv=None):
         g = torch.randn(*SIZES[args.size][1], device=args.device, dtype=dtype)
         steps = {}
         for impl in impls:
-            for mode in args.modes if not impl.endswith("_fused") else ["eager"]:
+            variant = impl.endswith(("_fused", "_torch_nodes"))
+            for mode in args.modes if not variant else ["eager"]:
                 module = build(impl, args.size, args.device, dtype)
                 if mode == "eager":
                     runner = module
                 else:  # ours: one graph (fullgraph), sparse gradients included
                     runner = torch.compile(module, mode=None if mode == "default" else mode, fullgraph=impl != "lucidrains")
 
-                def step(module=module, runner=runner, fused=impl.endswith("_fused")):
+                def step(module=module, runner=runner, fused=impl.endswith("_fused"), one_node=not variant):
                     for p in module.parameters():
                         p.grad = None
                     x.grad = None
                     product_key_memory_ops.TORCH_AUTOGRAD_WHEN_HOST_BOUND = not fused
+                    product_key_memory_ops.ONE_NODE_WHEN_HOST_BOUND = one_node
                     try:
                         (runner(x) * g).sum().backward()
                     finally:
                         product_key_memory_ops.TORCH_AUTOGRAD_WHEN_HOST_BOUND = True
+                        product_key_memory_ops.ONE_NODE_WHEN_HOST_BOUND = True
 
                 start = time.perf_counter()
                 for _ in range(3):

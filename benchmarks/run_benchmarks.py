@@ -378,8 +378,8 @@ OVERHEAD_IMPLS = {
     "sparse": "ours, `sparse=True`",
     "memory_plus": "ours, Memory+ options (`qk_norm`, `output_gate='swilu'`, `memory_scale`)",
     "relu": "ours, `score_activation='relu'`",
-    "dense_gpu_paths": "ours, dense, GPU paths (no CSR kernels)",
-    "sparse_gpu_paths": "ours, `sparse=True`, GPU paths (no CSR kernels)",
+    "dense_torch_nodes": "ours, dense, torch's own nodes (`ONE_NODE_WHEN_HOST_BOUND = False`)",
+    "sparse_torch_nodes": "ours, `sparse=True`, torch's own search nodes (`ONE_NODE_WHEN_HOST_BOUND = False`)",
 }
 
 
@@ -394,7 +394,7 @@ def build_tiny_layer(impl: str):
 
         return XlmProductKeyMemory(32, 32, **TINY)
     options = {
-        "sparse": dict(sparse=True), "sparse_gpu_paths": dict(sparse=True), "relu": dict(score_activation="relu"),
+        "sparse": dict(sparse=True), "sparse_torch_nodes": dict(sparse=True), "relu": dict(score_activation="relu"),
         "memory_plus": dict(qk_norm=True, output_gate="swilu", memory_scale=0.01),
     }.get(impl, {})  # fmt: skip
     return ProductKeyMemory(32, 32, **TINY, **options)
@@ -413,18 +413,19 @@ class DispatchedOps(TorchDispatchMode):
 
 
 def with_paths(impl: str, step):
-    """The step with the switches of `impl`: the native CPU selection off for all of ours (a GPU has none); the
-    `_gpu_paths` variants also without the CPU sparse CSR kernels (the value backward a GPU runs)."""
-    from modeling_pkm_bert import product_key_memory_ops
+    """The step with the switches of `impl`: the native CPU selection off for all of ours (a GPU has none), and so the
+    CPU sparse CSR kernels (a GPU runs the other value backward); the `_torch_nodes` variants with
+    `ONE_NODE_WHEN_HOST_BOUND` off."""
+    from modeling_pkm_bert import product_key_memory_ops as ops
 
     def run():
-        saved = ProductKeyMemory.native_search, product_key_memory_ops.CPU_SPARSE_KERNELS
-        ProductKeyMemory.native_search = False
-        product_key_memory_ops.CPU_SPARSE_KERNELS = not impl.endswith("_gpu_paths")
+        saved = ProductKeyMemory.native_search, ops.CPU_SPARSE_KERNELS, ops.ONE_NODE_WHEN_HOST_BOUND
+        ProductKeyMemory.native_search = ops.CPU_SPARSE_KERNELS = False
+        ops.ONE_NODE_WHEN_HOST_BOUND = not impl.endswith("_torch_nodes")
         try:
             step()
         finally:
-            ProductKeyMemory.native_search, product_key_memory_ops.CPU_SPARSE_KERNELS = saved
+            ProductKeyMemory.native_search, ops.CPU_SPARSE_KERNELS, ops.ONE_NODE_WHEN_HOST_BOUND = saved
 
     return run
 
@@ -461,8 +462,9 @@ def section_overhead(args) -> list[str]:
         "Forward + backward of one layer at 32 in/out, 8^2 slots, 4 heads, knn 4, k_dim 32 (lucidrains: `dim_head=16`, "
         "its query half), input 2 x 4 x 32, one torch thread: the arithmetic is negligible, so the time is the host "
         "side of a step (Python, dispatch, autograd), what bounds these layers on a GPU at the paper's size. Ours run "
-        "with the native CPU selection off (a GPU has none); the `GPU paths` rows also without the CPU sparse CSR "
-        "kernels, as on a GPU. Dispatched ops: aten ops seen by a `TorchDispatchMode` in one step (those inside our "
+        "with the native CPU selection and the CPU sparse CSR kernels off (a GPU has neither); the `torch's own nodes` "
+        "rows with the read of a host-bound step as torch's autograd nodes instead of one `HostBoundLookup` node. "
+        "Dispatched ops: aten ops seen by a `TorchDispatchMode` in one step (those inside our "
         "autograd functions included), each a kernel launch or a view on a GPU. Time: the CPU time of the "
         "timing thread (`time.thread_time`: on a shared machine, the time other processes hold the core does not "
         f"count), median over {rounds} interleaved rounds of {repeats} steps each (+1 warm-up round); ratio: paired "

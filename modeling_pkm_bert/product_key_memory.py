@@ -17,6 +17,7 @@ from torch import nn
 from .product_key_memory_ops import (
     OUTPUT_GATES,
     SCORE_ACTIVATIONS,
+    HostBoundLookup,
     ProductKeySearch,
     SharedGradient,
     WeightedRowSum,
@@ -24,6 +25,7 @@ from .product_key_memory_ops import (
     combine_halves,
     is_exporting,
     lookup_is_host_bound,
+    read_is_host_bound,
     row_sum_op,
     search_is_host_bound,
     search_op,
@@ -37,6 +39,12 @@ def check_memory_scale(name: str, value) -> None:
     """A memory scale must be a finite nonzero number: 0 would cut every gradient of the memory but its own."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value == 0:
         raise ValueError(f"{name}={value!r} must be a finite nonzero number (e.g. 0.01 for a near-zero start) or None")
+
+
+def _global_module_hooks() -> bool:
+    """Whether a global forward hook of every module (`nn.modules.module.register_module_forward_hook`) is set."""
+    module = nn.modules.module
+    return bool(getattr(module, "_global_forward_hooks", None) or getattr(module, "_global_forward_pre_hooks", None))
 
 
 def _dropout(dropout: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -199,11 +207,19 @@ class ProductKeyMemory(nn.Module):
                 self._check_batch_statistics(hidden_states, queries)
             queries = self.query_batchnorm(queries)
         queries = _dropout(self.query_dropout, queries)
-        scores, indices = self._search(queries)  # (tokens, heads, knn)
-        weights = self.score_weights(scores)
-        output = self.values(
-            indices.flatten(1), per_sample_weights=weights.flatten(1).to(lookup_dtype(self.values.weight))
-        )  # the bag sums knn rows of every head: heads are summed
+        weight = self._one_node_table(queries)
+        if weight is not None:  # host-bound: the search, weights and lookup in one autograd node
+            queries, keys = self._scoring_inputs(queries)
+            output = HostBoundLookup.apply(
+                queries, keys, weight, self.knn, self.prune_candidates, self.native_search, self.score_activation,
+                self.values.sparse,
+            )  # fmt: skip
+        else:
+            scores, indices = self._search(queries)  # (tokens, heads, knn)
+            weights = self.score_weights(scores)
+            output = self.values(
+                indices.flatten(1), per_sample_weights=weights.flatten(1).to(lookup_dtype(self.values.weight))
+            )  # the bag sums knn rows of every head: heads are summed
         output = output.to(hidden_states.dtype)
         if self.output_gate == "swilu" or self.memory_scale is not None:
             output = self.memory_output(output, inputs)
@@ -266,9 +282,7 @@ class ProductKeyMemory(nn.Module):
     def _search(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`search` on a flat batch: queries `(tokens, heads * k_dim)` -> scores, indices `(tokens, heads, knn)`."""
         knn, prune, native = self.knn, self.prune_candidates, self.native_search
-        keys = self.scoring_keys().to(queries.dtype)  # (heads, 2, n_keys, half)
-        if self.qk_norm:  # (tokens, heads * 2, half)
-            queries = self.query_norm(queries.view(queries.shape[0], self.heads * 2, self.k_dim // 2))
+        queries, keys = self._scoring_inputs(queries)
         needs_grad = torch.is_grad_enabled() and (queries.requires_grad or keys.requires_grad)
         if needs_grad and self.fused_search_backward:  # one node, reshapes included
             if torch.compiler.is_compiling() and not is_exporting():
@@ -281,6 +295,34 @@ class ProductKeyMemory(nn.Module):
         # the reference: torch's own backward of the sub-key scores, (heads * 2, tokens, knn) sorted descending
         half_scores, half_indices = subkey_scores(queries, keys).topk(knn, dim=-1)
         return combine_halves(half_scores, half_indices, self.n_keys, knn, prune)
+
+    def _scoring_inputs(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flat queries and the sub-keys `(heads, 2, n_keys, half)` as scored: with `qk_norm` normalised (the
+        queries then `(tokens, heads * 2, half)`)."""
+        keys = self.scoring_keys().to(queries.dtype)
+        if self.qk_norm:
+            queries = self.query_norm(queries.view(queries.shape[0], self.heads * 2, self.k_dim // 2))
+        return queries, keys
+
+    def _one_node_table(self, queries: torch.Tensor) -> torch.Tensor | None:
+        """The table's weight where the read is one `HostBoundLookup` node, else None: a training step with gradients,
+        eager, host-bound in both phases, on the memory's own plain table (a hook on `values`, a wrapper of it, a
+        shared, Triton or quantized table each needs the module call or its own node)."""
+        values = self.values
+        if type(values) is not ProductKeyValues or values.shared or not torch.is_grad_enabled():
+            return None
+        weight = values.weight
+        plain = values.max_norm is None and values.padding_idx is None and "forward" not in vars(values)
+        if not plain or values._forward_hooks or values._forward_pre_hooks or _global_module_hooks():
+            return None
+        if not (self.fused_search_backward and values.fused_backward) or weight.device.type in values.triton_devices:
+            return None
+        if torch.compiler.is_compiling() or is_exporting():  # (the custom ops; standard ops)
+            return None
+        tokens = queries.shape[0]
+        scoring = tokens * self.heads * self.k_dim * self.n_keys  # multiply-adds of the sub-key scores
+        host_bound = read_is_host_bound(weight.device, scoring, tokens * self.heads * self.knn * self.v_dim)
+        return weight if host_bound else None
 
     def scoring_keys(self) -> torch.Tensor:
         """The sub-keys the queries are scored against, `(heads, 2, n_keys, k_dim // 2)`: `keys`, with `qk_norm` normalised."""

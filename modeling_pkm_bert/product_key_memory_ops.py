@@ -28,6 +28,10 @@ reference), an environment variable, and the input checks. `name = default`: wha
   the search and a dense value lookup of a table read by one memory differentiate through torch's own autograd nodes
   (C++: no Python runs in their backward) instead of `ProductKeySearch` and `WeightedRowSum`: the value lookup in the
   same kernels, the search in the reference ops (`fused_search_backward = False`). False: the fused nodes at every size.
+- `ONE_NODE_WHEN_HOST_BOUND = True` (this module): with `TORCH_AUTOGRAD_WHEN_HOST_BOUND`, where both the search and
+  the value lookup are host-bound and the memory reads its own `ProductKeyValues` (no Triton device, no hooks, not
+  shared), the search, the score weights and the lookup are one autograd node, `HostBoundLookup` (dense or sparse
+  table gradient): fewer ops and less host time than torch's nodes. False: torch's own node for each op.
 - `ProductKeyMemory.prune_candidates = True`: only the `(a + 1) * (b + 1) <= knn` pairs of the halves' top-knn lists
   are scored (exact). False: all `knn ** 2` pairs, as XLM (and no native selection).
 - `ProductKeyMemory.fused_search_backward = True`: `ProductKeySearch`, the search as one autograd node (under
@@ -210,8 +214,11 @@ def row_sum_gradients(ctx, weight, indices, per_sample_weights, grad_output):
 # gradient, a sparse one coalesced): at such sizes a step is host-bound on every device, and fewer ops win
 SMALL_LOOKUP_ELEMENTS = 2**16
 # where a step is host-bound (GPUs; CPU at the small sizes), torch's own autograd nodes for the search and a dense value
-# lookup: a Python backward (an autograd.Function) costs more host time than the ops it saves
+# lookup: a Python backward per phase (an autograd.Function) costs more host time than the ops it saves
 TORCH_AUTOGRAD_WHEN_HOST_BOUND = True
+# ...and where both phases are host-bound and the table is the memory's own plain one, the whole read one node
+# (`HostBoundLookup`): one Python backward in place of some thirty C++ nodes costs less host time than either
+ONE_NODE_WHEN_HOST_BOUND = True
 
 
 def search_is_host_bound(device: torch.device, multiply_adds: int) -> bool:
@@ -225,6 +232,12 @@ def lookup_is_host_bound(device: torch.device, elements: int) -> bool:
     dense gradient of a table read once): on GPUs, on CPU up to `SMALL_LOOKUP_ELEMENTS`; only with
     `TORCH_AUTOGRAD_WHEN_HOST_BOUND`."""
     return TORCH_AUTOGRAD_WHEN_HOST_BOUND and (device.type != "cpu" or elements <= SMALL_LOOKUP_ELEMENTS)
+
+
+def read_is_host_bound(device: torch.device, multiply_adds: int, elements: int) -> bool:
+    """Whether a memory's read (sub-key scores of `multiply_adds`, `elements` looked-up values) on `device` is one
+    `HostBoundLookup` node, where the table allows: both phases host-bound; only with `ONE_NODE_WHEN_HOST_BOUND`."""
+    return ONE_NODE_WHEN_HOST_BOUND and search_is_host_bound(device, multiply_adds) and lookup_is_host_bound(device, elements)
 
 
 def _csr_kernels(ctx, weight, dtype) -> bool:
@@ -400,19 +413,7 @@ def _row_sums_backward(ctx, weight, indices, per_sample_weights, grad_output, so
         ).view(tokens, bag)
     small = bags is not None and indices.numel() * dim <= SMALL_LOOKUP_ELEMENTS
     if ctx.needs_input_grad[0] and bags is not None and (small or not ctx.sparse):  # EmbeddingBag's own backward
-        offsets, offset2bag, bag_size = bags
-        flat_weights = per_sample_weights.reshape(-1)
-        if ctx.sparse:  # the dense backward over the rows used only (their slots): the coalesced rows at once
-            used, slots = torch.unique(flat, return_inverse=True)
-            grad_rows = torch.ops.aten._embedding_bag_dense_backward(
-                grad_output, slots, offset2bag, bag_size, bag_size, used.numel(), False, 0, flat_weights, -1
-            )
-            grad_weight = _sparse_rows(used, grad_rows, n_rows)
-        else:  # (the maximum indices of mode "max": unused in mode "sum")
-            grad_weight = torch.ops.aten._embedding_bag_dense_backward(
-                grad_output, flat, offset2bag, bag_size, bag_size, n_rows, False, 0, flat_weights, -1
-            )
-        grad_weight = grad_weight.to(weight.dtype)
+        grad_weight = bag_weight_gradient(grad_output, weight, flat, per_sample_weights.reshape(-1), bags, ctx.sparse)
     elif ctx.needs_input_grad[0]:
         sorted_rows, _, tokens_of_lookups, weights_of_lookups = _lookups_by_row(
             indices, per_sample_weights, grad_output.dtype
@@ -432,6 +433,21 @@ def _row_sums_backward(ctx, weight, indices, per_sample_weights, grad_output, so
         else:
             grad_weight = grad_rows.new_zeros(n_rows, dim).index_copy_(0, used, grad_rows)
     return so_far.total(grad_weight, so_far.partial), grad_per_sample_weights
+
+
+def bag_weight_gradient(grad_output, weight, flat_indices, flat_weights, bags, sparse: bool) -> torch.Tensor:
+    """The table gradient of a lookup in bags of `bags` ([`bag_layout`]) in EmbeddingBag's own kernel: dense, or with
+    `sparse` the coalesced rows used (the dense kernel over their slots), in the table's dtype."""
+    _, offset2bag, bag_size = bags
+    if sparse:  # (the maximum indices of mode "max", here bag_size: unused in mode "sum")
+        used, slots = torch.unique(flat_indices, return_inverse=True)
+        grad_rows = torch.ops.aten._embedding_bag_dense_backward(
+            grad_output, slots, offset2bag, bag_size, bag_size, used.numel(), False, 0, flat_weights, -1
+        )
+        return _sparse_rows(used, grad_rows.to(weight.dtype), weight.shape[0])
+    return torch.ops.aten._embedding_bag_dense_backward(
+        grad_output, flat_indices, offset2bag, bag_size, bag_size, weight.shape[0], False, 0, flat_weights, -1
+    ).to(weight.dtype)
 
 
 def _fused_triton_backward(ctx, weight, indices, per_sample_weights, grad_output, so_far):
@@ -483,6 +499,62 @@ class ProductKeySearch(torch.autograd.Function):
         queries, keys, indices = ctx.saved_tensors
         grads = query_and_key_gradients(ctx.needs_input_grad[:2], queries, keys, indices, grad_scores)
         return *grads, None, None, None
+
+
+class HostBoundLookup(torch.autograd.Function):
+    """The memory's whole read as one autograd node, where a step is host-bound (`ONE_NODE_WHEN_HOST_BOUND`): queries
+    `(tokens, ...)` and sub-keys `(heads, 2, n_keys, half)` as [`ProductKeySearch`] takes them, and the value table
+    `weight` -> `(tokens, v_dim)`, what the search, the score weights in fp32 (`activation`: softmax over each head's
+    `knn` scores, or relu) and `EmbeddingBag(mode="sum")` compute.
+
+    Nothing is recorded in the forward; the backward is one Python call of a dozen ops: EmbeddingBag's own kernels for
+    the table (a `sparse` gradient coalesced) and the per-sample weights, the activation's backward, and the sub-key
+    score gradient of [`product_key_score_gradients`], in place of some thirty autograd nodes (views, top-k, candidate
+    sums, softmax, EmbeddingBag), each dispatched and bookkept on the host.
+    """
+
+    @staticmethod
+    def forward(ctx, queries, keys, weight, knn, prune, native, activation, sparse):
+        scores, indices = select_product_keys(subkey_scores(queries, keys), knn, prune, native)
+        probabilities = torch.softmax(scores, -1, torch.float32) if activation == "softmax" else torch.relu(scores.float())
+        flat, lookup_weights = indices.view(-1), probabilities.view(-1).to(weight.dtype)
+        bags = bag_layout(indices.view(indices.shape[0], -1))
+        output = torch.embedding_bag(weight, flat, bags[0], False, 0, False, lookup_weights, False, None)[0]
+        ctx.save_for_backward(queries, keys, weight, indices, probabilities, lookup_weights)
+        ctx.bags, ctx.activation, ctx.sparse = bags, activation, sparse
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        queries, keys, weight, indices, probabilities, lookup_weights = ctx.saved_tensors
+        grad_output, flat, (offsets, offset2bag, _) = grad_output.contiguous(), indices.view(-1), ctx.bags
+        grad_weight = grad_queries = grad_keys = None
+        if ctx.needs_input_grad[2]:
+            grad_weight = bag_weight_gradient(grad_output, weight, flat, lookup_weights, ctx.bags, ctx.sparse)
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            return grad_queries, grad_keys, grad_weight, None, None, None, None, None
+        grad_probabilities = torch.ops.aten._embedding_bag_per_sample_weights_backward(
+            grad_output, weight, flat, offsets, offset2bag, 0, -1
+        ).view(probabilities.shape)
+        if ctx.activation == "softmax":
+            grad_scores = torch._softmax_backward_data(grad_probabilities.float(), probabilities, -1, torch.float32)
+        else:
+            grad_scores = torch.ops.aten.threshold_backward(grad_probabilities.float(), probabilities, 0)
+        # each product key's gradient to its two sub-key scores, (tokens, heads, 2, n_keys), then to queries and keys
+        heads, _, n_keys, half = keys.shape
+        tokens = indices.shape[0]
+        subkeys = torch.stack((indices.div(n_keys, rounding_mode="floor"), indices.remainder(n_keys)), 2)
+        grad_subkey_scores = queries.new_zeros(tokens, heads, 2, n_keys)
+        grad_subkey_scores.scatter_add_(-1, subkeys, grad_scores.to(queries.dtype).unsqueeze(2).expand_as(subkeys))
+        grad_subkey_scores = grad_subkey_scores.view(tokens, heads * 2, n_keys).transpose(0, 1)
+        if ctx.needs_input_grad[0]:  # (heads * 2, tokens, half) -> the queries' shape
+            grad_queries = torch.bmm(grad_subkey_scores, keys.view(heads * 2, n_keys, half))
+            grad_queries = grad_queries.transpose(0, 1).reshape(queries.shape)
+        if ctx.needs_input_grad[1]:
+            halves = queries.view(tokens, heads * 2, half).transpose(0, 1)
+            grad_keys = torch.bmm(grad_subkey_scores.transpose(1, 2), halves.to(queries.dtype)).view(keys.shape)
+        return grad_queries, grad_keys, grad_weight, None, None, None, None, None
 
 
 def subkey_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -130,18 +130,20 @@ def test_values_module_is_an_embedding_bag_with_the_hook_contract():
     torch.testing.assert_close(values_out.view(3, 5, 10), out)
 
 
-@pytest.mark.parametrize("paths", ["cpu", "gpu", "small", "small_fused"])
+@pytest.mark.parametrize("paths", ["cpu", "gpu", "small", "small_torch_nodes", "small_fused"])
 @pytest.mark.parametrize("sparse", [False, True])
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_fast_path_equals_reference_outputs_and_gradients(sparse, with_mask, paths, monkeypatch):
     """Every backward implementation: CPU (sparse CSR kernels, the sub-key score gradient through the selected keys);
     GPU with the fused nodes (EmbeddingBag's dense backward or sorted segments for a sparse gradient, the dense sub-key
-    score gradient); host-bound sizes (`small`: torch's own nodes for the search and a dense lookup, a sparse gradient
-    coalesced; `small_fused`: the fused nodes there, EmbeddingBag's own kernels inside)."""
+    score gradient); host-bound sizes (`small`: the whole read one node, `HostBoundLookup`; `small_torch_nodes`: torch's
+    own nodes for the search and a dense lookup, a sparse gradient coalesced; `small_fused`: the fused nodes there,
+    EmbeddingBag's own kernels inside)."""
     monkeypatch.setattr(product_key_memory_ops, "CPU_SPARSE_KERNELS", paths == "cpu")
     monkeypatch.setattr(product_key_memory_ops, "DENSE_SCORE_GRADIENT_CPU_LIMIT", 0 if paths == "cpu" else 2**40)
     monkeypatch.setattr(product_key_memory_ops, "SMALL_LOOKUP_ELEMENTS", 2**40 if paths.startswith("small") else 0)
-    monkeypatch.setattr(product_key_memory_ops, "TORCH_AUTOGRAD_WHEN_HOST_BOUND", paths == "small")
+    monkeypatch.setattr(product_key_memory_ops, "TORCH_AUTOGRAD_WHEN_HOST_BOUND", paths in ("small", "small_torch_nodes"))
+    monkeypatch.setattr(product_key_memory_ops, "ONE_NODE_WHEN_HOST_BOUND", paths == "small")
     memory = ProductKeyMemory(24, 20, n_keys=16, heads=3, knn=8, k_dim=16).double().train()
     x = torch.randn(4, 7, 24, dtype=torch.float64)
     g = torch.randn(4, 7, 20, dtype=torch.float64)
@@ -180,39 +182,110 @@ def _autograd_nodes(tensor: torch.Tensor) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("host_bound", [True, False])
-def test_host_bound_steps_differentiate_through_torch_s_own_nodes(host_bound, monkeypatch):
-    """`TORCH_AUTOGRAD_WHEN_HOST_BOUND`: at host-bound sizes the search and a dense value lookup are torch's own
-    (C++) autograd nodes, no Python backward; off, or a sparse or shared table, the fused nodes; the same gradients."""
+@pytest.mark.parametrize("host_bound", ["one_node", "torch_nodes", False])
+def test_host_bound_steps_take_one_node_or_torch_s_own_nodes(host_bound, monkeypatch):
+    """At host-bound sizes the whole read is one node (`HostBoundLookup`, `ONE_NODE_WHEN_HOST_BOUND`), or with that off
+    the search and a dense value lookup are torch's own (C++) nodes (`TORCH_AUTOGRAD_WHEN_HOST_BOUND`); with both off,
+    the fused nodes of each phase; the same gradients every way."""
     monkeypatch.setattr(product_key_memory_ops, "SMALL_LOOKUP_ELEMENTS", 2**40)
     monkeypatch.setattr(product_key_memory_ops, "DENSE_SCORE_GRADIENT_CPU_LIMIT", 2**40)
-    monkeypatch.setattr(product_key_memory_ops, "TORCH_AUTOGRAD_WHEN_HOST_BOUND", host_bound)
+    monkeypatch.setattr(product_key_memory_ops, "TORCH_AUTOGRAD_WHEN_HOST_BOUND", bool(host_bound))
+    monkeypatch.setattr(product_key_memory_ops, "ONE_NODE_WHEN_HOST_BOUND", host_bound == "one_node")
     torch.manual_seed(0)
     memory = ProductKeyMemory(16, 12, n_keys=8, heads=2, knn=4, k_dim=8).double().train()
     x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
     out = memory(x)
     nodes = _autograd_nodes(out)
     fused = {"WeightedRowSumBackward", "ProductKeySearchBackward"}
-    assert (nodes.isdisjoint(fused) and "EmbeddingBagBackward0" in nodes) if host_bound else fused <= nodes, nodes
+    expected = {
+        "one_node": nodes.isdisjoint(fused | {"EmbeddingBagBackward0", "TopkBackward0"}) and "HostBoundLookupBackward" in nodes,
+        "torch_nodes": nodes.isdisjoint(fused | {"HostBoundLookupBackward"}) and "EmbeddingBagBackward0" in nodes,
+        False: fused <= nodes and "HostBoundLookupBackward" not in nodes,
+    }[host_bound]
+    assert expected, nodes
     out.square().sum().backward()
-    monkeypatch.setattr(product_key_memory_ops, "TORCH_AUTOGRAD_WHEN_HOST_BOUND", not host_bound)
-    other = copy.deepcopy(memory)
+    # the reference: the plain torch ops everywhere
+    other = configured(copy.deepcopy(memory), sparse=False, fused=False, prune=False)
     for p in other.parameters():
         p.grad = None
     xx = x.detach().clone().requires_grad_()
+    torch.testing.assert_close(other(xx), out, rtol=0, atol=1e-14)
     other(xx).square().sum().backward()
     torch.testing.assert_close(xx.grad, x.grad, rtol=0, atol=1e-13)
     for (name, p), q in zip(memory.named_parameters(), other.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-13, msg=name)
-    # a sparse table gradient keeps the fused node (one coalesced entry per row used)
-    monkeypatch.setattr(product_key_memory_ops, "TORCH_AUTOGRAD_WHEN_HOST_BOUND", True)
+    # a sparse table gradient: the one node too (one coalesced entry per row used), else the fused node
     memory.sparse_values = True
-    assert "WeightedRowSumBackward" in _autograd_nodes(memory(x))
+    sparse_node = "HostBoundLookupBackward" if host_bound == "one_node" else "WeightedRowSumBackward"
+    assert sparse_node in _autograd_nodes(memory(x))
 
 
+@pytest.mark.parametrize(
+    "options",
+    [dict(score_activation="relu"), dict(qk_norm=True, output_gate="swilu", memory_scale=0.5), dict(knn=8, prune=False)],
+    ids=["relu", "memory_plus", "unpruned"],
+)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_one_node_read_equals_reference_with_options(options, sparse, small_size_paths):
+    """`HostBoundLookup` (the default at these sizes) against the plain torch ops: the relu weights, Memory+'s
+    normalised queries and sub-keys, all knn ** 2 candidate pairs; dense and sparse table gradients."""
+    options = dict(options)
+    prune = options.pop("prune", True)
+    torch.manual_seed(0)
+    memory = ProductKeyMemory(16, 12, n_keys=8, heads=2, **{"knn": 4, **options}, k_dim=8).double().train()
+    x, g = torch.randn(3, 5, 16, dtype=torch.float64), torch.randn(3, 5, 12, dtype=torch.float64)
+    results = []
+    for module in (configured(memory, sparse=False, fused=False, prune=False), configured(memory, sparse=sparse, prune=prune)):
+        xx = x.clone().requires_grad_()
+        out = module(xx)
+        if module.values.fused_backward:
+            assert "HostBoundLookupBackward" in _autograd_nodes(out)
+        (out * g).sum().backward()
+        results.append((out, xx.grad, {name: p.grad for name, p in module.named_parameters()}))
+    (ref_out, ref_xgrad, ref_grads), (out, xgrad, grads) = results
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-14)
+    torch.testing.assert_close(xgrad, ref_xgrad, rtol=0, atol=1e-13)
+    assert grads["values.weight"].is_sparse == sparse
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(dense(grads[name]), ref, rtol=0, atol=1e-13, msg=name)
+
+
+def test_one_node_read_under_bfloat16_autocast_is_close_to_torch_nodes(monkeypatch, small_size_paths):
+    """CPU autocast to bf16 (the sub-key scores in bf16, as on a GPU under autocast): the one node's outputs and
+    gradients match torch's own nodes to bf16 rounding."""
+    torch.manual_seed(0)
+    memory = ProductKeyMemory(16, 12, n_keys=8, heads=2, knn=4, k_dim=8).train()
+    x, g = torch.randn(3, 5, 16), torch.randn(3, 5, 12)
+    results = []
+    for one_node in (True, False):
+        monkeypatch.setattr(product_key_memory_ops, "ONE_NODE_WHEN_HOST_BOUND", one_node)
+        module = copy.deepcopy(memory)
+        xx = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(xx)
+        assert ("HostBoundLookupBackward" in _autograd_nodes(out)) == one_node
+        (out.float() * g).sum().backward()
+        results.append((out.float(), xx.grad, [p.grad for p in module.parameters()]))
+    (out, xgrad, grads), (ref_out, ref_xgrad, ref_grads) = results
+    torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(xgrad, ref_xgrad, rtol=5e-2, atol=5e-2)
+    for got, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(got, ref, rtol=5e-2, atol=5e-2)
+
+
+@pytest.fixture
+def small_size_paths(monkeypatch):
+    """The paths of host-bound sizes (those of the tiny layers outside this file)."""
+    monkeypatch.setattr(product_key_memory_ops, "SMALL_LOOKUP_ELEMENTS", 2**40)
+    monkeypatch.setattr(product_key_memory_ops, "DENSE_SCORE_GRADIENT_CPU_LIMIT", 2**40)
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["large_size_paths", "one_node"])
 @pytest.mark.parametrize("frozen", ["values", "keys", "memory"])
-def test_fast_path_with_frozen_parts(frozen):
+def test_fast_path_with_frozen_parts(frozen, small, request):
     """Frozen values (or keys, or the whole memory, as `--freeze_memory`): the input gradient is still exact."""
+    if small:
+        request.getfixturevalue("small_size_paths")
     memory = ProductKeyMemory(16, 12, n_keys=8, heads=2, knn=4, k_dim=8).double().train()
     x = torch.randn(3, 5, 16, dtype=torch.float64)
     grads = []
