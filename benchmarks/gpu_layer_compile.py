@@ -49,7 +49,8 @@ def main(argv=None):
     # eager variants to decide the host-bound defaults from a GPU measurement: `_torch_nodes` with
     # ONE_NODE_WHEN_HOST_BOUND off (torch's own nodes for the search and a dense lookup), `_fused` with
     # TORCH_AUTOGRAD_WHEN_HOST_BOUND off too (the fused Python node of each phase)
-    impls = ["lucidrains", "ours_dense", "ours_dense_torch_nodes", "ours_dense_fused", "ours_sparse", "ours_sparse_fused"]
+    impls = ["lucidrains", "ours_dense", "ours_dense_torch_nodes", "ours_dense_fused"]
+    impls += ["ours_sparse", "ours_sparse_torch_nodes", "ours_sparse_fused"]
     if rb.triton_on(args.device):
         impls += ["ours_dense_triton", "ours_sparse_triton"]
     print(f"device: {torch.cuda.get_device_name() if args.device == 'cuda' else args.device}; torch {torch.__version__}")

@@ -690,10 +690,11 @@ def combine_halves(
     if prune:
         first, second = _candidate_pair_tensors(knn, half_scores.device)
         candidate_scores = first_scores.index_select(-1, first) + second_scores.index_select(-1, second)
-        candidate_indices = first_indices.index_select(-1, first) * n_keys + second_indices.index_select(-1, second)
+        # i1 * n_keys + i2 in one op
+        candidate_indices = torch.add(second_indices.index_select(-1, second), first_indices.index_select(-1, first), alpha=n_keys)
     else:  # (tokens, heads, knn * knn)
         candidate_scores = (first_scores[..., :, None] + second_scores[..., None, :]).flatten(-2)
-        candidate_indices = (first_indices[..., :, None] * n_keys + second_indices[..., None, :]).flatten(-2)
+        candidate_indices = torch.add(second_indices[..., None, :], first_indices[..., :, None], alpha=n_keys).flatten(-2)
     scores, best = candidate_scores.topk(knn, dim=-1)
     return scores, candidate_indices.gather(-1, best)
 
