@@ -378,8 +378,8 @@ OVERHEAD_IMPLS = {
     "sparse": "ours, `sparse=True`",
     "memory_plus": "ours, Memory+ options (`qk_norm`, `output_gate='swilu'`, `memory_scale`)",
     "relu": "ours, `score_activation='relu'`",
-    "dense_torch_nodes": "ours, dense, torch's own nodes (`ONE_NODE_WHEN_HOST_BOUND = False`)",
-    "sparse_torch_nodes": "ours, `sparse=True`, torch's own search nodes (`ONE_NODE_WHEN_HOST_BOUND = False`)",
+    "dense_one_node": "ours, dense, the read one node (`ONE_NODE_WHEN_HOST_BOUND` with \"dense\")",
+    "sparse_torch_nodes": "ours, `sparse=True`, torch's own search nodes (`ONE_NODE_WHEN_HOST_BOUND = ()`)",
 }
 
 
@@ -414,14 +414,15 @@ class DispatchedOps(TorchDispatchMode):
 
 def with_paths(impl: str, step):
     """The step with the switches of `impl`: the native CPU selection off for all of ours (a GPU has none), and so the
-    CPU sparse CSR kernels (a GPU runs the other value backward); the `_torch_nodes` variants with
-    `ONE_NODE_WHEN_HOST_BOUND` off."""
+    CPU sparse CSR kernels (a GPU runs the other value backward); `_one_node` and `_torch_nodes` variants with the read of
+    a host-bound step as one node for both kinds of table gradient, or for neither (`ONE_NODE_WHEN_HOST_BOUND`)."""
     from modeling_pkm_bert import product_key_memory_ops as ops
 
     def run():
         saved = ProductKeyMemory.native_search, ops.CPU_SPARSE_KERNELS, ops.ONE_NODE_WHEN_HOST_BOUND
         ProductKeyMemory.native_search = ops.CPU_SPARSE_KERNELS = False
-        ops.ONE_NODE_WHEN_HOST_BOUND = not impl.endswith("_torch_nodes")
+        if impl.endswith(("_one_node", "_torch_nodes")):
+            ops.ONE_NODE_WHEN_HOST_BOUND = ("dense", "sparse") if impl.endswith("_one_node") else ()
         try:
             step()
         finally:
@@ -463,7 +464,8 @@ def section_overhead(args) -> list[str]:
         "its query half), input 2 x 4 x 32, one torch thread: the arithmetic is negligible, so the time is the host "
         "side of a step (Python, dispatch, autograd), what bounds these layers on a GPU at the paper's size. Ours run "
         "with the native CPU selection and the CPU sparse CSR kernels off (a GPU has neither); the `torch's own nodes` "
-        "rows with the read of a host-bound step as torch's autograd nodes instead of one `HostBoundLookup` node. "
+        "rows and the `one node` row with the read of a host-bound step as torch's autograd nodes or as one "
+        "`HostBoundLookup` node, the other way round from the default (`ONE_NODE_WHEN_HOST_BOUND`). "
         "Dispatched ops: aten ops seen by a `TorchDispatchMode` in one step (those inside our "
         "autograd functions included), each a kernel launch or a view on a GPU. Time: the CPU time of the "
         "timing thread (`time.thread_time`: on a shared machine, the time other processes hold the core does not "

@@ -321,7 +321,7 @@ class ProductKeyMemory(nn.Module):
             return None
         tokens = queries.shape[0]
         scoring = tokens * self.heads * self.k_dim * self.n_keys  # multiply-adds of the sub-key scores
-        host_bound = read_is_host_bound(weight.device, scoring, tokens * self.heads * self.knn * self.v_dim)
+        host_bound = read_is_host_bound(weight.device, scoring, tokens * self.heads * self.knn * self.v_dim, values.sparse)
         return weight if host_bound else None
 
     def scoring_keys(self) -> torch.Tensor:

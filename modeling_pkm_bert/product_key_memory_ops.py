@@ -28,10 +28,13 @@ reference), an environment variable, and the input checks. `name = default`: wha
   the search and a dense value lookup of a table read by one memory differentiate through torch's own autograd nodes
   (C++: no Python runs in their backward) instead of `ProductKeySearch` and `WeightedRowSum`: the value lookup in the
   same kernels, the search in the reference ops (`fused_search_backward = False`). False: the fused nodes at every size.
-- `ONE_NODE_WHEN_HOST_BOUND = True` (this module): with `TORCH_AUTOGRAD_WHEN_HOST_BOUND`, where both the search and
-  the value lookup are host-bound and the memory reads its own `ProductKeyValues` (no Triton device, no hooks, not
-  shared), the search, the score weights and the lookup are one autograd node, `HostBoundLookup` (dense or sparse
-  table gradient): fewer ops and less host time than torch's nodes. False: torch's own node for each op.
+- `ONE_NODE_WHEN_HOST_BOUND = ("sparse",)` (this module): with `TORCH_AUTOGRAD_WHEN_HOST_BOUND`, the kinds of table
+  gradient ("dense", "sparse") for which, where both the search and the value lookup are host-bound and the memory
+  reads its own `ProductKeyValues` (no Triton device, no hooks, not shared), the search, the score weights and the
+  lookup are one autograd node, `HostBoundLookup`: 91 ops a sparse step instead of 98 and less host time; a dense step
+  (82 ops instead of 87) took as much host time as torch's own nodes on CPU (the overhead section of run_benchmarks),
+  so it keeps them until a GPU run says otherwise (`benchmarks/gpu_layer_compile.py` times both). `()`: torch's own
+  node for each op of the search, and the lookup's own node.
 - `ProductKeyMemory.prune_candidates = True`: only the `(a + 1) * (b + 1) <= knn` pairs of the halves' top-knn lists
   are scored (exact). False: all `knn ** 2` pairs, as XLM (and no native selection).
 - `ProductKeyMemory.fused_search_backward = True`: `ProductKeySearch`, the search as one autograd node (under
@@ -216,9 +219,10 @@ SMALL_LOOKUP_ELEMENTS = 2**16
 # where a step is host-bound (GPUs; CPU at the small sizes), torch's own autograd nodes for the search and a dense value
 # lookup: a Python backward per phase (an autograd.Function) costs more host time than the ops it saves
 TORCH_AUTOGRAD_WHEN_HOST_BOUND = True
-# ...and where both phases are host-bound and the table is the memory's own plain one, the whole read one node
-# (`HostBoundLookup`): one Python backward in place of some thirty C++ nodes costs less host time than either
-ONE_NODE_WHEN_HOST_BOUND = True
+# ...and for these kinds of table gradient, where both phases are host-bound and the table is the memory's own plain
+# one, the whole read one node (`HostBoundLookup`): for a sparse gradient, one Python backward in place of the lookup's
+# own and some twenty C++ nodes of the search costs less host time; for a dense one about the same (a GPU run decides)
+ONE_NODE_WHEN_HOST_BOUND = ("sparse",)
 
 
 def search_is_host_bound(device: torch.device, multiply_adds: int) -> bool:
@@ -234,10 +238,12 @@ def lookup_is_host_bound(device: torch.device, elements: int) -> bool:
     return TORCH_AUTOGRAD_WHEN_HOST_BOUND and (device.type != "cpu" or elements <= SMALL_LOOKUP_ELEMENTS)
 
 
-def read_is_host_bound(device: torch.device, multiply_adds: int, elements: int) -> bool:
-    """Whether a memory's read (sub-key scores of `multiply_adds`, `elements` looked-up values) on `device` is one
-    `HostBoundLookup` node, where the table allows: both phases host-bound; only with `ONE_NODE_WHEN_HOST_BOUND`."""
-    return ONE_NODE_WHEN_HOST_BOUND and search_is_host_bound(device, multiply_adds) and lookup_is_host_bound(device, elements)
+def read_is_host_bound(device: torch.device, multiply_adds: int, elements: int, sparse: bool) -> bool:
+    """Whether a memory's read (sub-key scores of `multiply_adds`, `elements` looked-up values, a `sparse` table
+    gradient or not) on `device` is one `HostBoundLookup` node, where the table allows: both phases host-bound and the
+    kind of gradient in `ONE_NODE_WHEN_HOST_BOUND`."""
+    one_node = ("sparse" if sparse else "dense") in ONE_NODE_WHEN_HOST_BOUND
+    return one_node and search_is_host_bound(device, multiply_adds) and lookup_is_host_bound(device, elements)
 
 
 def _csr_kernels(ctx, weight, dtype) -> bool:

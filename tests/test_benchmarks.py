@@ -130,9 +130,9 @@ def test_overhead_section_counts_the_dispatched_ops_of_every_mode(bench):
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in lines if line.startswith("| ") and "---" not in line}
     ops = {impl: int(rows[label][1]) for impl, label in bench.OVERHEAD_IMPLS.items()}
     assert all(count > 20 for count in ops.values()), ops
-    for impl in ("dense", "sparse", "relu", "dense_torch_nodes", "sparse_torch_nodes"):
+    for impl in ("dense", "sparse", "relu", "dense_one_node", "sparse_torch_nodes"):
         assert ops[impl] < ops["lucidrains"], (impl, ops)
-    assert ops["dense"] < ops["dense_torch_nodes"] and ops["sparse"] < ops["sparse_torch_nodes"], ops
+    assert ops["dense_one_node"] < ops["dense"] and ops["sparse"] < ops["sparse_torch_nodes"], ops
     assert ops["xlm"] > ops["lucidrains"]  # its loop over heads
 
 

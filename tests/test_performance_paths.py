@@ -143,7 +143,7 @@ def test_fast_path_equals_reference_outputs_and_gradients(sparse, with_mask, pat
     monkeypatch.setattr(product_key_memory_ops, "DENSE_SCORE_GRADIENT_CPU_LIMIT", 0 if paths == "cpu" else 2**40)
     monkeypatch.setattr(product_key_memory_ops, "SMALL_LOOKUP_ELEMENTS", 2**40 if paths.startswith("small") else 0)
     monkeypatch.setattr(product_key_memory_ops, "TORCH_AUTOGRAD_WHEN_HOST_BOUND", paths in ("small", "small_torch_nodes"))
-    monkeypatch.setattr(product_key_memory_ops, "ONE_NODE_WHEN_HOST_BOUND", paths == "small")
+    monkeypatch.setattr(product_key_memory_ops, "ONE_NODE_WHEN_HOST_BOUND", ("dense", "sparse") if paths == "small" else ())
     memory = ProductKeyMemory(24, 20, n_keys=16, heads=3, knn=8, k_dim=16).double().train()
     x = torch.randn(4, 7, 24, dtype=torch.float64)
     g = torch.randn(4, 7, 20, dtype=torch.float64)
@@ -190,7 +190,7 @@ def test_host_bound_steps_take_one_node_or_torch_s_own_nodes(host_bound, monkeyp
     monkeypatch.setattr(product_key_memory_ops, "SMALL_LOOKUP_ELEMENTS", 2**40)
     monkeypatch.setattr(product_key_memory_ops, "DENSE_SCORE_GRADIENT_CPU_LIMIT", 2**40)
     monkeypatch.setattr(product_key_memory_ops, "TORCH_AUTOGRAD_WHEN_HOST_BOUND", bool(host_bound))
-    monkeypatch.setattr(product_key_memory_ops, "ONE_NODE_WHEN_HOST_BOUND", host_bound == "one_node")
+    monkeypatch.setattr(product_key_memory_ops, "ONE_NODE_WHEN_HOST_BOUND", ("dense", "sparse") if host_bound == "one_node" else ())
     torch.manual_seed(0)
     memory = ProductKeyMemory(16, 12, n_keys=8, heads=2, knn=4, k_dim=8).double().train()
     x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
@@ -226,8 +226,8 @@ def test_host_bound_steps_take_one_node_or_torch_s_own_nodes(host_bound, monkeyp
     ids=["relu", "memory_plus", "unpruned"],
 )
 @pytest.mark.parametrize("sparse", [False, True])
-def test_one_node_read_equals_reference_with_options(options, sparse, small_size_paths):
-    """`HostBoundLookup` (the default at these sizes) against the plain torch ops: the relu weights, Memory+'s
+def test_one_node_read_equals_reference_with_options(options, sparse, one_node_paths):
+    """`HostBoundLookup` against the plain torch ops: the relu weights, Memory+'s
     normalised queries and sub-keys, all knn ** 2 candidate pairs; dense and sparse table gradients."""
     options = dict(options)
     prune = options.pop("prune", True)
@@ -250,7 +250,7 @@ def test_one_node_read_equals_reference_with_options(options, sparse, small_size
         torch.testing.assert_close(dense(grads[name]), ref, rtol=0, atol=1e-13, msg=name)
 
 
-def test_one_node_read_under_bfloat16_autocast_is_close_to_torch_nodes(monkeypatch, small_size_paths):
+def test_one_node_read_under_bfloat16_autocast_is_close_to_torch_nodes(monkeypatch, one_node_paths):
     """CPU autocast to bf16 (the sub-key scores in bf16, as on a GPU under autocast): the one node's outputs and
     gradients match torch's own nodes to bf16 rounding."""
     torch.manual_seed(0)
@@ -258,7 +258,7 @@ def test_one_node_read_under_bfloat16_autocast_is_close_to_torch_nodes(monkeypat
     x, g = torch.randn(3, 5, 16), torch.randn(3, 5, 12)
     results = []
     for one_node in (True, False):
-        monkeypatch.setattr(product_key_memory_ops, "ONE_NODE_WHEN_HOST_BOUND", one_node)
+        monkeypatch.setattr(product_key_memory_ops, "ONE_NODE_WHEN_HOST_BOUND", ("dense",) if one_node else ())
         module = copy.deepcopy(memory)
         xx = x.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -274,10 +274,12 @@ def test_one_node_read_under_bfloat16_autocast_is_close_to_torch_nodes(monkeypat
 
 
 @pytest.fixture
-def small_size_paths(monkeypatch):
-    """The paths of host-bound sizes (those of the tiny layers outside this file)."""
+def one_node_paths(monkeypatch):
+    """The paths of host-bound sizes (those of the tiny layers outside this file), the read one node for dense and
+    sparse table gradients alike."""
     monkeypatch.setattr(product_key_memory_ops, "SMALL_LOOKUP_ELEMENTS", 2**40)
     monkeypatch.setattr(product_key_memory_ops, "DENSE_SCORE_GRADIENT_CPU_LIMIT", 2**40)
+    monkeypatch.setattr(product_key_memory_ops, "ONE_NODE_WHEN_HOST_BOUND", ("dense", "sparse"))
 
 
 @pytest.mark.parametrize("small", [False, True], ids=["large_size_paths", "one_node"])
@@ -285,7 +287,7 @@ def small_size_paths(monkeypatch):
 def test_fast_path_with_frozen_parts(frozen, small, request):
     """Frozen values (or keys, or the whole memory, as `--freeze_memory`): the input gradient is still exact."""
     if small:
-        request.getfixturevalue("small_size_paths")
+        request.getfixturevalue("one_node_paths")
     memory = ProductKeyMemory(16, 12, n_keys=8, heads=2, knn=4, k_dim=8).double().train()
     x = torch.randn(3, 5, 16, dtype=torch.float64)
     grads = []
