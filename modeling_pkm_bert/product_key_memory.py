@@ -41,10 +41,15 @@ def check_memory_scale(name: str, value) -> None:
         raise ValueError(f"{name}={value!r} must be a finite nonzero number (e.g. 0.01 for a near-zero start) or None")
 
 
-def _global_module_hooks() -> bool:
-    """Whether a global forward hook of every module (`nn.modules.module.register_module_forward_hook`) is set."""
-    module = nn.modules.module
-    return bool(getattr(module, "_global_forward_hooks", None) or getattr(module, "_global_forward_pre_hooks", None))
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether a forward or backward hook of `module`, or a global one of every module
+    (`nn.modules.module.register_module_forward_hook` and the like), is set: each needs the module call."""
+    return any(getattr(module, name, None) for name in _HOOKS) or any(
+        getattr(nn.modules.module, f"_global{name}", None) for name in _HOOKS
+    )
 
 
 def _dropout(dropout: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -308,21 +313,19 @@ class ProductKeyMemory(nn.Module):
         """The table's weight where the read is one `HostBoundLookup` node, else None: a training step with gradients,
         eager, host-bound in both phases, on the memory's own plain table (a hook on `values`, a wrapper of it, a
         shared, Triton or quantized table each needs the module call or its own node)."""
-        values = self.values
-        if type(values) is not ProductKeyValues or values.shared or not torch.is_grad_enabled():
+        values, tokens = self.values, queries.shape[0]
+        if type(values) is not ProductKeyValues or not torch.is_grad_enabled():
             return None
-        weight = values.weight
-        plain = values.max_norm is None and values.padding_idx is None and "forward" not in vars(values)
-        if not plain or values._forward_hooks or values._forward_pre_hooks or _global_module_hooks():
-            return None
-        if not (self.fused_search_backward and values.fused_backward) or weight.device.type in values.triton_devices:
-            return None
-        if torch.compiler.is_compiling() or is_exporting():  # (the custom ops; standard ops)
-            return None
-        tokens = queries.shape[0]
         scoring = tokens * self.heads * self.k_dim * self.n_keys  # multiply-adds of the sub-key scores
-        host_bound = read_is_host_bound(weight.device, scoring, tokens * self.heads * self.knn * self.v_dim, values.sparse)
-        return weight if host_bound else None
+        weight, elements = values.weight, tokens * self.heads * self.knn * self.v_dim
+        if not read_is_host_bound(weight.device, scoring, elements, values.sparse):
+            return None
+        plain = values.max_norm is None and values.padding_idx is None and "forward" not in vars(values)
+        if values.shared or not plain or _has_hooks(values) or weight.device.type in values.triton_devices:
+            return None
+        if not (self.fused_search_backward and values.fused_backward):
+            return None
+        return None if torch.compiler.is_compiling() or is_exporting() else weight  # (custom ops; standard ops)
 
     def scoring_keys(self) -> torch.Tensor:
         """The sub-keys the queries are scored against, `(heads, 2, n_keys, k_dim // 2)`: `keys`, with `qk_norm` normalised."""

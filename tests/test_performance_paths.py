@@ -250,6 +250,33 @@ def test_one_node_read_equals_reference_with_options(options, sparse, one_node_p
         torch.testing.assert_close(dense(grads[name]), ref, rtol=0, atol=1e-13, msg=name)
 
 
+@pytest.mark.parametrize("hook", ["forward", "forward_pre", "full_backward", "global_forward"])
+def test_one_node_read_keeps_the_module_call_for_hooks_on_values(hook, one_node_paths):
+    """A hook on the value table (or on every module) sees the table's call: the read is then not one node, and the
+    hook runs (a backward hook with the table's output gradient)."""
+    memory = ProductKeyMemory(16, 12, n_keys=8, heads=2, knn=4, k_dim=8, sparse=True).train()
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    assert "HostBoundLookupBackward" in _autograd_nodes(memory(x))
+    seen = []
+    register = {
+        "forward": lambda: memory.values.register_forward_hook(lambda *args: seen.append("forward")),
+        "forward_pre": lambda: memory.values.register_forward_pre_hook(lambda *args: seen.append("pre")),
+        "full_backward": lambda: memory.values.register_full_backward_hook(lambda *args: seen.append("backward")),
+        "global_forward": lambda: torch.nn.modules.module.register_module_forward_hook(
+            lambda module, *args: seen.append("global") if module is memory.values else None
+        ),
+    }[hook]
+    handle = register()
+    try:
+        out = memory(x)
+        assert "HostBoundLookupBackward" not in _autograd_nodes(out)
+        out.sum().backward()
+    finally:
+        handle.remove()
+    assert seen, hook
+    assert "HostBoundLookupBackward" in _autograd_nodes(memory(x))
+
+
 def test_one_node_read_under_bfloat16_autocast_is_close_to_torch_nodes(monkeypatch, one_node_paths):
     """CPU autocast to bf16 (the sub-key scores in bf16, as on a GPU under autocast): the one node's outputs and
     gradients match torch's own nodes to bf16 rounding."""
