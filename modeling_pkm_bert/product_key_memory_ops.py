@@ -488,7 +488,7 @@ class ProductKeySearch(torch.autograd.Function):
     The forward scores the sub-keys (one bmm) and selects ([`select_product_keys`]) without recording anything, the
     reshapes included; the score of product key `i1 * n_keys + i2` is the sum of sub-key scores `i1` (first half) and
     `i2` (second half), so its gradient goes to those two, then to the queries and sub-keys
-    ([`product_key_score_gradients`]), returned in the inputs' own shapes.
+    ([`query_and_key_gradients`]), returned in the inputs' own shapes.
     """
 
     @staticmethod
@@ -513,10 +513,10 @@ class HostBoundLookup(torch.autograd.Function):
     `weight` -> `(tokens, v_dim)`, what the search, the score weights in fp32 (`activation`: softmax over each head's
     `knn` scores, or relu) and `EmbeddingBag(mode="sum")` compute.
 
-    Nothing is recorded in the forward; the backward is one Python call of a dozen ops: EmbeddingBag's own kernels for
-    the table (a `sparse` gradient coalesced) and the per-sample weights, the activation's backward, and the sub-key
-    score gradient of [`product_key_score_gradients`], in place of some thirty autograd nodes (views, top-k, candidate
-    sums, softmax, EmbeddingBag), each dispatched and bookkept on the host.
+    Nothing is recorded in the forward; the backward is one Python call of some twenty ops: EmbeddingBag's own kernels
+    for the table (a `sparse` gradient coalesced) and the per-sample weights, the activation's backward, and the query
+    and sub-key gradients of [`query_and_key_gradients`], in place of some thirty autograd nodes (views, top-k,
+    candidate sums, softmax, EmbeddingBag), each dispatched and bookkept on the host.
     """
 
     @staticmethod
@@ -547,19 +547,7 @@ class HostBoundLookup(torch.autograd.Function):
             grad_scores = torch._softmax_backward_data(grad_probabilities.float(), probabilities, -1, torch.float32)
         else:
             grad_scores = torch.ops.aten.threshold_backward(grad_probabilities.float(), probabilities, 0)
-        # each product key's gradient to its two sub-key scores, (tokens, heads, 2, n_keys), then to queries and keys
-        heads, _, n_keys, half = keys.shape
-        tokens = indices.shape[0]
-        subkeys = torch.stack((indices.div(n_keys, rounding_mode="floor"), indices.remainder(n_keys)), 2)
-        grad_subkey_scores = queries.new_zeros(tokens, heads, 2, n_keys)
-        grad_subkey_scores.scatter_add_(-1, subkeys, grad_scores.to(queries.dtype).unsqueeze(2).expand_as(subkeys))
-        grad_subkey_scores = grad_subkey_scores.view(tokens, heads * 2, n_keys).transpose(0, 1)
-        if ctx.needs_input_grad[0]:  # (heads * 2, tokens, half) -> the queries' shape
-            grad_queries = torch.bmm(grad_subkey_scores, keys.view(heads * 2, n_keys, half))
-            grad_queries = grad_queries.transpose(0, 1).reshape(queries.shape)
-        if ctx.needs_input_grad[1]:
-            halves = queries.view(tokens, heads * 2, half).transpose(0, 1)
-            grad_keys = torch.bmm(grad_subkey_scores.transpose(1, 2), halves.to(queries.dtype)).view(keys.shape)
+        grad_queries, grad_keys = query_and_key_gradients(ctx.needs_input_grad[:2], queries, keys, indices, grad_scores)
         return grad_queries, grad_keys, grad_weight, None, None, None, None, None
 
 
@@ -569,15 +557,40 @@ def subkey_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.bmm(queries.reshape(-1, groups, half).transpose(0, 1), keys.reshape(groups, n_keys, half).transpose(1, 2))
 
 
+# a dense sub-key score gradient up to this many multiply-adds (groups * tokens * n_keys * half) on CPU: below, its two
+# bmm cost less than the dozen small ops of the sparse one (a GPU takes the dense one at every size: its ops are cheap,
+# their launches are not)
+DENSE_SCORE_GRADIENT_CPU_LIMIT = 2**20
+
+
 def query_and_key_gradients(needs_input_grad, queries, keys, indices, grad_scores):
-    """[`product_key_score_gradients`] for queries `(tokens, ...)` and sub-keys `(heads, 2, n_keys, half)`, in their
-    shapes (None where not needed, or where the scores got no gradient)."""
+    """Gradients of queries `(tokens, ...)` and sub-keys `(heads, 2, n_keys, half)` from those of the product-key scores
+    `(tokens, heads, knn)`, in the inputs' shapes (None where not needed, or where the scores got no gradient).
+
+    The score of product key `i1 * n_keys + i2` is the sum of sub-key scores `i1` (first half) and `i2` (second half),
+    so its gradient goes to those two: scattered into the dense sub-key score gradient and multiplied out (two bmm) on
+    GPUs, and on CPU up to `DENSE_SCORE_GRADIENT_CPU_LIMIT` multiply-adds; above, through the selected sub-keys only
+    ([`_subkey_score_gradients`]).
+    """
     if grad_scores is None:
         return None, None
-    groups, n_keys, half = keys.shape[0] * keys.shape[1], keys.shape[2], keys.shape[3]
-    halves = queries.reshape(-1, groups, half).transpose(0, 1)
-    grad_halves, grad_keys = product_key_score_gradients(
-        needs_input_grad, halves, keys.reshape(groups, n_keys, half), indices, grad_scores
+    heads, _, n_keys, half = keys.shape
+    tokens, groups = indices.shape[0], heads * 2
+    # (tokens, heads, 2, knn): the sub-keys of each half and the gradient they get
+    subkeys = torch.stack((indices.div(n_keys, rounding_mode="floor"), indices.remainder(n_keys)), 2)
+    grad_subkey_scores = grad_scores.to(queries.dtype).unsqueeze(2).expand_as(subkeys)
+    halves, grad_queries, grad_keys = queries.reshape(tokens, groups, half).transpose(0, 1), None, None
+    if queries.device.type != "cpu" or groups * tokens * n_keys * half <= DENSE_SCORE_GRADIENT_CPU_LIMIT:
+        dense = queries.new_zeros(tokens, heads, 2, n_keys).scatter_add_(-1, subkeys, grad_subkey_scores)
+        dense = dense.view(tokens, groups, n_keys).transpose(0, 1)  # (heads * 2, tokens, n_keys)
+        if needs_input_grad[0]:
+            grad_queries = torch.bmm(dense, keys.view(groups, n_keys, half)).transpose(0, 1).reshape(queries.shape)
+        if needs_input_grad[1]:
+            grad_keys = torch.bmm(dense.transpose(1, 2), halves).view(keys.shape)
+        return grad_queries, grad_keys
+    subkeys, grad_subkey_scores = (t.flatten(1, 2).transpose(0, 1) for t in (subkeys, grad_subkey_scores))
+    grad_halves, grad_keys = _subkey_score_gradients(
+        needs_input_grad, halves, keys.reshape(groups, n_keys, half), subkeys, grad_subkey_scores
     )
     return (
         grad_halves.transpose(0, 1).reshape(queries.shape) if grad_halves is not None else None,
@@ -594,36 +607,6 @@ def select_product_keys(subkey_scores: torch.Tensor, knn: int, prune: bool = Tru
         return select(subkey_scores, knn)
     half_scores, half_indices = subkey_scores.topk(knn, dim=-1)
     return combine_halves(half_scores, half_indices, subkey_scores.shape[-1], knn, prune)
-
-
-# a dense sub-key score gradient up to this many multiply-adds (groups * tokens * n_keys * half) on CPU: below, its two
-# bmm cost less than the dozen small ops of the sparse one (a GPU takes the dense one at every size: its ops are cheap,
-# their launches are not)
-DENSE_SCORE_GRADIENT_CPU_LIMIT = 2**20
-
-
-def product_key_score_gradients(needs_input_grad, halves, keys, indices, grad_scores):
-    """Gradients of the query halves and sub-keys from those of the product-key scores `(tokens, heads, knn)`: each
-    product key's gradient goes to its two sub-key scores, either scattered into the dense `(heads * 2, tokens, n_keys)`
-    score gradient and multiplied out (two bmm), or through the selected sub-keys only ([`_subkey_score_gradients`])."""
-    groups, tokens, half = halves.shape
-    n_keys = keys.shape[1]
-    if halves.device.type != "cpu" or groups * tokens * n_keys * half <= DENSE_SCORE_GRADIENT_CPU_LIMIT:
-        grad_subkey_scores = halves.new_zeros(groups // 2, 2, tokens, n_keys)
-        grad_scores, indices = grad_scores.transpose(0, 1).to(halves.dtype), indices.transpose(0, 1)  # (heads, tokens, knn)
-        first, second = grad_subkey_scores.unbind(1)
-        first.scatter_add_(-1, indices.div(n_keys, rounding_mode="floor"), grad_scores)
-        second.scatter_add_(-1, indices.remainder(n_keys), grad_scores)
-        grad_subkey_scores = grad_subkey_scores.view(groups, tokens, n_keys)
-        return (
-            torch.bmm(grad_subkey_scores, keys) if needs_input_grad[0] else None,
-            torch.bmm(grad_subkey_scores.transpose(1, 2), halves) if needs_input_grad[1] else None,
-        )
-    # (tokens, heads, 2, knn) -> (heads * 2, tokens, knn): the sub-keys of each half and the gradient they get
-    subkeys = torch.stack((indices.div(n_keys, rounding_mode="floor"), indices.remainder(n_keys)), 2)
-    grad_subkey_scores = grad_scores.unsqueeze(2).expand(-1, -1, 2, -1)
-    subkeys, grad_subkey_scores = (t.flatten(1, 2).transpose(0, 1) for t in (subkeys, grad_subkey_scores))
-    return _subkey_score_gradients(needs_input_grad, halves, keys, subkeys, grad_subkey_scores)
 
 
 def _subkey_score_gradients(needs_input_grad, halves, keys, indices, grad_scores):
