@@ -122,9 +122,13 @@ def test_weights_missing_from_a_checkpoint_are_initialised(class_name, tmp_path)
 
 @pytest.mark.parametrize("class_name", CLASSES)
 @pytest.mark.parametrize("use_reentrant", [False, True])
-def test_training_with_gradient_checkpointing_equals_training_without(class_name, use_reentrant):
-    """Same loss, gradients and query BatchNorm running statistics (updated once, not again by the recomputation)."""
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense_values", "sparse_values"])
+def test_training_with_gradient_checkpointing_equals_training_without(class_name, use_reentrant, sparse):
+    """Same loss, gradients and query BatchNorm running statistics (updated once, not again by the recomputation); with
+    sparse value gradients too (at this size the read is one autograd node, recomputed by the checkpoint)."""
     model = make_model(class_name).train()
+    for memory in memory_modules(model).values():
+        memory.sparse_values = sparse
     inputs = make_inputs(class_name)
     checkpointed = copy.deepcopy(model)
     checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
@@ -138,7 +142,9 @@ def test_training_with_gradient_checkpointing_equals_training_without(class_name
     assert any(".memory.values." in name for name in grads) and any(".memory.keys" in name for name in grads)
     for name, parameter in checkpointed.named_parameters():
         if name in grads:
-            torch.testing.assert_close(parameter.grad, grads[name], atol=1e-6, rtol=1e-5, msg=name)
+            assert parameter.grad.is_sparse == grads[name].is_sparse == (sparse and ".memory.values." in name), name
+            got, expected = (grad.to_dense() if grad.is_sparse else grad for grad in (parameter.grad, grads[name]))
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5, msg=name)
         else:
             assert parameter.grad is None, name
     for name, buffer in model.named_buffers():
