@@ -26,6 +26,7 @@ from .product_key_memory_ops import (
     is_exporting,
     lookup_is_host_bound,
     read_is_host_bound,
+    release_op_workspaces,
     row_sum_op,
     search_is_host_bound,
     search_op,
@@ -504,6 +505,7 @@ class ProductKeyValues(nn.EmbeddingBag):
         """Frees the gradient buffer kept between training steps (it is made again by the next backward)."""
         self._workspaces.clear()
         self._shared_gradient.partial.clear()  # left only by a backward pass that raised
+        release_op_workspaces()  # those of the custom ops (a compiled step), kept by table
 
     def __getstate__(self):
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()

@@ -764,14 +764,29 @@ def _fake_search_backward(queries, keys, indices, grad_scores, queries_grad, key
     return queries.new_empty(queries.shape if queries_grad else 0), keys.new_empty(keys.shape if keys_grad else 0)
 
 
+# the one state the custom ops keep between steps: the CPU gradient buffers of each table (by its storage), reused as
+# the module's own are (`_reusable_buffer`: a fresh 768 MiB gradient costs as much in page faults as the whole step);
+# a few tables' worth, all freed by `release_op_workspaces` (any `ProductKeyValues.release_workspace()`, eval())
+_OP_WORKSPACES: dict = {}
+
+
+def release_op_workspaces():
+    """Frees the gradient buffers the custom ops keep between steps (made again by the next backward)."""
+    _OP_WORKSPACES.clear()
+
+
 class _OpLookup:
-    """What the value-gradient paths read of an autograd ctx, for the custom op: no state kept between steps (no reused
-    buffer, no table shared across lookups: autograd sums the gradients of a shared table)."""
+    """What the value-gradient paths read of an autograd ctx, for the custom op: the table's reused CPU buffers (by the
+    table's storage, `_OP_WORKSPACES`), no table shared across lookups (autograd sums the gradients of a shared table)."""
 
-    workspaces = shared = bags = None
+    shared = bags = None
 
-    def __init__(self, needs_input_grad, sparse, triton):
+    def __init__(self, needs_input_grad, sparse, triton, weight):
         self.needs_input_grad, self.sparse, self.triton = needs_input_grad, sparse, triton
+        key = (weight.device, weight.dtype, weight.data_ptr(), tuple(weight.shape))
+        if key not in _OP_WORKSPACES and len(_OP_WORKSPACES) >= 16:  # tables freed since: their buffers go too
+            _OP_WORKSPACES.clear()
+        self.workspaces = _OP_WORKSPACES.setdefault(key, {})
 
 
 def _row_sum_op(
@@ -804,7 +819,7 @@ def _row_sum_backward_op(
     grad_output: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor, per_sample_weights: torch.Tensor,
     sparse: bool, triton: bool, weight_grad: bool, per_sample_weights_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    lookup = _OpLookup((weight_grad, False, per_sample_weights_grad), sparse, triton)
+    lookup = _OpLookup((weight_grad, False, per_sample_weights_grad), sparse, triton, weight)
     grads = row_sum_gradients(lookup, weight, indices, per_sample_weights, grad_output)
     return tuple(g if g is not None else t.new_empty(0) for g, t in zip(grads, (weight, per_sample_weights)))
 

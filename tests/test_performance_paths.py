@@ -736,6 +736,42 @@ def _compiler_backends():
     return ["aot_eager", pytest.param("inductor", marks=inductor)]
 
 
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_compiled_lookup_reuses_its_gradient_buffer_and_accumulates_safely(sparse):
+    """A compiled training lookup (the custom ops) reuses the table's CPU gradient buffer from step to step as the
+    eager one does (a fresh table-sized gradient costs its page faults every step), never while a gradient lives in it:
+    two backward passes before a step add up; `eval()` frees the buffers."""
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    eager = ProductKeyMemory(16, n_keys=8, heads=2, knn=4, k_dim=8, sparse=sparse).train()
+    memory = copy.deepcopy(eager)
+    compiled = torch.compile(memory, backend="aot_eager", fullgraph=True)
+
+    def step(module, x):
+        (module(x) ** 2).sum().backward()
+
+    xs = [torch.randn(2, 5, 16) for _ in range(3)]
+    for x in xs[:2]:  # accumulated: the first gradient is alive while the second backward runs
+        step(eager, x)
+        step(compiled, x)
+    torch.testing.assert_close(dense(memory.values.weight.grad), dense(eager.values.weight.grad))
+    storages = []
+    for _ in range(2):
+        memory.values.weight.grad = None
+        step(compiled, xs[2])
+        grad = memory.values.weight.grad
+        storages.append((grad._values() if sparse else grad).untyped_storage().data_ptr())
+        del grad  # (held here, it would be alive in the next step: a new buffer, rightly)
+    assert storages[0] == storages[1]  # the second step wrote into the first one's buffer, dropped in between
+    buffers = [buffer for kept in product_key_memory_ops._OP_WORKSPACES.values() for buffer, _ in kept.values()]
+    assert storages[1] in [buffer.untyped_storage().data_ptr() for buffer in buffers]  # the ops' kept buffer
+    eager.values.weight.grad = None
+    step(eager, xs[2])
+    torch.testing.assert_close(dense(memory.values.weight.grad), dense(eager.values.weight.grad))
+    memory.eval()
+    assert product_key_memory_ops._OP_WORKSPACES == {}
+
+
 @pytest.mark.parametrize("backend", _compiler_backends())
 @pytest.mark.parametrize("trace", [False, True], ids=["eager-lookup", "traced-lookup"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
