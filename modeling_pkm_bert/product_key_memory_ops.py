@@ -776,13 +776,15 @@ def release_op_workspaces():
 
 
 class _OpLookup:
-    """What the value-gradient paths read of an autograd ctx, for the custom op: the table's reused CPU buffers (by the
-    table's storage, `_OP_WORKSPACES`), no table shared across lookups (autograd sums the gradients of a shared table)."""
+    """What the value-gradient paths read of an autograd ctx, for the custom op, as `WeightedRowSum` keeps it: the bags
+    of the lookups for EmbeddingBag's own kernels, the table's reused CPU buffers (by the table's storage,
+    `_OP_WORKSPACES`); no table shared across lookups (autograd sums the gradients of a shared table)."""
 
-    shared = bags = None
+    shared = None
 
-    def __init__(self, needs_input_grad, sparse, triton, weight):
+    def __init__(self, needs_input_grad, sparse, triton, weight, indices):
         self.needs_input_grad, self.sparse, self.triton = needs_input_grad, sparse, triton
+        self.bags = None if triton else bag_layout(indices)
         key = (weight.device, weight.dtype, weight.data_ptr(), tuple(weight.shape))
         if key not in _OP_WORKSPACES and len(_OP_WORKSPACES) >= 16:  # tables freed since: their buffers go too
             _OP_WORKSPACES.clear()
@@ -819,7 +821,7 @@ def _row_sum_backward_op(
     grad_output: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor, per_sample_weights: torch.Tensor,
     sparse: bool, triton: bool, weight_grad: bool, per_sample_weights_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    lookup = _OpLookup((weight_grad, False, per_sample_weights_grad), sparse, triton, weight)
+    lookup = _OpLookup((weight_grad, False, per_sample_weights_grad), sparse, triton, weight, indices)
     grads = row_sum_gradients(lookup, weight, indices, per_sample_weights, grad_output)
     return tuple(g if g is not None else t.new_empty(0) for g, t in zip(grads, (weight, per_sample_weights)))
 

@@ -703,6 +703,24 @@ def test_compiled_training_step_uses_the_fused_backward(trace, sparse):
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_compiled_lookup_on_the_gpu_value_backward_equals_eager(sparse, monkeypatch):
+    """Without the CPU CSR kernels (the value backward a GPU runs: EmbeddingBag's own kernels over the lookups' bags,
+    sorted segments for a large sparse gradient), the custom op's backward equals the eager lookup's."""
+    monkeypatch.setattr(product_key_memory_ops, "CPU_SPARSE_KERNELS", False)
+    torch._dynamo.reset()
+    torch.manual_seed(4)
+    eager = ProductKeyMemory(16, n_keys=8, heads=2, knn=4, k_dim=8, sparse=sparse).double().train()
+    memory = copy.deepcopy(eager)
+    compiled = torch.compile(memory, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    for module in (eager, compiled):
+        (module(x) ** 2).sum().backward()
+    for (name, p), q in zip(eager.named_parameters(), memory.parameters()):
+        assert q.grad.is_sparse == p.grad.is_sparse == (sparse and name == "values.weight"), name
+        torch.testing.assert_close(dense(q.grad), dense(p.grad), rtol=0, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_custom_ops_pass_opcheck(sparse):
     """The four custom ops: schema, fake (meta) implementation, autograd registration and compile consistency, as
     torch.library.opcheck tests them."""
