@@ -505,7 +505,7 @@ class ProductKeyValues(nn.EmbeddingBag):
         """Frees the gradient buffer kept between training steps (it is made again by the next backward)."""
         self._workspaces.clear()
         self._shared_gradient.partial.clear()  # left only by a backward pass that raised
-        release_op_workspaces()  # those of the custom ops (a compiled step), kept by table
+        release_op_workspaces(self.weight)  # those the custom ops keep for this table (a compiled step)
 
     def __getstate__(self):
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()

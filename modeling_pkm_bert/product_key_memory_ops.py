@@ -766,13 +766,21 @@ def _fake_search_backward(queries, keys, indices, grad_scores, queries_grad, key
 
 # the one state the custom ops keep between steps: the CPU gradient buffers of each table (by its storage), reused as
 # the module's own are (`_reusable_buffer`: a fresh 768 MiB gradient costs as much in page faults as the whole step);
-# a few tables' worth, all freed by `release_op_workspaces` (any `ProductKeyValues.release_workspace()`, eval())
+# a few tables' worth, a table's freed by its `ProductKeyValues.release_workspace()` (eval())
 _OP_WORKSPACES: dict = {}
 
 
-def release_op_workspaces():
-    """Frees the gradient buffers the custom ops keep between steps (made again by the next backward)."""
-    _OP_WORKSPACES.clear()
+def _op_workspace_key(weight: torch.Tensor) -> tuple:
+    return weight.device, weight.dtype, weight.data_ptr(), tuple(weight.shape)
+
+
+def release_op_workspaces(weight: torch.Tensor | None = None):
+    """Frees the gradient buffers the custom ops keep between steps for the table `weight` (None: for every table);
+    the next backward makes them again."""
+    if weight is None:
+        _OP_WORKSPACES.clear()
+    else:
+        _OP_WORKSPACES.pop(_op_workspace_key(weight), None)
 
 
 class _OpLookup:
@@ -785,7 +793,7 @@ class _OpLookup:
     def __init__(self, needs_input_grad, sparse, triton, weight, indices):
         self.needs_input_grad, self.sparse, self.triton = needs_input_grad, sparse, triton
         self.bags = None if triton else bag_layout(indices)
-        key = (weight.device, weight.dtype, weight.data_ptr(), tuple(weight.shape))
+        key = _op_workspace_key(weight)
         if key not in _OP_WORKSPACES and len(_OP_WORKSPACES) >= 16:  # tables freed since: their buffers go too
             _OP_WORKSPACES.clear()
         self.workspaces = _OP_WORKSPACES.setdefault(key, {})

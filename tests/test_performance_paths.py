@@ -786,8 +786,11 @@ def test_compiled_lookup_reuses_its_gradient_buffer_and_accumulates_safely(spars
     eager.values.weight.grad = None
     step(eager, xs[2])
     torch.testing.assert_close(dense(memory.values.weight.grad), dense(eager.values.weight.grad))
+    ours = product_key_memory_ops._op_workspace_key(memory.values.weight)
+    ProductKeyMemory(16, n_keys=8, heads=2, knn=4, k_dim=8).eval()  # another table's eval(): ours stay
+    assert ours in product_key_memory_ops._OP_WORKSPACES
     memory.eval()
-    assert product_key_memory_ops._OP_WORKSPACES == {}
+    assert ours not in product_key_memory_ops._OP_WORKSPACES
 
 
 @pytest.mark.parametrize("backend", _compiler_backends())
