@@ -28,7 +28,7 @@ SIZES = {  # (layer builder, input shape)
 
 def build(impl: str, size: str, device: str, dtype: torch.dtype):
     builder = SIZES[size][0]
-    impl = impl.removesuffix("_fused").removesuffix("_torch_nodes").removesuffix("_one_node")
+    impl = impl.removesuffix("_fused").removesuffix("_torch_nodes")
     name = {"ours_dense": "dense", "ours_sparse": "sparse"}.get(impl, impl) if size == "tiny" else impl
     module = builder(name.removesuffix("_triton")).to(device=device, dtype=dtype).train()
     if impl.endswith("_triton"):
@@ -46,10 +46,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_layer_compile.py times CUDA steps: no CUDA device here (--device cpu --size tiny for a smoke run)")
-    # eager variants to decide the host-bound defaults from a GPU measurement: `_one_node` / `_torch_nodes` with the read
-    # one HostBoundLookup node for both kinds of table gradient / for neither (ONE_NODE_WHEN_HOST_BOUND; the defaults:
-    # a sparse one only), `_fused` with TORCH_AUTOGRAD_WHEN_HOST_BOUND off (the fused Python node of each phase)
-    impls = ["lucidrains", "ours_dense", "ours_dense_one_node", "ours_dense_fused"]
+    # eager variants to decide the host-bound defaults from a GPU measurement: `_torch_nodes` with torch's own autograd
+    # nodes for the read instead of one HostBoundLookup node (ONE_NODE_WHEN_HOST_BOUND = ()), `_fused` with
+    # TORCH_AUTOGRAD_WHEN_HOST_BOUND off (the fused Python node of each phase)
+    impls = ["lucidrains", "ours_dense", "ours_dense_torch_nodes", "ours_dense_fused"]
     impls += ["ours_sparse", "ours_sparse_torch_nodes", "ours_sparse_fused"]
     if rb.triton_on(args.device):
         impls += ["ours_dense_triton", "ours_sparse_triton"]
@@ -61,7 +61,7 @@ def main(argv=None):
         g = torch.randn(*SIZES[args.size][1], device=args.device, dtype=dtype)
         steps = {}
         for impl in impls:
-            variant = impl.endswith(("_fused", "_torch_nodes", "_one_node"))
+            variant = impl.endswith(("_fused", "_torch_nodes"))
             for mode in args.modes if not variant else ["eager"]:
                 module = build(impl, args.size, args.device, dtype)
                 if mode == "eager":
@@ -69,7 +69,7 @@ def main(argv=None):
                 else:  # ours: one graph (fullgraph), sparse gradients included
                     runner = torch.compile(module, mode=None if mode == "default" else mode, fullgraph=impl != "lucidrains")
 
-                one_node = ("dense", "sparse") if impl.endswith("_one_node") else () if impl.endswith("_torch_nodes") else None
+                one_node = () if impl.endswith("_torch_nodes") else None
 
                 def step(module=module, runner=runner, fused=impl.endswith("_fused"), one_node=one_node):
                     for p in module.parameters():

@@ -378,7 +378,7 @@ OVERHEAD_IMPLS = {
     "sparse": "ours, `sparse=True`",
     "memory_plus": "ours, Memory+ options (`qk_norm`, `output_gate='swilu'`, `memory_scale`)",
     "relu": "ours, `score_activation='relu'`",
-    "dense_one_node": "ours, dense, the read one node (`ONE_NODE_WHEN_HOST_BOUND` with \"dense\")",
+    "dense_torch_nodes": "ours, dense, torch's own nodes (`ONE_NODE_WHEN_HOST_BOUND = ()`)",
     "sparse_torch_nodes": "ours, `sparse=True`, torch's own search nodes (`ONE_NODE_WHEN_HOST_BOUND = ()`)",
 }
 
@@ -400,29 +400,37 @@ def build_tiny_layer(impl: str):
     return ProductKeyMemory(32, 32, **TINY, **options)
 
 
+# ops that neither compute nor copy: views are `is_view`; these allocate or rewrap (no kernel on a GPU)
+_NO_KERNEL_OPS = {"empty", "new_empty", "new_empty_strided", "empty_strided", "_unsafe_view", "lift_fresh",
+                  "_sparse_coo_tensor_with_dims_and_tensors"}  # fmt: skip
+
+
 class DispatchedOps(TorchDispatchMode):
-    """Counts the aten ops dispatched (on a GPU: each a kernel launch or a view), those inside autograd functions too."""
+    """Counts the aten ops dispatched (on a GPU: each a kernel launch or a view), those inside autograd functions too;
+    `computing`: those that are neither views nor mere allocations, about the kernel launches of a GPU step (an op
+    such as EmbeddingBag's dense backward launches several, a fill one)."""
 
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.count = self.computing = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
+        self.computing += not (func.is_view or func.overloadpacket.__name__ in _NO_KERNEL_OPS)
         return func(*args, **(kwargs or {}))
 
 
 def with_paths(impl: str, step):
     """The step with the switches of `impl`: the native CPU selection off for all of ours (a GPU has none), and so the
-    CPU sparse CSR kernels (a GPU runs the other value backward); `_one_node` and `_torch_nodes` variants with the read of
-    a host-bound step as one node for both kinds of table gradient, or for neither (`ONE_NODE_WHEN_HOST_BOUND`)."""
+    CPU sparse CSR kernels (a GPU runs the other value backward); the `_torch_nodes` variants with torch's own autograd
+    nodes for the read of a host-bound step instead of one node (`ONE_NODE_WHEN_HOST_BOUND = ()`)."""
     from modeling_pkm_bert import product_key_memory_ops as ops
 
     def run():
         saved = ProductKeyMemory.native_search, ops.CPU_SPARSE_KERNELS, ops.ONE_NODE_WHEN_HOST_BOUND
         ProductKeyMemory.native_search = ops.CPU_SPARSE_KERNELS = False
-        if impl.endswith(("_one_node", "_torch_nodes")):
-            ops.ONE_NODE_WHEN_HOST_BOUND = ("dense", "sparse") if impl.endswith("_one_node") else ()
+        if impl.endswith("_torch_nodes"):
+            ops.ONE_NODE_WHEN_HOST_BOUND = ()
         try:
             step()
         finally:
@@ -441,13 +449,13 @@ def section_overhead(args) -> list[str]:
         torch.manual_seed(1)
         x, g = torch.randn(2, 4, 32, requires_grad=True), torch.randn(2, 4, 32)
         steps = {impl: with_paths(impl, layer_step_fn(build_tiny_layer(impl).train(), x, g)) for impl in OVERHEAD_IMPLS}
-        ops = {}
+        ops, computing = {}, {}
         for impl, step in steps.items():
             for _ in range(3):  # buffers, caches
                 step()
             with DispatchedOps() as counter:
                 step()
-            ops[impl] = counter.count
+            ops[impl], computing[impl] = counter.count, counter.computing
 
         def repeated(step):
             return lambda: [step() for _ in range(repeats)]
@@ -463,22 +471,23 @@ def section_overhead(args) -> list[str]:
         "Forward + backward of one layer at 32 in/out, 8^2 slots, 4 heads, knn 4, k_dim 32 (lucidrains: `dim_head=16`, "
         "its query half), input 2 x 4 x 32, one torch thread: the arithmetic is negligible, so the time is the host "
         "side of a step (Python, dispatch, autograd), what bounds these layers on a GPU at the paper's size. Ours run "
-        "with the native CPU selection and the CPU sparse CSR kernels off (a GPU has neither); the `torch's own nodes` "
-        "rows and the `one node` row with the read of a host-bound step as torch's autograd nodes or as one "
-        "`HostBoundLookup` node, the other way round from the default (`ONE_NODE_WHEN_HOST_BOUND`). "
+        "with the native CPU selection and the CPU sparse CSR kernels off (a GPU has neither), the read of the step one "
+        "autograd node (`HostBoundLookup`); the `torch's own nodes` rows with torch's autograd nodes for it instead "
+        "(`ONE_NODE_WHEN_HOST_BOUND = ()`). "
         "Dispatched ops: aten ops seen by a `TorchDispatchMode` in one step (those inside our "
-        "autograd functions included), each a kernel launch or a view on a GPU. Time: the CPU time of the "
+        "autograd functions included), each a kernel launch or a view on a GPU; of them computing: neither a view nor a "
+        "mere allocation, about the kernel launches of the step on a GPU. Time: the CPU time of the "
         "timing thread (`time.thread_time`: on a shared machine, the time other processes hold the core does not "
         f"count), median over {rounds} interleaved rounds of {repeats} steps each (+1 warm-up round); ratio: paired "
         "median of "
         "time / lucidrains' time (lower is faster; the goal is <= 0.8 with fewer ops than lucidrains).",
         "",
-        "| implementation | dispatched ops | us per step | time / lucidrains | ops / lucidrains |",
-        "|---|---|---|---|---|",
+        "| implementation | dispatched ops | of them computing | us per step | time / lucidrains | ops / lucidrains |",
+        "|---|---|---|---|---|---|",
     ]
     for impl, label in OVERHEAD_IMPLS.items():
         lines.append(
-            f"| {label} | {ops[impl]} | {median(samples[impl]) / repeats * 1e6:.0f} | "
+            f"| {label} | {ops[impl]} | {computing[impl]} | {median(samples[impl]) / repeats * 1e6:.0f} | "
             f"{paired_ratio(samples, impl, 'lucidrains'):.2f} | {ops[impl] / ops['lucidrains']:.2f} |"
         )
     return lines

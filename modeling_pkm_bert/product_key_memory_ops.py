@@ -28,13 +28,13 @@ reference), an environment variable, and the input checks. `name = default`: wha
   the search and a dense value lookup of a table read by one memory differentiate through torch's own autograd nodes
   (C++: no Python runs in their backward) instead of `ProductKeySearch` and `WeightedRowSum`: the value lookup in the
   same kernels, the search in the reference ops (`fused_search_backward = False`). False: the fused nodes at every size.
-- `ONE_NODE_WHEN_HOST_BOUND = ("sparse",)` (this module): with `TORCH_AUTOGRAD_WHEN_HOST_BOUND`, the kinds of table
-  gradient ("dense", "sparse") for which, where both the search and the value lookup are host-bound and the memory
-  reads its own `ProductKeyValues` (no Triton device, no hooks, not shared), the search, the score weights and the
-  lookup are one autograd node, `HostBoundLookup`: 91 ops a sparse step instead of 98 and less host time; a dense step
-  (82 ops instead of 87) took as much host time as torch's own nodes on CPU (the overhead section of run_benchmarks),
-  so it keeps them until a GPU run says otherwise (`benchmarks/gpu_layer_compile.py` times both). `()`: torch's own
-  node for each op of the search, and the lookup's own node.
+- `ONE_NODE_WHEN_HOST_BOUND = ("dense", "sparse")` (this module): with `TORCH_AUTOGRAD_WHEN_HOST_BOUND`, the kinds of
+  table gradient for which, where both the search and the value lookup are host-bound and the memory reads its own
+  `ProductKeyValues` (no Triton device, no hooks, not shared), the search, the score weights and the lookup are one
+  autograd node, `HostBoundLookup`: fewer ops (dense 82 instead of 87 a step, sparse 91 instead of 98) and fewer that
+  launch a kernel on a GPU (36 instead of 41; 38 instead of 43); on CPU the host time of a dense step within noise of
+  torch's nodes, of a sparse one less (the overhead section of run_benchmarks). `()`: torch's own node for each op of the search, and the
+  lookup's own node (`benchmarks/gpu_layer_compile.py` times both ways).
 - `ProductKeyMemory.prune_candidates = True`: only the `(a + 1) * (b + 1) <= knn` pairs of the halves' top-knn lists
   are scored (exact). False: all `knn ** 2` pairs, as XLM (and no native selection).
 - `ProductKeyMemory.fused_search_backward = True`: `ProductKeySearch`, the search as one autograd node (under
@@ -220,9 +220,9 @@ SMALL_LOOKUP_ELEMENTS = 2**16
 # lookup: a Python backward per phase (an autograd.Function) costs more host time than the ops it saves
 TORCH_AUTOGRAD_WHEN_HOST_BOUND = True
 # ...and for these kinds of table gradient, where both phases are host-bound and the table is the memory's own plain
-# one, the whole read one node (`HostBoundLookup`): for a sparse gradient, one Python backward in place of the lookup's
-# own and some twenty C++ nodes of the search costs less host time; for a dense one about the same (a GPU run decides)
-ONE_NODE_WHEN_HOST_BOUND = ("sparse",)
+# one, the whole read one node (`HostBoundLookup`): one Python backward in place of the lookup's own node and some twenty
+# C++ nodes of the search; fewer ops, fewer kernel launches, no more host time
+ONE_NODE_WHEN_HOST_BOUND = ("dense", "sparse")
 
 
 def search_is_host_bound(device: torch.device, multiply_adds: int) -> bool:
