@@ -33,8 +33,8 @@ reference), an environment variable, and the input checks. `name = default`: wha
   `ProductKeyValues` (no Triton device, no hooks, not shared), the search, the score weights and the lookup are one
   autograd node, `HostBoundLookup`: fewer ops (dense 82 instead of 87 a step, sparse 91 instead of 98) and fewer that
   launch a kernel on a GPU (36 instead of 41; 38 instead of 43); on CPU the host time of a dense step within noise of
-  torch's nodes, of a sparse one less (the overhead section of run_benchmarks). `()`: torch's own node for each op of the search, and the
-  lookup's own node (`benchmarks/gpu_layer_compile.py` times both ways).
+  torch's nodes, of a sparse one less (the overhead section of run_benchmarks). `()`: torch's own node for each op of
+  the search, and the lookup's own node (`benchmarks/gpu_layer_compile.py` times both ways).
 - `ProductKeyMemory.prune_candidates = True`: only the `(a + 1) * (b + 1) <= knn` pairs of the halves' top-knn lists
   are scored (exact). False: all `knn ** 2` pairs, as XLM (and no native selection).
 - `ProductKeyMemory.fused_search_backward = True`: `ProductKeySearch`, the search as one autograd node (under
@@ -524,7 +524,7 @@ class HostBoundLookup(torch.autograd.Function):
         scores, indices = select_product_keys(subkey_scores(queries, keys), knn, prune, native)
         probabilities = torch.softmax(scores, -1, torch.float32) if activation == "softmax" else torch.relu(scores.float())
         flat, lookup_weights = indices.view(-1), probabilities.view(-1).to(weight.dtype)
-        bags = bag_layout(indices.view(indices.shape[0], -1))
+        bags = bag_layout(indices.flatten(1))
         output = torch.embedding_bag(weight, flat, bags[0], False, 0, False, lookup_weights, False, None)[0]
         ctx.save_for_backward(queries, keys, weight, indices, probabilities, lookup_weights)
         ctx.bags, ctx.activation, ctx.sparse = bags, activation, sparse

@@ -277,6 +277,22 @@ def test_one_node_read_keeps_the_module_call_for_hooks_on_values(hook, one_node_
     assert "HostBoundLookupBackward" in _autograd_nodes(memory(x))
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_one_node_read_of_no_token_gives_every_parameter_a_zero_gradient(sparse, one_node_paths):
+    """A process whose batch has no real token still reads the memory (DDP and FSDP wait for every parameter's
+    gradient on every process): as one node too, zero gradients, as on torch's nodes (no query BatchNorm: it has no
+    statistics of 0 tokens)."""
+    memory = ProductKeyMemory(16, 12, n_keys=8, heads=2, knn=4, k_dim=8, sparse=sparse).train()
+    memory.query_batchnorm = torch.nn.Identity()
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    out = memory(x, torch.zeros(2, 3, dtype=torch.long))
+    assert "HostBoundLookupBackward" in _autograd_nodes(out)
+    out.sum().backward()
+    assert torch.equal(out, torch.zeros(2, 3, 12)) and torch.equal(x.grad, torch.zeros_like(x))
+    for name, p in memory.named_parameters():
+        assert p.grad is not None and not dense(p.grad).any(), name
+
+
 def test_one_node_read_under_bfloat16_autocast_is_close_to_torch_nodes(monkeypatch, one_node_paths):
     """CPU autocast to bf16 (the sub-key scores in bf16, as on a GPU under autocast): the one node's outputs and
     gradients match torch's own nodes to bf16 rounding."""
