@@ -319,14 +319,11 @@ class ProductKeyMemory(nn.Module):
             return None
         scoring = tokens * self.heads * self.k_dim * self.n_keys  # multiply-adds of the sub-key scores
         weight, elements = values.weight, tokens * self.heads * self.knn * self.v_dim
-        if not read_is_host_bound(weight.device, scoring, elements, values.sparse):
+        if not (read_is_host_bound(weight.device, scoring, elements, values.sparse) and self.fused_search_backward):
             return None
-        plain = values.max_norm is None and values.padding_idx is None and "forward" not in vars(values)
-        if values.shared or not plain or _has_hooks(values) or weight.device.type in values.triton_devices:
-            return None
-        if not (self.fused_search_backward and values.fused_backward):
-            return None
-        return None if torch.compiler.is_compiling() or is_exporting() else weight  # (custom ops; standard ops)
+        if not values.readable_in_one_node() or torch.compiler.is_compiling() or is_exporting():
+            return None  # (the module call; the custom ops; standard ops)
+        return weight
 
     def scoring_keys(self) -> torch.Tensor:
         """The sub-keys the queries are scored against, `(heads, 2, n_keys, k_dim // 2)`: `keys`, with `qk_norm` normalised."""
@@ -495,6 +492,15 @@ class ProductKeyValues(nn.EmbeddingBag):
         return torch.embedding_bag(
             self.weight, input.reshape(-1), offsets, False, 0, self.sparse, per_sample_weights.reshape(-1), False, None
         )[0]
+
+    def readable_in_one_node(self) -> bool:
+        """Whether a memory may read this table inside its one-node read (`HostBoundLookup`) instead of calling it: the
+        fused backward, a plain sum of rows (no max_norm, padding_idx or overridden forward), read by that memory only,
+        not on a Triton device, and no forward or backward hook (of the table or of every module) that needs the call."""
+        plain = self.max_norm is None and self.padding_idx is None and "forward" not in vars(self)
+        return self.fused_backward and plain and not (self.shared or _has_hooks(self)) and (
+            self.weight.device.type not in self.triton_devices
+        )
 
     def train(self, mode: bool = True):
         if not mode:

@@ -774,13 +774,10 @@ def _op_workspace_key(weight: torch.Tensor) -> tuple:
     return weight.device, weight.dtype, weight.data_ptr(), tuple(weight.shape)
 
 
-def release_op_workspaces(weight: torch.Tensor | None = None):
-    """Frees the gradient buffers the custom ops keep between steps for the table `weight` (None: for every table);
-    the next backward makes them again."""
-    if weight is None:
-        _OP_WORKSPACES.clear()
-    else:
-        _OP_WORKSPACES.pop(_op_workspace_key(weight), None)
+def release_op_workspaces(weight: torch.Tensor):
+    """Frees the gradient buffers the custom ops keep between steps for the table `weight` (the next backward makes
+    them again)."""
+    _OP_WORKSPACES.pop(_op_workspace_key(weight), None)
 
 
 class _OpLookup:
