@@ -32,6 +32,7 @@ from .product_key_memory_ops import (
     search_op,
     select_product_keys,
     subkey_scores,
+    top_subkeys,
     triton_bag_sum,
 )
 
@@ -297,10 +298,9 @@ class ProductKeyMemory(nn.Module):
             if not search_is_host_bound(queries.device, scoring):
                 return ProductKeySearch.apply(queries, keys, knn, prune, native)
         if not needs_grad:  # fp32 on CPU: the selection in a native kernel (kernels/cpu.py)
-            return select_product_keys(subkey_scores(queries, keys), knn, prune, native)
+            return select_product_keys(subkey_scores(queries, keys), knn, prune, native)[:2]
         # the reference: torch's own backward of the sub-key scores, (heads * 2, tokens, knn) sorted descending
-        half_scores, half_indices = subkey_scores(queries, keys).topk(knn, dim=-1)
-        return combine_halves(half_scores, half_indices, self.n_keys, knn, prune)
+        return combine_halves(*top_subkeys(subkey_scores(queries, keys), knn), self.n_keys, knn, prune)[:2]
 
     def _scoring_inputs(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The flat queries and the sub-keys `(heads, 2, n_keys, half)` as scored: with `qk_norm` normalised (the

@@ -493,8 +493,8 @@ class ProductKeySearch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, queries, keys, knn, prune=True, native=True):
-        scores, indices = select_product_keys(subkey_scores(queries, keys), knn, prune, native)
-        ctx.save_for_backward(queries, keys, indices)
+        scores, indices, subkeys = select_product_keys(subkey_scores(queries, keys), knn, prune, native, True)
+        ctx.save_for_backward(queries, keys, subkeys)
         ctx.mark_non_differentiable(indices)
         ctx.set_materialize_grads(False)  # no zeros made for the indices' gradient
         return scores, indices
@@ -502,8 +502,8 @@ class ProductKeySearch(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_scores, _grad_indices):
-        queries, keys, indices = ctx.saved_tensors
-        grads = query_and_key_gradients(ctx.needs_input_grad[:2], queries, keys, indices, grad_scores)
+        queries, keys, subkeys = ctx.saved_tensors
+        grads = query_and_key_gradients(ctx.needs_input_grad[:2], queries, keys, subkeys, grad_scores)
         return *grads, None, None, None
 
 
@@ -521,20 +521,20 @@ class HostBoundLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, queries, keys, weight, knn, prune, native, activation, sparse):
-        scores, indices = select_product_keys(subkey_scores(queries, keys), knn, prune, native)
+        scores, indices, subkeys = select_product_keys(subkey_scores(queries, keys), knn, prune, native, True)
         probabilities = torch.softmax(scores, -1, torch.float32) if activation == "softmax" else torch.relu(scores.float())
         flat, lookup_weights = indices.view(-1), probabilities.view(-1).to(weight.dtype)
         bags = bag_layout(indices.flatten(1))
         output = torch.embedding_bag(weight, flat, bags[0], False, 0, False, lookup_weights, False, None)[0]
-        ctx.save_for_backward(queries, keys, weight, indices, probabilities, lookup_weights)
+        ctx.save_for_backward(queries, keys, weight, flat, subkeys, probabilities, lookup_weights)
         ctx.bags, ctx.activation, ctx.sparse = bags, activation, sparse
         return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        queries, keys, weight, indices, probabilities, lookup_weights = ctx.saved_tensors
-        grad_output, flat, (offsets, offset2bag, _) = grad_output.contiguous(), indices.view(-1), ctx.bags
+        queries, keys, weight, flat, subkeys, probabilities, lookup_weights = ctx.saved_tensors
+        grad_output, (offsets, offset2bag, _) = grad_output.contiguous(), ctx.bags
         grad_weight = grad_queries = grad_keys = None
         if ctx.needs_input_grad[2]:
             grad_weight = bag_weight_gradient(grad_output, weight, flat, lookup_weights, ctx.bags, ctx.sparse)
@@ -547,7 +547,7 @@ class HostBoundLookup(torch.autograd.Function):
             grad_scores = torch._softmax_backward_data(grad_probabilities.float(), probabilities, -1, torch.float32)
         else:
             grad_scores = torch.ops.aten.threshold_backward(grad_probabilities.float(), probabilities, 0)
-        grad_queries, grad_keys = query_and_key_gradients(ctx.needs_input_grad[:2], queries, keys, indices, grad_scores)
+        grad_queries, grad_keys = query_and_key_gradients(ctx.needs_input_grad[:2], queries, keys, subkeys, grad_scores)
         return grad_queries, grad_keys, grad_weight, None, None, None, None, None
 
 
@@ -563,9 +563,10 @@ def subkey_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 DENSE_SCORE_GRADIENT_CPU_LIMIT = 2**20
 
 
-def query_and_key_gradients(needs_input_grad, queries, keys, indices, grad_scores):
+def query_and_key_gradients(needs_input_grad, queries, keys, subkeys, grad_scores):
     """Gradients of queries `(tokens, ...)` and sub-keys `(heads, 2, n_keys, half)` from those of the product-key scores
-    `(tokens, heads, knn)`, in the inputs' shapes (None where not needed, or where the scores got no gradient).
+    `(tokens, heads, knn)` of the selected `subkeys` `(tokens, heads, 2, knn)`, in the inputs' shapes (None where not
+    needed, or where the scores got no gradient).
 
     The score of product key `i1 * n_keys + i2` is the sum of sub-key scores `i1` (first half) and `i2` (second half),
     so its gradient goes to those two: scattered into the dense sub-key score gradient and multiplied out (two bmm) on
@@ -575,10 +576,8 @@ def query_and_key_gradients(needs_input_grad, queries, keys, indices, grad_score
     if grad_scores is None:
         return None, None
     heads, _, n_keys, half = keys.shape
-    tokens, groups = indices.shape[0], heads * 2
-    # (tokens, heads, 2, knn): the sub-keys of each half and the gradient they get
-    subkeys = torch.stack((indices.div(n_keys, rounding_mode="floor"), indices.remainder(n_keys)), 2)
-    grad_subkey_scores = grad_scores.to(queries.dtype).unsqueeze(2).expand_as(subkeys)
+    tokens, groups = subkeys.shape[0], heads * 2
+    grad_subkey_scores = grad_scores.to(queries.dtype).unsqueeze(2).expand(-1, -1, 2, -1)  # (tokens, heads, 2, knn)
     halves, grad_queries, grad_keys = queries.reshape(tokens, groups, half).transpose(0, 1), None, None
     if queries.device.type != "cpu" or groups * tokens * n_keys * half <= DENSE_SCORE_GRADIENT_CPU_LIMIT:
         dense = queries.new_zeros(tokens, heads, 2, n_keys).scatter_add_(-1, subkeys, grad_subkey_scores)
@@ -598,15 +597,18 @@ def query_and_key_gradients(needs_input_grad, queries, keys, indices, grad_score
     )
 
 
-def select_product_keys(subkey_scores: torch.Tensor, knn: int, prune: bool = True, native: bool = True):
-    """The best `knn` product keys from the sub-key scores `(heads * 2, tokens, n_keys)` -> `(tokens, heads, knn)`:
-    the native op on fp32 CPU scores where registered (`native`, pruned pairs), else each half's top-`knn` combined
-    by [`combine_halves`]."""
+def select_product_keys(
+    subkey_scores: torch.Tensor, knn: int, prune: bool = True, native: bool = True, with_subkeys: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The best `knn` product keys from the sub-key scores `(heads * 2, tokens, n_keys)`: scores, indices
+    `(tokens, heads, knn)` and the sub-keys of each half `(tokens, heads, 2, knn)` that the backward needs, which the
+    torch path has at no cost (None from the native op unless `with_subkeys`). The native op on fp32 CPU scores where
+    registered (`native`, pruned pairs), else each half's top-`knn` combined by [`combine_halves`]."""
     select = native_selection(subkey_scores) if native and prune else None
     if select is not None:
-        return select(subkey_scores, knn)
-    half_scores, half_indices = subkey_scores.topk(knn, dim=-1)
-    return combine_halves(half_scores, half_indices, subkey_scores.shape[-1], knn, prune)
+        scores, indices = select(subkey_scores, knn)
+        return scores, indices, split_product_keys(indices, subkey_scores.shape[-1]) if with_subkeys else None
+    return combine_halves(*top_subkeys(subkey_scores, knn), subkey_scores.shape[-1], knn, prune)
 
 
 def _subkey_score_gradients(needs_input_grad, halves, keys, indices, grad_scores):
@@ -660,32 +662,45 @@ def _group_offsets(groups: int, n_keys: int, device) -> torch.Tensor:
     return _constant(("group_offsets", groups, n_keys, device), make)
 
 
-def _candidate_pair_tensors(knn: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    first = _constant(("first", knn, device), lambda: torch.tensor(candidate_pairs(knn)[0], device=device))
-    return first, _constant(("second", knn, device), lambda: torch.tensor(candidate_pairs(knn)[1], device=device))
+def _candidate_ranks(knn: int, prune: bool, device) -> torch.Tensor:
+    """`(2, candidates)`: the ranks in each half's top-`knn` of every candidate pair (`candidate_pairs` with `prune`,
+    else all `knn ** 2`)."""
+
+    def make():
+        pairs = candidate_pairs(knn) if prune else tuple(zip(*((a, b) for a in range(knn) for b in range(knn))))
+        return torch.tensor(pairs, device=device)
+
+    return _constant(("candidate_ranks", knn, prune, device), make)
 
 
 def combine_halves(
     half_scores: torch.Tensor, half_indices: torch.Tensor, n_keys: int, knn: int, prune: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The best `knn` product keys from each half's sorted top-`knn`: `(heads * 2, tokens, knn)` -> `(tokens, heads, knn)`.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The best `knn` product keys from each half's sorted top-`knn` `(tokens, heads, 2, knn)` ([`top_subkeys`]):
+    scores and indices `(tokens, heads, knn)`, and the sub-keys of each half `(tokens, heads, 2, knn)` (product key
+    `i1 * n_keys + i2`).
 
     A product key is the concatenation of its two sub-keys, so its score is the sum of the halves' scores; with
     `prune`, only the rank pairs `(a, b)` with `(a + 1) * (b + 1) <= knn` are scored (exact), else all `knn ** 2`, as XLM.
-    The halves are read through `(tokens, heads, knn)` views, so that the results come out in that layout, contiguous.
+    Each half's candidates are one gather, the sub-keys of the best one more.
     """
-    first_scores, second_scores = half_scores.transpose(0, 1).unflatten(1, (-1, 2)).unbind(2)
-    first_indices, second_indices = half_indices.transpose(0, 1).unflatten(1, (-1, 2)).unbind(2)
-    if prune:
-        first, second = _candidate_pair_tensors(knn, half_scores.device)
-        candidate_scores = first_scores.index_select(-1, first) + second_scores.index_select(-1, second)
-        # i1 * n_keys + i2 in one op
-        candidate_indices = torch.add(second_indices.index_select(-1, second), first_indices.index_select(-1, first), alpha=n_keys)
-    else:  # (tokens, heads, knn * knn)
-        candidate_scores = (first_scores[..., :, None] + second_scores[..., None, :]).flatten(-2)
-        candidate_indices = torch.add(second_indices[..., None, :], first_indices[..., :, None], alpha=n_keys).flatten(-2)
-    scores, best = candidate_scores.topk(knn, dim=-1)
-    return scores, candidate_indices.gather(-1, best)
+    ranks = _candidate_ranks(knn, prune, half_scores.device).expand(*half_scores.shape[:2], -1, -1)
+    first, second = half_scores.gather(-1, ranks).unbind(2)
+    scores, best = (first + second).topk(knn, dim=-1)
+    subkeys = half_indices.gather(-1, ranks).gather(-1, best.unsqueeze(2).expand(-1, -1, 2, -1))
+    first, second = subkeys.unbind(2)
+    return scores, torch.add(second, first, alpha=n_keys), subkeys
+
+
+def top_subkeys(subkey_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each half's top-`knn` sub-keys from the sub-key scores `(heads * 2, tokens, n_keys)`: scores and indices
+    `(tokens, heads, 2, knn)`, contiguous (the top-k of a permuted view comes out in its layout)."""
+    return subkey_scores.view(-1, 2, *subkey_scores.shape[1:]).permute(2, 0, 1, 3).topk(knn, dim=-1)
+
+
+def split_product_keys(indices: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """The sub-keys `(..., 2, knn)` of product keys `indices` `(..., knn)`: `i1 * n_keys + i2` -> `(i1, i2)`."""
+    return torch.stack((indices.div(n_keys, rounding_mode="floor"), indices.remainder(n_keys)), -2)
 
 
 def native_selection(subkey_scores: torch.Tensor):
@@ -731,7 +746,7 @@ def _custom_op(name: str, function, fake, backward=None, setup_context=None):
 def _search_op(
     queries: torch.Tensor, keys: torch.Tensor, knn: int, prune: bool, native: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return select_product_keys(subkey_scores(queries, keys), knn, prune, native)
+    return select_product_keys(subkey_scores(queries, keys), knn, prune, native)[:2]
 
 
 def _fake_search(queries, keys, knn, prune, native):
@@ -756,7 +771,8 @@ def _search_backward_op(
     queries: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, grad_scores: torch.Tensor, queries_grad: bool,
     keys_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    grads = query_and_key_gradients((queries_grad, keys_grad), queries, keys, indices, grad_scores.contiguous())
+    subkeys = split_product_keys(indices, keys.shape[2])
+    grads = query_and_key_gradients((queries_grad, keys_grad), queries, keys, subkeys, grad_scores.contiguous())
     return tuple(g.contiguous() if g is not None else t.new_empty(0) for g, t in zip(grads, (queries, keys)))
 
 

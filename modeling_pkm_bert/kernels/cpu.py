@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..product_key_memory_ops import candidate_pairs, combine_halves
+from ..product_key_memory_ops import candidate_pairs, combine_halves, top_subkeys
 
 
 logger = logging.getLogger(__name__)
@@ -224,8 +224,7 @@ def _pair_tensors(knn: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _torch_selection(subkey_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same selection with torch ops (`ProductKeyMemory.search`'s own path)."""
-    half_scores, half_indices = subkey_scores.topk(knn, dim=-1)
-    return combine_halves(half_scores, half_indices, subkey_scores.shape[-1], knn, prune=True)
+    return combine_halves(*top_subkeys(subkey_scores, knn), subkey_scores.shape[-1], knn, prune=True)[:2]
 
 
 def select_product_keys_native(
