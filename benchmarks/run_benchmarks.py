@@ -42,6 +42,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -1297,6 +1298,7 @@ def section_trainer(args) -> list[str]:
     sizes = [(256, 256)] if args.quick else [(256, 256), (512, 256), (512, 768)]  # (n_keys, hidden = value size)
     sizes, batch = getattr(args, "trainer_sizes", None) or sizes, getattr(args, "trainer_batch", None) or batch  # tests
     generator = torch.Generator().manual_seed(0)
+    scratch = tempfile.TemporaryDirectory(prefix="pkm-trainer-section-")  # the Trainer's output_dir: nothing kept
     ids = torch.randint(5, 1000, (batch, length), generator=generator)
     inputs = {"input_ids": ids, "labels": torch.where(torch.rand(batch, length, generator=generator) < 0.15, ids, -100)}
     lines = [
@@ -1319,7 +1321,7 @@ def section_trainer(args) -> list[str]:
                                pkm_heads=4, pkm_knn=32, pkm_k_dim=128)
         torch.manual_seed(0)
         initial = BertPkmForMaskedLM(config)
-        training = TrainingArguments("unused", max_steps=100, learning_rate=1e-4, report_to=[], use_cpu=True,
+        training = TrainingArguments(scratch.name, max_steps=100, learning_rate=1e-4, report_to=[], use_cpu=True,
                                      max_grad_norm=1.0, disable_tqdm=True, save_strategy="no")
         data = Dataset.from_dict({"input_ids": ids.tolist()})
         trainers = {}

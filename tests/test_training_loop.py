@@ -115,7 +115,7 @@ def test_a_changed_setting_stops_the_resume(tmp_path):
 # --memory_max_grad_norm, half of it when the scale grew that step.
 
 
-def fp16_run(memory_optimizer, max_norm, scaler=None, steps=2, poison_step=None):
+def fp16_run(output_dir, memory_optimizer, max_norm, scaler=None, steps=2, poison_step=None):
     """`steps` optimizer steps of a tiny BertPkmForMaskedLM through `TrainingLoop.step`, the values in their own
     optimizer; with `scaler` injected where accelerate puts its own. `poison_step`: that step's gradient of one main
     weight is made inf. Returns (value tables before, after, the other weights before, after, the loop)."""
@@ -130,7 +130,7 @@ def fp16_run(memory_optimizer, max_norm, scaler=None, steps=2, poison_step=None)
         accelerator.scaler = scaler  # on CPU: the scaled and the plain run compute the same gradients)
     torch.manual_seed(0)
     model = BertPkmForMaskedLM(tiny_config(pkm_layers=[1]))
-    args = make_args(None, memory_optimizer=memory_optimizer, memory_max_grad_norm=max_norm, max_train_steps=steps)
+    args = make_args(output_dir, memory_optimizer=memory_optimizer, memory_max_grad_norm=max_norm, max_train_steps=steps)
     main_groups, memory_groups = optimizer_param_groups(model, 0.01)
     optimizer = torch.optim.AdamW(main_groups, lr=1e-3)
     memory = create_memory_optimizer(memory_groups, args, model)
@@ -159,13 +159,13 @@ def fp16_run(memory_optimizer, max_norm, scaler=None, steps=2, poison_step=None)
 
 @pytest.mark.parametrize("memory_optimizer", ["adam", "sgd", "sparse_row_adam"])
 @pytest.mark.parametrize("max_norm", [None, 1e-3])
-def test_fp16_loss_scaling_steps_every_optimizer_with_one_scale(memory_optimizer, max_norm):
+def test_fp16_loss_scaling_steps_every_optimizer_with_one_scale(tmp_path, memory_optimizer, max_norm):
     """Under an injected GradScaler whose scale grows at every step (growth_interval=1), every optimizer's update equals
     the scaler-free run's (to rounding), with and without --memory_max_grad_norm, for every memory optimizer; the scale
     is updated once a step."""
-    table0, table, other0, other, _ = fp16_run(memory_optimizer, max_norm)
+    table0, table, other0, other, _ = fp16_run(tmp_path, memory_optimizer, max_norm)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
-    scaled0, scaled, scaled_other0, scaled_other, _ = fp16_run(memory_optimizer, max_norm, scaler)
+    scaled0, scaled, scaled_other0, scaled_other, _ = fp16_run(tmp_path, memory_optimizer, max_norm, scaler)
     assert torch.equal(table0, scaled0) and torch.equal(other0, scaled_other0)
     assert (table - table0).abs().max() > 0
     torch.testing.assert_close(scaled - scaled0, table - table0, rtol=1e-4, atol=1e-7)
@@ -175,15 +175,15 @@ def test_fp16_loss_scaling_steps_every_optimizer_with_one_scale(memory_optimizer
 
 @pytest.mark.parametrize("memory_optimizer", ["adam", "sparse_row_adam"])
 @pytest.mark.parametrize("max_norm", [None, 1e-3])
-def test_fp16_overflow_skips_every_optimizer_and_the_schedule(memory_optimizer, max_norm):
+def test_fp16_overflow_skips_every_optimizer_and_the_schedule(tmp_path, memory_optimizer, max_norm):
     """One non-finite gradient of a main weight: neither the main optimizer nor the memory's steps, the schedule stays,
     the scale is halved once; the next step trains again."""
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=100)
-    table0, table, other0, other, loop = fp16_run(memory_optimizer, max_norm, scaler, steps=1, poison_step=0)
+    table0, table, other0, other, loop = fp16_run(tmp_path, memory_optimizer, max_norm, scaler, steps=1, poison_step=0)
     assert torch.equal(table, table0) and torch.equal(other, other0)
     assert scaler.get_scale() == 512.0
     assert loop.lr_scheduler.scheduler.last_epoch == 0  # not advanced by the skipped step
-    table0, table, other0, other, loop = fp16_run(memory_optimizer, max_norm, scaler, steps=2, poison_step=0)
+    table0, table, other0, other, loop = fp16_run(tmp_path, memory_optimizer, max_norm, scaler, steps=2, poison_step=0)
     assert not torch.equal(table, table0) and not torch.equal(other, other0)
 
 
