@@ -87,6 +87,26 @@ def test_pruned_search_equals_brute_force(n_keys, heads, knn, k_dim, batch_shape
     assert torch.equal(indices, expected_indices)
 
 
+@pytest.mark.parametrize("prune,native", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("n_keys,heads,knn,tokens", [(8, 2, 4, 5), (16, 3, 16, 7), (12, 1, 7, 3), (5, 2, 1, 6)])
+def test_selection_keeps_the_subkeys_of_every_product_key(n_keys, heads, knn, tokens, prune, native):
+    """The sub-keys `(tokens, heads, 2, knn)` that the selection keeps for the backward (gathered from the halves' top-k,
+    or split from the native op's indices) are those of the product keys it chose, `i1 * n_keys + i2`, and their
+    sub-key scores add up to the product scores; the same selection as the full grid (fp32: the native op runs)."""
+    from modeling_pkm_bert.product_key_memory_ops import select_product_keys
+
+    subkey_scores = torch.randn(heads * 2, tokens, n_keys)
+    scores, indices, subkeys = select_product_keys(subkey_scores, knn, prune, native, with_subkeys=True)
+    assert subkeys.shape == (tokens, heads, 2, knn) and subkeys.is_contiguous() and indices.is_contiguous()
+    assert torch.equal(subkeys[:, :, 0] * n_keys + subkeys[:, :, 1], indices)
+    halves = subkey_scores.view(heads, 2, tokens, n_keys).permute(2, 0, 1, 3)  # (tokens, heads, 2, n_keys)
+    torch.testing.assert_close(halves.gather(-1, subkeys).sum(2), scores, rtol=0, atol=1e-6)
+    grid = (halves[:, :, 0, :, None] + halves[:, :, 1, None, :]).flatten(-2)  # every product key
+    expected_scores, expected_indices = grid.topk(knn, dim=-1)
+    torch.testing.assert_close(scores, expected_scores, rtol=0, atol=1e-6)
+    assert torch.equal(indices.sort(-1).values, expected_indices.sort(-1).values)
+
+
 @pytest.mark.parametrize("score_gradient", ["dense", "selected-subkeys"])
 @pytest.mark.parametrize("prune,fused", [(True, True), (True, False), (False, True)])
 def test_fast_search_equals_full_grid_reference_with_gradients(prune, fused, score_gradient, monkeypatch):
