@@ -139,6 +139,7 @@ def test_overhead_section_counts_the_dispatched_ops_of_every_mode(bench):
     assert computing["dense"] < computing["dense_torch_nodes"] and computing["sparse"] < computing["sparse_torch_nodes"]
     assert computing["dense"] < computing["lucidrains"], computing  # about the kernel launches of a GPU step
     assert ops["xlm"] > ops["lucidrains"]  # its loop over heads
+    assert ops["dense"] < ops["memory_plus"] and ops["memory_plus_options_only"] < ops["memory_plus"]  # the options' floor
 
 
 @pytest.mark.multiprocess
