@@ -685,8 +685,7 @@ def combine_halves(
     Each half's candidates are one gather, the sub-keys of the best one more.
     """
     ranks = _candidate_ranks(knn, prune, half_scores.device).expand(*half_scores.shape[:2], -1, -1)
-    first, second = half_scores.gather(-1, ranks).unbind(2)
-    scores, best = (first + second).topk(knn, dim=-1)
+    scores, best = half_scores.gather(-1, ranks).sum(2).topk(knn, dim=-1)
     subkeys = half_indices.gather(-1, ranks).gather(-1, best.unsqueeze(2).expand(-1, -1, 2, -1))
     first, second = subkeys.unbind(2)
     return scores, torch.add(second, first, alpha=n_keys), subkeys
