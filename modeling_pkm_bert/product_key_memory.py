@@ -299,7 +299,7 @@ class ProductKeyMemory(nn.Module):
                 return ProductKeySearch.apply(queries, keys, knn, prune, native)
         if not needs_grad:  # fp32 on CPU: the selection in a native kernel (kernels/cpu.py)
             return select_product_keys(subkey_scores(queries, keys), knn, prune, native)[:2]
-        # the reference: torch's own backward of the sub-key scores, (heads * 2, tokens, knn) sorted descending
+        # the reference: torch's own backward of the sub-key scores, each half's top-k (tokens, heads, 2, knn)
         return combine_halves(*top_subkeys(subkey_scores(queries, keys), knn), self.n_keys, knn, prune)[:2]
 
     def _scoring_inputs(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

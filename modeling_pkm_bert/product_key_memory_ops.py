@@ -682,11 +682,17 @@ def combine_halves(
 
     A product key is the concatenation of its two sub-keys, so its score is the sum of the halves' scores; with
     `prune`, only the rank pairs `(a, b)` with `(a + 1) * (b + 1) <= knn` are scored (exact), else all `knn ** 2`, as XLM.
-    Each half's candidates are one gather, the sub-keys of the best one more.
+    The pruned candidates' scores are one gather of both halves; the sub-keys are gathered for the best only, through
+    their ranks.
     """
     ranks = _candidate_ranks(knn, prune, half_scores.device).expand(*half_scores.shape[:2], -1, -1)
-    scores, best = half_scores.gather(-1, ranks).sum(2).topk(knn, dim=-1)
-    subkeys = half_indices.gather(-1, ranks).gather(-1, best.unsqueeze(2).expand(-1, -1, 2, -1))
+    if prune:
+        candidate_scores = half_scores.gather(-1, ranks).sum(2)
+    else:  # every pair, candidate a * knn + b: broadcast, without a gathered copy of the halves
+        first, second = half_scores.unbind(2)
+        candidate_scores = (first[..., :, None] + second[..., None, :]).flatten(-2)
+    scores, best = candidate_scores.topk(knn, dim=-1)
+    subkeys = half_indices.gather(-1, ranks.gather(-1, best.unsqueeze(2).expand(-1, -1, 2, -1)))
     first, second = subkeys.unbind(2)
     return scores, torch.add(second, first, alpha=n_keys), subkeys
 
