@@ -700,7 +700,8 @@ def combine_halves(
 def top_subkeys(subkey_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each half's top-`knn` sub-keys from the sub-key scores `(heads * 2, tokens, n_keys)`: scores and indices
     `(tokens, heads, 2, knn)`, contiguous (the top-k of a permuted view comes out in its layout)."""
-    return subkey_scores.view(-1, 2, *subkey_scores.shape[1:]).permute(2, 0, 1, 3).topk(knn, dim=-1)
+    groups, tokens, n_keys = subkey_scores.shape  # (no -1: a process may have 0 tokens)
+    return subkey_scores.view(groups // 2, 2, tokens, n_keys).permute(2, 0, 1, 3).topk(knn, dim=-1)
 
 
 def split_product_keys(indices: torch.Tensor, n_keys: int) -> torch.Tensor:

@@ -313,6 +313,31 @@ def test_one_node_read_of_no_token_gives_every_parameter_a_zero_gradient(sparse,
         assert p.grad is not None and not dense(p.grad).any(), name
 
 
+@pytest.mark.parametrize("one_node", [("dense", "sparse"), ()])
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("fused,prune,native", [(True, True, True), (True, True, False), (True, False, False), (False, True, False), (False, False, False)])
+def test_a_read_of_no_token_on_every_selection_path(fused, prune, native, sparse, one_node, monkeypatch):
+    """A batch with no real token (a process of DDP/FSDP or of memory parallelism whose batch is all padding) through
+    every selection path, with the small-size paths (the one node or torch's nodes) and the large ones: no error, zero
+    outputs, zero gradients for every parameter."""
+    monkeypatch.setattr(product_key_memory_ops, "ONE_NODE_WHEN_HOST_BOUND", one_node)
+    for small_sizes in (True, False):
+        monkeypatch.setattr(product_key_memory_ops, "SMALL_LOOKUP_ELEMENTS", 2**20 if small_sizes else 0)
+        monkeypatch.setattr(product_key_memory_ops, "DENSE_SCORE_GRADIENT_CPU_LIMIT", 2**20 if small_sizes else 0)
+        memory = ProductKeyMemory(16, 12, n_keys=8, heads=2, knn=4, k_dim=8, sparse=sparse).train()
+        memory.query_batchnorm = torch.nn.Identity()  # (no batch statistics of 0 tokens)
+        memory.values.fused_backward = memory.fused_search_backward = fused
+        memory.prune_candidates, memory.native_search = prune, native
+        x = torch.randn(2, 3, 16, requires_grad=True)
+        out = memory(x, torch.zeros(2, 3, dtype=torch.long))
+        out.sum().backward()
+        assert torch.equal(out, torch.zeros(2, 3, 12)) and torch.equal(x.grad, torch.zeros_like(x))
+        for name, p in memory.named_parameters():
+            assert p.grad is not None and not dense(p.grad).any(), (name, small_sizes)
+        scores, indices = memory.eval().search(torch.randn(0, 2, 8))
+        assert scores.shape == indices.shape == (0, 2, 4)
+
+
 def test_one_node_read_under_bfloat16_autocast_is_close_to_torch_nodes(monkeypatch, one_node_paths):
     """CPU autocast to bf16 (the sub-key scores in bf16, as on a GPU under autocast): the one node's outputs and
     gradients match torch's own nodes to bf16 rounding."""
