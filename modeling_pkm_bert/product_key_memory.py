@@ -22,7 +22,6 @@ from .product_key_memory_ops import (
     SharedGradient,
     WeightedRowSum,
     bag_layout,
-    combine_halves,
     is_exporting,
     lookup_is_host_bound,
     read_is_host_bound,
@@ -32,7 +31,6 @@ from .product_key_memory_ops import (
     search_op,
     select_product_keys,
     subkey_scores,
-    top_subkeys,
     triton_bag_sum,
 )
 
@@ -297,10 +295,8 @@ class ProductKeyMemory(nn.Module):
             scoring = queries.shape[0] * self.heads * self.k_dim * self.n_keys  # multiply-adds of the sub-key scores
             if not search_is_host_bound(queries.device, scoring):
                 return ProductKeySearch.apply(queries, keys, knn, prune, native)
-        if not needs_grad:  # fp32 on CPU: the selection in a native kernel (kernels/cpu.py)
-            return select_product_keys(subkey_scores(queries, keys), knn, prune, native)[:2]
-        # the reference: torch's own backward of the sub-key scores, each half's top-k (tokens, heads, 2, knn)
-        return combine_halves(*top_subkeys(subkey_scores(queries, keys), knn), self.n_keys, knn, prune)[:2]
+        # without gradients, fp32 on CPU: the native kernel (kernels/cpu.py); else the reference, torch's own backward
+        return select_product_keys(subkey_scores(queries, keys), knn, prune, native and not needs_grad)[:2]
 
     def _scoring_inputs(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The flat queries and the sub-keys `(heads, 2, n_keys, half)` as scored: with `qk_norm` normalised (the

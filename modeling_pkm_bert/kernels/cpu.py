@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..product_key_memory_ops import candidate_pairs, combine_halves, top_subkeys
+from ..product_key_memory_ops import candidate_pairs, select_product_keys
 
 
 logger = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ def _pair_tensors(knn: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _torch_selection(subkey_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same selection with torch ops (`ProductKeyMemory.search`'s own path)."""
-    return combine_halves(*top_subkeys(subkey_scores, knn), subkey_scores.shape[-1], knn, prune=True)[:2]
+    return select_product_keys(subkey_scores, knn, prune=True, native=False)[:2]
 
 
 def select_product_keys_native(
