@@ -319,11 +319,20 @@ def _lookup_matrix(counts, tokens_of_lookups, weights_of_lookups, tokens) -> tor
     return _csr(crow, tokens_of_lookups, weights_of_lookups, (counts.numel(), tokens))
 
 
-def _csr_per_sample_weight_gradient(lookups, weight, grad_output, order, shape) -> torch.Tensor:
+def _csr_per_sample_weight_gradient(lookups, weight, grad_output, order, indices, counts) -> torch.Tensor:
     """`dot(weight[indices[t, j]], grad_output[t])` of every lookup, a sampled product over the `(rows x tokens)` CSR
-    matrix `lookups` (it reads the value rows in ascending order), put back in the lookups' own order `shape`."""
+    matrix `lookups` (it reads the value rows in ascending order), put back in the lookups' own order."""
+    if counts.numel() and int(counts.max()) > grad_output.shape[0]:
+        # torch's sampled_addmm refuses a row with more entries than the matrix has columns: a row read more often
+        # than there are tokens (a tiny memory, or a collapsed one whose heads all pick one slot); gathered instead
+        dots = torch.empty(indices.shape, dtype=grad_output.dtype, device=grad_output.device)
+        step = max(1, 2**24 // max(1, indices.shape[1] * weight.shape[1]))
+        for start in range(0, indices.shape[0], step):
+            rows = weight[indices[start : start + step]].to(grad_output.dtype)
+            dots[start : start + step] = (rows * grad_output[start : start + step, None]).sum(-1)
+        return dots
     dots = torch.sparse.sampled_addmm(lookups, weight, grad_output.t(), beta=0.0).values()
-    return torch.empty_like(dots).index_copy_(0, order, dots).view(shape)
+    return torch.empty_like(dots).index_copy_(0, order, dots).view(indices.shape)
 
 
 def _dense_csr_backward(ctx, weight, indices, per_sample_weights, grad_output, so_far):
@@ -338,7 +347,7 @@ def _dense_csr_backward(ctx, weight, indices, per_sample_weights, grad_output, s
     lookups = _lookup_matrix(counts, tokens_of_lookups, weights_of_lookups, indices.shape[0])
     grad_per_sample_weights = None
     if ctx.needs_input_grad[2]:
-        grad_per_sample_weights = _csr_per_sample_weight_gradient(lookups, weight, grad_output, order, indices.shape)
+        grad_per_sample_weights = _csr_per_sample_weight_gradient(lookups, weight, grad_output, order, indices, counts)
     if not ctx.needs_input_grad[0]:
         return None, grad_per_sample_weights
     partial = so_far.partial
@@ -365,7 +374,7 @@ def _sparse_csr_backward(ctx, weight, indices, per_sample_weights, grad_output, 
     if ctx.needs_input_grad[2]:
         counts = torch.bincount(indices.reshape(-1), minlength=n_rows)
         lookups = _lookup_matrix(counts, tokens_of_lookups, weights_of_lookups, tokens)
-        grad_per_sample_weights = _csr_per_sample_weight_gradient(lookups, weight, grad_output, order, indices.shape)
+        grad_per_sample_weights = _csr_per_sample_weight_gradient(lookups, weight, grad_output, order, indices, counts)
         del lookups, counts
     if not ctx.needs_input_grad[0]:
         return None, grad_per_sample_weights

@@ -126,3 +126,25 @@ def test_dropouts_act_only_in_training():
     torch.testing.assert_close(memory(x), memory(x))
     memory.train()
     assert (memory(x) == 0).float().mean() > 0.2
+
+
+@pytest.mark.parametrize("n_keys, heads, knn, tokens", [(1, 4, 1, 320), (1, 2, 1, 320), (2, 4, 2, 2000), (8, 4, 8, 600)])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_gradients_when_a_slot_is_read_more_often_than_there_are_tokens(n_keys, heads, knn, tokens, sparse):
+    # a tiny memory (or a collapsed one whose heads all pick one slot) has rows read more often than there are tokens:
+    # the large-batch value backward must give the gradients of the same tokens read in small batches
+    torch.manual_seed(0)
+    memory = ProductKeyMemory(128, n_keys=n_keys, heads=heads, knn=knn, k_dim=128, sparse=sparse).eval()
+    x = torch.randn(tokens, 128)
+
+    def gradients(chunks):
+        memory.zero_grad(set_to_none=True)
+        inputs = x.clone().requires_grad_(True)
+        for part in inputs.split(tokens // chunks):
+            memory(part[None]).pow(2).sum().backward()
+        values = memory.values.weight.grad
+        return inputs.grad, values.to_dense() if values.is_sparse else values, memory.keys.grad
+
+    whole, parts = gradients(1), gradients(tokens // 10)
+    for a, b in zip(whole, parts):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
