@@ -308,7 +308,8 @@ def test_two_processes_with_memory_parallel(tiny_pkm, data, tmp_path):
 def test_eval_steps_staleness_and_mixed_precision(tiny_pkm, data, tmp_path):
     """The shared loop's flags: an evaluation every --eval_steps (none at epoch ends; the final one at the last step)
     with the training loss since the previous one in metrics.jsonl, --track_staleness, --mixed_precision bf16. An
-    evaluation leaves the training random streams alone: resuming at a step that evaluated ends with the same weights."""
+    evaluation leaves the training random streams alone: resuming at a step that evaluated ends with the same weights
+    and logs the same records (the training loss of the next evaluation averages the steps after the checkpoint)."""
     output_dir = tmp_path / "out"
     options = "--max_train_steps 10 --eval_steps 2 --track_staleness --checkpointing_steps 4"  # 8 steps an epoch
     results = run_glue.main(glue_args(tiny_pkm, data, output_dir, options))
@@ -325,7 +326,30 @@ def test_eval_steps_staleness_and_mixed_precision(tiny_pkm, data, tmp_path):
     run_glue.main(glue_args(tiny_pkm, data, resumed_dir, f"{options} --resume_from_checkpoint {output_dir / 'step_4'}"))
     reference, resumed = load_file(output_dir / "model.safetensors"), load_file(resumed_dir / "model.safetensors")
     assert all(torch.equal(reference[name], resumed[name]) for name in reference)
+    assert metrics_records(resumed_dir) == metrics_records(output_dir, after=4)
 
     reset_accelerate_state()  # a new Accelerator with another precision
     bf16 = run_glue.main(glue_args(tiny_pkm, data, tmp_path / "bf16", "--max_train_steps 2 --mixed_precision bf16"))
     assert 0 <= bf16["eval_accuracy"] <= 1 and bf16["step"] == 2
+
+
+def metrics_records(output_dir, after=0):
+    """The records of a run's metrics.jsonl past step `after`, without their wall-clock times."""
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    records = [{k: v for k, v in json.loads(line).items() if k != "time"} for line in lines]
+    return [record for record in records if record["step"] > after]
+
+
+def test_resume_at_an_epoch_end_evaluation_logs_as_the_uninterrupted_run(tiny_pkm, data, tmp_path):
+    """--checkpointing_steps 4 at 8 steps an epoch: step_8 is the last step of epoch 0, which evaluates at its end.
+    Resumed from step_8, the run logs the uninterrupted run's records (the final evaluation's training loss averages
+    epoch 1 alone) and ends with its weights."""
+    options = "--num_train_epochs 2 --checkpointing_steps 4"
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run_glue.main(glue_args(tiny_pkm, data, full, options))
+    assert [r["step"] for r in metrics_records(full) if "eval_accuracy" in r] == [8, 16]
+    reset_accelerate_state()
+    run_glue.main(glue_args(tiny_pkm, data, resumed, f"{options} --resume_from_checkpoint {full / 'step_8'}"))
+    assert metrics_records(resumed) == metrics_records(full, after=8)
+    reference, weights = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(reference[name], weights[name]) for name in reference)

@@ -47,10 +47,14 @@ def train(args, batches=10, stop_after=None):
     steps_per_epoch = plan_training_steps(args, dataloader)
     scheduler = create_scheduler(accelerator, args, optimizer, num_warmup_steps=1)
     evaluations = []
+
+    def evaluate(when):
+        evaluations.append((when, loop.completed_steps))
+        return {"eval_score": float(torch.rand(()))}  # draws from torch's RNG, as run_mlm's masking of the eval set
+
     loop = TrainingLoop(
         accelerator, args, model, [optimizer], scheduler, dataloader,
-        steps_per_epoch=steps_per_epoch, settings=run_settings(args, accelerator), logger=LOGGER,
-        evaluate=lambda when: evaluations.append((when, loop.completed_steps)) or {"eval_score": 1.0},
+        steps_per_epoch=steps_per_epoch, settings=run_settings(args, accelerator), logger=LOGGER, evaluate=evaluate,
     )  # fmt: skip
     loop.resume()
     for epoch in loop.epochs():
@@ -62,6 +66,9 @@ def train(args, batches=10, stop_after=None):
             if stop_after is not None and loop.completed_steps == stop_after and accelerator.sync_gradients:
                 return None, loop, evaluations, len(optimizer_steps)
         loop.after_epoch(epoch)
+    results = loop.results()
+    loop.log_evaluation(evaluate("final"), final=True)  # the scripts' final evaluation, after results()
+    assert results["step"] == loop.completed_steps
     weights = torch.cat([p.detach().flatten() for p in accelerator.unwrap_model(model).parameters()])
     return weights, loop, evaluations, len(optimizer_steps)
 
@@ -72,7 +79,8 @@ def test_one_optimizer_step_per_accumulation_and_a_log_line_each(tmp_path, accum
     assert loop.completed_steps == taken == steps
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, steps + 1))
-    assert evaluations == [("epoch 0", steps // 2)]  # not after the last epoch: the script evaluates at the end
+    # not after the last epoch: the script evaluates at the end
+    assert evaluations == [("epoch 0", steps // 2), ("final", steps)]
     results = loop.results()
     assert results["step"] == steps and results["train_steps_per_second"] > 0 and results["train_loss"] > 0
 
@@ -80,9 +88,9 @@ def test_one_optimizer_step_per_accumulation_and_a_log_line_each(tmp_path, accum
 def test_evaluation_cadence_and_max_train_steps(tmp_path):
     _, loop, evaluations, taken = train(make_args(tmp_path, eval_steps=3, max_train_steps=13))
     assert taken == loop.completed_steps == 13 and loop.args.num_train_epochs == 2
-    assert evaluations == [("step 3", 3), ("step 6", 6), ("step 9", 9), ("step 12", 12)]
+    assert evaluations == [("step 3", 3), ("step 6", 6), ("step 9", 9), ("step 12", 12), ("final", 13)]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "eval_score" in r] == [3, 6, 9, 12]
+    assert [r["step"] for r in records if "eval_score" in r] == [3, 6, 9, 12, 13]  # and the final one
     assert all(r["train_loss"] > 0 for r in records if "eval_score" in r)
 
 
@@ -203,15 +211,37 @@ def test_max_train_steps_mid_epoch_writes_a_step_checkpoint_and_resumes_from_it(
     assert (tmp_path / "epoch_1").is_dir()
 
 
-def test_a_resumed_run_logs_as_the_uninterrupted_one(tmp_path):
-    """metrics.jsonl after a resume from step_4 of a run killed at step 6: the steps 5 and 6 of the killed run are gone,
-    each step and evaluation is logged once, in order, as in the uninterrupted run (a torn last line is dropped too)."""
-    options = dict(checkpointing_steps="4", eval_steps=3, num_train_epochs=1)
-    train(make_args(tmp_path / "full", **options))
-    train(make_args(tmp_path / "cut", **options), stop_after=6)
+@pytest.mark.parametrize(
+    "checkpointing, eval_steps, epochs, accumulation, resume_at, killed_at",
+    [
+        ("4", 3, 1, 1, "step_4", 6),  # the cadences never meet
+        ("3", 3, 1, 1, "step_3", 5),  # a step evaluation and a checkpoint at the same step
+        ("2", 4, 1, 1, "step_4", 5),
+        ("2", 2, 2, 3, "step_4", 6),  # under gradient accumulation (4 steps an epoch): step 4 ends epoch 0 too
+        ("5", None, 2, 1, "step_10", 12),  # the epoch-end evaluation and a step checkpoint at the epoch's last step
+        ("epoch", None, 2, 1, "epoch_0", 12),
+        ("epoch", 5, 2, 1, "epoch_0", 12),
+    ],
+)
+def test_a_resumed_run_logs_as_the_uninterrupted_one(
+    tmp_path, checkpointing, eval_steps, epochs, accumulation, resume_at, killed_at
+):
+    """metrics.jsonl after a resume from a checkpoint of a run killed a few steps later: the killed run's later steps
+    are gone, each step and evaluation is logged once, in order, as in the uninterrupted run (a torn last line is
+    dropped too) — the training loss of every evaluation included, also where a checkpoint falls on an evaluation's
+    step (a step evaluation, or the epoch-end one at the epoch's last step)."""
+    options = dict(
+        checkpointing_steps=checkpointing, eval_steps=eval_steps, num_train_epochs=epochs,
+        gradient_accumulation_steps=accumulation,
+    )  # fmt: skip
+    reference = train(make_args(tmp_path / "full", **options))[0]
+    train(make_args(tmp_path / "cut", **options), stop_after=killed_at)
     with open(tmp_path / "cut" / "metrics.jsonl", "a") as log:
-        log.write('{"step": 7, "lo')  # killed while writing
-    train(make_args(tmp_path / "cut", resume_from_checkpoint="latest", **options))
+        log.write('{"step": 99, "lo')  # killed while writing
+    checkpoint = tmp_path / "cut" / resume_at
+    assert checkpoint.is_dir()
+    weights = train(make_args(tmp_path / "cut", resume_from_checkpoint=str(checkpoint), **options))[0]
+    assert torch.equal(weights, reference)  # the evaluations' draws from the RNG included
 
     def records(run):
         lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()

@@ -7,8 +7,8 @@
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 loop.step(loss)                    # backward; at an optimizer step: SMF rows, clipping, optimizers
-            loop.after_batch()                     # after an optimizer step: log, step checkpoint, --eval_steps
-        loop.after_epoch(epoch)                    # evaluation (not after the last epoch), epoch checkpoint
+            loop.after_batch()                     # after an optimizer step: log, --eval_steps, step checkpoint
+        loop.after_epoch(epoch)                    # evaluation (not after the last epoch), then its checkpoint
     results.update(loop.results())
 
 `TrainingLoop` owns what the scripts share: the exact resume (`--resume_from_checkpoint`: state, staleness, position
@@ -230,9 +230,12 @@ class TrainingLoop:
             optimizer.zero_grad()
 
     def after_batch(self) -> None:
-        """After a batch that ended an accumulation (an optimizer step): the step's loss into the metrics log, a step
-        checkpoint (`--checkpointing_steps N`), an evaluation (`--eval_steps`, not at the last step: the script's
-        final one). Nothing after the other batches."""
+        """After a batch that ended an accumulation (an optimizer step): the step's loss into the metrics log, an
+        evaluation (`--eval_steps`, not at the last step: the script's final one), then a step checkpoint
+        (`--checkpointing_steps N`; at an epoch's last step `after_epoch` saves it). Nothing after the other batches.
+
+        A checkpoint is saved after its step's evaluation: a resumed run does not evaluate that step again, so the
+        checkpoint must hold what the evaluation left (the running loss it reset, the random states it drew from)."""
         if not self.accelerator.sync_gradients:
             return
         now = time.perf_counter()
@@ -244,23 +247,26 @@ class TrainingLoop:
         self.metrics_log.log({"loss": sum(self._step_losses) / len(self._step_losses)}, step=self.completed_steps)
         self._step_losses = []
         steps = self.completed_steps
-        if isinstance(self.checkpointing_steps, int) and steps % self.checkpointing_steps == 0:
-            self._checkpoint(f"step_{steps}")
         if self.eval_steps and steps % self.eval_steps == 0 and not self.done:
             self._evaluate(f"step {steps}")
+        if self._step_checkpoint_due() and steps % self.steps_per_epoch:
+            self._checkpoint(f"step_{steps}")
         self._step_start = time.perf_counter()  # evaluations and checkpoints are not training time
 
     def after_epoch(self, epoch: int) -> None:
         """After an epoch (or the part of it before `--max_train_steps`): an evaluation unless `--eval_steps` sets the
         cadence or the training ends here (the script's final evaluation), and an epoch checkpoint
         (`--checkpointing_steps epoch`; an epoch cut short is saved as `step_N`: an `epoch_E` folder would tell a
-        resume that all of epoch E was trained)."""
+        resume that all of epoch E was trained), or the step checkpoint (`--checkpointing_steps N`) due at the epoch's
+        last step, after the evaluation as in `after_batch`."""
         last_epoch = epoch == self.args.num_train_epochs - 1 or self.done
         if not self.eval_steps and not last_epoch:
             self._evaluate(f"epoch {epoch}")
+        finished = self.completed_steps >= (epoch + 1) * self.steps_per_epoch
         if self.checkpointing_steps == "epoch":
-            finished = self.completed_steps >= (epoch + 1) * self.steps_per_epoch
             self._checkpoint(f"epoch_{epoch}" if finished else f"step_{self.completed_steps}")
+        elif finished and self._step_checkpoint_due():
+            self._checkpoint(f"step_{self.completed_steps}")
 
     @property
     def done(self) -> bool:
@@ -295,6 +301,9 @@ class TrainingLoop:
         }
 
     # -------------------------------------------------------------------------------------------------- bookkeeping
+
+    def _step_checkpoint_due(self) -> bool:
+        return isinstance(self.checkpointing_steps, int) and self.completed_steps % self.checkpointing_steps == 0
 
     def _evaluate(self, when: str) -> None:
         self.log_evaluation(self.evaluate(when) if self.evaluate is not None else {})
