@@ -182,3 +182,39 @@ def test_run_mlm_card_after_a_real_run(tmp_path, monkeypatch):
     saved = json.loads((tmp_path / "out" / "all_results.json").read_text())
     assert saved.keys() == results.keys() and "total_runtime" in saved and "total_runtime" not in card
     assert os.path.isfile(tmp_path / "out" / "config.json")
+    # a product-key model without n-gram layers: its memory settings, one line for the n-gram memory it lacks
+    assert "| `pkm_n_keys` | `8` |" in card and "Hashed n-gram memory: none." in card
+    assert "ngram_" not in card and "null" not in settings_section(card)
+
+
+def settings_section(card: str) -> str:
+    return card.split("## Memory settings", 1)[1].split("\n## ", 1)[0]
+
+
+@pytest.mark.parametrize("pkm_layers, ngram_layers", [([1], []), ([], [0, 2]), ([1], [0]), ([], [])])
+def test_card_lists_the_memories_the_model_uses(tmp_path, pkm_layers, ngram_layers):
+    """The card's memory settings hold the fields of each memory kind the model has, and none that is None (a
+    checksum not taken, a scale not set); a kind it lacks is one line, not its defaults."""
+    from modeling_pkm_bert.hub.model_card import write_model_card
+
+    folder = tmp_path / "out"
+    model = BertPkmForMaskedLM(tiny_config(pkm_layers=pkm_layers, ngram_layers=ngram_layers))
+    model.save_pretrained(folder)
+    card = str(write_model_card(folder))
+    settings = settings_section(card)
+    # the parameters of a kind's memories in its own rows, not in "the rest of the model"
+    rest = sum(p.numel() for n, p in model.named_parameters() if ".memory." not in n and ".ngram." not in n)
+    assert f"| rest of the model | {rest:,} |" in card
+    assert ("| memory values |" in card) == bool(pkm_layers) and ("| n-gram memory tables |" in card) == bool(ngram_layers)
+    assert "null" not in settings and "pkm_weights_checksum" not in settings and "pkm_memory_scale" not in settings
+    if pkm_layers:
+        assert f"| `pkm_layers` | `{pkm_layers}` |" in settings and "| memory slots per layer | 64 |" in settings
+        assert "Product-key memory: none." not in settings and f"product key memory (PKM, Lample et al. 2019) at layers {pkm_layers}" in card
+    else:
+        assert "Product-key memory: none." in settings and "pkm_" not in settings and "slots" not in settings
+        assert "product key memory (PKM" not in card and "product-key-memory" not in card
+    if ngram_layers:
+        assert f"| `ngram_layers` | `{ngram_layers}` |" in settings and "| `ngram_orders` | `[2, 3]` |" in settings
+        assert "Hashed n-gram memory: none." not in settings and f"n-gram memories at layers {ngram_layers}" in card
+    else:
+        assert "Hashed n-gram memory: none." in settings and "ngram_" not in settings

@@ -21,8 +21,10 @@ if TYPE_CHECKING:
     from .conversion import ConversionReport
 
 
-# the pkm_* and ngram_* fields a card lists; the heads a conversion may add
+# the pkm_* and ngram_* fields of the config; the heads a conversion may add
 PKM_FIELDS = [f.name for f in dataclasses.fields(BertPkmConfig) if f.name.startswith(("pkm_", "ngram_"))]
+# fields a card never lists: digests of the weights, not a setting (config.json keeps them)
+_UNLISTED_FIELDS = {"pkm_weights_checksum"}
 HEAD_PREFIXES = ("cls.", "lm_head.", "classifier.", "qa_outputs.")  # lm_head: RoBERTa's
 
 
@@ -83,8 +85,9 @@ def hub_id_or_none(name) -> str | None:
 
 
 def folder_parameter_counts(folder: str | os.PathLike) -> dict[str, int]:
-    """Parameter counts of a saved model from its safetensors headers: total, memory values, other memory params."""
-    counts = {"total": 0, "memory_values": 0, "memory_other": 0}
+    """Parameter counts of a saved model from its safetensors headers: total, product-key memory values, other
+    product-key memory parameters, n-gram memory tables, other n-gram memory parameters."""
+    counts = {"total": 0, "memory_values": 0, "memory_other": 0, "ngram_tables": 0, "ngram_other": 0}
     for path in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(path, "pt") as f:
             for name in f.keys():
@@ -96,6 +99,8 @@ def folder_parameter_counts(folder: str | os.PathLike) -> dict[str, int]:
                 counts["total"] += n
                 if ".memory." in name:
                     counts["memory_values" if name.endswith("memory.values.weight") else "memory_other"] += n
+                elif ".ngram." in name:
+                    counts["ngram_tables" if name.endswith("ngram.tables.weight") else "ngram_other"] += n
     return counts
 
 
@@ -235,6 +240,19 @@ def card_metadata(base_model, license, tags, pipeline_tag=None) -> str:
     return f"---\n{data.to_yaml()}\n---\n\n"
 
 
+def memory_settings(config: dict, prefix: str, kind: str, extra_rows: list[str] = ()) -> list[str]:
+    """A card's settings of one memory kind (the config fields starting with `prefix`, each set one, and
+    `extra_rows`), as markdown lines; a kind the model does not use (no `<prefix>layers`) is one line saying so."""
+    if not config.get(f"{prefix}layers"):
+        return [f"{kind}: none.", ""]
+    rows = [
+        f"| `{field}` | `{json.dumps(config[field])}` |"
+        for field in PKM_FIELDS
+        if field.startswith(prefix) and field not in _UNLISTED_FIELDS and config.get(field) is not None
+    ]
+    return [f"{kind}:", "", "| setting | value |", "|---|---|", *rows, *extra_rows, ""]
+
+
 def write_model_card(
     folder: str | os.PathLike,
     *,
@@ -258,7 +276,10 @@ def write_model_card(
     auto_class = _AUTO_CLASS_OF.get(architecture, "AutoModel")
     base_model = hub_id_or_none(base_model)
     family = "roberta" if config.get("model_type") == "roberta_pkm" else "bert"
-    tags = ["pkm", "product-key-memory", family, f"{family}_pkm", f"pkm-{config['pkm_mode']}", "custom_code"]
+    pkm_layers, ngram_layers = config.get("pkm_layers") or [], config.get("ngram_layers") or []
+    tags = ["pkm", family, f"{family}_pkm", "custom_code"]  # the model type's tags; those of the memories it has:
+    tags[1:1] = ["product-key-memory"] if pkm_layers else []
+    tags[-1:-1] = ([f"pkm-{config['pkm_mode']}"] if pkm_layers else []) + (["ngram-memory"] if ngram_layers else [])
     if report is not None and report.source_architecture.startswith(("DistilBert", "XLMRoberta")):
         tags.insert(3, "distilbert" if report.source_architecture.startswith("DistilBert") else "xlm-roberta")
     metadata = card_metadata(base_model, license, tags, PIPELINE_TAGS.get(architecture))
@@ -269,14 +290,19 @@ def write_model_card(
     if report is not None and not base_model:
         source = f"`{_shown_name(report.source)}`"
     mode = {"resm": "beside the feed-forward network (ResM)", "replace": "instead of the feed-forward network"}
-    settings = "\n".join(f"| `{k}` | `{json.dumps(config[k])}` |" for k in PKM_FIELDS if k in config)
+    memories = []
+    if pkm_layers:
+        memories.append(
+            f"product key memory (PKM, Lample et al. 2019) at layers {pkm_layers}, {mode[config['pkm_mode']]}, as in"
+            " Kim & Jung 2020 (*Large Product Key Memory for Pretrained Language Models*)"
+        )
+    if ngram_layers:
+        memories.append(f"hashed n-gram memories at layers {ngram_layers}")
+    described = " and ".join(memories) if memories else "no memory layer (the architecture of a plain model)"
     lines = [
         f"# {name}",
         "",
-        f"{'RoBERTa' if family == 'roberta' else 'BERT'} with product key memory (PKM, Lample et al. 2019) at layers"
-        f" {config['pkm_layers']},"
-        f" {mode[config['pkm_mode']]}, as in Kim & Jung 2020 (*Large Product Key Memory for Pretrained Language"
-        f" Models*). Architecture: `{architecture}`.",
+        f"{'RoBERTa' if family == 'roberta' else 'BERT'} with {described}. Architecture: `{architecture}`.",
     ]
     if report is not None:
         lines += [
@@ -315,19 +341,30 @@ def write_model_card(
         "",
         "## Memory settings",
         "",
-        "| setting | value |",
-        "|---|---|",
-        settings,
-        f"| memory slots per layer | {config['pkm_n_keys'] ** 2:,} |",
-        "",
+        *memory_settings(config, "pkm_", "Product-key memory", [f"| memory slots per layer | {config['pkm_n_keys'] ** 2:,} |"]),
+        *memory_settings(config, "ngram_", "Hashed n-gram memory"),
         "## Parameters",
         "",
         "| | parameters |",
         "|---|---:|",
         f"| total | {counts['total']:,} |",
-        f"| memory values | {counts['memory_values']:,} |",
-        f"| other memory parameters (keys, query network) | {counts['memory_other']:,} |",
-        f"| rest of the model | {counts['total'] - counts['memory_values'] - counts['memory_other']:,} |",
+        *(
+            [
+                f"| memory values | {counts['memory_values']:,} |",
+                f"| other memory parameters (keys, query network) | {counts['memory_other']:,} |",
+            ]
+            if pkm_layers
+            else []
+        ),
+        *(
+            [
+                f"| n-gram memory tables | {counts['ngram_tables']:,} |",
+                f"| other n-gram memory parameters (convolution, projections, norms) | {counts['ngram_other']:,} |",
+            ]
+            if ngram_layers
+            else []
+        ),
+        f"| rest of the model | {counts['total'] - sum(v for k, v in counts.items() if k != 'total'):,} |",
         "",
         "Memory values are best trained in their own optimizer group (Adam, constant learning rate 1e-3, no weight"
         " decay), as in XLM and the paper.",
