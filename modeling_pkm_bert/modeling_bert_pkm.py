@@ -65,7 +65,8 @@ def _resolve(value, config, name):
     return value if value is not None else getattr(config, name, False)
 
 
-# Copied from transformers.models.bert.modeling_bert.BertEmbeddings with Bert->BertPkm, past_key_values_length->cache_length
+# Adapted from transformers.models.bert.modeling_bert.BertEmbeddings: buffers by register_buffer, the token_type_ids
+# buffer always there
 class BertPkmEmbeddings(nn.Module):
     """Construct the embeddings from word, position and token_type embeddings."""
 
@@ -128,7 +129,8 @@ def _mask_for(query: torch.Tensor, attention_mask: torch.Tensor | None) -> torch
     return attention_mask.clamp(min=torch.finfo(query.dtype).min).to(query.dtype)
 
 
-# Copied from transformers.models.bert.modeling_bert.eager_attention_forward
+# Adapted from transformers.models.bert.modeling_bert.eager_attention_forward: the mask in the query's dtype
+# (`_mask_for`)
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -182,7 +184,8 @@ def attention_function(implementation: str | None):
     return ATTENTION_FUNCTIONS[implementation]  # a kernel registered with transformers: it gets the additive mask
 
 
-# Copied from transformers.models.bert.modeling_bert.BertSelfAttention with Bert->BertPkm, past_key_values->cache
+# Adapted from transformers.models.bert.modeling_bert.BertSelfAttention: our attention functions, the cache updated
+# without kwargs
 class BertPkmSelfAttention(nn.Module):
     def __init__(self, config, is_causal=False, layer_idx=None):
         super().__init__()
@@ -241,7 +244,7 @@ class BertPkmSelfAttention(nn.Module):
         return attn_output, attn_weights
 
 
-# Copied from transformers.models.bert.modeling_bert.BertCrossAttention with Bert->BertPkm, past_key_values->cache
+# Adapted from transformers.models.bert.modeling_bert.BertCrossAttention: our attention functions
 class BertPkmCrossAttention(nn.Module):
     def __init__(self, config, is_causal=False, layer_idx=None):
         super().__init__()
@@ -320,7 +323,7 @@ class BertPkmSelfOutput(nn.Module):
         return hidden_states
 
 
-# Copied from transformers.models.bert.modeling_bert.BertAttention with Bert->BertPkm, past_key_values->cache
+# Adapted from transformers.models.bert.modeling_bert.BertAttention: the encoder states go to the cross-attention only
 class BertPkmAttention(nn.Module):
     def __init__(self, config, is_causal=False, layer_idx=None, is_cross_attention=False):
         super().__init__()
@@ -550,7 +553,8 @@ class BertPkmLayer(GradientCheckpointingLayer):
         return self.output(self.intermediate(attention_output), residual)
 
 
-# Copied from transformers.pytorch_utils.apply_chunking_to_forward (its argument checks left out: the calls are ours)
+# Adapted from transformers.pytorch_utils.apply_chunking_to_forward: its argument checks left out (the calls are
+# ours)
 def apply_chunking_to_forward(forward_fn, chunk_size: int, chunk_dim: int, *input_tensors) -> torch.Tensor:
     """`forward_fn` on chunks of `chunk_size` along `chunk_dim` (less peak memory, the same result); 0: at once."""
     if chunk_size > 0:
@@ -630,7 +634,8 @@ class BertPkmPooler(nn.Module):
         self.activation = nn.Tanh()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # "pool" the model by taking the hidden state of the first token
+        # We "pool" the model by simply taking the hidden state corresponding
+        # to the first token.
         first_token_tensor = hidden_states[:, 0]
         pooled_output = self.dense(first_token_tensor)
         pooled_output = self.activation(pooled_output)
@@ -661,7 +666,8 @@ class BertPkmLMPredictionHead(nn.Module):
         super().__init__()
         self.transform = BertPkmPredictionHeadTransform(config)
 
-        # The output weights are the same as the input embeddings, but there is an output-only bias for each token.
+        # The output weights are the same as the input embeddings, but there is
+        # an output-only bias for each token.
         self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 

@@ -37,7 +37,8 @@ from .product_key_memory_ops import is_exporting  # noqa: F401
 logger = logging.get_logger(__name__)
 
 
-# Copied from transformers.models.roberta.modeling_roberta.RobertaEmbeddings with Roberta->RobertaPkm
+# Adapted from transformers.models.roberta.modeling_roberta.RobertaEmbeddings: buffers by register_buffer, the
+# token_type_ids buffer always there
 class RobertaPkmEmbeddings(nn.Module):
     """Construct the embeddings from word, position and token_type embeddings."""
 
@@ -120,7 +121,7 @@ class RobertaPkmEmbeddings(nn.Module):
         return incremental_indices.long() + padding_idx
 
 
-# Copied from transformers.models.roberta.modeling_roberta.RobertaLMHead with Roberta->RobertaPkm
+# Adapted from transformers.models.roberta.modeling_roberta.RobertaLMHead: gelu through ACT2FN
 class RobertaPkmLMHead(nn.Module):
     """Roberta Head for masked language modeling."""
 
@@ -433,6 +434,7 @@ class RobertaPkmForSequenceClassification(RobertaPkmPreTrainedModel):
         return output if return_dict else output.to_tuple()
 
 
+# Adapted from modeling_pkm_bert.modeling_bert_pkm.BertPkmForMultipleChoice: RoBERTa's dropout (hidden_dropout_prob)
 class RobertaPkmForMultipleChoice(RobertaPkmPreTrainedModel):
     """RobertaPkm with a multiple choice head (a score per choice from the pooled output, as RoBERTa's)."""
 
@@ -500,6 +502,7 @@ class RobertaPkmForMultipleChoice(RobertaPkmPreTrainedModel):
         return output if return_dict else output.to_tuple()
 
 
+# Copied from modeling_pkm_bert.modeling_bert_pkm.BertPkmForTokenClassification with bert->roberta, BertPkm->RobertaPkm
 class RobertaPkmForTokenClassification(RobertaPkmPreTrainedModel):
     """RobertaPkm with a token classification head (e.g. NER)."""
 
@@ -531,7 +534,7 @@ class RobertaPkmForTokenClassification(RobertaPkmPreTrainedModel):
     ) -> tuple[torch.Tensor] | TokenClassifierOutput:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
-            Class ids in `[0, num_labels)` per token; `-100` is ignored. Other arguments: `BertPkmModel`.
+            Class ids in `[0, num_labels)` per token; `-100` is ignored. Other arguments: `RobertaPkmModel`.
         """
         return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         outputs = self.roberta(
@@ -555,6 +558,7 @@ class RobertaPkmForTokenClassification(RobertaPkmPreTrainedModel):
         return output if return_dict else output.to_tuple()
 
 
+# Copied from modeling_pkm_bert.modeling_bert_pkm.BertPkmForQuestionAnswering with bert->roberta, BertPkm->RobertaPkm
 class RobertaPkmForQuestionAnswering(RobertaPkmPreTrainedModel):
     """RobertaPkm with a span extraction head (start/end logits) for extractive QA (SQuAD)."""
 
@@ -584,7 +588,7 @@ class RobertaPkmForQuestionAnswering(RobertaPkmPreTrainedModel):
         r"""
         start_positions, end_positions (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
             Token positions of the answer span; positions outside the sequence are ignored. Other arguments:
-            `BertPkmModel`.
+            `RobertaPkmModel`.
         """
         return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         outputs = self.roberta(
