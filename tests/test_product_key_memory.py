@@ -116,6 +116,7 @@ def test_search_under_bfloat16_autocast_is_exact_for_the_rounded_scores():
     assert torch.equal(scores, every.topk(8, dim=-1).values)
     assert torch.equal(every.gather(-1, indices), scores)
 
+
 def test_initialisation_and_validation():
     memory = ProductKeyMemory(64, n_keys=32, heads=2, knn=4, k_dim=128)
     bound = 64**-0.5
