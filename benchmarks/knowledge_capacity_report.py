@@ -1,0 +1,215 @@
+"""`KNOWLEDGE_CAPACITY.md` and its figures from the runs of `benchmarks/knowledge_capacity.py` (its JSON alone)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+
+def _mean_spread(values: list[float]) -> str:
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return f"{values[0]:,.0f}"
+    return f"{statistics.mean(values):,.0f} ± {statistics.stdev(values):,.0f}"
+
+
+def _runs(data: dict, **where) -> list[dict]:
+    return [r for k, r in sorted(data["runs"].items()) if not k.startswith("sanity") and all(r.get(f) == v for f, v in where.items())]
+
+
+def best_learning_rates(data: dict, plan: dict) -> dict:
+    best = {}
+    for run in _runs(data, size=plan["sweep_size"], seed=0):
+        key = (run["final"]["train"]["bits"], run["final"]["heldout"]["bits"])
+        if run["arm"] not in best or key > best[run["arm"]][0]:
+            best[run["arm"]] = (key, run["lr"])
+    return {arm: lr for arm, (_, lr) in best.items()}
+
+
+def write_figures(data: dict, plan: dict, labels: dict, folder: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = best_learning_rates(data, plan)
+    largest = max(plan["sizes"])
+    names = []
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for arm, lr in best.items():
+        runs = sorted(_runs(data, arm=arm, seed=0, lr=lr), key=lambda r: r["size"])
+        runs = [r for r in runs if r["size"] in plan["sizes"]]
+        if runs:
+            axes[0].plot([r["size"] for r in runs], [r["final"]["train"]["bits"] for r in runs], "o-", label=labels[arm])
+        at_largest = [r for r in runs if r["size"] == largest]
+        if at_largest and at_largest[0]["curve"]:
+            curve = sorted((int(s), v["train"]) for s, v in at_largest[0]["curve"].items())
+            curve.append((at_largest[0]["steps"], at_largest[0]["final"]["train"]["bits"]))
+            axes[1].plot(*zip(*curve), "o-", label=labels[arm])
+        seconds = data.get("speed", {}).get("arms", {}).get(arm)
+        if at_largest and seconds:
+            axes[2].scatter([seconds * 1000], [at_largest[0]["final"]["train"]["bits"]], label=labels[arm])
+            axes[2].annotate(labels[arm].split(" ", 1)[0], (seconds * 1000, at_largest[0]["final"]["train"]["bits"]))
+    axes[0].set(xlabel="people in the knowledge base", ylabel="stored bits (training template)", xscale="log", title="bits against size")
+    axes[1].set(xlabel="training steps", ylabel="stored bits", title=f"bits against steps ({largest} people)")
+    axes[2].set(xlabel="training step time (ms, one thread)", ylabel="stored bits", title=f"bits against compute ({largest} people)")
+    for axis in axes:
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    figure.tight_layout()
+    name = "knowledge_capacity.png"
+    figure.savefig(folder / name, dpi=110)
+    plt.close(figure)
+    names.append(name)
+    return names
+
+
+def write_report(args, data: dict) -> None:
+    from knowledge_capacity import ARMS, BASE, LABELS, MEMORY
+
+    plan = args.plan
+    report = Path(args.report)
+    lines = ["# Knowledge capacity: what the memory is worth", ""]
+    lines += [
+        "Facts stored per parameter and per unit of compute (`benchmarks/knowledge_capacity.py`): a synthetic knowledge "
+        "base of people with five attributes of exactly known information (40.3 bits a person), written as "
+        "biographies (several per person, permuted attribute order, four paraphrase templates per attribute, two more "
+        "held out), trained on with `run_scripts/run_mlm.py` from scratch: the same tokenizer (MiniLM's WordPiece "
+        "restricted to the base's pieces), data order, masks and steps for every arm. A fact is recalled when every "
+        "token of its value is predicted (greedy, left to right) with all five values of a fresh biography masked, so "
+        "the name is the only key; bits = log2 |values| summed over recalled facts; the estimator of Physics of LMs 3.3 "
+        "(per attribute max(0, N log2 |values| - the values' cross-entropy in bits)) beside it.",
+        "",
+        f"Base encoder: hidden {BASE['hidden_size']}, {BASE['num_hidden_layers']} layers, FFN "
+        f"{BASE['intermediate_size']}, no dropout; memories at layer {MEMORY['pkm_layers']} with "
+        f"{MEMORY['pkm_n_keys']}² slots, {MEMORY['pkm_heads']} heads, knn {MEMORY['pkm_knn']}, values in their own Adam "
+        f"at {plan['memory_learning_rate']:g}. Plan: sizes {plan['sizes']} people, learning rates "
+        f"{plan['learning_rates']} swept at {plan['sweep_size']} people, {plan['steps']} steps of "
+        f"{plan['batch_size']} biographies, seeds {plan['seeds']} at the largest size.",
+        "",
+        "```",
+        "python benchmarks/knowledge_capacity.py            # resumable: finished runs are kept in knowledge_capacity.json",
+        "python benchmarks/knowledge_capacity.py --report_only",
+        "```",
+        "",
+    ]
+    expected = len(ARMS) * (len(plan["learning_rates"]) + len(plan["sizes"]) + len(plan["seeds"]) - 2)
+    finished = len(_runs(data))
+    lines += [f"**Status: {finished} of about {expected} scratch runs finished.**" + (
+        " The tables below hold what has run; the claims are decided only on the finished plan." if finished < expected else ""), ""]  # fmt: skip
+
+    sanity = data["runs"].get(f"sanity/seen{data.get('sanity_exposures', 500)}")
+    if sanity or "sanity_untrained" in data:
+        lines += ["## Known answers", "", "| check | recall (training template) | recall (held-out) |", "|---|---|---|"]
+        if sanity:
+            lines.append(f"| {sanity['size'] * 5} facts seen {data.get('sanity_exposures')} times ({sanity['steps']} steps) "
+                         f"| {sanity['final']['train']['recall']:.3f} | {sanity['final']['heldout']['recall']:.3f} |")  # fmt: skip
+        if "sanity_untrained" in data:
+            untrained = data["sanity_untrained"]
+            chance = statistics.mean(a["chance"] for a in untrained["train"]["attributes"].values())
+            lines.append(f"| untrained model (chance: {chance:.3f} a fact) | {untrained['train']['recall']:.3f} | "
+                         f"{untrained['heldout']['recall']:.3f} |")  # fmt: skip
+        lines.append("")
+
+    speed = data.get("speed")
+    params = {}
+    for run in _runs(data):
+        params.setdefault(run["arm"], run["params"])
+    if speed:
+        plain = speed["arms"]["plain"]
+        lines += ["## Cost", "", f"A training step of {speed['batch'][0]} biographies ({speed['batch'][1]} positions), "
+                  f"one thread, the arms interleaved in one process ({speed['machine']}); FFN widths: equal parameters "
+                  f"{speed['wide_params_width']}, equal step time {speed['wide_time_width']}.", "",
+                  "| arm | step (ms) | / plain | dense params | memory params | embeddings |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for arm, seconds in speed["arms"].items():
+            p = params.get(arm, {})
+            lines.append(f"| {LABELS[arm]} | {seconds * 1000:.1f} | {seconds / plain:.2f} | {p.get('dense', 0):,} | "
+                         f"{p.get('memory', 0):,} | {p.get('embeddings', 0):,} |")  # fmt: skip
+        lines.append("")
+
+    best = best_learning_rates(data, plan)
+    sweep = _runs(data, size=plan["sweep_size"], seed=0)
+    if sweep:
+        lines += [f"## Learning-rate sweep ({plan['sweep_size']} people, seed 0): stored bits, training / held-out template", ""]
+        lines += ["| arm | " + " | ".join(f"lr {lr:g}" for lr in plan["learning_rates"]) + " | best |",
+                  "|---|" + "---|" * (len(plan["learning_rates"]) + 1)]  # fmt: skip
+        for arm in ARMS:
+            cells = []
+            for lr in plan["learning_rates"]:
+                run = [r for r in sweep if r["arm"] == arm and r["lr"] == lr]
+                cells.append(f"{run[0]['final']['train']['bits']:,.0f} / {run[0]['final']['heldout']['bits']:,.0f}" if run else "—")
+            if any(c != "—" for c in cells):
+                lines.append(f"| {LABELS[arm]} | " + " | ".join(cells) + f" | {best.get(arm, '—'):g} |")
+        lines.append("")
+
+    if best:
+        lines += ["## Stored knowledge against size (best learning rate, seed 0)", "",
+                  "Recall in a training template / a held-out one; bits (training template) and Physics of LMs 3.3's "
+                  "estimator; bits per parameter count the dense and memory parameters (not the embeddings).", "",
+                  "| arm | " + " | ".join(f"{n} people ({n * 5} facts)" for n in plan["sizes"]) + " | bits / param at the largest |",
+                  "|---|" + "---|" * (len(plan["sizes"]) + 1)]  # fmt: skip
+        for arm, lr in best.items():
+            cells, per_param = [], "—"
+            for size in plan["sizes"]:
+                run = _runs(data, arm=arm, size=size, seed=0, lr=lr)
+                if not run:
+                    cells.append("—")
+                    continue
+                final = run[0]["final"]
+                cells.append(f"{final['train']['recall']:.2f} / {final['heldout']['recall']:.2f}, "
+                             f"{final['train']['bits']:,.0f} b (est. {final['train']['bits_estimator']:,.0f})")  # fmt: skip
+                if size == max(plan["sizes"]):
+                    counted = run[0]["params"]["dense"] + run[0]["params"]["memory"]
+                    per_param = f"{final['train']['bits'] / counted:.4f}"
+            lines.append(f"| {LABELS[arm]} | " + " | ".join(cells) + f" | {per_param} |")
+        lines.append("")
+
+        largest = max(plan["sizes"])
+        seeded = {arm: [r["final"]["train"]["bits"] for r in _runs(data, arm=arm, size=largest, lr=lr)] for arm, lr in best.items()}
+        if any(len(v) > 1 for v in seeded.values()):
+            lines += [f"## Seeds at {largest} people: stored bits, mean ± standard deviation", "", "| arm | seeds | training template | held-out |", "|---|---|---|---|"]
+            for arm, lr in best.items():
+                runs = _runs(data, arm=arm, size=largest, lr=lr)
+                lines.append(f"| {LABELS[arm]} | {len(runs)} | {_mean_spread([r['final']['train']['bits'] for r in runs])} | "
+                             f"{_mean_spread([r['final']['heldout']['bits'] for r in runs])} |")  # fmt: skip
+            lines.append("")
+
+        if speed and all(a in seeded and seeded[a] for a in ("plain", "resm", "wide_params")):
+            bits = {a: statistics.mean(v) for a, v in seeded.items() if v}
+            times = speed["arms"]
+            lines += ["## The goal", "", "| goal | measured | met |", "|---|---|---|"]
+            ratio, time_ratio = bits["resm"] / max(bits["plain"], 1e-9), times["resm"] / times["plain"]
+            lines.append(f"| ResM >= 2x plain's bits at <= 1.2x its step time | {ratio:.2f}x at {time_ratio:.2f}x | "
+                         f"{'yes' if ratio >= 2 and time_ratio <= 1.2 else 'no'} |")  # fmt: skip
+            share, time_share = bits["resm"] / max(bits["wide_params"], 1e-9), times["resm"] / times["wide_params"]
+            lines.append(f"| ResM >= 80% of the equal-parameter arm's bits at <= 1/3 of its step time | {share:.0%} at "
+                         f"{time_share:.2f}x | {'yes' if share >= 0.8 and time_share <= 1 / 3 else 'no'} |")  # fmt: skip
+            lines.append("")
+
+    quantized = [(k, r) for k, r in sorted(data["runs"].items()) if "quantized" in r]
+    if quantized:
+        lines += ["## Packed values after training (ResM)", "", "| run | fp32 bits | int8 | 4-bit |", "|---|---|---|---|"]
+        for key, run in quantized:
+            q = run["quantized"]
+            lines.append(f"| {key} | {run['final']['train']['bits']:,.0f} | {q['int8']['train']['bits']:,.0f} | {q['int4']['train']['bits']:,.0f} |")
+        lines.append("")
+
+    minilm = [r for r in data["runs"].values() if r["arm"].startswith("minilm")]
+    if minilm:
+        lines += ["## The real MiniLM, +Init (vocabulary trimmed to the base's pieces)", "",
+                  "| arm | lr | people | recall train / held-out | bits |", "|---|---|---|---|---|"]  # fmt: skip
+        for run in sorted(minilm, key=lambda r: (r["arm"], r["lr"])):
+            lines.append(f"| {LABELS[run['arm']]} | {run['lr']:g} | {run['size']} | {run['final']['train']['recall']:.2f} / "
+                         f"{run['final']['heldout']['recall']:.2f} | {run['final']['train']['bits']:,.0f} |")  # fmt: skip
+        lines.append("")
+
+    if _runs(data):
+        for name in write_figures(data, plan, LABELS, report.parent):
+            lines += [f"![{name}]({name})", ""]
+    loads = [r["load"] for r in data["runs"].values() if "load" in r]
+    if loads:
+        lines += [f"Machine load (1-minute average) when runs finished: {min(loads):.1f}–{max(loads):.1f}.", ""]
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text("\n".join(lines), encoding="utf-8")
+    print(f"wrote {report}")
