@@ -927,12 +927,13 @@ class BertPkmModel(BertPkmPreTrainedModel):
             cache_length=cache_length,
         )
 
-        # the memories read real tokens only: the 2-D mask of the current positions, or the tokens a 4-D mask lets
-        # attend to themselves
+        # the memories read real tokens only (product-key queries skip padding, n-grams hash it as padding): the 2-D
+        # mask of the current positions, or the tokens a 4-D mask lets attend to themselves
         padding_mask = None
+        has_memories = bool(self.config.pkm_layers or self.config.ngram_layers)
         if attention_mask is not None and attention_mask.dim() == 2:
             padding_mask = attention_mask[:, -embedding_output.shape[1] :].bool()
-        elif attention_mask is not None and attention_mask.dim() == 4 and self.config.pkm_layers:
+        elif attention_mask is not None and attention_mask.dim() == 4 and has_memories:
             real = _real_tokens_of_4d_mask(attention_mask, embedding_output.shape[1])
             padding_mask = real.expand(embedding_output.shape[0], -1)
 
@@ -1007,10 +1008,15 @@ class BertPkmModel(BertPkmPreTrainedModel):
                 f"holds fewer than the {min(context, cache_length)} tokens before input_ids that the n-gram memories read",
             )
         history = history_ids[:, -context:].long()
-        if attention_mask is not None and attention_mask.dim() == 2:
-            # the mask covers the cached tokens: their padding enters the hash as padding
+        if attention_mask is not None:
+            # the mask covers the cached tokens: their padding enters the hash as padding (in a 4-D mask: the cached
+            # tokens no new token may attend to)
             start = max(cache_length - history.shape[1], 0)
-            history = history.masked_fill(attention_mask[:, start:cache_length] == 0, -1)
+            if attention_mask.dim() == 2:
+                cached_real = attention_mask[:, start:cache_length] != 0
+            else:
+                cached_real = _allowed_attention(attention_mask)[..., start:cache_length].any(2).any(1)
+            history = history.masked_fill(~cached_real, -1)
         if history.shape[1] < context:  # fewer tokens than the memories read: the sequence's start lies in the window
             history = F.pad(history, (context - history.shape[1], 0), value=-1)
         return ids, history
@@ -1100,13 +1106,17 @@ def _check_attention_mask(mask, batch, length, past_length):
         _refuse("attention_mask", mask.shape, f"must be 2-D {(batch, kv_length)} (1 on real tokens) or a 4-D mask")
 
 
+def _allowed_attention(mask: torch.Tensor) -> torch.Tensor:
+    """A 4-D attention mask as booleans, True where attention is allowed."""
+    return mask if mask.dtype == torch.bool else mask > -5000  # masked: -inf, finfo.min, BERT's -10000
+
+
 def _real_tokens_of_4d_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
     """The real tokens of a 4-D attention mask (True/0 where attention is allowed, False/very negative where not):
     those that may attend to themselves. Exact for a 2-D padding mask broadcast to 4-D and for causal masks with
     padding; a token that others may attend to but that may not attend to itself cannot be told from padding
     (refused)."""
-    allowed = mask if mask.dtype == torch.bool else mask > -5000  # masked: -inf, finfo.min, BERT's -10000
-    current = allowed[..., -length:]  # (batch, heads, length, length): keys at the current positions
+    current = _allowed_attention(mask)[..., -length:]  # (batch, heads, length, length): keys at the current positions
     real = current.diagonal(dim1=-2, dim2=-1).any(1)  # (batch, length)
     if not (torch.compiler.is_compiling() or is_exporting()):
         unclear = current.any(2).any(1) & ~real  # visible to some query, yet not to itself

@@ -153,6 +153,70 @@ def test_padding_in_a_batch_leaves_the_real_tokens_outputs_unchanged():
     assert torch.allclose(batch[0, :5], alone[0], atol=1e-5)
 
 
+def four_d_mask(real: torch.Tensor, causal: bool, additive: bool) -> torch.Tensor:
+    """The 4-D mask (batch, 1, query, key) of a 2-D padding mask: every query may attend to the real keys (in a decoder
+    only those up to itself); boolean (True: may attend) or additive (0 or the dtype's minimum)."""
+    length = real.shape[1]
+    allowed = real.bool()[:, None, None, :].expand(-1, 1, length, length)
+    if causal:
+        allowed = allowed & torch.ones(length, length, dtype=torch.bool).tril()
+    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min) if additive else allowed
+
+
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "decoder"])
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("mask_kind", ["2d", "4d-bool", "4d-additive"])
+@pytest.mark.parametrize("ngram", [False, True], ids=["ngram", "no-ngram"][::-1])
+@pytest.mark.parametrize("pkm", [False, True], ids=["pkm", "no-pkm"][::-1])
+def test_padding_leaves_real_tokens_outputs_unchanged_whatever_the_mask_and_memories(pkm, ngram, mask_kind, side, decoder):
+    """Issue 44: with a 4-D mask and no product-key layer, the n-gram memories hashed the pad ids into the real
+    tokens' n-grams (the padding mask was derived from a 4-D mask only for product-key layers)."""
+    memories = dict(pkm_layers=[1] if pkm else [], **(NGRAM if ngram else {}))
+    config = tiny_config(is_decoder=decoder, **memories)
+    model = learned(BertPkmForCausalLM(config) if decoder else BertPkmForMaskedLM(config)).eval()
+    short, full = torch.tensor([2, 10, 11, 12, 3]), torch.tensor([2, 20, 21, 22, 23, 24, 25, 3])
+    padding = full.numel() - short.numel()
+    real = torch.ones(2, full.numel(), dtype=torch.long)
+    if side == "left":
+        real[0, :padding] = 0
+    else:
+        real[0, short.numel() :] = 0
+    positions = (real.cumsum(1) - 1).clamp(min=0)  # BERT's positions count the real tokens (left padding)
+    with torch.no_grad():
+        alone = [model(short[None]).logits[0], model(full[None]).logits[0]]
+        for pad_id in (0, 57):
+            batch = torch.full((2, full.numel()), pad_id)
+            batch[0, real[0].bool()], batch[1] = short, full
+            mask = real if mask_kind == "2d" else four_d_mask(real, decoder, additive=mask_kind == "4d-additive")
+            logits = model(batch, attention_mask=mask, position_ids=positions).logits
+            torch.testing.assert_close(logits[0, real[0].bool()], alone[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(logits[1], alone[1], atol=1e-5, rtol=0)
+
+
+def test_cached_steps_with_4d_masks_hash_the_cached_padding_as_padding():
+    """A cached decoding step's 4-D mask tells which cached tokens are padding (no new token may attend to them): the
+    n-gram memories hash them as padding, as with the 2-D mask, whatever the pad id in `ngram_history_ids`."""
+    model = learned(BertPkmForCausalLM(tiny_config(is_decoder=True, pkm_layers=[], **NGRAM))).eval()
+    short, padding, new = torch.tensor([2, 10, 11]), 5, torch.tensor([[40]])
+    real = torch.tensor([[0] * padding + [1] * short.numel()])
+    positions = (real.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        expected = model(torch.cat([short[None], new], dim=1)).logits[:, -1]
+        for pad_id in (0, 57):
+            prompt = torch.cat([torch.full((1, padding), pad_id), short[None]], dim=1)
+            step = model(prompt, attention_mask=four_d_mask(real, True, False), position_ids=positions, use_cache=True)
+            step_mask = torch.cat([real, torch.ones(1, 1, dtype=torch.long)], dim=1).bool()[:, None, None, :]
+            logits = model(
+                new,
+                attention_mask=step_mask,
+                position_ids=positions[:, -1:] + 1,
+                cache=step.cache if hasattr(step, "cache") else step.past_key_values,
+                use_cache=True,
+                ngram_history_ids=prompt,
+            ).logits[:, -1]
+            torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+
+
 def test_inputs_embeds_alone_is_refused_with_n_gram_layers():
     model = BertPkmModel(tiny_config(**NGRAM)).eval()
     with pytest.raises(ValueError, match="n-gram memories .* pass input_ids"):
