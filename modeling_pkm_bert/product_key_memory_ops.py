@@ -742,9 +742,10 @@ def _sparse_rows(rows: torch.Tensor, values: torch.Tensor, n_rows: int) -> torch
 # same code without the op's dispatch; torch.export never sees these ops (an exported program keeps standard ops).
 # ----------------------------------------------------------------------------------------------------------------------
 
-# in the op names: a changed contract gets a new name, and another copy of this file (a model's remote code next to the
-# installed package) reuses the ops one of them registered
-OPS_VERSION = 1
+# in the op names: a changed op (signature or implementation: tests/test_release.py checks tests/custom_ops.json) gets
+# a new name, and another copy of this file (a model's remote code next to the installed package) reuses the ops one
+# of them registered only when they are the same
+OPS_VERSION = 2
 
 
 def _custom_op(name: str, function, fake, backward=None, setup_context=None):

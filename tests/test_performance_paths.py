@@ -18,7 +18,7 @@ from modeling_pkm_bert.methods.optimizers import (
     set_sparse_values,
 )
 from modeling_pkm_bert.product_key_memory import ProductKeyValues
-from modeling_pkm_bert.product_key_memory_ops import candidate_pairs
+from modeling_pkm_bert.product_key_memory_ops import OPS_VERSION, candidate_pairs
 
 
 @pytest.fixture(autouse=True)
@@ -720,15 +720,15 @@ def test_clip_grad_norm_matches_torch_on_dense_and_handles_sparse():
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_training_lookup_compiles_to_one_graph_by_default(sparse):
-    """The search and the value lookup are custom ops (`torch.ops.pkm_bert.*_v1`): a training step is one graph, sparse
-    value gradients included, and each phase one node of it."""
+    """The search and the value lookup are custom ops (`torch.ops.pkm_bert.*_v<OPS_VERSION>`): a training step is one
+    graph, sparse value gradients included, and each phase one node of it."""
     torch._dynamo.reset()
     memory = ProductKeyMemory(16, n_keys=8, heads=2, knn=4, k_dim=8, sparse=sparse).train()
     explanation = torch._dynamo.explain(memory)(torch.randn(2, 3, 16))
     assert explanation.graph_break_count == 0, explanation.break_reasons
     targets = [str(node.target) for graph in explanation.graphs for node in graph.graph.nodes]
-    assert targets.count("pkm_bert.product_key_search_v1.default") == 1
-    assert targets.count("pkm_bert.weighted_row_sum_v1.default") == 1
+    assert targets.count(f"pkm_bert.product_key_search_v{OPS_VERSION}.default") == 1
+    assert targets.count(f"pkm_bert.weighted_row_sum_v{OPS_VERSION}.default") == 1
 
 
 def test_eager_training_lookup_under_compile_when_asked():
@@ -759,7 +759,7 @@ def test_compiled_training_step_uses_the_fused_backward(trace, sparse):
     ops = {event.name for event in profile.events()}
     assert "aten::sparse_sampled_addmm" in ops  # the fused per-sample-weight gradient (CPU)
     assert "aten::_embedding_bag_backward" not in ops  # torch's generic backward
-    assert ("pkm_bert::weighted_row_sum_backward_v1" in ops) == trace
+    assert (f"pkm_bert::weighted_row_sum_backward_v{OPS_VERSION}" in ops) == trace
     assert memory.values.weight.grad.is_sparse == sparse
 
 
@@ -781,28 +781,31 @@ def test_compiled_lookup_on_the_gpu_value_backward_equals_eager(sparse, monkeypa
         torch.testing.assert_close(dense(q.grad), dense(p.grad), rtol=0, atol=1e-12, msg=name)
 
 
+OPS = ("product_key_search", "product_key_search_backward", "weighted_row_sum", "weighted_row_sum_backward")
+
+
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_custom_ops_pass_opcheck(sparse):
     """The four custom ops: schema, fake (meta) implementation, autograd registration and compile consistency, as
     torch.library.opcheck tests them."""
-    ops = torch.ops.pkm_bert
+    ops = {name: getattr(torch.ops.pkm_bert, f"{name}_v{OPS_VERSION}").default for name in OPS}
     torch.manual_seed(3)
     # 6 tokens, 2 heads of 2 halves of 5, 8 sub-keys per half
     queries, keys = torch.randn(6, 20, requires_grad=True), torch.randn(2, 2, 8, 5, requires_grad=True)
-    torch.library.opcheck(ops.product_key_search_v1.default, (queries, keys, 4, True, False))
-    scores, indices = ops.product_key_search_v1.default(queries.detach(), keys.detach(), 4, True, False)
+    torch.library.opcheck(ops["product_key_search"], (queries, keys, 4, True, False))
+    scores, indices = ops["product_key_search"](queries.detach(), keys.detach(), 4, True, False)
     assert scores.shape == indices.shape == (6, 2, 4)
     for needs in ((True, True), (True, False)):
         # (the backward ops are not differentiable themselves: inputs without gradients)
         arguments = (queries.detach(), keys.detach(), indices, torch.randn(6, 2, 4), *needs)
-        torch.library.opcheck(ops.product_key_search_backward_v1.default, arguments)
+        torch.library.opcheck(ops["product_key_search_backward"], arguments)
     weight, rows = torch.randn(64, 7, requires_grad=True), torch.randint(0, 64, (6, 8))
     weights = torch.rand(6, 8, requires_grad=True)
     # (a sparse gradient's fake tensor bounds its rows by the lookups: opcheck's exact comparison of it is left out)
     tests = ("test_schema", "test_autograd_registration", "test_faketensor") if not sparse else ("test_schema", "test_autograd_registration")
-    torch.library.opcheck(ops.weighted_row_sum_v1.default, (weight, rows, weights, sparse, False), test_utils=tests)
+    torch.library.opcheck(ops["weighted_row_sum"], (weight, rows, weights, sparse, False), test_utils=tests)
     torch.library.opcheck(
-        ops.weighted_row_sum_backward_v1.default,
+        ops["weighted_row_sum_backward"],
         (torch.randn(6, 7), weight.detach(), rows, weights.detach(), sparse, False, True, True),
         test_utils=tests,
     )
