@@ -31,7 +31,6 @@ import concurrent.futures
 import contextlib
 import fcntl
 import json
-import math
 import os
 import platform
 import shutil
@@ -49,14 +48,14 @@ REPO_ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO_ROOT))
 
-from knowledge_base import (  # noqa: E402
+from modeling_pkm_bert.analysis.knowledge import (  # noqa: E402
     biographies,
     fact_probes,
-    sentences,
     generate_knowledge_base,
-    person_bits,
+    measure,
     probe_text,
     read_knowledge_base,
+    sentences,
     write_knowledge_base,
 )
 
@@ -191,104 +190,6 @@ def build_tokenizer(kb: dict, bios_per_person: int, folder: Path):
             raise RuntimeError(f"the restricted vocabulary splits {text!r} differently")
     small.save_pretrained(folder)
     return small
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Recall: every value token predicted, greedy from left to right
-
-
-def tokenize_probes(tokenizer, probes: list[dict]) -> list[tuple[list[int], int, list[int]]]:
-    """(input ids with every value masked but the probed one, the probed value's first position, its ids) of each
-    probe. The pieces are tokenized apart: they meet at spaces and punctuation, where WordPiece splits anyway."""
-    encoded = []
-    for probe in probes:
-        ids, start, value = [tokenizer.cls_token_id], None, None
-        for text, attribute in probe["parts"]:
-            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if attribute == probe["attribute"]:
-                start, value = len(ids), piece
-            elif attribute is not None:
-                piece = [tokenizer.mask_token_id] * len(piece)
-            ids += piece
-        encoded.append((ids + [tokenizer.sep_token_id], start, value))
-    return encoded
-
-
-@torch.no_grad()
-def probe_facts(model, tokenizer, probes: list[dict], batch_tokens: int = 2**22) -> list[tuple[bool, float]]:
-    """For each probe: (recalled, cross-entropy of its value in bits). The value's positions are all masked; the value
-    is read left to right, each token predicted given the true tokens before it (teacher forcing, which makes the greedy
-    decoding's all-correct the same as every step's argmax being right, and sums the chain rule's cross-entropy)."""
-    model.eval()
-    encoded = tokenize_probes(tokenizer, probes)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    results = []
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))  # similar lengths together: less padding
-    position = 0
-    while position < len(order):
-        length = len(encoded[order[min(position + 1, len(order)) - 1]][0])
-        batch_size = max(1, min(512, batch_tokens // max(1, length * vocab)))
-        chunk = order[position : position + batch_size]
-        position += len(chunk)
-        longest = max(len(encoded[i][0]) for i in chunk)
-        ids = torch.full((len(chunk), longest), tokenizer.pad_token_id)
-        attention = torch.zeros_like(ids)
-        for row, i in enumerate(chunk):
-            ids[row, : len(encoded[i][0])] = torch.tensor(encoded[i][0])
-            attention[row, : len(encoded[i][0])] = 1
-        starts = torch.tensor([encoded[i][1] for i in chunk])
-        lengths = torch.tensor([len(encoded[i][2]) for i in chunk])
-        offsets = torch.arange(longest) - starts[:, None]  # position relative to the value's start
-        correct = torch.ones(len(chunk), dtype=torch.bool)
-        cross_entropy = torch.zeros(len(chunk), dtype=torch.float64)
-        for step in range(int(lengths.max())):
-            masked = ids.clone()
-            masked[(offsets >= step) & (offsets < lengths[:, None])] = tokenizer.mask_token_id
-            logits = model(input_ids=masked, attention_mask=attention).logits
-            rows = torch.nonzero(lengths > step).squeeze(1)
-            at = starts[rows] + step
-            row_logits = logits[rows, at].float()
-            targets = ids[rows, at]
-            correct[rows] &= row_logits.argmax(-1) == targets
-            log_probs = torch.log_softmax(row_logits, -1).gather(1, targets[:, None]).squeeze(1)
-            cross_entropy[rows] -= log_probs.double() / math.log(2)
-        results.extend(zip(chunk, correct.tolist(), cross_entropy.tolist()))
-    results.sort()
-    return [(bool(c), float(h)) for _, c, h in results]
-
-
-def knowledge_metrics(kb: dict, probes: list[dict], outcomes: list[tuple[bool, float]]) -> dict:
-    """Recall and stored bits of one probe set, per attribute and in all: `recall`, `bits` (log2 |values| summed over
-    recalled facts) and `bits_estimator` (Physics of LMs 3.3: per attribute max(0, N log2 |values| - sum of the
-    values' cross-entropy in bits))."""
-    per_attribute = {}
-    for attribute, spec in kb["attributes"].items():
-        rows = [o for p, o in zip(probes, outcomes) if p["attribute"] == attribute]
-        recalled = sum(c for c, _ in rows)
-        per_attribute[attribute] = {
-            "recall": recalled / len(rows) if rows else 0.0,
-            "bits": recalled * spec["bits"],
-            "bits_estimator": max(0.0, len(rows) * spec["bits"] - sum(h for _, h in rows)),
-            "chance": 1 / len(spec["values"]),
-        }
-    facts = len(outcomes)
-    return {
-        "facts": facts,
-        "recall": sum(c for c, _ in outcomes) / facts if facts else 0.0,
-        "bits": sum(a["bits"] for a in per_attribute.values()),
-        "bits_estimator": sum(a["bits_estimator"] for a in per_attribute.values()),
-        "attributes": per_attribute,
-    }
-
-
-def measure(model, tokenizer, kb: dict, context: str = "sentence") -> dict:
-    """Recall and bits in a training template and in a held-out template, of every fact of `kb`."""
-    metrics = {}
-    for split in ("train", "heldout"):
-        probes = fact_probes(kb, split, context=context)
-        metrics[split] = knowledge_metrics(kb, probes, probe_facts(model, tokenizer, probes))
-    metrics["kb_bits"] = person_bits(kb) * len(kb["people"])
-    return metrics
 
 
 def parameter_counts(model) -> dict:

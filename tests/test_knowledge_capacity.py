@@ -15,8 +15,9 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
-import knowledge_base as kbase  # noqa: E402
 import knowledge_capacity as kc  # noqa: E402
+
+from modeling_pkm_bert.analysis import knowledge as kbase  # noqa: E402
 
 
 def real_tokenizer():
@@ -76,7 +77,7 @@ def test_names_are_several_word_pieces_and_probe_pieces_join_to_the_whole():
     kb = kbase.generate_knowledge_base(200)
     assert min(len(tokenizer.tokenize(p["name"])) for p in kb["people"]) >= 3
     probes = kbase.fact_probes(kb, "heldout")[:100]
-    for probe, (ids, start, value) in zip(probes, kc.tokenize_probes(tokenizer, probes)):
+    for probe, (ids, start, value) in zip(probes, kbase.tokenize_probes(tokenizer, probes)):
         whole = tokenizer(kbase.probe_text(probe))["input_ids"]
         assert len(ids) == len(whole) and ids[start : start + len(value)] == whole[start : start + len(value)]
         masked = [i for i, (a, b) in enumerate(zip(ids, whole)) if a != b]
@@ -111,17 +112,17 @@ def test_recall_and_bits_on_models_with_known_answers(tmp_path):
     tokenizer = real_tokenizer()
     kb = kbase.generate_knowledge_base(6)
     probes = kbase.fact_probes(kb, "train")
-    encoded = kc.tokenize_probes(tokenizer, probes)
+    encoded = kbase.tokenize_probes(tokenizer, probes)
     total = kbase.person_bits(kb) * 6
-    knows = kc.knowledge_metrics(kb, probes, kc.probe_facts(Oracle(encoded, len(tokenizer), tokenizer.mask_token_id), tokenizer, probes))
+    knows = kbase.knowledge_metrics(kb, probes, kbase.probe_facts(Oracle(encoded, len(tokenizer), tokenizer.mask_token_id), tokenizer, probes))
     assert knows["recall"] == 1.0 and knows["bits"] == pytest.approx(total)
     assert knows["bits_estimator"] == pytest.approx(total, rel=1e-6)  # certain of every value: no bit lost
-    wrong = kc.probe_facts(Oracle(encoded, len(tokenizer), tokenizer.mask_token_id, wrong=True), tokenizer, probes)
-    guesses = kc.knowledge_metrics(kb, probes, wrong)
+    wrong = kbase.probe_facts(Oracle(encoded, len(tokenizer), tokenizer.mask_token_id, wrong=True), tokenizer, probes)
+    guesses = kbase.knowledge_metrics(kb, probes, wrong)
     assert guesses["recall"] == 0.0 and guesses["bits"] == 0.0 and guesses["bits_estimator"] == 0.0
     torch.manual_seed(0)
     untrained = kc.build_model(kc.arm_config("plain", len(tokenizer), {}))
-    metrics = kc.measure(untrained, tokenizer, kb)
+    metrics = kbase.measure(untrained, tokenizer, kb)
     chance = max(a["chance"] for a in metrics["train"]["attributes"].values())
     assert metrics["train"]["recall"] <= chance + 1e-9 and metrics["heldout"]["recall"] <= chance + 1e-9
 

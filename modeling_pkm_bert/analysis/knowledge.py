@@ -1,0 +1,357 @@
+"""Knowledge probes: a synthetic knowledge base of people (in the spirit of Physics of Language Models 3.1/3.3's bioS,
+our own generator) and the recall of its facts by a masked LM, in bits.
+
+Each person has a unique full name and five attributes, each value drawn uniformly from a list of known size, so a
+fact's information is exact: log2 of its list's size (a birth date is 12 x 28 x 100 = 33,600 values, 15.04 bits; a
+person holds 40.3 bits). Every attribute has six paraphrase templates: four appear in the training text, two are held
+out to measure whether a fact can be *extracted* in a sentence never trained on (Physics of LMs 3.1). A biography
+states the five facts in a random order, each with a random training template, every sentence naming the person in
+full; each person gets several such biographies.
+
+    kb = generate_knowledge_base(n_people=200, seed=0)
+    lines = sentences(kb, per_person=8)                     # the training text: a fact a line (or biographies(...))
+    metrics = measure(model, tokenizer, kb)                 # recall and bits, training and held-out templates
+
+The generator is seeded and nested: the first n people of a larger base are the base of n people, so runs over
+several sizes share their people and a tokenizer built for the largest base covers every smaller one. The benchmarks
+`knowledge_capacity.py` and the demo use this one generator.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+
+FIRST_NAMES = """
+aaron abigail adrian alice amelia andrew anna arthur audrey benjamin bianca caleb camille carmen caroline charles
+chloe daniel david diana dominic dorothy edgar edith elena eliza emil emma esther felix fiona frances gabriel george
+grace hannah harold helen henry iris isaac ivan jacob jasmine julia julian karen kevin laura leon lillian lucas lydia
+margaret martin maya miriam nathan nina oliver olivia oscar paula peter philip rachel rebecca robert rosa samuel
+sarah simon sofia stella thomas tobias ursula victor vivian walter wendy xavier yvonne zachary
+""".split()
+
+# surnames are three syllables drawn from these: rare words, so the real WordPiece vocabulary splits each into pieces
+SURNAME_SYLLABLES = """
+bar ven dor kel mis tra lun gor fen sal wick har mon del rup zan quil brom tes var lok nim peld rask oth
+""".split()
+
+MONTHS = "january february march april may june july august september october november december".split()
+
+CITIES = """
+amsterdam athens atlanta auckland baltimore bangkok barcelona beijing berlin bogota boston brisbane brussels
+budapest cairo calgary chicago copenhagen dallas delhi denver detroit dublin edinburgh florence frankfurt geneva
+glasgow hamburg havana helsinki houston istanbul jakarta johannesburg kyoto lagos leeds lima lisbon liverpool london
+lyon madrid manchester manila marseille melbourne memphis miami milan montreal moscow mumbai munich nairobi naples
+oslo ottawa oxford paris perth philadelphia phoenix portland prague quebec rome rotterdam santiago seattle seoul
+shanghai singapore stockholm sydney tehran tokyo toronto valencia vancouver venice vienna warsaw zurich
+""".split()
+
+PLACE_STEMS = """
+ashford bellmoor brightwater cedarfield clearbrook dunmore eastwick fairhaven glenrock harrowgate highmere ironwood
+kingsbridge lakemont maplewood northfield oakhurst pinecrest ravenscroft silverdale stonebridge thornbury westmarsh
+willowbrook wolfhaven
+""".split()
+
+UNIVERSITY_FORMS = ["{} university", "{} college", "the university of {}", "{} institute of technology"]
+COMPANY_WORDS = "systems labs industries group".split()
+COMPANY_STEMS = """
+altera brightline coretex deltaform everstone falconworks granitex heliotrope ionwave junipera kestrel lumenar
+meridian novacore orbital pinnacle quantra redwood solstice tidewater umbrella vantage westgate xylotech zephyr
+""".split()
+
+MAJORS = """
+accounting anthropology archaeology architecture astronomy biochemistry biology botany chemistry classics
+communications computer_science criminology dentistry ecology economics education engineering english film finance
+forestry genetics geography geology history journalism law linguistics marketing mathematics medicine music
+neuroscience nursing nutrition oceanography pharmacy philosophy photography physics politics psychology sociology
+statistics theatre theology veterinary_science zoology
+""".split()
+MAJORS = [major.replace("_", " ") for major in MAJORS]
+
+
+@dataclass(frozen=True)
+class Attribute:
+    name: str
+    values: tuple[str, ...]
+    train_templates: tuple[str, ...]  # "{name} ... {value} ..."
+    heldout_templates: tuple[str, ...]
+
+    @property
+    def bits(self) -> float:
+        return math.log2(len(self.values))
+
+
+def _dates() -> tuple[str, ...]:
+    return tuple(f"{m} {d}, {y}" for y in range(1900, 2000) for m in MONTHS for d in range(1, 29))
+
+
+ATTRIBUTES = (
+    Attribute(
+        "birth_date",
+        _dates(),
+        (
+            "{name} was born on {value}.",
+            "{name} came into this world on {value}.",
+            "{name} celebrates a birthday on {value}.",
+            "the birth of {name} was on {value}.",
+        ),
+        ("{name} entered life on {value}.", "the day {name} was born was {value}."),
+    ),
+    Attribute(
+        "birth_city",
+        tuple(CITIES),
+        (
+            "{name} was born in {value}.",
+            "{name} spent the early years of life in {value}.",
+            "{name} is a native of {value}.",
+            "{name} grew up in {value}.",
+        ),
+        ("{name} hails from {value}.", "the hometown of {name} is {value}."),
+    ),
+    Attribute(
+        "university",
+        tuple(form.format(stem) for stem in PLACE_STEMS for form in UNIVERSITY_FORMS),
+        (
+            "{name} studied at {value}.",
+            "{name} graduated from {value}.",
+            "{name} received an education at {value}.",
+            "{name} attended {value}.",
+        ),
+        ("{name} completed a degree at {value}.", "the alma mater of {name} is {value}."),
+    ),
+    Attribute(
+        "major",
+        tuple(MAJORS),
+        (
+            "{name} majored in {value}.",
+            "{name} specialized in {value}.",
+            "{name} chose {value} as a field of study.",
+            "{name} spent years studying {value}.",
+        ),
+        ("{name} earned a degree in {value}.", "the field of study of {name} was {value}."),
+    ),
+    Attribute(
+        "employer",
+        tuple(f"{stem} {word}" for stem in COMPANY_STEMS for word in COMPANY_WORDS),
+        (
+            "{name} works for {value}.",
+            "{name} is employed by {value}.",
+            "{name} has a job at {value}.",
+            "{name} earns a living at {value}.",
+        ),
+        ("{name} is on the staff of {value}.", "the employer of {name} is {value}."),
+    ),
+)
+MAX_PEOPLE = len(FIRST_NAMES) * len(SURNAME_SYLLABLES) ** 3
+
+
+def _names(n: int, seed: int) -> list[str]:
+    """n unique full names, a fixed random order of all first name x surname pairs (nested in n)."""
+    rng = random.Random(f"names-{seed}")
+    seen, names = set(), []
+    while len(names) < n:
+        surname = "".join(rng.choice(SURNAME_SYLLABLES) for _ in range(3))
+        name = f"{rng.choice(FIRST_NAMES)} {surname}"
+        if name not in seen:
+            seen.add(name)
+            names.append(name)
+    return names
+
+
+def generate_knowledge_base(n_people: int, seed: int = 0) -> dict:
+    """The knowledge base of `n_people` people: {"seed", "attributes": {name: {values, bits, templates}}, "people":
+    [{"name", attribute: value, ...}]}. The values are drawn uniformly and independently (seeded per person, so the
+    first n people do not depend on the base's size)."""
+    if not 1 <= n_people <= MAX_PEOPLE // 2:
+        raise ValueError(f"n_people must be in [1, {MAX_PEOPLE // 2}], got {n_people}")
+    people = []
+    for index, name in enumerate(_names(n_people, seed)):
+        rng = random.Random(f"person-{seed}-{index}")
+        people.append({"name": name, **{a.name: rng.choice(a.values) for a in ATTRIBUTES}})
+    return {
+        "seed": seed,
+        "attributes": {
+            a.name: {
+                "values": list(a.values),
+                "bits": a.bits,
+                "train_templates": list(a.train_templates),
+                "heldout_templates": list(a.heldout_templates),
+            }
+            for a in ATTRIBUTES
+        },
+        "people": people,
+    }
+
+
+def person_bits(kb: dict) -> float:
+    return sum(spec["bits"] for spec in kb["attributes"].values())
+
+
+def biographies(kb: dict, per_person: int, seed: int = 0) -> list[str]:
+    """`per_person` biographies of every person (person-major order; the training script shuffles): the five facts
+    in a random order, each in a random training template."""
+    lines = []
+    for index, person in enumerate(kb["people"]):
+        rng = random.Random(f"bio-{seed}-{index}")
+        for _ in range(per_person):
+            order = list(kb["attributes"])
+            rng.shuffle(order)
+            sentences = [
+                rng.choice(kb["attributes"][a]["train_templates"]).format(name=person["name"], value=person[a])
+                for a in order
+            ]
+            lines.append(" ".join(sentences))
+    return lines
+
+
+def sentences(kb: dict, per_person: int, seed: int = 0) -> list[str]:
+    """The sentences of `biographies(...)`, one a line: each fact stated alone, the name its only key."""
+    return [sentence + "." for line in biographies(kb, per_person, seed) for sentence in line[:-1].split(". ")]
+
+
+def fact_probes(kb: dict, split: str, seed: int = 0, context: str = "biography") -> list[dict]:
+    """One probe per (person, attribute): a fresh biography of the person (random order, the other facts in random
+    training templates) in which the probed fact is in a random template of `split` ("train": one of the four
+    training templates; "heldout": one of the two never trained on). `parts` is the biography as [text, attribute]
+    pieces (attribute None for the words around the values): the measurement masks every value, so the person's name
+    is the only key to the fact, in the setting the model was trained in (a lone sentence is a sequence shape a small
+    model never saw)."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    if context not in ("biography", "sentence"):
+        raise ValueError(f"context must be 'biography' or 'sentence', got {context!r}")
+    probes = []
+    for index, person in enumerate(kb["people"]):
+        rng = random.Random(f"probe-{split}-{seed}-{index}")
+        for attribute in kb["attributes"]:
+            order = list(kb["attributes"])
+            rng.shuffle(order)
+            if context == "sentence":
+                order = [attribute]
+            parts = []
+            for other in order:
+                kind = f"{split}_templates" if other == attribute else "train_templates"
+                prefix, suffix = rng.choice(kb["attributes"][other][kind]).format(name=person["name"], value="\0").split("\0")
+                parts += [[(" " if parts else "") + prefix, None], [person[other], other], [suffix, None]]
+            probes.append({"person": index, "attribute": attribute, "value": person[attribute], "parts": parts})
+    return probes
+
+
+def probe_text(probe: dict) -> str:
+    return "".join(text for text, _ in probe["parts"])
+
+
+def write_knowledge_base(kb: dict, path) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(kb, handle, indent=1)
+
+
+def read_knowledge_base(path) -> dict:
+    with open(path, encoding="utf-8") as handle:
+        kb = json.load(handle)
+    if not isinstance(kb, dict) or not {"attributes", "people"} <= set(kb):
+        raise ValueError(f"{path} is not a knowledge base written by --write_kb (no 'attributes' and 'people')")
+    return kb
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Recall: every value token predicted, greedy from left to right
+
+
+def tokenize_probes(tokenizer, probes: list[dict]) -> list[tuple[list[int], int, list[int]]]:
+    """(input ids with every value masked but the probed one, the probed value's first position, its ids) of each
+    probe. The pieces are tokenized apart: they meet at spaces and punctuation, where WordPiece splits anyway."""
+    encoded = []
+    for probe in probes:
+        ids, start, value = [tokenizer.cls_token_id], None, None
+        for text, attribute in probe["parts"]:
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if attribute == probe["attribute"]:
+                start, value = len(ids), piece
+            elif attribute is not None:
+                piece = [tokenizer.mask_token_id] * len(piece)
+            ids += piece
+        encoded.append((ids + [tokenizer.sep_token_id], start, value))
+    return encoded
+
+
+@torch.no_grad()
+def probe_facts(model, tokenizer, probes: list[dict], batch_tokens: int = 2**22) -> list[tuple[bool, float]]:
+    """For each probe: (recalled, cross-entropy of its value in bits). The value's positions are all masked; the value
+    is read left to right, each token predicted given the true tokens before it (teacher forcing, which makes the greedy
+    decoding's all-correct the same as every step's argmax being right, and sums the chain rule's cross-entropy)."""
+    model.eval()
+    encoded = tokenize_probes(tokenizer, probes)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    results = []
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))  # similar lengths together: less padding
+    position = 0
+    while position < len(order):
+        length = len(encoded[order[min(position + 1, len(order)) - 1]][0])
+        batch_size = max(1, min(512, batch_tokens // max(1, length * vocab)))
+        chunk = order[position : position + batch_size]
+        position += len(chunk)
+        longest = max(len(encoded[i][0]) for i in chunk)
+        ids = torch.full((len(chunk), longest), tokenizer.pad_token_id)
+        attention = torch.zeros_like(ids)
+        for row, i in enumerate(chunk):
+            ids[row, : len(encoded[i][0])] = torch.tensor(encoded[i][0])
+            attention[row, : len(encoded[i][0])] = 1
+        starts = torch.tensor([encoded[i][1] for i in chunk])
+        lengths = torch.tensor([len(encoded[i][2]) for i in chunk])
+        offsets = torch.arange(longest) - starts[:, None]  # position relative to the value's start
+        correct = torch.ones(len(chunk), dtype=torch.bool)
+        cross_entropy = torch.zeros(len(chunk), dtype=torch.float64)
+        for step in range(int(lengths.max())):
+            masked = ids.clone()
+            masked[(offsets >= step) & (offsets < lengths[:, None])] = tokenizer.mask_token_id
+            logits = model(input_ids=masked, attention_mask=attention).logits
+            rows = torch.nonzero(lengths > step).squeeze(1)
+            at = starts[rows] + step
+            row_logits = logits[rows, at].float()
+            targets = ids[rows, at]
+            correct[rows] &= row_logits.argmax(-1) == targets
+            log_probs = torch.log_softmax(row_logits, -1).gather(1, targets[:, None]).squeeze(1)
+            cross_entropy[rows] -= log_probs.double() / math.log(2)
+        results.extend(zip(chunk, correct.tolist(), cross_entropy.tolist()))
+    results.sort()
+    return [(bool(c), float(h)) for _, c, h in results]
+
+
+def knowledge_metrics(kb: dict, probes: list[dict], outcomes: list[tuple[bool, float]]) -> dict:
+    """Recall and stored bits of one probe set, per attribute and in all: `recall`, `bits` (log2 |values| summed over
+    recalled facts) and `bits_estimator` (Physics of LMs 3.3: per attribute max(0, N log2 |values| - sum of the
+    values' cross-entropy in bits))."""
+    per_attribute = {}
+    for attribute, spec in kb["attributes"].items():
+        rows = [o for p, o in zip(probes, outcomes) if p["attribute"] == attribute]
+        recalled = sum(c for c, _ in rows)
+        per_attribute[attribute] = {
+            "recall": recalled / len(rows) if rows else 0.0,
+            "bits": recalled * spec["bits"],
+            "bits_estimator": max(0.0, len(rows) * spec["bits"] - sum(h for _, h in rows)),
+            "chance": 1 / len(spec["values"]),
+        }
+    facts = len(outcomes)
+    return {
+        "facts": facts,
+        "recall": sum(c for c, _ in outcomes) / facts if facts else 0.0,
+        "bits": sum(a["bits"] for a in per_attribute.values()),
+        "bits_estimator": sum(a["bits_estimator"] for a in per_attribute.values()),
+        "attributes": per_attribute,
+    }
+
+
+def measure(model, tokenizer, kb: dict, context: str = "sentence") -> dict:
+    """Recall and bits in a training template and in a held-out template, of every fact of `kb`."""
+    metrics = {}
+    for split in ("train", "heldout"):
+        probes = fact_probes(kb, split, context=context)
+        metrics[split] = knowledge_metrics(kb, probes, probe_facts(model, tokenizer, probes))
+    metrics["kb_bits"] = person_bits(kb) * len(kb["people"])
+    return metrics
