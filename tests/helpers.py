@@ -3,6 +3,7 @@ accelerate's process-wide state (tests/conftest.py resets it after every test; c
 two runs inside one test)."""
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -95,3 +96,11 @@ def reset_accelerate_state() -> None:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def metrics_records(output_dir, after: int = 0) -> list[dict]:
+    """The records of a run's metrics.jsonl past step `after`, without their wall-clock times (what a resumed run from
+    step_<after> must log as the uninterrupted run did)."""
+    lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
+    records = [{key: value for key, value in json.loads(line).items() if key != "time"} for line in lines]
+    return [record for record in records if record["step"] > after]

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from conftest import REPO_ROOT, tiny_config
-from helpers import load_script, reset_accelerate_state, torchrun
+from helpers import load_script, metrics_records, reset_accelerate_state, torchrun
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, BertTokenizer
 
@@ -116,6 +116,21 @@ def test_resume_gives_the_weights_of_the_uninterrupted_run(long_run, tiny, tmp_p
         load_file(reference / "staleness.safetensors")["layer_1"],
     )
     assert results["eval_moby_dick_trime_loss"] == long_run["results"]["eval_moby_dick_trime_loss"]
+
+
+
+def test_resume_at_an_epoch_end_evaluation_logs_as_the_uninterrupted_run(tiny, tmp_path):
+    """A checkpoint every 3 steps at 3 steps an epoch: step_3 ends epoch 0, which evaluates at its end. Resumed from
+    step_3, the run logs the uninterrupted run's records (the final evaluation's training loss averages steps 4 to 6
+    alone) and ends with its weights."""
+    options = f"{TRAINING} --checkpointing_steps 3"
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run(clm_args(tiny, full, options))
+    assert [r["step"] for r in metrics_records(full) if "eval_moby_dick_loss" in r] == [3, 6]
+    run(clm_args(tiny, resumed, f"{options} --resume_from_checkpoint {full / 'step_3'}"))
+    assert metrics_records(resumed) == metrics_records(full, after=3)
+    reference, weights = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert [name for name in reference if not torch.equal(reference[name], weights[name])] == []
 
 
 def test_resume_with_other_settings_stops_before_loading(long_run, tiny, tmp_path):

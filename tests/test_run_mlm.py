@@ -10,7 +10,7 @@ import accelerate
 import pytest
 import torch
 from conftest import REPO_ROOT, tiny_config
-from helpers import load_script, reset_accelerate_state, torchrun
+from helpers import load_script, metrics_records, reset_accelerate_state, torchrun
 from safetensors.torch import load_file
 from transformers import AutoModelForMaskedLM, BertTokenizer
 
@@ -136,6 +136,20 @@ def test_resume_gives_the_weights_of_the_uninterrupted_run(straight_runs, tiny, 
     staleness = load_file(tmp_path / "resumed" / "staleness.safetensors")["layer_1"]
     assert torch.equal(staleness, load_file(reference / "staleness.safetensors")["layer_1"])
     assert results["eval_moby_dick_loss"] == straight["results"]["eval_moby_dick_loss"]
+
+
+def test_resume_at_an_epoch_end_evaluation_logs_as_the_uninterrupted_run(tiny, tmp_path):
+    """A checkpoint every 2 steps at 2 steps an epoch: step_2 ends epoch 0, which evaluates at its end (the evaluation
+    draws its masks). Resumed from step_2, the run logs the uninterrupted run's records, the training loss of each later
+    evaluation included, and ends with its weights."""
+    options = f"{TRAINING} --checkpointing_steps 2"
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run(mlm_args(tiny, full, options))
+    assert [r["step"] for r in metrics_records(full) if "eval_moby_dick_loss" in r] == [2, 4, 6]
+    run(mlm_args(tiny, resumed, f"{options} --resume_from_checkpoint {full / 'step_2'}"))
+    assert metrics_records(resumed) == metrics_records(full, after=2)
+    reference, weights = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert [name for name in reference if not torch.equal(reference[name], weights[name])] == []
 
 
 @pytest.mark.multiprocess

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO_ROOT, SHARED_DATA, tiny_config
-from helpers import torchrun
+from helpers import metrics_records, reset_accelerate_state, torchrun
 from datasets import Dataset
 from safetensors.torch import load_file
 
@@ -268,6 +268,20 @@ def test_eval_steps_and_staleness(squad_slice, tmp_path):
     assert [r["step"] for r in evaluations] == [2, 4] and evaluations[-1]["eval_f1"] == results["eval_f1"]
     assert all({"eval_exact_match", "train_loss"} <= set(r) for r in evaluations)
     assert (out / "staleness.safetensors").is_file() and any(k.startswith("staleness/") for k in results)
+
+
+def test_resume_at_a_step_evaluation_logs_as_the_uninterrupted_run(squad_slice, tmp_path):
+    """--eval_steps 2 and --checkpointing_steps 2 meet at step 2: resumed from step_2, the run logs the uninterrupted
+    run's records (the training loss of the step-4 evaluation averages steps 3 and 4 alone) and ends with its weights."""
+    options = ("--max_train_steps", "4", "--eval_steps", "2", "--checkpointing_steps", "2")
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run_squad.main(tiny_args(squad_slice, full, *options))
+    assert [r["step"] for r in metrics_records(full) if "eval_f1" in r] == [2, 4]
+    reset_accelerate_state()
+    run_squad.main(tiny_args(squad_slice, resumed, *options, "--resume_from_checkpoint", str(full / "step_2")))
+    assert metrics_records(resumed) == metrics_records(full, after=2)
+    reference, weights = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(reference[name], weights[name]) for name in reference)
 
 
 def test_plain_bert_converted_on_load_and_frozen_memory(squad_slice, tmp_path):
