@@ -8,6 +8,7 @@ claims nothing."""
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import re
 import subprocess
@@ -20,6 +21,9 @@ import transformers
 from conftest import REPO_ROOT
 
 
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("ruff") is None, reason="ruff formats both sides (it is in the dev extras)"
+)
 PACKAGE = REPO_ROOT / "modeling_pkm_bert"
 MARKER = re.compile(r"^\s*#\s*Copied from\s+(?P<source>(?:transformers|modeling_pkm_bert)\.\S+)(?P<rest>.*)$")
 REPLACEMENT = re.compile(r"^\s*(\S+)->(\S+)\s*$")
