@@ -44,9 +44,17 @@ check_transformers_version()
 
 PKM_MODES = ("resm", "replace")
 PKM_VALUE_INITS = ("normal", "zeros")
-# the largest value table a config may ask for: 1 TiB in fp32 (the paper's 512 ** 2 x 768 table is 0.75 GiB); beyond it
-# no single machine holds one, and the allocator's error would come only when the model is built
-PKM_MAX_VALUE_TABLE_BYTES = 2**40
+# The one limit on a model's memories: the parameters of all its product-key and n-gram memories together (value and
+# hash tables, projections, keys, convolutions), checked when the config is built, so that a folder asking for more
+# is refused at once rather than by the allocator (or the swap) when the model is built. 2**33 (8.6e9 parameters, 32 GiB
+# in fp32): BERT-base with the paper's two memories holds 4.1e8. A machine that has the memory raises it with the
+# keyword `max_memory_parameters` (of the config or of `from_pretrained`): the loader's choice, never a folder's.
+PKM_MAX_MEMORY_PARAMETERS = 2**33
+# the most hash tables an n-gram memory may have (orders x directions x heads; Engram's have 16 to 32): their prime
+# sizes are searched for when the config is built
+NGRAM_MAX_TABLES = 1024
+# the hash's products stay below 2**62 (ids and multipliers below 2**31): rows beyond it are never read
+NGRAM_MAX_TABLE_SIZE = 2**62
 # defined once, beside the layer that reads them
 PKM_OUTPUT_GATES = OUTPUT_GATES
 PKM_SCORE_ACTIVATIONS = SCORE_ACTIVATIONS
@@ -166,6 +174,8 @@ class BertPkmConfig(BertConfig):
     ngram_token_map: bool = False
 
     def __post_init__(self, **kwargs):
+        # the loader's limit: a keyword, neither a field nor saved, so that no folder can raise it (from_dict)
+        max_memory_parameters = kwargs.pop("max_memory_parameters", PKM_MAX_MEMORY_PARAMETERS)
         if self.pkm_layers is None:
             n = self.num_hidden_layers
             self.pkm_layers = sorted({n // 3, 2 * n // 3})
@@ -174,11 +184,28 @@ class BertPkmConfig(BertConfig):
         self.ngram_orders = [int(n) for n in (self.ngram_orders if self.ngram_orders is not None else [2, 3])]
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
         super().__post_init__(**kwargs)
-        self._check_pkm_fields()
+        self._check_pkm_fields(max_memory_parameters)
 
-    def _check_pkm_fields(self):
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """[`~PreTrainedConfig.from_dict`] (which `from_pretrained` calls) with `max_memory_parameters`, a keyword of the
+        loader, known while the folder's sizes are checked (transformers sets other keywords after); a value in the
+        folder's own config.json is ignored."""
+        config_dict = {key: value for key, value in config_dict.items() if key != "max_memory_parameters"}
+        if "max_memory_parameters" in kwargs:
+            config_dict["max_memory_parameters"] = kwargs.pop("max_memory_parameters")
+        return super().from_dict(config_dict, **kwargs)
+
+    def _check_pkm_fields(self, max_memory_parameters: int):
         def fail(field, problem):
             raise ValueError(f"{type(self).__name__}.{field}={getattr(self, field)!r}: {problem}")
+
+        limit = max_memory_parameters
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(
+                f"{type(self).__name__}: max_memory_parameters={limit!r} must be a positive integer (the most parameters"
+                f" the model's memories may hold; default {PKM_MAX_MEMORY_PARAMETERS:,})"
+            )
 
         n = self.num_hidden_layers
         if any(i < 0 or i >= n for i in self.pkm_layers):
@@ -200,63 +227,127 @@ class BertPkmConfig(BertConfig):
         for field in ("pkm_input_dropout", "pkm_query_dropout", "pkm_value_dropout"):
             if not 0 <= getattr(self, field) < 1:
                 fail(field, "a dropout probability must be in [0, 1)")
-        self._check_memory_size(fail)
+        if self.pkm_weights_checksum is not None and not isinstance(self.pkm_weights_checksum.get("model"), str):
+            fail("pkm_weights_checksum", "is written by save_pretrained(..., checksum=True): a dict of digests")
         self._check_memory_plus_fields(fail)
-        self._check_ngram_fields(fail)
+        self._check_one_memory(fail, limit, "product-key", self._product_key_parts())
+        self._check_ngram_fields(fail, limit)
+        self._check_memory_parameters(fail, limit)
 
-    def _check_ngram_fields(self, fail):
-        n = self.num_hidden_layers
+    def _check_ngram_fields(self, fail, limit):
+        # every size bounded before the one search that grows with them, that of the tables' prime sizes
+        n, longest = self.num_hidden_layers, self.max_position_embeddings
         if any(i < 0 or i >= n for i in self.ngram_layers):
             fail("ngram_layers", f"every index must be in [0, {n - 1}] (num_hidden_layers={n}; indices are 0-based)")
         if len(set(self.ngram_layers)) != len(self.ngram_layers):
             fail("ngram_layers", "an index is repeated")
         if not self.ngram_orders or any(order < 1 for order in self.ngram_orders):
             fail("ngram_orders", "needs at least one order, each >= 1 (2: bigrams)")
+        if any(order > longest for order in self.ngram_orders):
+            fail("ngram_orders", f"an n-gram longer than max_position_embeddings={longest} tokens holds only padding")
         if len(set(self.ngram_orders)) != len(self.ngram_orders):
             fail("ngram_orders", "an order is repeated")
-        for field in ("ngram_heads", "ngram_dim", "ngram_conv_kernel"):
+        for field in ("ngram_heads", "ngram_dim", "ngram_conv_kernel", "ngram_table_size"):
             if getattr(self, field) < 1:
                 fail(field, "must be >= 1")
+        if self.ngram_conv_kernel > longest:
+            fail("ngram_conv_kernel", f"a window wider than max_position_embeddings={longest} tokens reads only padding")
         if self.ngram_layers and self.vocab_size >= 2**31:
             fail("ngram_layers", f"the n-gram hash needs ids below 2**31 (vocab_size={self.vocab_size})")
-        tables = self.ngram_tables
+        tables, kinds = self.ngram_tables, self.ngram_tables // self.ngram_heads
+        if tables > NGRAM_MAX_TABLES:
+            fail(
+                "ngram_heads" if self.ngram_heads >= kinds else "ngram_orders",
+                f"{len(self.ngram_orders)} order(s) x {kinds // len(self.ngram_orders)} direction(s) x ngram_heads="
+                f"{self.ngram_heads:,} = {tables:,} hash tables, over the {NGRAM_MAX_TABLES:,} an n-gram memory may have",
+            )
+        if self.ngram_table_size > NGRAM_MAX_TABLE_SIZE:
+            fail("ngram_table_size", f"the hash reaches rows below 2**62 only: at most {NGRAM_MAX_TABLE_SIZE:,}")
+        # before the search: the largest table alone holds more than ngram_table_size / 2 rows (Bertrand's postulate)
+        self._check_one_memory(fail, limit, "n-gram", self._ngram_parts(rows=self.ngram_table_size // 2 + 1), "at least ")
         try:
-            rows = sum(largest_primes_below(self.ngram_table_size, tables))
+            if tables > self.ngram_table_size:
+                raise ValueError
+            largest_primes_below(self.ngram_table_size, tables)
         except ValueError:
             fail("ngram_table_size", f"there must be {tables} distinct primes <= it (one per hash table)")
-        if rows * self.ngram_dim * 4 > PKM_MAX_VALUE_TABLE_BYTES:
-            fail(
-                "ngram_table_size",
-                f"the {tables} tables of each n-gram memory would hold {rows:,} rows x ngram_dim={self.ngram_dim}, over "
-                f"the {PKM_MAX_VALUE_TABLE_BYTES / 2**40:.0f} TiB limit in fp32",
-            )
 
     @property
     def ngram_tables(self) -> int:
         """Hash tables of each n-gram memory: orders x directions (2 in an encoder, 1 in a decoder) x heads."""
         return len(self.ngram_orders) * (1 if self.is_decoder else 2) * self.ngram_heads
 
-    def _check_memory_size(self, fail):
-        # the value table must exist: refused here with its size rather than by the allocator when the model is built
-        slots, table_bytes = self.pkm_n_keys**2, self.pkm_n_keys**2 * self.hidden_size * 4
-        if table_bytes > PKM_MAX_VALUE_TABLE_BYTES:
-            fail(
-                "pkm_n_keys",
-                f"each memory's value table would hold {slots:,} slots x hidden_size={self.hidden_size}, "
-                f"{table_bytes:,} bytes ({table_bytes / 2**40:.1f} TiB) in fp32, for each of the"
-                f" {len(self.pkm_layers)} memory layer(s);"
-                f" the limit is {PKM_MAX_VALUE_TABLE_BYTES / 2**40:.0f} TiB per table",
-            )
-        query_and_keys_bytes = self.pkm_heads * self.pkm_k_dim * (self.hidden_size + self.pkm_n_keys) * 4
-        if query_and_keys_bytes > PKM_MAX_VALUE_TABLE_BYTES:
-            fail(
-                "pkm_heads",
-                f"pkm_heads x pkm_k_dim = {self.pkm_heads * self.pkm_k_dim:,} query features: the query projection and"
-                f" the keys of each memory would need {query_and_keys_bytes:,} bytes in fp32, over the"
-                f" {PKM_MAX_VALUE_TABLE_BYTES / 2**40:.0f} TiB limit",
-            )
-        if self.pkm_weights_checksum is not None and not isinstance(self.pkm_weights_checksum.get("model"), str):
-            fail("pkm_weights_checksum", "is written by save_pretrained(..., checksum=True): a dict of digests")
+    @property
+    def num_memory_parameters(self) -> int:
+        """The parameters of all the model's memories (product-key and n-gram; a shared value table once): what
+        `max_memory_parameters` bounds. Quantized tables count as their unpacked values."""
+        return sum(count for _, count, _ in self._model_memory_parts())
+
+    def _product_key_parts(self) -> list[tuple[str, int, tuple[str, ...]]]:
+        """One product-key memory's parameters by part: (what, how many, the fields that size it)."""
+        hidden, features = self.hidden_size, self.pkm_heads * self.pkm_k_dim
+        query = hidden * features + features * self.pkm_query_bias + 2 * features * self.pkm_query_batchnorm
+        query += 2 * self.pkm_k_dim * self.pkm_qk_norm + (self.pkm_memory_scale is not None)
+        if self.pkm_output_gate == "swilu":
+            query += 2 * hidden * hidden + hidden
+        return [
+            ("the value table", self.pkm_n_keys**2 * hidden, ("pkm_n_keys", "hidden_size")),
+            ("the query network", query, ("pkm_heads", "pkm_k_dim", "hidden_size")),
+            ("the sub-keys", self.pkm_n_keys * features, ("pkm_n_keys", "pkm_heads", "pkm_k_dim")),
+        ]
+
+    def _ngram_parts(self, rows: int | None = None) -> list[tuple[str, int, tuple[str, ...]]]:
+        """One n-gram memory's parameters by part; `rows`: of its tables (default: the sum of their prime sizes)."""
+        if rows is None:
+            rows = sum(largest_primes_below(self.ngram_table_size, self.ngram_tables))
+        hidden, width = self.hidden_size, self.ngram_tables * self.ngram_dim
+        return [
+            ("the n-gram tables", rows * self.ngram_dim, ("ngram_table_size", "ngram_dim", "ngram_heads")),
+            ("the key and value projections", 2 * width * hidden + 4 * hidden, ("ngram_dim", "ngram_heads", "hidden_size")),
+            ("the convolution", width * (self.ngram_conv_kernel + 2), ("ngram_conv_kernel", "ngram_dim", "ngram_heads")),
+        ]
+
+    def _model_memory_parts(self) -> list[tuple[str, int, tuple[str, ...]]]:
+        """The memory parameters of the whole model by part, summed over the layers (a shared value table once)."""
+        parts = []
+        for kind, layers, memory_parts in (
+            ("product-key", len(self.pkm_layers), self._product_key_parts),
+            ("n-gram", len(self.ngram_layers), self._ngram_parts),
+        ):
+            for what, count, fields in memory_parts() if layers else []:
+                copies = 1 if what == "the value table" and self.pkm_shared_values else layers
+                parts.append((f"{what} of {copies} {kind} memory layer(s)", count * copies, fields))
+        return parts
+
+    def _check_one_memory(self, fail, limit, kind, parts, at_least=""):
+        # one memory of each kind is checked even where no layer has one (then against the default limit at least, so
+        # that a lowered limit concerns the memories in use): no model could be built with such a field
+        if not (self.pkm_layers if kind == "product-key" else self.ngram_layers):
+            limit = max(limit, PKM_MAX_MEMORY_PARAMETERS)
+        total = sum(count for _, count, _ in parts)
+        if total > limit:
+            self._refuse_memory_parameters(fail, limit, f"one {kind} memory would hold {at_least}", total, parts)
+
+    def _check_memory_parameters(self, fail, limit):
+        self._check_one_memory(fail, limit, "n-gram", self._ngram_parts())
+        parts = self._model_memory_parts()
+        total = sum(count for _, count, _ in parts)
+        if total > limit:
+            self._refuse_memory_parameters(fail, limit, "the model's memories would hold ", total, parts)
+
+    def _refuse_memory_parameters(self, fail, limit, subject, total, parts):
+        """Refused, naming the field that sizes the largest part: the one furthest above its default, or the part's
+        first where none is above it."""
+        what, count, fields = max(parts, key=lambda part: part[1])
+        above = {name: getattr(self, name) / max(getattr(type(self), name, 1), 1) for name in fields}
+        field = max(above, key=above.get) if max(above.values()) > 1 else fields[0]
+        sizes = ", ".join(f"{name}={getattr(self, name):,}" for name in fields)
+        fail(
+            field,
+            f"{subject}{total:,} parameters, {_fp32_size(total)}, the most in {what} ({count:,}; {sizes}): over"
+            f" max_memory_parameters={limit:,} ({_fp32_size(limit)}). On a machine that has the memory, raise the limit"
+            " with the keyword max_memory_parameters=N (of the config, or of from_pretrained; a folder cannot raise it)",
+        )
 
     def _check_memory_plus_fields(self, fail):
         if self.pkm_output_gate not in PKM_OUTPUT_GATES:
@@ -280,6 +371,14 @@ class BertPkmConfig(BertConfig):
     def pkm_mem_size(self) -> int:
         """Number of memory slots (value rows) of each memory layer."""
         return self.pkm_n_keys**2
+
+
+def _fp32_size(parameters: int) -> str:
+    size = parameters * 4
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size:,} bytes ({size / scale:.1f} {unit}) in fp32"
+    return f"{size:,} bytes in fp32"
 
 
 __all__ = ["BertPkmConfig"]
