@@ -272,6 +272,19 @@ class RobertaPkmForMaskedLM(RobertaPkmPreTrainedModel):
         return output if return_dict else output.to_tuple()
 
 
+def roberta_generation_positions(input_ids, attention_mask, new_tokens: int, padding_idx: int) -> torch.Tensor:
+    """The positions of a generation step's `new_tokens` last tokens as a plain forward over all the tokens so far,
+    `input_ids`, gives them: counted from `padding_idx + 1` over the real tokens, `padding_idx` at padding (`<pad>` ids
+    and the tokens a 2-D `attention_mask` masks), so that a left-padded prompt generates as it would alone.
+    transformers' generate passes positions counted from 0, 2 below RoBERTa's: they are replaced, as are any given to
+    generate."""
+    real = input_ids.ne(padding_idx)
+    if attention_mask is not None and attention_mask.shape == input_ids.shape:
+        real &= attention_mask != 0
+    positions = (real.cumsum(1) + padding_idx).masked_fill(~real, padding_idx)
+    return positions[:, -new_tokens:]
+
+
 class RobertaPkmForCausalLM(RobertaPkmPreTrainedModel, GenerationMixin):
     """RobertaPkm with RoBERTa's language modeling head for causal LM; `generate` works."""
 
@@ -297,8 +310,13 @@ class RobertaPkmForCausalLM(RobertaPkmPreTrainedModel, GenerationMixin):
         self.lm_head.decoder = new_embeddings
 
     def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
-        """transformers' inputs for a generation step; with n-gram memories also `ngram_history_ids`."""
+        """transformers' inputs for a generation step, with RoBERTa's positions (`roberta_generation_positions`) and,
+        with n-gram memories, `ngram_history_ids`."""
         model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        new_tokens = model_inputs["input_ids"].shape[1]
+        model_inputs["position_ids"] = roberta_generation_positions(
+            input_ids, kwargs.get("attention_mask"), new_tokens, self.config.pad_token_id
+        )
         return add_ngram_history(model_inputs, input_ids, self.roberta.ngram_context_length, kwargs)
 
     def forward(

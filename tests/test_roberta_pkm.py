@@ -30,6 +30,7 @@ from modeling_pkm_bert import (
 )
 from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 from modeling_pkm_bert.hub.conversion import convert_to_pkm, load_source_tokenizer, save_converted
+from modeling_pkm_bert.ngram_memory import NgramMemory
 
 
 SMALL_PKM = dict(pkm_layers=[1], pkm_n_keys=8, pkm_heads=2, pkm_knn=4, pkm_k_dim=16, pkm_value_init="zeros")
@@ -199,6 +200,43 @@ def test_causal_lm_generates_with_a_cache():
     assert generated.shape == (1, 7)
     without_cache = model.generate(input_ids, max_new_tokens=4, do_sample=False, pad_token_id=1, use_cache=False)
     assert torch.equal(generated, without_cache)
+
+
+def generation_model(**overrides) -> RobertaPkmForCausalLM:
+    """A tiny RoBERTa decoder that never generates <pad> (which RoBERTa's positions would skip) and whose n-gram
+    memories, if any, contribute."""
+    torch.manual_seed(0)
+    model = RobertaPkmForCausalLM(tiny_roberta_config(is_decoder=True, **overrides)).eval()
+    with torch.no_grad():
+        model.lm_head.bias[model.config.pad_token_id] = -1e4
+        for module in model.modules():
+            if isinstance(module, NgramMemory):
+                for parameter in (module.conv.weight, module.value.weight):
+                    parameter.normal_(std=0.5)
+    return model
+
+
+@pytest.mark.parametrize("memories", [{}, dict(ngram_layers=[0], ngram_table_size=97, ngram_dim=4)], ids=["pkm", "ngram"])
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
+def test_generated_scores_equal_a_plain_forward_over_the_same_tokens(use_cache, memories):
+    """Issue 44: transformers' generate passes positions counted from 0, RoBERTa's table counts them from
+    pad_token_id + 1 (as a plain forward does): every step's scores were a forward's at positions 2 lower."""
+    model, pad = generation_model(**memories), 1
+    prompts = torch.tensor([[0, 40, 41, 42, 43], [pad, pad, 0, 50, 51]])  # the second left-padded
+    mask = (prompts != pad).long()
+    with torch.no_grad():
+        out = model.generate(
+            prompts, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=pad, use_cache=use_cache,
+            output_scores=True, return_dict_in_generate=True,
+        )  # fmt: skip
+        assert len(out.scores) == 4
+        for step, scores in enumerate(out.scores):
+            tokens = out.sequences[:, : prompts.shape[1] + step]
+            padded = model(tokens, attention_mask=(tokens != pad).long()).logits[:, -1]
+            torch.testing.assert_close(scores, padded, atol=1e-4, rtol=0)
+            for row in range(len(tokens)):  # and the unpadded sequence alone
+                alone = model(tokens[row][tokens[row] != pad][None]).logits[0, -1]
+                torch.testing.assert_close(scores[row], alone, atol=1e-4, rtol=0)
 
 
 # Runs in a fresh interpreter whose import of modeling_pkm_bert is made to fail: only the folder's code can be used.
