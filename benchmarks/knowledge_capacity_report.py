@@ -6,6 +6,9 @@ import statistics
 from pathlib import Path
 
 
+HERE_NOTES = Path(__file__).resolve().parent / "knowledge_capacity_notes.md"  # the findings, written by hand
+
+
 def _mean_spread(values: list[float]) -> str:
     if not values:
         return "—"
@@ -34,7 +37,8 @@ def write_figures(data: dict, plan: dict, labels: dict, folder: Path) -> list[st
     import matplotlib.pyplot as plt
 
     best = best_learning_rates(data, plan)
-    largest = max(plan["sizes"])
+    finished = [r["size"] for r in _runs(data) if r["size"] in plan["sizes"]]
+    largest = max(finished or plan["sizes"])  # the largest size run so far (the plan's, once finished)
     names = []
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for arm, lr in best.items():
@@ -74,11 +78,12 @@ def write_report(args, data: dict) -> None:
     lines += [
         "Facts stored per parameter and per unit of compute (`benchmarks/knowledge_capacity.py`): a synthetic knowledge "
         "base of people with five attributes of exactly known information (40.3 bits a person), written as "
-        "biographies (several per person, permuted attribute order, four paraphrase templates per attribute, two more "
-        "held out), trained on with `run_scripts/run_mlm.py` from scratch: the same tokenizer (MiniLM's WordPiece "
+        f"{'biographies' if plan.get('training_text') == 'biographies' else 'the sentences of biographies, a fact a line'} "
+        "(several per person, four paraphrase templates per attribute, two more held out), trained on with "
+        "`run_scripts/run_mlm.py` from scratch: the same tokenizer (MiniLM's WordPiece "
         "restricted to the base's pieces), data order, masks and steps for every arm. A fact is recalled when every "
-        "token of its value is predicted (greedy, left to right) with all five values of a fresh biography masked, so "
-        "the name is the only key; bits = log2 |values| summed over recalled facts; the estimator of Physics of LMs 3.3 "
+        "token of its value is predicted (greedy, left to right) in a sentence naming the person, so the name is the "
+        "only key; bits = log2 |values| summed over recalled facts; the estimator of Physics of LMs 3.3 "
         "(per attribute max(0, N log2 |values| - the values' cross-entropy in bits)) beside it.",
         "",
         f"Base encoder: hidden {BASE['hidden_size']}, {BASE['num_hidden_layers']} layers, FFN "
@@ -118,7 +123,7 @@ def write_report(args, data: dict) -> None:
         params.setdefault(run["arm"], run["params"])
     if speed:
         plain = speed["arms"]["plain"]
-        lines += ["## Cost", "", f"A training step of {speed['batch'][0]} biographies ({speed['batch'][1]} positions), "
+        lines += ["## Cost", "", f"A training step of {speed['batch'][0]} lines ({speed['batch'][1]} positions), "
                   f"one thread, the arms interleaved in one process ({speed['machine']}); FFN widths: equal parameters "
                   f"{speed['wide_params_width']}, equal step time {speed['wide_time_width']}.", "",
                   "| arm | step (ms) | / plain | dense params | memory params | embeddings |", "|---|---|---|---|---|---|"]  # fmt: skip
@@ -204,6 +209,9 @@ def write_report(args, data: dict) -> None:
                          f"{run['final']['heldout']['recall']:.2f} | {run['final']['train']['bits']:,.0f} |")  # fmt: skip
         lines.append("")
 
+    findings = HERE_NOTES.read_text(encoding="utf-8") if HERE_NOTES.exists() else ""
+    if findings:
+        lines += [findings.strip(), ""]
     if _runs(data):
         for name in write_figures(data, plan, LABELS, report.parent):
             lines += [f"![{name}]({name})", ""]
