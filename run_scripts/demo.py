@@ -12,7 +12,10 @@ The whole pipeline in a few minutes on a laptop CPU, with a real checkpoint:
 4. a fresh Python process that never imports this package reloads it through remote code
    (`AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True)`) and fills masks with a `fill-mask`
    pipeline;
-5. a summary: perplexities and memory usage before/after, speed, peak memory, the filled masks.
+5. what the memory is worth: ResM-MiniLM and plain MiniLM, converted the same way, learn a small synthetic knowledge
+   base (people and five facts each, `modeling_pkm_bert.analysis.knowledge`) with the same steps; the facts each
+   recalls, and the reloaded ResM folder answering fact questions through a `fill-mask` pipeline;
+6. a summary: perplexities and memory usage before/after, the facts recalled, speed, peak memory, the filled masks.
 
     python run_scripts/demo.py                   # or `make demo`
     python run_scripts/demo.py --with_baseline   # also trains plain MiniLM the same way: what the memory costs
@@ -100,6 +103,9 @@ def parse_args():
         "is about twice as fast as dense Adam here.",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--knowledge_people", type=int, default=10, help="People in the knowledge base (5 facts each).")
+    parser.add_argument("--knowledge_steps", type=int, default=150, help="Masked-LM steps on the knowledge base.")
+    parser.add_argument("--knowledge_learning_rate", type=float, default=1e-3)
     parser.add_argument(
         "--with_baseline",
         action="store_true",
@@ -135,6 +141,86 @@ def run_mlm_command(args, model_path: str, output_dir: Path, pkm: bool) -> list[
         command += ["--pkm_n_keys", str(args.pkm_n_keys), "--memory_optimizer", args.memory_optimizer]
         command += ["--track_staleness"]
     return command
+
+
+def knowledge_command(args, model_path: str, data: Path, output_dir: Path, pkm: bool) -> list[str]:
+    """The same conversion as the main run, trained on the knowledge base's sentences (a fact a line)."""
+    command = run_mlm_command(args, model_path, output_dir, pkm)
+    replaced = {
+        "--max_seq_length": "48", "--per_device_train_batch_size": "32",
+        "--learning_rate": f"{args.knowledge_learning_rate:g}", "--num_warmup_steps": str(args.knowledge_steps // 10),
+        "--max_train_steps": str(args.knowledge_steps), "--eval_steps": str(args.knowledge_steps),
+    }  # fmt: skip
+    command = [replaced.get(previous, word) for previous, word in zip([None, *command], command)]
+    command = [word for word in command if word not in ("--evaluate_before_training", "--track_staleness")]
+    command += ["--train_file", str(data / "train.txt"), "--validation_file", str(data / "heldout.txt"), "--line_by_line"]
+    return command + (["--memory_learning_rate", "1e-2"] if pkm else [])
+
+
+def learn_knowledge(args, model_path: str, output_dir: Path, env: dict) -> tuple[dict, dict, Path]:
+    """ResM-MiniLM and plain MiniLM learn the same small knowledge base (same data, steps and learning rate); the facts
+    each recalls with every value token predicted (`analysis.knowledge.measure`): ({label: metrics}, kb, ResM folder)."""
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    from modeling_pkm_bert import register_auto_classes
+    from modeling_pkm_bert.analysis.knowledge import (
+        fact_probes,
+        generate_knowledge_base,
+        measure,
+        probe_text,
+        sentences,
+        write_knowledge_base,
+    )
+
+    data = output_dir / "knowledge"
+    data.mkdir(parents=True, exist_ok=True)
+    kb = generate_knowledge_base(args.knowledge_people, seed=args.seed)
+    write_knowledge_base(kb, data / "kb.json")
+    (data / "train.txt").write_text("\n".join(sentences(kb, per_person=8)) + "\n", encoding="utf-8")
+    heldout = [probe_text(p) for p in fact_probes(kb, "heldout", context="sentence")]
+    (data / "heldout.txt").write_text("\n".join(heldout) + "\n", encoding="utf-8")
+    register_auto_classes()
+    metrics, folders = {}, {"ResM-MiniLM": output_dir / "resm-minilm-facts", "plain MiniLM": output_dir / "plain-minilm-facts"}
+    for label, folder in folders.items():
+        print(f"\n{label}:", flush=True)
+        train(args, model_path, folder, label.startswith("ResM"), env, knowledge_command(args, model_path, data, folder, label.startswith("ResM")))
+        model = AutoModelForMaskedLM.from_pretrained(folder)
+        metrics[label] = measure(model, AutoTokenizer.from_pretrained(folder), kb)
+    return metrics, kb, folders["ResM-MiniLM"]
+
+
+def knowledge_table(metrics: dict, kb: dict) -> str:
+    facts = len(kb["people"]) * len(kb["attributes"])
+    rows = [["", *metrics]]
+    for split, label in (("train", "facts recalled, training template"), ("heldout", "facts recalled, held-out template")):
+        rows.append([label, *(f"{round(m[split]['recall'] * facts)} / {facts}" for m in metrics.values())])
+    rows.append(["stored bits (training template)", *(f"{m['train']['bits']:,.0f} / {m['kb_bits']:,.0f}" for m in metrics.values())])
+    return table(rows)
+
+
+def fact_questions(kb: dict, count: int = 4) -> list[tuple[str, str]]:
+    """Questions with a one-token answer (the birth city), in a training and in a held-out template."""
+    spec = kb["attributes"]["birth_city"]
+    questions = []
+    for person in kb["people"][:count]:
+        template = spec["train_templates"][0] if len(questions) % 2 == 0 else spec["heldout_templates"][1]
+        questions.append((template.format(name=person["name"], value="[MASK]"), person["birth_city"]))
+    return questions
+
+
+def reload_and_fill(folder: Path, sentences: list[str], env: dict, cwd: Path, log: Path) -> dict:
+    """`RELOAD_SCRIPT` in a fresh process that cannot import this package: the folder's own remote code fills masks."""
+    done = subprocess.run(
+        [sys.executable, "-c", RELOAD_SCRIPT, str(folder), json.dumps(sentences)],
+        env={**env, "PYTHONPATH": ""}, cwd=cwd, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    log.write_text(done.stdout + done.stderr, encoding="utf-8")
+    if done.returncode != 0:
+        sys.exit(f"reloading {folder} through remote code failed:\n{done.stderr[-3000:]}")
+    reload = json.loads(done.stdout.strip().splitlines()[-1])
+    if reload["package_imported"] or not reload["class"].startswith("transformers_modules"):
+        sys.exit(f"the fresh process did not use the folder's remote code: {reload}")
+    return reload
 
 
 def banner(text: str) -> None:
@@ -192,10 +278,10 @@ def run_logged(command: list[str], log_path: Path, env: dict, cwd: Path) -> int:
     return returncode
 
 
-def train(args, model_path: str, output_dir: Path, pkm: bool, env: dict) -> dict:
+def train(args, model_path: str, output_dir: Path, pkm: bool, env: dict, command: list[str] | None = None) -> dict:
     if output_dir.exists():
         shutil.rmtree(output_dir)  # a previous demo's folder (checkpoints would be mixed into the new one)
-    command = run_mlm_command(args, model_path, output_dir, pkm)
+    command = command or run_mlm_command(args, model_path, output_dir, pkm)
     log_path = output_dir.parent / f"{output_dir.name}.log"
     print(f"$ {shown(command)}\n", flush=True)
     print(f"(its full output goes to {relative(log_path)})", flush=True)
@@ -449,17 +535,7 @@ def main():
     print(f"{relative(folder)}/ is complete: config with the full auto_map, code files, weights, tokenizer", flush=True)
 
     banner("4. Reload it through remote code in a fresh process and fill masks")
-    reload_env = {**env, "PYTHONPATH": ""}  # the fresh process must not see this package
-    done = subprocess.run(
-        [sys.executable, "-c", RELOAD_SCRIPT, str(folder), json.dumps(FILL_MASK_SENTENCES)],
-        env=reload_env, cwd=output_dir, capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    (output_dir / "reload.log").write_text(done.stdout + done.stderr, encoding="utf-8")
-    if done.returncode != 0:
-        sys.exit(f"reloading {folder} through remote code failed:\n{done.stderr[-3000:]}")
-    reload = json.loads(done.stdout.strip().splitlines()[-1])
-    if reload["package_imported"] or not reload["class"].startswith("transformers_modules"):
-        sys.exit(f"the fresh process did not use the folder's remote code: {reload}")
+    reload = reload_and_fill(folder, FILL_MASK_SENTENCES, env, output_dir, output_dir / "reload.log")
     print(f"AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True) -> {reload['class']}", flush=True)
     for sentence, predictions in zip(FILL_MASK_SENTENCES, reload["predictions"]):
         print(f"  ...{sentence[-60:]}", flush=True)
@@ -474,8 +550,22 @@ def main():
             flush=True,
         )
 
-    banner("5. Summary")
+    banner(
+        f"5. What the memory is worth: both models learn {args.knowledge_people} people's facts "
+        f"({args.knowledge_steps} masked-LM steps each)"
+    )
+    knowledge, kb, facts_folder = learn_knowledge(args, model_path, output_dir, env)
+    questions = fact_questions(kb)
+    answers = reload_and_fill(facts_folder, [q for q, _ in questions], env, output_dir, output_dir / "reload-facts.log")
+    print(f"\n{knowledge_table(knowledge, kb)}\n\nThe reloaded {relative(facts_folder)}/ (remote code) answers:", flush=True)
+    for (question, truth), predictions in zip(questions, answers["predictions"]):
+        guesses = ", ".join(f"{token!r} ({score:.2f})" for token, score in predictions)
+        print(f"  {question}  -> {guesses}   (true: {truth!r})", flush=True)
+
+    banner("6. Summary")
     print(summary(args, results, baseline, step_times, reload, folder, time.time() - start), flush=True)
+    print(f"\nFacts recalled after {args.knowledge_steps} steps on {args.knowledge_people} people:\n"
+          + knowledge_table(knowledge, kb), flush=True)  # fmt: skip
     print("\n" + where_the_files_are(output_dir, folder, baseline is not None), flush=True)
 
 
