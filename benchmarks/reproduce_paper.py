@@ -46,6 +46,12 @@ SCRIPTS = REPO_ROOT / "run_scripts"
 EMBEDDED = SCRIPTS / "data"
 sys.path.insert(0, str(REPO_ROOT))
 
+from modeling_pkm_bert.utils.input_errors import usage_errors  # noqa: E402 (standard library only)
+from modeling_pkm_bert.utils.output_folders import check_output_folder, mark_output_folder  # noqa: E402
+
+
+TOOL = "reproduce_paper"  # its --work_dir and --figures_dir hold the marker `.reproduce_paper`
+
 ROWS = {  # name: (Table 2 label, pkm flags of run_mlm.py or None for a folder made here)
     "plain": ("(b) MiniLM + same steps", []),
     "pkm": ("(e) +Init +PKM", ["--pkm_mode", "replace"]),
@@ -97,9 +103,23 @@ def parse_args(argv=None):
         help="The shared data (glue/SST-2, glue/CoLA, wikitext-2-raw); default $PKM_SHARED_DATA or ../shared/data.",
     )
     parser.add_argument("--model", default=None, help="A BERT folder instead of all-MiniLM-L6-v2 (the tests' tiny one).")
-    parser.add_argument("--work_dir", default=None, help="Where the runs go (default ../reproduce_paper_runs).")
+    parser.add_argument(
+        "--work_dir",
+        default=None,
+        help="Where the runs go (default ../reproduce_paper_runs): a new or empty folder, or this benchmark's own.",
+    )
     parser.add_argument("--report", default=str(HERE / "REPRODUCTION.md"), help="The markdown report to write.")
-    parser.add_argument("--figures_dir", default=None, help="Its figures (default: reproduction/ beside the report).")
+    parser.add_argument(
+        "--figures_dir",
+        default=None,
+        help="Its figures, replaced at each report (default: reproduction/ beside the report): new, empty or this "
+        "benchmark's own.",
+    )
+    parser.add_argument(
+        "--overwrite_output_dir",
+        action="store_true",
+        help="Write into a --work_dir or --figures_dir that this benchmark did not write.",
+    )
     parser.add_argument("--in_process", action="store_true", help="Run the scripts in this process (tests: faster).")
     parser.add_argument(
         "--report_only", action="store_true", help="Run no fine-tuning: report the runs that exist (marked as partial)."
@@ -125,6 +145,10 @@ def parse_args(argv=None):
     )
     args.report = Path(args.report).absolute()
     args.figures_dir = Path(args.figures_dir).absolute() if args.figures_dir else args.report.parent / "reproduction"
+    for option, folder in (("--work_dir", args.work_dir), ("--figures_dir", args.figures_dir)):
+        with usage_errors(parser):
+            reads = {"--model": args.model, "--data_dir": args.data_dir}
+            check_output_folder(folder, TOOL, overwrite=args.overwrite_output_dir, reads=reads, option=option)
     data = Path(args.data_dir)
     needed = [data / "glue" / TASKS[t][0] / f for t in args.tasks for f in ("train.tsv", "dev.tsv")]
     needed.append(data / "wikitext-2-raw" / "wiki.test.raw")
@@ -147,6 +171,7 @@ def parse_args(argv=None):
 def run_script(args, name: str, argv: list[str], log: Path) -> dict:
     """Runs run_scripts/<name>.py with `argv` (a subprocess, or in process with --in_process); its results."""
     output_dir = Path(argv[argv.index("--output_dir") + 1])
+    argv = [*argv, "--overwrite_output_dir"]  # its folder lies in --work_dir, which this benchmark checked as its own
     started = time.time()
     if args.in_process:
         from accelerate.state import AcceleratorState, GradientState
@@ -222,7 +247,7 @@ def train_stage0(args, folder: Path) -> dict:
         "seconds": round(time.time() - started, 1),
     }
     (staging / "stage0.json").write_text(json.dumps(summary, indent=2))
-    shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(folder, ignore_errors=True)  # a stage-0 folder of its own --work_dir, without its stage0.json
     os.replace(staging, folder)
     print(f"stage 0: head trained, loss {summary['first_loss']:.2f} -> {summary['last_loss']:.2f}", flush=True)
     return summary
@@ -399,8 +424,9 @@ def write_report(args, stage0_summary, mlm, glue, elapsed) -> None:
 
     c = args.config
     figures = args.figures_dir
-    shutil.rmtree(figures, ignore_errors=True)
+    shutil.rmtree(figures, ignore_errors=True)  # its own earlier figures (parse_args checked the folder)
     figures.mkdir(parents=True)
+    mark_output_folder(figures, TOOL)
     rel = lambda p: os.path.relpath(p, args.report.parent)  # noqa: E731
     sets = list(held_out_files(args))
     layers = ["layer_2", "layer_4"]
@@ -706,6 +732,7 @@ def main(argv=None):
     args.command = " ".join(shown) or "--budget full"
     started = time.time()
     args.work_dir.mkdir(parents=True, exist_ok=True)
+    mark_output_folder(args.work_dir, TOOL)
     print(f"reproduce_paper: budget {args.budget}, runs in {args.work_dir}", flush=True)
     stage0 = args.stage0_dir
     stage0_summary = train_stage0(args, stage0)

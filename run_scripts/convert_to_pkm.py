@@ -26,14 +26,17 @@ from modeling_pkm_bert.training.arguments import (  # noqa: E402
     help_requested,
     hub_model_id,
 )
+from modeling_pkm_bert.utils.input_errors import exits_with_usage_errors, usage_errors  # noqa: E402
+from modeling_pkm_bert.utils.output_folders import check_output_folder  # noqa: E402
 
 
 if not help_requested(__name__):  # `--help` prints at once: the libraries below load only for a run
-    from transformers import set_seed
+    from transformers import AutoConfig, set_seed
 
     from modeling_pkm_bert.hub.conversion import (
-        check_output_dir,
+        TOOL,
         check_source,
+        conversion_target,
         convert_to_pkm,
         load_source_tokenizer,
         save_converted,
@@ -47,12 +50,21 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
 logger = logging.getLogger(__name__)
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Convert a BERT/DistilBERT/RoBERTa/XLM-RoBERTa checkpoint into a BertPkm/RobertaPkm model.")
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog=os.path.basename(__file__),
+        description="Convert a BERT/DistilBERT/RoBERTa/XLM-RoBERTa checkpoint into a BertPkm/RobertaPkm model.",
+    )
     parser.add_argument(
         "--model_name_or_path", type=str, required=True, help="BERT, DistilBERT, RoBERTa or XLM-RoBERTa checkpoint: a local folder or Hub id."
     )
-    parser.add_argument("--output_dir", type=str, required=True, help="Where to write the converted Hub folder.")
+    parser.add_argument(
+        "--output_dir",
+        type=str,
+        required=True,
+        help="Where to write the converted Hub folder: a new or empty folder, or an earlier conversion's (replaced when "
+        "complete); never the source folder.",
+    )
     parser.add_argument(
         "--target_class",
         type=str,
@@ -64,7 +76,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--num_labels", type=int, default=None, help="Labels of a new classification head (with --target_class)."
     )
-    parser.add_argument("--overwrite_output_dir", action="store_true", help="Replace a non-empty --output_dir.")
+    parser.add_argument(
+        "--overwrite_output_dir", action="store_true", help="Replace a non-empty --output_dir this script did not write."
+    )
     parser.add_argument("--max_shard_size", type=str, default="2GB", help="Weights above this size are sharded.")
     parser.add_argument("--seed", type=int, default=42, help="Seed of the memory initialisation.")
     parser.add_argument(
@@ -94,6 +108,11 @@ def parse_args(argv=None):
     parser.add_argument("--private", action="store_true", help="Create the Hub repository as private.")
     parser.add_argument("--hub_token", type=str, default=None, help="Hub token (default: HF_TOKEN or the login).")
     add_pkm_arguments(parser, training_options=False)  # the pkm_* flags every script shares
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     if args.num_labels is not None and args.num_labels < 1:
@@ -104,16 +123,32 @@ def parse_args(argv=None):
         check_source(args.model_name_or_path)
     except ValueError as error:
         parser.error(f"--model_name_or_path {error}")
+    with usage_errors(parser):
+        reads = {"--model_name_or_path": args.model_name_or_path}
+        check_output_folder(args.output_dir, TOOL, overwrite=args.overwrite_output_dir, reads=reads)
+        sentence_transformers_files(args.model_name_or_path)  # malformed sentence-transformers module files
+    check_target_config(parser, args)
     return args
 
 
+def check_target_config(parser, args) -> None:
+    """The config the conversion will build, checked from the source's config alone (the model type, the target class,
+    the `--pkm_*` values the config refuses) before any weight loads; a source whose config cannot be read here (a Hub
+    id not in the cache) is named by the conversion."""
+    try:
+        source_config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=False)
+    except (OSError, ValueError):
+        return
+    overrides = {"num_labels": args.num_labels} if args.num_labels is not None else None
+    with usage_errors(parser, ValueError):  # only the config is built here: its ValueError is the flags' fault
+        conversion_target(source_config, args.model_name_or_path, args.target_class, overrides, pkm_kwargs_from_args(args))
+
+
+@exits_with_usage_errors(build_parser)  # what only the source shows (a Hub id not cached offline): a usage error
 def main(argv=None):
     args = parse_args(argv)
     command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
-    # fail before the (possibly long) conversion
-    check_output_dir(args.output_dir, args.overwrite_output_dir)
-    sentence_transformers_files(args.model_name_or_path)  # malformed sentence-transformers module files
     hub_model_id = args.hub_model_id or (Path(args.output_dir).absolute().name if args.push_to_hub else None)
     set_seed(args.seed)
 

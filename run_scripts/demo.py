@@ -27,6 +27,7 @@ what a few hundred steps teach is that head. The memories' gain in the paper too
 
 import argparse
 import codecs
+import importlib.util
 import json
 import os
 import re
@@ -40,6 +41,14 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RUN_MLM = REPO_ROOT / "run_scripts" / "run_mlm.py"
+if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
+    sys.path.insert(0, str(REPO_ROOT))
+
+from modeling_pkm_bert.utils.input_errors import usage_errors  # noqa: E402 (standard library only)
+from modeling_pkm_bert.utils.output_folders import check_output_folder, mark_output_folder  # noqa: E402
+
+
+TOOL = "demo"  # its --output_dir holds the marker `.demo`
 
 # a sentence of the training text, one of the held-out chapters, one of Moby-Dick (the other held-out text)
 FILL_MASK_SENTENCES = [
@@ -70,7 +79,9 @@ print(json.dumps({"class": type(model).__module__ + "." + type(model).__name__,
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=os.path.basename(__file__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument(
         "--model_name_or_path",
         default=None,
@@ -82,7 +93,14 @@ def parse_args():
         help="Hub id of --model_name_or_path for the model cards (default: sentence-transformers/all-MiniLM-L6-v2 "
         "with the bundled model, else none).",
     )
-    parser.add_argument("--output_dir", default=str(REPO_ROOT / "outputs" / "demo"), help="Where the folders go.")
+    parser.add_argument(
+        "--output_dir",
+        default=str(REPO_ROOT / "outputs" / "demo"),
+        help="Where the folders go: a new or empty folder, or an earlier demo's (its folders are replaced).",
+    )
+    parser.add_argument(
+        "--overwrite_output_dir", action="store_true", help="Write into a non-empty --output_dir no demo wrote."
+    )
     parser.add_argument("--max_train_steps", type=int, default=250)
     parser.add_argument("--max_seq_length", type=int, default=64)
     parser.add_argument("--per_device_train_batch_size", type=int, default=8)
@@ -116,7 +134,11 @@ def parse_args():
         action="store_true",
         help="Only time the MLM step of the two folders a previous --with_baseline run left in --output_dir.",
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    with usage_errors(parser):
+        reads = {"--model_name_or_path": args.model_name_or_path}
+        check_output_folder(args.output_dir, TOOL, overwrite=args.overwrite_output_dir, reads=reads)
+    return args
 
 
 def run_mlm_command(args, model_path: str, output_dir: Path, pkm: bool) -> list[str]:
@@ -279,8 +301,8 @@ def run_logged(command: list[str], log_path: Path, env: dict, cwd: Path) -> int:
 
 
 def train(args, model_path: str, output_dir: Path, pkm: bool, env: dict, command: list[str] | None = None) -> dict:
-    if output_dir.exists():
-        shutil.rmtree(output_dir)  # a previous demo's folder (checkpoints would be mixed into the new one)
+    if output_dir.exists():  # a previous demo's folder (checkpoints would be mixed into the new one), inside the demo's
+        shutil.rmtree(output_dir)  # own --output_dir (parse_args checked it)
     command = command or run_mlm_command(args, model_path, output_dir, pkm)
     log_path = output_dir.parent / f"{output_dir.name}.log"
     print(f"$ {shown(command)}\n", flush=True)
@@ -496,6 +518,7 @@ def main():
         args.base_model = args.base_model or "sentence-transformers/all-MiniLM-L6-v2"
     output_dir = Path(args.output_dir).absolute()
     output_dir.mkdir(parents=True, exist_ok=True)
+    mark_output_folder(output_dir, TOOL)
     folder = output_dir / "resm-minilm"
     if args.timing_only:
         sys.path.insert(0, str(REPO_ROOT))

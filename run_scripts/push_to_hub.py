@@ -26,6 +26,7 @@ if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source c
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 from modeling_pkm_bert.training.arguments import help_requested  # noqa: E402 (standard library only)
+from modeling_pkm_bert.utils.input_errors import InputError, exits_with_usage_errors  # noqa: E402
 
 if not help_requested(__name__):  # `--help` prints at once: the libraries below load only for a run
     from modeling_pkm_bert.hub.model_card import write_model_card
@@ -36,8 +37,10 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
 logger = logging.getLogger(__name__)
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Upload a BertPkm output folder to the Hugging Face Hub.")
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog=os.path.basename(__file__), description="Upload a BertPkm output folder to the Hugging Face Hub."
+    )
     parser.add_argument(
         "--model_dir", type=str, required=True, help="Output folder of convert_to_pkm.py or of a run_* script."
     )
@@ -63,9 +66,16 @@ def parse_args(argv=None):
     parser.add_argument("--base_model", type=str, default=None, help="Hub id of the base model, for a new model card.")
     parser.add_argument("--license", type=str, default=None, help="License, for a new model card.")
     parser.add_argument("--dry_run", action="store_true", help="List what would be uploaded, upload nothing.")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not Path(args.model_dir).is_dir():
         parser.error(f"--model_dir {args.model_dir} is not a folder")
+    if not (Path(args.model_dir) / "config.json").is_file():
+        parser.error(f"--model_dir {args.model_dir} has no config.json: not a saved model folder")
     if args.quantized_dir and not args.quantize_values:
         parser.error("--quantized_dir needs --quantize_values")
     if args.hub_model_id is None and not args.refresh_code:
@@ -73,6 +83,7 @@ def parse_args(argv=None):
     return args
 
 
+@exits_with_usage_errors(build_parser)  # a folder that is no BertPkm model, a --quantized_dir in use: a usage error
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
@@ -90,7 +101,10 @@ def main(argv=None):
         quantized_dir = args.quantized_dir or f"{str(args.model_dir).rstrip('/')}-{suffix}"
         args.model_dir = quantize_folder(args.model_dir, quantized_dir, bits=args.quantize_values)
         logger.info(f"Wrote the {suffix} model to {args.model_dir}")
-    check_hub_folder(args.model_dir)
+    try:
+        check_hub_folder(args.model_dir)
+    except ValueError as error:  # what the folder lacks (a plain BERT, a missing code file or shard)
+        raise InputError(f"--model_dir {error}") from None
     if not any((Path(args.model_dir) / name).is_file() for name in TOKENIZER_FILES):
         logger.warning(f"{args.model_dir} has no tokenizer: users of the repository will need another one")
     files = files_to_upload(args.model_dir)  # refuses symlinks before anything is written or sent

@@ -63,12 +63,13 @@ from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_training_arguments,
     help_requested,
 )
+from modeling_pkm_bert.utils.input_errors import InputError, exits_with_usage_errors  # noqa: E402
 
 
 if not help_requested(__name__):  # `--help` prints at once: the libraries below load only for a run
     import torch
     from accelerate.logging import get_logger
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
 
     from modeling_pkm_bert import BertPkmConfig, RobertaPkmConfig, register_auto_classes
     from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage
@@ -76,19 +77,20 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
     from modeling_pkm_bert.methods.optimizers import freeze_memory
     from modeling_pkm_bert.methods.trime import causal_targets, check_trime_model, model_trime_losses
     from modeling_pkm_bert.training.checkpoints import run_settings
-    from modeling_pkm_bert.training.checks import check_freeze_memory, validate_training_arguments
+    from modeling_pkm_bert.training.checks import check_freeze_memory, check_model_config, validate_training_arguments
     from modeling_pkm_bert.training.lm_data import (
         check_language_modeling_arguments,
         evaluate_language_model,
         load_raw_datasets,
     )
     from modeling_pkm_bert.training.loading import (
-        ROBERTA_FAMILY_MODEL_TYPES,
         config_from_scratch,
         load_model,
+        load_tokenizer,
         pkm_kwargs_from_args,
-        usable_positions,
+        read_config,
     )
+    from modeling_pkm_bert.utils.positions import ROBERTA_FAMILY_MODEL_TYPES, usable_positions
     from modeling_pkm_bert.training.loop import TrainingLoop, create_scheduler, finish_run, plan_training_steps
     from modeling_pkm_bert.training.preparation import prepare_training, start_run
     from modeling_pkm_bert.training.results import tracker_config
@@ -114,8 +116,10 @@ EMBEDDED_VALIDATION_FILES = {
 }
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Causal language modeling of BertPkm and other causal models")
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog=os.path.basename(__file__), description="Causal language modeling of BertPkm and other causal models"
+    )
     add_language_modeling_arguments(parser)  # data, model, tokenizer
     add_training_arguments(parser)  # batch sizes, optimisation, checkpoints, evaluation cadence, staleness, Hub
     parser.add_argument(
@@ -138,6 +142,11 @@ def parse_args(argv=None):
     add_trime_arguments(parser, causal=True)
     add_smf_arguments(parser)
     add_memory_report_arguments(parser)
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     resolve_trime_arguments(args)
 
@@ -152,6 +161,7 @@ def parse_args(argv=None):
         check_smf_arguments(args)
     except ValueError as error:
         parser.error(str(error))
+    check_model_config(parser, args, "causal-lm")  # the config the flags ask for, before any weight or data loads
     return args
 
 
@@ -185,6 +195,7 @@ def evaluate(args, accelerator, model, eval_datasets, collate_fn, measure_memory
     )  # fmt: skip
 
 
+@exits_with_usage_errors(build_parser)  # what only the model or data shows (a block too long): a usage error
 def main(argv=None):
     args = parse_args(argv)
     command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir)  # secrets, paths removed
@@ -205,13 +216,14 @@ def main(argv=None):
     # Load the model and tokenizer. BERT-family configs become decoders (causal self-attention).
     register_auto_classes()
     pkm_kwargs = pkm_kwargs_from_args(args)
-    tokenizer = AutoTokenizer.from_pretrained(
+    tokenizer = load_tokenizer(
         args.tokenizer_name or args.model_name_or_path,
+        "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path",
         use_fast=not args.use_slow_tokenizer,
         trust_remote_code=args.trust_remote_code,
     )
     if args.model_name_or_path is not None:
-        source_type = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+        source_type = read_config(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
         decoder = {"is_decoder": True} if source_type.model_type in DECODER_MODEL_TYPES else {}
         model = load_model(
             "causal-lm",
@@ -240,7 +252,7 @@ def main(argv=None):
     max_positions = usable_positions(config)  # RoBERTa: max_position_embeddings - 2
     block_size = args.block_size or min(1024, max_positions or 1024, tokenizer.model_max_length)
     if max_positions is not None and block_size > max_positions:
-        raise ValueError(
+        raise InputError(
             f"--block_size {block_size} is longer than the model's {max_positions} positions "
             "(max_position_embeddings): give a --block_size of at most that"
         )
@@ -287,7 +299,7 @@ def main(argv=None):
         train_dataset = train_dataset.select(range(min(args.max_train_samples, len(train_dataset))))
     for name, dataset in [("the training set", train_dataset), *eval_datasets.items()]:
         if dataset is not None and len(dataset) == 0:
-            raise ValueError(
+            raise InputError(
                 f"{name} yields no block of {block_size} tokens: give more text or a smaller --block_size"
             )
     do_train = train_dataset is not None and args.max_train_steps != 0 and args.num_train_epochs > 0
@@ -299,7 +311,7 @@ def main(argv=None):
     consecutive = do_train and args.trime == "long"
     if consecutive:
         if len(train_dataset) < args.per_device_train_batch_size:
-            raise ValueError(
+            raise InputError(
                 f"--trime long: the training set has {len(train_dataset)} blocks of {block_size} tokens, fewer than "
                 f"one batch of {args.per_device_train_batch_size} consecutive blocks: give more text or smaller sizes"
             )

@@ -57,13 +57,14 @@ from modeling_pkm_bert.training.arguments import (  # noqa: E402
     help_requested,
 )
 from modeling_pkm_bert.training.glue_data import GLUE_TASKS  # noqa: E402  (standard library only until its loaders run)
+from modeling_pkm_bert.utils.input_errors import InputError, exits_with_usage_errors  # noqa: E402
 
 
 if not help_requested(__name__):  # `--help` prints at once: the libraries below load only for a run
     from accelerate.logging import get_logger
     from accelerate.utils import gather_object
     from datasets import DatasetDict
-    from transformers import AutoConfig, AutoTokenizer, DataCollatorWithPadding
+    from transformers import DataCollatorWithPadding
 
     from modeling_pkm_bert import register_auto_classes
     from modeling_pkm_bert.analysis.class_usage import PerClassMemoryUsage, format_class_usage
@@ -71,11 +72,16 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
     from modeling_pkm_bert.analysis.report import ClassData, write_run_memory_report
     from modeling_pkm_bert.methods.optimizers import freeze_memory
     from modeling_pkm_bert.training.checkpoints import run_settings
-    from modeling_pkm_bert.training.checks import check_data_files, check_freeze_memory, validate_training_arguments
+    from modeling_pkm_bert.training.checks import (
+        check_data_files,
+        check_freeze_memory,
+        check_model_config,
+        validate_training_arguments,
+    )
     from modeling_pkm_bert.training.evaluation import evaluating, shard_batches
     from modeling_pkm_bert.training.glue_data import get_glue_task, load_raw_datasets
     from modeling_pkm_bert.training.glue_metrics import classification_metrics, glue_compute_metrics
-    from modeling_pkm_bert.training.loading import load_model, pkm_kwargs_from_args
+    from modeling_pkm_bert.training.loading import load_model, load_tokenizer, pkm_kwargs_from_args, read_config
     from modeling_pkm_bert.training.loop import (
         TrainingLoop,
         create_scheduler,
@@ -87,15 +93,17 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
     from modeling_pkm_bert.training.results import tracker_config
     from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
     from modeling_pkm_bert.utils.memories import memory_modules
+    from modeling_pkm_bert.utils.positions import sequence_length
 
     logger = get_logger(__name__)
 
 DATA_EXTENSIONS = ("csv", "tsv", "json", "jsonl")
 
 
-def parse_args(argv=None):
+def build_parser():
     parser = argparse.ArgumentParser(
-        description="Fine-tune a BERT or BertPkm model on a GLUE task (text classification)"
+        prog=os.path.basename(__file__),
+        description="Fine-tune a BERT or BertPkm model on a GLUE task (text classification)",
     )
     parser.add_argument(
         "--task_name",
@@ -123,9 +131,9 @@ def parse_args(argv=None):
         "--max_seq_length",
         dest="max_length",
         type=int,
-        default=128,
-        help="The maximum total input sequence length after tokenization (paper, Table 3: 128); longer inputs are "
-        "truncated, shorter ones padded per batch unless --pad_to_max_length.",
+        default=None,
+        help="The maximum total input sequence length after tokenization (default: the paper's 128, Table 3, at most "
+        "the model's positions); longer inputs are truncated, shorter ones padded per batch unless --pad_to_max_length.",
     )
     parser.add_argument(
         "--pad_to_max_length", action="store_true", help="Pad all samples to max_length (default: dynamic padding)."
@@ -158,6 +166,11 @@ def parse_args(argv=None):
     add_model_card_arguments(parser)
     add_smf_arguments(parser)
     add_memory_report_arguments(parser)
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     # Sanity checks, before any work
@@ -186,19 +199,20 @@ def parse_args(argv=None):
         check_smf_arguments(args)
     except ValueError as error:
         parser.error(str(error))
+    check_model_config(parser, args, "sequence-classification")  # the config the flags ask for, before any loading
     return args
 
 
 def check_classification_head(args, num_labels: int, label_list, is_regression: bool):
     """Refuses a checkpoint whose fine-tuned classification head does not fit the task's labels; returns the
     checkpoint's label name -> id map when its labels are the task's in another order (used to remap), else None."""
-    config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    config = read_config(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
     has_head = any(name.endswith("ForSequenceClassification") for name in (config.architectures or []))
     if not has_head:
         return None
     if config.num_labels != num_labels and not args.ignore_mismatched_sizes:
         checkpoint_labels = [config.id2label[i] for i in sorted(config.id2label)]
-        raise ValueError(
+        raise InputError(
             f"{args.model_name_or_path} has a classification head of {config.num_labels} labels {checkpoint_labels}, "
             f"but the data has {'a regression target' if is_regression else f'{num_labels} labels {label_list}'}. "
             "Pass --ignore_mismatched_sizes to replace the head with a new one, or start from the encoder checkpoint."
@@ -255,6 +269,7 @@ def measure_memory_usage(accelerator, model, label_names: list[str] | None, run)
     return metrics, usage, class_results
 
 
+@exits_with_usage_errors(build_parser)  # what only the model or data shows (a head that does not fit): a usage error
 def main(argv=None):
     args = parse_args(argv)
     command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir)  # secrets, paths removed
@@ -291,7 +306,7 @@ def main(argv=None):
         label_list = [] if is_regression else sorted(label_source.unique("label"))
     num_labels = 1 if is_regression else len(label_list)
     if not is_regression and num_labels < 2:
-        raise ValueError(f"the training labels hold a single class {label_list}: nothing to classify")
+        raise InputError(f"the training labels hold a single class {label_list}: nothing to classify")
 
     # Load pretrained model and tokenizer. A fine-tuned head must fit the task (or be replaced on request).
     register_auto_classes()  # BertPkm checkpoints load with this package's classes, without trust_remote_code
@@ -301,9 +316,7 @@ def main(argv=None):
         config_overrides["id2label"] = {i: str(name) for i, name in enumerate(label_list)}
         config_overrides["label2id"] = {str(name): i for i, name in enumerate(label_list)}
     pkm_kwargs = pkm_kwargs_from_args(args)
-    model_type = AutoConfig.from_pretrained(
-        args.model_name_or_path, trust_remote_code=args.trust_remote_code
-    ).model_type
+    model_type = read_config(args.model_name_or_path, trust_remote_code=args.trust_remote_code).model_type
     if args.ignore_mismatched_sizes and (not pkm_kwargs or model_type in ("bert_pkm", "roberta_pkm")):
         config_overrides["ignore_mismatched_sizes"] = (
             True  # a from_pretrained argument (conversion re-initialises itself)
@@ -316,12 +329,16 @@ def main(argv=None):
         trust_remote_code=args.trust_remote_code,
         logger=logger,
     )
-    tokenizer = AutoTokenizer.from_pretrained(
-        args.tokenizer_name or args.model_name_or_path, trust_remote_code=args.trust_remote_code
+    tokenizer = load_tokenizer(
+        args.tokenizer_name or args.model_name_or_path,
+        "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path",
+        trust_remote_code=args.trust_remote_code,
     )
     if args.freeze_memory:
         check_freeze_memory(model)
         logger.info(f"Froze {freeze_memory(model)} memory parameters (--freeze_memory).")
+    # the paper's 128 tokens by default, at most what the model's positions take (a given length must fit them)
+    args.max_length = sequence_length(model.config, args.max_length, 128, "--max_length")
 
     # Preprocessing the datasets
     if task is not None:
@@ -336,7 +353,7 @@ def main(argv=None):
         elif non_label_column_names:
             sentence1_key, sentence2_key = non_label_column_names[0], None
         else:
-            raise ValueError(f"the data has a 'label' column but no text column ({label_source.column_names})")
+            raise InputError(f"the data has a 'label' column but no text column ({label_source.column_names})")
 
     # Labels of a file are mapped to ids in sorted order; a fine-tuned checkpoint's own order wins when it names them.
     # (The metrics see the data's class ids again: `head_to_class` undoes the checkpoint's order.)
@@ -360,7 +377,7 @@ def main(argv=None):
         if label_to_id is not None:
             unknown = {label for label in examples["label"] if label not in label_to_id}
             if unknown:
-                raise ValueError(f"labels {sorted(map(str, unknown))} are not among the training labels {label_list}")
+                raise InputError(f"labels {sorted(map(str, unknown))} are not among the training labels {label_list}")
             result["labels"] = [label_to_id[label] for label in examples["label"]]
         else:
             result["labels"] = examples["label"]

@@ -73,6 +73,7 @@ from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_training_arguments,
     help_requested,
 )
+from modeling_pkm_bert.utils.input_errors import InputError, exits_with_usage_errors  # noqa: E402
 
 
 if not help_requested(__name__):  # `--help` prints at once: the libraries below load only for a run
@@ -82,7 +83,6 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
     from transformers import (
         MODEL_MAPPING,
         AutoModelForMaskedLM,
-        AutoTokenizer,
         DataCollatorForLanguageModeling,
         DataCollatorForTokenClassification,
         DataCollatorWithPadding,
@@ -94,18 +94,14 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
     from modeling_pkm_bert.methods.optimizers import freeze_memory
     from modeling_pkm_bert.methods.trime import check_trime_model, model_trime_losses
     from modeling_pkm_bert.training.checkpoints import run_settings
-    from modeling_pkm_bert.training.checks import check_freeze_memory, validate_training_arguments
+    from modeling_pkm_bert.training.checks import check_freeze_memory, check_model_config, validate_training_arguments
     from modeling_pkm_bert.training.lm_data import (
         check_language_modeling_arguments,
         evaluate_language_model,
         load_raw_datasets,
     )
-    from modeling_pkm_bert.training.loading import (
-        config_from_scratch,
-        load_model,
-        pkm_kwargs_from_args,
-        usable_positions,
-    )
+    from modeling_pkm_bert.training.loading import config_from_scratch, load_model, load_tokenizer, pkm_kwargs_from_args
+    from modeling_pkm_bert.utils.positions import usable_positions
     from modeling_pkm_bert.training.loop import TrainingLoop, create_scheduler, finish_run, plan_training_steps
     from modeling_pkm_bert.training.preparation import prepare_training, start_run
     from modeling_pkm_bert.training.results import tracker_config
@@ -127,9 +123,10 @@ EMBEDDED_VALIDATION_FILES = {
 EVAL_MASK_SEED = 0
 
 
-def parse_args(argv=None):
+def build_parser():
     parser = argparse.ArgumentParser(
-        description="Masked language modeling (continued pretraining) of BERT/BertPkm models"
+        prog=os.path.basename(__file__),
+        description="Masked language modeling (continued pretraining) of BERT/BertPkm models",
     )
     add_language_modeling_arguments(parser)  # data, model, tokenizer
     add_training_arguments(parser)  # batch sizes, optimisation, checkpoints, evaluation cadence, staleness, Hub
@@ -163,6 +160,11 @@ def parse_args(argv=None):
     add_trime_arguments(parser, causal=False)
     add_smf_arguments(parser)
     add_memory_report_arguments(parser)
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     resolve_trime_arguments(args, causal=False)
 
@@ -175,6 +177,7 @@ def parse_args(argv=None):
         check_smf_arguments(args)
     except ValueError as error:
         parser.error(str(error))
+    check_model_config(parser, args, "masked-lm")  # the config the flags ask for, before any weight or data loads
     return args
 
 
@@ -214,6 +217,7 @@ def evaluate(args, accelerator, model, eval_datasets, collate_fn, measure_memory
     )  # fmt: skip
 
 
+@exits_with_usage_errors(build_parser)  # what only the model or data shows (a sequence too long): a usage error
 def main(argv=None):
     args = parse_args(argv)
     command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir)  # secrets, paths removed
@@ -236,8 +240,11 @@ def main(argv=None):
     register_auto_classes()  # bert_pkm configs and checkpoints resolve to this package's classes
     pkm_kwargs = pkm_kwargs_from_args(args)
     tokenizer_source = args.tokenizer_name or args.model_name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(
-        tokenizer_source, use_fast=not args.use_slow_tokenizer, trust_remote_code=args.trust_remote_code
+    tokenizer = load_tokenizer(
+        tokenizer_source,
+        "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path",
+        use_fast=not args.use_slow_tokenizer,
+        trust_remote_code=args.trust_remote_code,
     )
     if args.model_name_or_path is not None:
         model = load_model(
@@ -264,7 +271,7 @@ def main(argv=None):
         logger.info(f"--max_seq_length not given: using {max_seq_length}")
     else:
         if args.max_seq_length > min(tokenizer.model_max_length, max_positions):
-            raise ValueError(
+            raise InputError(
                 f"--max_seq_length {args.max_seq_length} is longer than the model can take "
                 f"({min(tokenizer.model_max_length, max_positions)})"
             )
@@ -338,7 +345,7 @@ def main(argv=None):
         train_dataset = train_dataset.select(range(min(args.max_train_samples, len(train_dataset))))
     for name, dataset in [("the training set", train_dataset), *eval_datasets.items()]:
         if dataset is not None and len(dataset) == 0:
-            raise ValueError(
+            raise InputError(
                 f"{name} yields no sequence of {max_seq_length} tokens: give more text, a smaller --max_seq_length, "
                 "or --line_by_line"
             )

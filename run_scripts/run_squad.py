@@ -37,6 +37,7 @@ from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_training_arguments,
     help_requested,
 )
+from modeling_pkm_bert.utils.input_errors import InputError, exits_with_usage_errors  # noqa: E402
 
 
 if not help_requested(__name__):  # `--help` prints at once: the libraries below load only for a run
@@ -45,15 +46,20 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
     from accelerate.utils import gather_object
     from datasets import Dataset, DatasetDict, load_dataset
 
-    from transformers import AutoTokenizer, DataCollatorWithPadding, default_data_collator
+    from transformers import DataCollatorWithPadding, default_data_collator
 
     from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
     from modeling_pkm_bert.analysis.report import write_run_memory_report
     from modeling_pkm_bert.methods.optimizers import freeze_memory
     from modeling_pkm_bert.training.checkpoints import run_settings
-    from modeling_pkm_bert.training.checks import check_data_files, check_freeze_memory, validate_training_arguments
+    from modeling_pkm_bert.training.checks import (
+        check_data_files,
+        check_freeze_memory,
+        check_model_config,
+        validate_training_arguments,
+    )
     from modeling_pkm_bert.training.evaluation import evaluating, shard_batches
-    from modeling_pkm_bert.training.loading import load_model, pkm_kwargs_from_args
+    from modeling_pkm_bert.training.loading import load_model, load_tokenizer, pkm_kwargs_from_args
     from modeling_pkm_bert.training.loop import (
         TrainingLoop,
         create_scheduler,
@@ -72,14 +78,17 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
         squad_features,
     )
     from modeling_pkm_bert.training.squad_metrics import squad_scores
+    from modeling_pkm_bert.utils.positions import sequence_length
 
     logger = get_logger(__name__)
 
 REQUIRED_COLUMNS = ("id", "question", "context", "answers")
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Fine-tune a BERT or BertPkm model on SQuAD (extractive QA)")
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog=os.path.basename(__file__), description="Fine-tune a BERT or BertPkm model on SQuAD (extractive QA)"
+    )
     parser.add_argument(
         "--dataset_name", type=str, default=None, help="A Hub dataset in the SQuAD layout (squad, squad_v2)."
     )
@@ -103,11 +112,16 @@ def parse_args(argv=None):
     parser.add_argument(
         "--max_seq_length",
         type=int,
-        default=384,
-        help="The maximum total input sequence length after tokenization; longer contexts are split into features.",
+        default=None,
+        help="The maximum total input sequence length after tokenization (default: 384, at most the model's "
+        "positions); longer contexts are split into features.",
     )
     parser.add_argument(
-        "--doc_stride", type=int, default=128, help="Tokens shared by two consecutive features of a long context."
+        "--doc_stride",
+        type=int,
+        default=None,
+        help="Tokens shared by two consecutive features of a long context (default: 128, at most a third of "
+        "--max_seq_length).",
     )
     parser.add_argument(
         "--pad_to_max_length",
@@ -145,6 +159,11 @@ def parse_args(argv=None):
     add_model_card_arguments(parser)
     add_smf_arguments(parser)
     add_memory_report_arguments(parser)
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     # Sanity checks, before any work
@@ -157,13 +176,14 @@ def parse_args(argv=None):
             parser.error(f"--{name} must be a .json file in the official SQuAD layout, got {path!r}")
         if path is not None and not os.path.isfile(path):
             parser.error(f"--{name} {path!r} does not exist")
-    if args.doc_stride >= args.max_seq_length:
+    if args.doc_stride is not None and args.max_seq_length is not None and args.doc_stride >= args.max_seq_length:
         parser.error(f"--doc_stride ({args.doc_stride}) must be smaller than --max_seq_length ({args.max_seq_length})")
     check_data_files(parser, [(f"--{name}", getattr(args, name)) for name in ("train_file", "validation_file")])
     try:
         check_smf_arguments(args)
     except ValueError as error:
         parser.error(str(error))
+    check_model_config(parser, args, "question-answering")  # the config the flags ask for, before any loading
     return args
 
 
@@ -181,7 +201,7 @@ def load_raw_datasets(args) -> DatasetDict:
         if path is not None:
             raw_datasets[split] = Dataset.from_list(read_squad_json(path), features=squad_features())
     if not raw_datasets:
-        raise ValueError(f"{args.dataset_name} has neither a 'train' nor a 'validation' split")
+        raise InputError(f"{args.dataset_name} has neither a 'train' nor a 'validation' split")
 
     for split, dataset in raw_datasets.items():
         missing = [column for column in REQUIRED_COLUMNS if column not in dataset.column_names]
@@ -221,6 +241,7 @@ def predict_logits(args, accelerator, model, features, collate_fn) -> tuple[np.n
     return start_array, end_array
 
 
+@exits_with_usage_errors(build_parser)  # what only the model or data shows (a head of 3 labels): a usage error
 def main(argv=None):
     args = parse_args(argv)
     command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir)  # secrets, paths removed
@@ -246,12 +267,14 @@ def main(argv=None):
         logger=logger,
     )
     if model.config.num_labels != 2:
-        raise ValueError(
+        raise InputError(
             f"{args.model_name_or_path} has a head of {model.config.num_labels} labels; extractive QA needs 2 "
             "(start and end logits): fine-tune from the encoder checkpoint instead"
         )
-    tokenizer = AutoTokenizer.from_pretrained(
-        args.tokenizer_name or args.model_name_or_path, trust_remote_code=args.trust_remote_code
+    tokenizer = load_tokenizer(
+        args.tokenizer_name or args.model_name_or_path,
+        "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path",
+        trust_remote_code=args.trust_remote_code,
     )
     if args.freeze_memory:
         check_freeze_memory(model)
@@ -260,6 +283,12 @@ def main(argv=None):
     # Preprocessing the datasets.
     # Padding side determines if we do (question|context) or (context|question).
     pad_on_right = tokenizer.padding_side == "right"
+    # SQuAD's 384 and 128 tokens by default, at most what the model's positions take (a given length must fit them)
+    args.max_seq_length = sequence_length(model.config, args.max_seq_length, 384)
+    if args.doc_stride is None:
+        args.doc_stride = min(128, args.max_seq_length // 3)
+    elif args.doc_stride >= args.max_seq_length:
+        raise InputError(f"--doc_stride ({args.doc_stride}) must be smaller than --max_seq_length ({args.max_seq_length})")
     if args.max_seq_length > tokenizer.model_max_length:
         logger.warning(
             f"The max_seq_length passed ({args.max_seq_length}) is larger than the maximum length for the "

@@ -6,10 +6,11 @@ median of 5 runs with different seeds).
 
 Everything after `--` is the command of one run (run_glue.py, run_squad.py, a torchrun line, ...); for seed `s` it
 runs with `--seed s --output_dir OUTPUT_DIR/seed_s` (replacing any `--seed`/`--output_dir` of the command), one seed
-after the other, each logging to `OUTPUT_DIR/seed_s/sweep.log`. The runs' `all_results.json` are collected into
+after the other, each logging to `OUTPUT_DIR/seed_s.log`. The runs' `all_results.json` are collected into
 `OUTPUT_DIR/sweep_summary.json` (per-seed values, median, mean, min, max of every numeric result) and
 `OUTPUT_DIR/sweep_summary.md` (a table). A seed whose `all_results.json` already exists is not run again unless
-`--overwrite`, so an interrupted sweep continues where it stopped.
+`--overwrite`, so an interrupted sweep continues where it stopped. OUTPUT_DIR is new, empty or an earlier sweep's
+(its marker file `.seed_sweep`); any other folder only with `--overwrite_output_dir`.
 
     python run_scripts/seed_sweep.py --seeds 1 2 3 4 5 --output_dir out/sst2_sweep -- \
         python run_scripts/run_glue.py --model_name_or_path bert-base-uncased --pkm_layers 4 8 \
@@ -32,6 +33,11 @@ import time
 if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 from modeling_pkm_bert.hub.card_command import redact_argv  # noqa: E402 (the package's import is lazy: no torch)
+from modeling_pkm_bert.utils.input_errors import usage_errors  # noqa: E402 (standard library only)
+from modeling_pkm_bert.utils.output_folders import check_output_folder, mark_output_folder  # noqa: E402
+
+
+TOOL = "seed_sweep"
 
 
 REPLACED_OPTIONS = ("--seed", "--output_dir")
@@ -42,10 +48,16 @@ def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, usage=USAGE
+        prog=os.path.basename(__file__),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage=USAGE,
     )
     parser.add_argument("--seeds", type=int, nargs="+", required=True, help="The seeds, e.g. 1 2 3 4 5.")
     parser.add_argument("--output_dir", type=str, required=True, help="Holds seed_<s>/ per run and the summaries.")
+    parser.add_argument(
+        "--overwrite_output_dir", action="store_true", help="Write into a non-empty --output_dir no sweep wrote."
+    )
     parser.add_argument(
         "--metrics",
         type=str,
@@ -74,6 +86,8 @@ def parse_args(argv=None):
         parser.error(f"--fail_fast_seconds must be >= 0, got {args.fail_fast_seconds}")
     if shutil.which(args.command[0]) is None and not os.path.isfile(args.command[0]):
         parser.error(f"the command's program {args.command[0]!r} is not found (not on PATH, not a file)")
+    with usage_errors(parser):
+        check_output_folder(args.output_dir, TOOL, overwrite=args.overwrite_output_dir)
     return args
 
 
@@ -159,16 +173,20 @@ def markdown_table(args, runs: dict, summary: dict) -> str:
         lines.append(row(["**median**", "", ""] + [f"**{cell(summary[m]['median'])}**" for m in metrics]))
         lines.append(row(["mean", "", ""] + [cell(summary[m]["mean"]) for m in metrics]))
     else:
-        lines += ["", "No run produced results: see each seed's `sweep.log`."]
+        lines += ["", "No run produced results: see each seed's `seed_<s>.log`."]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.output_dir, exist_ok=True)
+    if not args.dry_run:
+        mark_output_folder(args.output_dir, TOOL)
     runs, failed = {}, []
     for seed in args.seeds:
+        # the run's folder is the run's alone (its script checks it, and marks it as its own): the log lies beside it
         run_dir = os.path.join(args.output_dir, f"seed_{seed}")
+        log_path = os.path.join(args.output_dir, f"seed_{seed}.log")
         results_file = os.path.join(run_dir, "all_results.json")
         command = seed_command(args.command, seed, run_dir)
         print(f"[seed {seed}] {' '.join(redact_argv(command))}", flush=True)
@@ -179,11 +197,11 @@ def main(argv=None):
             with open(results_file) as f:
                 runs[seed] = {"returncode": 0, "wall_time": None, "results": json.load(f), "reused": True}
             continue
-        os.makedirs(run_dir, exist_ok=True)
-        if os.path.isfile(results_file):
-            os.remove(results_file)  # --overwrite: a failed rerun must not leave the old results behind
+        os.makedirs(run_dir, exist_ok=True)  # empty: any run script may write into it
+        if os.path.isfile(results_file):  # --overwrite: a failed rerun must not leave the old results behind; the
+            os.remove(results_file)  # file is the run's that this sweep launched into its own output folder
         start = time.time()
-        with open(os.path.join(run_dir, "sweep.log"), "w") as log:
+        with open(log_path, "w") as log:
             returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
         run = {"returncode": returncode, "wall_time": round(time.time() - start, 2), "results": None}
         if returncode == 0 and os.path.isfile(results_file):
@@ -194,9 +212,8 @@ def main(argv=None):
         runs[seed] = run
         if run["returncode"] != 0:
             failed.append(seed)
-            log = os.path.join(run_dir, "sweep.log")
-            print(f"[seed {seed}] FAILED ({run['returncode']}) after {run['wall_time']} s; the end of {log}:", flush=True)
-            print(textwrap.indent(log_tail(log), "    "), flush=True)
+            print(f"[seed {seed}] FAILED ({run['returncode']}) after {run['wall_time']} s; the end of {log_path}:", flush=True)
+            print(textwrap.indent(log_tail(log_path), "    "), flush=True)
             if len(failed) == len(runs) == 1 and run["wall_time"] < args.fail_fast_seconds:
                 sys.exit(
                     f"The first run failed after {run['wall_time']} s, before it could train: every seed would fail "

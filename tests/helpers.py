@@ -1,6 +1,6 @@
 """What many test files share: loading a script or benchmark as a module, launching one under torchrun, resetting
 accelerate's process-wide state (tests/conftest.py resets it after every test; call `reset_accelerate_state` between
-two runs inside one test)."""
+two runs inside one test), and the usage-error form every script gives bad input (`usage_error`)."""
 
 import importlib.util
 import json
@@ -104,3 +104,17 @@ def metrics_records(output_dir, after: int = 0) -> list[dict]:
     lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
     records = [{key: value for key, value in json.loads(line).items() if key != "time"} for line in lines]
     return [record for record in records if record["step"] > after]
+
+
+def usage_error(capsys, call) -> str:
+    """`call()` (a script's `main(argv)` or `parse_args(argv)`) ends as argparse's usage error: exit status 2, a
+    `usage:` line and one `<script>: error: ...` line on stderr, no traceback. Returns that error line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as raised:
+        call()
+    err = capsys.readouterr().err
+    assert raised.value.code == 2, err
+    assert "Traceback" not in err and any(line.startswith("usage: ") for line in err.splitlines()), err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert len(errors) == 1, err
+    return errors[0]

@@ -29,7 +29,7 @@ from transformers import (
     RobertaModel,
 )
 
-from helpers import bert_pkm_code_files, load_script
+from helpers import bert_pkm_code_files, load_script, usage_error
 from modeling_pkm_bert import (
     AUTO_MAP,
     BertPkmConfig,
@@ -340,7 +340,7 @@ def test_save_refuses_a_non_empty_folder_and_leaves_nothing_on_failure(tmp_path,
     existing = tmp_path / "out"
     existing.mkdir()
     (existing / "keep.txt").write_text("mine")
-    with pytest.raises(ValueError, match="exists and is not empty"):
+    with pytest.raises(ValueError, match="is not empty and convert_to_pkm did not write it"):
         save_converted(model, report, existing)
     assert os.listdir(existing) == ["keep.txt"]
 
@@ -482,10 +482,12 @@ def test_cli_converts_and_saves(bert_dir, tmp_path, capsys):
     assert config["pkm_query_batchnorm"] is False and config["pkm_value_dropout"] == 0.1
     assert ModelCard.load(out / "README.md").data.license == "mit"  # carried over from the source README
 
-    with pytest.raises(ValueError, match="--overwrite_output_dir"):
-        script.main(argv)
-    with pytest.raises(ValueError, match="pkm_layers"):
-        script.main(argv[:2] + ["--output_dir", str(tmp_path / "bad"), "--pkm_layers", "3"])
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "keep.txt").write_text("mine")
+    assert "--overwrite_output_dir" in usage_error(capsys, lambda: script.main(argv[:2] + ["--output_dir",
+                                                                                          str(tmp_path / "foreign")]))
+    assert "pkm_layers" in usage_error(capsys, lambda: script.main(argv[:2] + ["--output_dir", str(tmp_path / "bad"),
+                                                                              "--pkm_layers", "3"]))  # fmt: skip
     assert not (tmp_path / "bad").exists()
 
 

@@ -1,6 +1,7 @@
 """Publishing to the Hub: exactly which calls go out and which files would be uploaded (the Hub is not reachable)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 from transformers import BertConfig, BertForMaskedLM, BertTokenizer
 
 from conftest import tiny_config
-from helpers import bert_pkm_code_files, load_script
+from helpers import bert_pkm_code_files, load_script, usage_error
 from modeling_pkm_bert import BertPkmForMaskedLM
 from modeling_pkm_bert.hub import upload
 
@@ -158,7 +159,7 @@ def test_push_script_writes_a_card_and_uploads_the_model_only(hub, trained_dir, 
     assert set(hub.uploaded) == HUB_FILES | {"all_results.json"}
 
 
-def test_push_script_refuses_an_incomplete_folder(hub, tmp_path):
+def test_push_script_refuses_an_incomplete_folder(hub, tmp_path, capsys):
     script = load_script("push_to_hub")
     plain = tmp_path / "plain"
     BertForMaskedLM(
@@ -166,13 +167,13 @@ def test_push_script_refuses_an_incomplete_folder(hub, tmp_path):
             vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37
         )
     ).save_pretrained(plain)
-    with pytest.raises(ValueError, match="model_type is 'bert'.*auto_map lacks"):
-        script.main(["--model_dir", str(plain), "--hub_model_id", "me/x"])
+    line = usage_error(capsys, lambda: script.main(["--model_dir", str(plain), "--hub_model_id", "me/x"]))
+    assert re.search("model_type is 'bert'.*auto_map lacks", line)
 
     broken = tmp_path / "broken"
     BertPkmForMaskedLM(tiny_config()).save_pretrained(broken)
     (broken / "model.safetensors").unlink()
     (broken / "product_key_memory.py").unlink()
-    with pytest.raises(ValueError, match="product_key_memory.py is missing.*no model.safetensors"):
-        script.main(["--model_dir", str(broken), "--hub_model_id", "me/x"])
+    line = usage_error(capsys, lambda: script.main(["--model_dir", str(broken), "--hub_model_id", "me/x"]))
+    assert re.search("product_key_memory.py is missing.*no model.safetensors", line)
     assert hub.calls == []

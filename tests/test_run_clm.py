@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from conftest import REPO_ROOT, tiny_config
-from helpers import load_script, metrics_records, reset_accelerate_state, torchrun
+from helpers import load_script, metrics_records, reset_accelerate_state, torchrun, usage_error
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, BertTokenizer
 
@@ -133,14 +133,13 @@ def test_resume_at_an_epoch_end_evaluation_logs_as_the_uninterrupted_run(tiny, t
     assert [name for name in reference if not torch.equal(reference[name], weights[name])] == []
 
 
-def test_resume_with_other_settings_stops_before_loading(long_run, tiny, tmp_path):
+def test_resume_with_other_settings_stops_before_loading(long_run, tiny, tmp_path, capsys):
     """Another memory or learning rate than the checkpoint's would not continue the same run: a clear error naming
     each difference, before any state is loaded."""
     checkpoint = long_run["output_dir"] / "step_4"
     options = f"{TRAINING} --trime local --learning_rate 1e-4 --track_staleness --resume_from_checkpoint {checkpoint}"
-    with pytest.raises(ValueError, match="was saved by a run with other settings") as raised:
-        run(clm_args(tiny, tmp_path / "resumed", options))
-    message = str(raised.value)
+    message = usage_error(capsys, lambda: run(clm_args(tiny, tmp_path / "resumed", options)))
+    assert "was saved by a run with other settings" in message
     assert "trime: checkpoint 'long', now 'local'" in message and "learning_rate: checkpoint 5e-05, now 0.0001" in message
     assert "--allow_inexact_resume" in message and not (tmp_path / "resumed" / "model.safetensors").exists()
 
@@ -356,21 +355,22 @@ def test_bad_arguments_are_refused_before_anything_runs(tiny, tmp_path, capsys, 
     assert not (tmp_path / "out").exists()  # nothing was created
 
 
-def test_bad_model_or_text_is_a_clear_error_before_training(tiny, tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match=r"--block_size 128 is longer than the model's 64 positions"):
-        run(clm_args(tiny, tmp_path / "out", "--block_size 128"))
+def test_bad_model_or_text_is_a_clear_error_before_training(tiny, tmp_path, monkeypatch, capsys):
+    line = usage_error(capsys, lambda: run(clm_args(tiny, tmp_path / "out", "--block_size 128")))
+    assert "--block_size 128 is longer than the model's 64 positions" in line
     (tmp_path / "short.txt").write_text("far too short a text\n")
-    with pytest.raises(ValueError, match=r"short yields no block of 32 tokens"):
-        run(clm_args(tiny, tmp_path / "out", f"--validation_files {tmp_path / 'short.txt'}"))
-    with pytest.raises(ValueError, match=r"--trime long: the training set has 2 blocks of 32 tokens, fewer than one"):
-        run(clm_args(tiny, tmp_path / "out", "--trime long --max_train_samples 2"))
+    line = usage_error(capsys, lambda: run(clm_args(tiny, tmp_path / "out", f"--validation_files {tmp_path / 'short.txt'}")))
+    assert "short yields no block of 32 tokens" in line
+    line = usage_error(capsys, lambda: run(clm_args(tiny, tmp_path / "out", "--trime long --max_train_samples 2")))
+    assert "--trime long: the training set has 2 blocks of 32 tokens, fewer than one" in line
     from transformers import BertConfig
 
     BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37,
                max_position_embeddings=64).save_pretrained(tmp_path / "bert")  # fmt: skip
-    with pytest.raises(ValueError, match=r"--freeze_memory: the model \(BertLMHeadModel\) has no product key memory"):
-        run(["--config_name", str(tmp_path / "bert"), *clm_args(tiny, tmp_path / "out", "--freeze_memory")[2:]])
+    line = usage_error(capsys, lambda: run(["--config_name", str(tmp_path / "bert"),
+                                            *clm_args(tiny, tmp_path / "out", "--freeze_memory")[2:]]))  # fmt: skip
+    assert "--freeze_memory: the model (BertLMHeadModel) has no product key memory" in line
     monkeypatch.setattr(BertPkmForCausalLM, "get_output_embeddings", lambda self: None)
-    with pytest.raises(ValueError, match=r"--trime: BertPkmForCausalLM has no output embeddings"):
-        run(clm_args(tiny, tmp_path / "out", "--trime local"))
+    line = usage_error(capsys, lambda: run(clm_args(tiny, tmp_path / "out", "--trime local")))
+    assert "--trime: BertPkmForCausalLM has no output embeddings" in line
     assert not (tmp_path / "out" / "model.safetensors").exists()

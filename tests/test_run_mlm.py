@@ -10,7 +10,7 @@ import accelerate
 import pytest
 import torch
 from conftest import REPO_ROOT, tiny_config
-from helpers import load_script, metrics_records, reset_accelerate_state, torchrun
+from helpers import load_script, metrics_records, reset_accelerate_state, torchrun, usage_error
 from safetensors.torch import load_file
 from transformers import AutoModelForMaskedLM, BertTokenizer
 
@@ -170,7 +170,7 @@ def test_two_cpu_processes_match_one(straight_run, tiny, tmp_path):
     assert isinstance(AutoModelForMaskedLM.from_pretrained(tmp_path / "ddp"), BertPkmForMaskedLM)
 
 
-def test_named_validation_files_csv_json_and_wikitext(tiny, tmp_path, shared_data):
+def test_named_validation_files_csv_json_and_wikitext(tiny, tmp_path, shared_data, capsys):
     """Evaluation only (no training data): WikiText-2 test (.raw), a csv and a json file, each reported by name."""
     wikitext = shared_data / "wikitext-2-raw" / "wiki.test.raw"
     if not wikitext.is_file():
@@ -185,8 +185,8 @@ def test_named_validation_files_csv_json_and_wikitext(tiny, tmp_path, shared_dat
     BertPkmForMaskedLM(tiny_config(vocab_size=200, max_position_embeddings=64)).save_pretrained(model_dir)
     options = f"--validation_files wt2={wikitext} {tmp_path / 'moby.csv'} {tmp_path / 'moby_lines.jsonl'}"
     options += " --text_column_name body --max_eval_samples 4"
-    with pytest.raises(ValueError, match=r"moby_lines.jsonl has no column 'body' .*columns: \['text'\]"):
-        run(["--model_name_or_path", str(model_dir), *mlm_args(tiny, tmp_path / "out", options)])
+    line = usage_error(capsys, lambda: run(["--model_name_or_path", str(model_dir), *mlm_args(tiny, tmp_path / "out", options)]))
+    assert re.search(r"moby_lines.jsonl has no column 'body' .*columns: \['text'\]", line)
     options = f"--validation_files wt2={wikitext} {tmp_path / 'moby.csv'} --text_column_name body --max_eval_samples 4"
     options += " --line_by_line"
     results = run(["--model_name_or_path", str(model_dir), *mlm_args(tiny, tmp_path / "out", options)])
@@ -273,14 +273,13 @@ def test_bad_data_files_are_refused_before_anything_runs(tiny, tmp_path, capsys,
     assert message in capsys.readouterr().err
 
 
-def test_missing_column_and_too_short_text_are_clear_errors(tiny, tmp_path):
+def test_missing_column_and_too_short_text_are_clear_errors(tiny, tmp_path, capsys):
     (tmp_path / "train.csv").write_text("a,b\nx,y\n")
-    with pytest.raises(ValueError, match=r"no 'text' column; name the text column with --text_column_name"):
-        run(mlm_args(tiny, tmp_path / "out", f"--train_file {tmp_path / 'train.csv'}"))
+    line = usage_error(capsys, lambda: run(mlm_args(tiny, tmp_path / "out", f"--train_file {tmp_path / 'train.csv'}")))
+    assert "no 'text' column; name the text column with --text_column_name" in line
     (tmp_path / "short.txt").write_text("too short\n")
     options = f"--train_file {DATA / 'moby_dick_validation.txt'} --validation_files {tmp_path / 'short.txt'}"
-    with pytest.raises(ValueError, match=r"short yields no sequence of 32 tokens"):
-        run(mlm_args(tiny, tmp_path / "out", options))
+    assert "short yields no sequence of 32 tokens" in usage_error(capsys, lambda: run(mlm_args(tiny, tmp_path / "out", options)))
 
 
 def test_embedded_validation_text_is_held_out():

@@ -39,7 +39,7 @@ def test_a_run_that_cannot_start_stops_the_sweep_with_its_error(tmp_path):
     assert done.returncode != 0
     assert "ModuleNotFoundError: No module named 'no_such_module_xyz'" in done.stdout  # the child's error, shown
     assert "every seed would fail the same way" in done.stderr
-    assert (out / "seed_1" / "sweep.log").is_file() and not (out / "seed_2").exists()  # seeds 2 and 3 never ran
+    assert (out / "seed_1.log").is_file() and not (out / "seed_2").exists()  # seeds 2 and 3 never ran
 
 
 def test_summary_table_is_valid_when_every_seed_fails(tmp_path):

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 from conftest import REPO_ROOT, tiny_config
-from helpers import load_script, reset_accelerate_state, torchrun
+from helpers import load_script, reset_accelerate_state, torchrun, usage_error
 
 from modeling_pkm_bert import BertPkmForMaskedLM
 from modeling_pkm_bert.methods.arguments import STATISTICS_NAME
@@ -390,14 +390,16 @@ def test_run_mlm_bad_smf_options_fail_before_training(run_mlm, tiny_checkpoint, 
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
-def test_run_mlm_empty_background_and_foreign_statistics_are_refused(run_mlm, tiny_checkpoint, tmp_path):
+def test_run_mlm_empty_background_and_foreign_statistics_are_refused(run_mlm, tiny_checkpoint, tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n", encoding="utf-8")
-    with pytest.raises(ValueError, match="yields no block of 32 tokens"):
-        run_script(run_mlm, smf_args(tiny_checkpoint, tmp_path / "a", f"--smf_background_file {empty}"))
+    line = usage_error(capsys, lambda: run_script(run_mlm, smf_args(tiny_checkpoint, tmp_path / "a",
+                                                                    f"--smf_background_file {empty}")))  # fmt: skip
+    assert "yields no block of 32 tokens" in line
     foreign = compute_background_statistics(tiny_model(pkm_n_keys=6), batches(1)).save(tmp_path / "other.safetensors")
-    with pytest.raises(ValueError, match=r"other.safetensors are for memory layers \{'layer_1': 36\}"):
-        run_script(run_mlm, smf_args(tiny_checkpoint, tmp_path / "b", f"--smf_background_file {foreign}"))
+    line = usage_error(capsys, lambda: run_script(run_mlm, smf_args(tiny_checkpoint, tmp_path / "b",
+                                                                    f"--smf_background_file {foreign}")))  # fmt: skip
+    assert "other.safetensors are for memory layers {'layer_1': 36}" in line
 
 
 def re_search(pattern, text):

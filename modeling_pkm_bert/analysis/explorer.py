@@ -59,10 +59,12 @@ from torch import nn
 
 from ..hub.conversion import replace_folder, staging_folder
 from ..utils.memories import is_ngram_memory, ngram_memory_modules, readable_name
+from ..utils.output_folders import check_output_folder, mark_output_folder, model_folder
 from .memory_usage import MemoryUsageAccumulator, MemoryUsageTracker, merge_duplicate_slots
-from .report import MemoryReportError, model_batches, text_sequences
+from .report import MemoryReportError, model_batches, sequence_length_of, text_sequences
 
 
+TOOL = "memory_explorer"  # its output folders hold the marker `.memory_explorer` (`utils.output_folders`)
 SUMMARY_NAME = "explorer.json"
 PAGE_NAME = "index.html"
 DATA_FOLDER = "data"
@@ -86,7 +88,7 @@ def build_memory_explorer(
     texts: Sequence[str],
     *,
     layers: Sequence[int | str] | None = None,
-    max_seq_length: int = 128,
+    max_seq_length: int | None = None,
     max_tokens: int | None = 100_000,
     contexts_per_slot: int = 10,
     top_tokens: int = 10,
@@ -96,9 +98,12 @@ def build_memory_explorer(
     batch_size: int = 8,
     title: str | None = None,
     progress: bool = False,
+    overwrite: bool = False,
 ) -> dict:
     """Writes the memory explorer of `model` over `texts` into `output_dir` (replaced when complete); returns the
-    summary (the content of `explorer.json`).
+    summary (the content of `explorer.json`). `output_dir` is new, empty or an earlier explorer's (its marker file
+    `.memory_explorer`), any other folder only with `overwrite`; never the model's own folder or one containing it
+    (`utils.output_folders`).
 
     Args:
         model: Any model holding product key or hashed n-gram memories (BertPkm or loaded with
@@ -106,6 +111,7 @@ def build_memory_explorer(
         tokenizer: Its tokenizer.
         texts: The text to run: tokenized, concatenated and cut into sequences of `max_seq_length` tokens, as the
             memory report does (the same texts and lengths give the report's numbers).
+        max_seq_length: Tokens per sequence (default: the report's, 128 at most the model's positions).
         layers: The memory layers to explore, by encoder layer index (`4`: its memories of both kinds) or name
             (`"layer_4"`, `"layer_1_ngram"`); default all.
         max_tokens: Run at most this many tokens (whole sequences); None: all of the text.
@@ -118,8 +124,11 @@ def build_memory_explorer(
 
     Raises:
         MemoryExplorerError: The model has no memory; a requested layer has none; the texts are empty or shorter than
-            one sequence; an option is out of range.
+            one sequence; `max_seq_length` exceeds the model's positions; an option is out of range.
+        OutputFolderError: `output_dir` may not be written (why: the message).
     """
+    check_output_folder(output_dir, TOOL, overwrite=overwrite, reads={"the model's folder": model_folder(model)},
+                        option="output_dir", overwrite_option="overwrite=True")  # fmt: skip
     for name, value, low in (("contexts_per_slot", contexts_per_slot, 1), ("top_tokens", top_tokens, 1),
                              ("window", window, 0), ("chunk_size", chunk_size, 1), ("batch_size", batch_size, 1)):
         if not isinstance(value, int) or value < low:
@@ -127,6 +136,7 @@ def build_memory_explorer(
     if max_projected_slots is not None and max_projected_slots < 0:
         raise MemoryExplorerError(f"max_projected_slots={max_projected_slots} must be >= 0 (or None: every slot)")
     memories = explored_memories(model, layers)
+    max_seq_length = sequence_length_of(model, max_seq_length, MemoryExplorerError)
     if isinstance(texts, str):
         texts = [texts]
     if not texts or not any(text.strip() for text in texts):
@@ -173,6 +183,7 @@ def build_memory_explorer(
         _write_data(staging, "explorer", summary)
         (staging / SUMMARY_NAME).write_text(json.dumps(summary), encoding="utf-8")
         (staging / PAGE_NAME).write_text(_page_html(summary["title"]), encoding="utf-8")
+        mark_output_folder(staging, TOOL)
         replace_folder(staging, output_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -10,6 +10,8 @@ import math
 import os
 import time
 
+from ..utils.input_errors import InputError
+
 
 METRICS_LOG_NAME = "metrics.jsonl"
 
@@ -86,9 +88,9 @@ def read_metrics_log(run_dir: str) -> list[dict]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}, line {number}: not a json object ({error})") from None
+                raise InputError(f"{path}, line {number}: not a json object ({error})") from None
             if not isinstance(record, dict) or "step" not in record:
-                raise ValueError(f"{path}, line {number}: expected an object with a 'step', got {line.strip()[:80]!r}")
+                raise InputError(f"{path}, line {number}: expected an object with a 'step', got {line.strip()[:80]!r}")
             records.append(record)
     return records
 

@@ -31,22 +31,33 @@ import torch
 from torch import nn
 
 from ..hub.conversion import replace_folder, staging_folder
+from ..utils.input_errors import InputError
 from ..utils.lazy_imports import moved_names
 from ..utils.memories import memory_modules, ngram_memory_modules
+from ..utils.output_folders import check_output_folder, mark_output_folder, model_folder
+from ..utils.positions import sequence_length
 from .class_usage import PerClassMemoryUsage
 from .memory_usage import MemoryUsageTracker
 from .ngram_usage import NgramUsageTracker, ngram_report_lines, plot_ngram_usage
 from .metrics_log import METRICS_LOG_NAME, is_finite, read_metrics_log
 
 
+TOOL = "memory_report"  # its output folders hold the marker `.memory_report` (`utils.output_folders`)
 REPORT_NAME = "memory_report.md"
+DEFAULT_SEQUENCE_LENGTH = 128
 STALENESS_FILE = "staleness.safetensors"
 CHECKPOINT_DIR = re.compile(r"^(step|epoch)_(\d+)$")
 DPI = 80
 
 
-class MemoryReportError(ValueError):
+class MemoryReportError(InputError):
     """Input the memory report cannot use: it names what is missing."""
+
+
+def sequence_length_of(model, max_seq_length: int | None = None, error: type[Exception] = MemoryReportError) -> int:
+    """The report's (and the explorer's) tokens per sequence: `max_seq_length`, by default 128 capped at the model's
+    positions (`utils.positions.sequence_length`); `error` where a given length exceeds them."""
+    return sequence_length(getattr(model, "config", None), max_seq_length, DEFAULT_SEQUENCE_LENGTH, "max_seq_length", error)
 
 
 @dataclass
@@ -451,6 +462,15 @@ def _layer_table(results: dict[str, dict]) -> list[str]:
     return lines
 
 
+def check_reportable(model: nn.Module) -> None:
+    """MemoryReportError where `model` has no memory to report (neither product key nor hashed n-gram)."""
+    if not memory_modules(model) and not MemoryUsageTracker(model).memories and not ngram_memory_modules(model):
+        raise MemoryReportError(
+            f"the model ({type(model).__name__}) has no product key memory layer and no n-gram memory: nothing to "
+            "report (a plain BERT, or a BertPkm config with pkm_layers=[] and no ngram_layers)"
+        )
+
+
 def write_memory_report(
     model: nn.Module,
     tokenizer,
@@ -459,33 +479,39 @@ def write_memory_report(
     texts: Sequence[str] | None = None,
     class_data: ClassData | None = None,
     run_dir: str | None = None,
-    max_seq_length: int = 128,
+    max_seq_length: int | None = None,
     max_sequences: int | None = 64,
     batch_size: int = 8,
     title: str | None = None,
+    overwrite: bool = False,
 ) -> dict:
     """Writes `output_dir/memory_report.md`, its PNG figures and `memory_report.json` (every number); returns that
-    json's content.
+    json's content. `output_dir` is new, empty or an earlier report's (its marker file `.memory_report`), any other
+    folder only with `overwrite`; never the model's own folder, the run directory or a folder containing them
+    (`utils.output_folders`).
 
     Args:
         model: Any model holding product key memories (BertPkm or loaded with `trust_remote_code=True`).
         tokenizer: Its tokenizer.
-        texts: Held-out text: cut into `max_sequences` sequences of `max_seq_length` tokens for the usage figures.
+        texts: Held-out text: cut into `max_sequences` sequences of `max_seq_length` tokens for the usage figures
+            (default: 128, at most the model's positions).
         class_data: Labelled examples: the per-class usage (Figure 4); also the overall usage when `texts` is None.
         run_dir: A training output folder: staleness (Figure 2) and training curves (Figure 3).
 
     Raises:
-        MemoryReportError: The model has no memory; no data was given; the text is shorter than one sequence; the
-            examples have no labels; the run directory has neither a metrics log nor staleness state.
+        MemoryReportError: The model has no memory; no data was given; the text is shorter than one sequence or
+            `max_seq_length` longer than the model's positions; the examples have no labels; the run directory has
+            neither a metrics log nor staleness state.
+        OutputFolderError: `output_dir` may not be written (why: the message).
     """
-    if not memory_modules(model) and not MemoryUsageTracker(model).memories and not ngram_memory_modules(model):
-        raise MemoryReportError(
-            f"the model ({type(model).__name__}) has no product key memory layer and no n-gram memory: nothing to "
-            "report (a plain BERT, or a BertPkm config with pkm_layers=[] and no ngram_layers)"
-        )
+    reads = {"the model's folder": model_folder(model), "the run directory": run_dir}
+    check_output_folder(output_dir, TOOL, overwrite=overwrite, reads=reads, option="output_dir",
+                        overwrite_option="overwrite=True")  # fmt: skip
+    check_reportable(model)
     if texts is None and class_data is None:
         raise MemoryReportError("the memory report needs data: a validation text or labelled class examples")
     run = check_run_dir(run_dir) if run_dir is not None else None
+    max_seq_length = sequence_length_of(model, max_seq_length)
     sequences = text_sequences(tokenizer, texts, max_seq_length, max_sequences) if texts is not None else None
     if class_data is not None and len(class_data.dataset) == 0:
         raise MemoryReportError("the class examples are empty")
@@ -501,6 +527,7 @@ def write_memory_report(
     try:
         report = _write_report_files(str(staging), tracker, usage, per_class, class_results, class_data, run,
                                      sequences, max_seq_length, title or "Memory report", ngram.results())
+        mark_output_folder(staging, TOOL)
         replace_folder(staging, output_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -608,10 +635,11 @@ def write_run_memory_report(
 ) -> dict:
     """The scripts' `--memory_report`: the report of the final model into `<output_dir>/memory_report`, with the run's
     staleness and training curves; sequences of `max_seq_length` tokens (default: the script's `--max_seq_length` or
-    `--max_length`, else 128)."""
+    `--max_length`, else 128 capped at the model's positions). The report's folder is replaced whatever it holds: it
+    lies in the run's output folder, which the script checked before training (`utils.output_folders`)."""
     if texts is None and validation_file is not None:
         texts = read_texts(validation_file)
-    max_length = max_seq_length or getattr(args, "max_seq_length", None) or getattr(args, "max_length", None) or 128
+    max_length = max_seq_length or getattr(args, "max_seq_length", None) or getattr(args, "max_length", None)
     return write_memory_report(
         model,
         tokenizer,
@@ -622,6 +650,7 @@ def write_run_memory_report(
         max_seq_length=max_length,
         max_sequences=args.memory_report_max_sequences,
         title=f"Memory report of {os.path.basename(os.path.abspath(args.output_dir))}",
+        overwrite=True,
     )
 
 

@@ -30,6 +30,7 @@ import os
 import torch
 from torch import nn
 
+from ..utils.input_errors import InputError
 from .memory_usage import MemoryUsageTracker, merge_duplicate_slots
 
 
@@ -133,13 +134,13 @@ class StalenessTracker:
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         if set(state_dict) != set(self.last_top1_step):
-            raise ValueError(
+            raise InputError(
                 f"staleness state for memories {sorted(state_dict)}, this model has {sorted(self.last_top1_step)}"
             )
         for name, last in self.last_top1_step.items():
             if state_dict[name].shape != last.shape:
                 shape = tuple(state_dict[name].shape)
-                raise ValueError(f"staleness state of {name} has shape {shape}, expected {tuple(last.shape)}")
+                raise InputError(f"staleness state of {name} has shape {shape}, expected {tuple(last.shape)}")
             last.copy_(state_dict[name])
 
     def save(self, path: str | os.PathLike, step: int | None = None) -> None:
@@ -162,13 +163,13 @@ class StalenessTracker:
         try:
             state = load_file(path)
         except (SafetensorError, OSError) as error:
-            raise ValueError(f"{path}: not a readable staleness state ({error})") from error
+            raise InputError(f"{path}: not a readable staleness state ({error})") from error
         if any(tensor.dtype != torch.long or tensor.dim() != 1 for tensor in state.values()):
-            raise ValueError(f"{path}: staleness state must hold 1-D int64 tensors")
+            raise InputError(f"{path}: staleness state must hold 1-D int64 tensors")
         try:
             self.load_state_dict(state)
         except ValueError as error:
-            raise ValueError(f"{path}: {error}") from error
+            raise InputError(f"{path}: {error}") from error
 
 
 __all__ = ["NEVER", "STALENESS_FILE", "StalenessTracker", "top1_slots"]

@@ -25,6 +25,8 @@ from ..configuration_bert_pkm import AUTO_MAP, BertPkmConfig
 from ..configuration_roberta_pkm import ROBERTA_AUTO_MAP, RobertaPkmConfig
 from ..modeling_bert_pkm import BertPkmPreTrainedModel
 from ..modeling_roberta_pkm import RobertaPkmPreTrainedModel
+from ..utils.input_errors import InputError
+from ..utils.output_folders import check_output_folder, mark_output_folder
 from .model_card import (  # noqa: F401 (card_*, curated_results, ...: importable from here, as in release 0.2.0)
     HEAD_PREFIXES,
     PKM_FIELDS,
@@ -46,6 +48,9 @@ from .upload import (  # noqa: F401 (files_to_upload, ...: importable from here,
     push_folder_to_hub,
     upload_allowed,
 )
+
+
+TOOL = "convert_to_pkm"  # a converted folder holds the marker `.convert_to_pkm` (`utils.output_folders`)
 
 
 TARGET_CLASSES = [target.split(".")[-1] for auto, target in AUTO_MAP.items() if auto != "AutoConfig"]
@@ -206,8 +211,8 @@ def convert_to_pkm(
     source_model, architecture, not_in_checkpoint, unread = _load_source(source)
     source_name = _source_name(source)
     src_config = source_model.config
-    target_class = _resolve_target_class(target_class, architecture, src_config.model_type in ROBERTA_MODEL_TYPES)
-    config = _target_config(src_config, source_name, config_overrides or {}, pkm_kwargs)
+    target_class, config = conversion_target(src_config, source_name, target_class, config_overrides, pkm_kwargs,
+                                             architecture=architecture)  # fmt: skip
 
     model = target_class(config)
     report = ConversionReport(source=source_name, source_architecture=architecture, target_class=target_class.__name__)
@@ -235,7 +240,7 @@ def convert_to_pkm(
                     f" (num_labels={config.num_labels}): initialised new"
                 )
                 continue
-            raise ValueError(
+            raise InputError(
                 f"{source_name}: tensor {src_name} has shape {tuple(tensor.shape)} but {target_class.__name__} expects"
                 f" {tuple(tgt_tensors[tgt_name].shape)} for {tgt_name}"
             )
@@ -326,7 +331,7 @@ def normalized_token_map(tokenizer, vocab_size: int) -> torch.Tensor:
 def _fill_ngram_token_map(model, source, source_name) -> str:
     tokenizer = load_source_tokenizer(source)
     if tokenizer is None:
-        raise ValueError(
+        raise InputError(
             f"{source_name}: ngram_token_map=True folds the tokenizer's vocabulary, but the source has no tokenizer"
             " files; convert without --ngram_token_map"
         )
@@ -347,14 +352,14 @@ def _source_name(source) -> str:
 
 def _check_model_type(config, source_name):
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
+        raise InputError(
             f"{source_name}: model_type {config.model_type!r} is not supported; convert_to_pkm converts BERT"
             f" (model_type 'bert'), DistilBERT ('distilbert'), RoBERTa and DistilRoBERTa ('roberta') and XLM-RoBERTa"
             f" ('xlm-roberta') checkpoints"
         )
     position_embedding_type = getattr(config, "position_embedding_type", "absolute")
     if position_embedding_type != "absolute":
-        raise ValueError(
+        raise InputError(
             f"{source_name}: position_embedding_type={position_embedding_type!r} is not supported (transformers 5 and"
             f" BertPkm have absolute position embeddings only)"
         )
@@ -362,25 +367,25 @@ def _check_model_type(config, source_name):
 
 def _check_architecture(architecture, source_name):
     if architecture not in SOURCE_ARCHITECTURES:
-        raise ValueError(
+        raise InputError(
             f"{source_name}: architecture {architecture!r} is not supported; supported: {sorted(SOURCE_ARCHITECTURES)}"
         )
 
 
 def check_source(source: str | os.PathLike, offline: bool = False) -> None:
-    """Raises ValueError, before anything loads, where `source` (a folder or Hub id) cannot be converted: no such folder
+    """Raises InputError (a ValueError), before anything loads, where `source` (a folder or Hub id) cannot be converted: no such folder
     and no Hub id, or a BertPkm model already (whose config transformers would refuse as custom code); with `offline`
     (HF_HUB_OFFLINE=1) also a Hub id not in the cache. Reads only the folder and the Hub cache, never the network."""
     path = Path(source)
     if path.is_dir():
         config_file = path / "config.json"
     elif hub_id_or_none(str(source)) is None:
-        raise ValueError(f"{str(source)!r}: no such folder, and not a Hub model id ('name' or 'namespace/name') either")
+        raise InputError(f"{str(source)!r}: no such folder, and not a Hub model id ('name' or 'namespace/name') either")
     else:
         config_file = try_to_load_from_cache(str(source), "config.json")
         config_file = Path(config_file) if isinstance(config_file, str) else None
         if config_file is None and offline:
-            raise ValueError(
+            raise InputError(
                 f"{str(source)!r}: no such folder, and as a Hub model id not in the local cache, the only place "
                 "HF_HUB_OFFLINE=1 reads"
             )
@@ -391,7 +396,7 @@ def check_source(source: str | os.PathLike, offline: bool = False) -> None:
             return  # transformers' own error names the file
         if model_type in (BertPkmConfig.model_type, RobertaPkmConfig.model_type):
             family = "RobertaPkm" if model_type == RobertaPkmConfig.model_type else "BertPkm"
-            raise ValueError(
+            raise InputError(
                 f"{str(source)!r} is already a {family} model (model_type {model_type!r}): fine-tune it as it is "
                 "(run_mlm.py, run_glue.py, run_squad.py --model_name_or_path take it), or convert its source again "
                 "to change its memories"
@@ -419,6 +424,20 @@ def _load_source(source) -> tuple[PreTrainedModel, str, set[str], set[str]]:
     finally:
         transformers.logging.set_verbosity(verbosity)
     return model, architecture, set(info["missing_keys"]), set(info["unexpected_keys"])
+
+
+def conversion_target(
+    src_config, source_name: str, target_class=None, config_overrides: dict | None = None, pkm_kwargs: dict | None = None,
+    *, architecture: str | None = None,
+) -> tuple[type[BertPkmPreTrainedModel], BertPkmConfig]:  # fmt: skip
+    """(target class, target config) of the conversion of a source with config `src_config`, from that config alone:
+    every check of [`convert_to_pkm`] that needs no weight (model type, architecture, target class, the config's own
+    checks of the `pkm_*` fields), so a script can make them before any weight loads. ValueError naming the problem."""
+    _check_model_type(src_config, source_name)
+    architecture = architecture or (src_config.architectures or [SOURCE_BASE_ARCHITECTURES[src_config.model_type]])[0]
+    _check_architecture(architecture, source_name)
+    target_class = _resolve_target_class(target_class, architecture, src_config.model_type in ROBERTA_MODEL_TYPES)
+    return target_class, _target_config(src_config, source_name, config_overrides or {}, dict(pkm_kwargs or {}))
 
 
 def _resolve_target_class(target_class, architecture, roberta: bool) -> type[BertPkmPreTrainedModel]:
@@ -526,19 +545,19 @@ def sentence_transformers_files(source) -> list[str]:
         return []
     modules = _read_json(source / "modules.json")
     if not isinstance(modules, list) or not modules:
-        raise ValueError(f"{source / 'modules.json'}: expected a non-empty list of modules, got {modules!r}")
+        raise InputError(f"{source / 'modules.json'}: expected a non-empty list of modules, got {modules!r}")
     files = [name for name in SENTENCE_TRANSFORMERS_FILES if (source / name).is_file()]
     for name in files[1:]:
         _read_json(source / name)
     for i, module in enumerate(modules):
         if not (isinstance(module, dict) and isinstance(module.get("path"), str) and isinstance(module.get("type"), str)):
-            raise ValueError(f"{source / 'modules.json'}: module {i} must have string 'path' and 'type', got {module!r}")
+            raise InputError(f"{source / 'modules.json'}: module {i} must have string 'path' and 'type', got {module!r}")
         path, kind = Path(module["path"]), module["type"].rsplit(".", 1)[-1]
         if path.is_absolute() or ".." in path.parts:
-            raise ValueError(f"{source / 'modules.json'}: module {i} path {module['path']!r} leaves the folder")
+            raise InputError(f"{source / 'modules.json'}: module {i} path {module['path']!r} leaves the folder")
         if kind == "Transformer":
             if module["path"] not in ("", "."):
-                raise ValueError(
+                raise InputError(
                     f"{source / 'modules.json'}: the Transformer module is at {module['path']!r}; only a Transformer at "
                     "the folder's root (path '') is converted with it"
                 )
@@ -550,7 +569,7 @@ def sentence_transformers_files(source) -> list[str]:
                     _read_json(file)
             files += [file.relative_to(source).as_posix() for file in found]
         elif kind != "Normalize":  # Normalize has no files; every other module reads its folder
-            raise ValueError(
+            raise InputError(
                 f"{source / 'modules.json'}: module {i} ({module['type']}) is at {module['path']!r}, but {source / path} "
                 "is missing"
             )
@@ -561,7 +580,7 @@ def _read_json(path: Path):
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from error
+        raise InputError(f"{path} is not valid JSON: {error}") from error
 
 
 def load_source_tokenizer(source):
@@ -575,12 +594,13 @@ def load_source_tokenizer(source):
     return AutoTokenizer.from_pretrained(source) if found else None
 
 
-def check_output_dir(output_dir: str | os.PathLike, overwrite: bool = False) -> None:
-    output_dir = Path(output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ValueError(f"output_dir {output_dir} exists and is not a folder")
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
-        raise ValueError(f"output_dir {output_dir} exists and is not empty; use --overwrite_output_dir to replace it")
+def check_output_dir(output_dir: str | os.PathLike, overwrite: bool = False, source=None) -> None:
+    """OutputFolderError (a ValueError) where the conversion may not write `output_dir`: the contract of
+    `utils.output_folders` (a new or empty folder, or a converted one; any other only with `overwrite`; never the
+    `source` folder or one containing it)."""
+    reads = {"the source": source if isinstance(source, (str, os.PathLike)) else None}
+    check_output_folder(output_dir, TOOL, overwrite=overwrite, reads=reads, option="output_dir",
+                        overwrite_option="overwrite=True")  # fmt: skip
 
 
 def save_converted(
@@ -600,10 +620,12 @@ def save_converted(
     Write a complete Hub repository: config with the full auto_map, the remote-code files, safetensors weights
     (sharded above `max_shard_size`), the tokenizer, a model card and, when the source is a local sentence-transformers
     folder, its module files ([`sentence_transformers_files`]). Everything is written into a temporary sibling
-    folder that is renamed to `output_dir` at the end, so a failure leaves no half-written output.
+    folder that is renamed to `output_dir` at the end, so a failure leaves no half-written output. `output_dir` is
+    new, empty or converted before (its marker file `.convert_to_pkm`), any other folder only with `overwrite`; never
+    the source folder ([`check_output_dir`]).
     """
+    check_output_dir(output_dir, overwrite, report.source if report is not None else None)
     output_dir = Path(output_dir).absolute()
-    check_output_dir(output_dir, overwrite)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = staging_folder(output_dir)
     try:
@@ -631,6 +653,7 @@ def save_converted(
             command=command,
         )
         check_hub_folder(tmp)
+        mark_output_folder(tmp, TOOL)
         replace_folder(tmp, output_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -650,7 +673,8 @@ def staging_folder(target: Path) -> Path:
 
 def replace_folder(new: Path, target: Path) -> None:
     """Puts the folder `new` in place of `target` (renames on one file system): the old `target` is kept aside until
-    the new one is in place, and restored if that fails, so `target` is never half-written."""
+    the new one is in place, and restored if that fails, so `target` is never half-written. It removes whatever
+    `target` held: every caller first checks that it may (`utils.output_folders.check_output_folder`)."""
     old = None
     if target.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))

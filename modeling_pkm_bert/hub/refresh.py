@@ -14,6 +14,7 @@ import torch
 
 from ..configuration_bert_pkm import AUTO_MAP, PKM_CODE_VERSION, REMOTE_CODE_FILES
 from ..configuration_roberta_pkm import ROBERTA_AUTO_MAP
+from ..utils.input_errors import InputError
 
 
 AUTO_MAPS = {"bert_pkm": AUTO_MAP, "roberta_pkm": ROBERTA_AUTO_MAP}  # model_type -> the auto_map its folders carry
@@ -76,14 +77,14 @@ def refresh_code(folder: str | os.PathLike, dry_run: bool = False) -> list[str]:
     config = json.loads(config_path.read_text())
     auto_map = AUTO_MAPS.get(config.get("model_type"))
     if auto_map is None:
-        raise ValueError(
+        raise InputError(
             f"{folder} holds a {config.get('model_type')!r} model, not a BertPkm one (model_type 'bert_pkm') or a"
             " RobertaPkm one ('roberta_pkm')"
         )
     architecture = (config.get("architectures") or [auto_map["AutoModel"].split(".")[-1]])[0]
     auto_class = {target.split(".")[-1]: auto for auto, target in auto_map.items()}.get(architecture)
     if auto_class is None:
-        raise ValueError(f"{folder}: unknown architecture {architecture!r}; expected one of {sorted(auto_map.values())}")
+        raise InputError(f"{folder}: unknown architecture {architecture!r}; expected one of {sorted(auto_map.values())}")
 
     new_config = {**config, "auto_map": {**config.get("auto_map", {}), **auto_map}, "pkm_code_version": PKM_CODE_VERSION}
     new_files = {name: (PACKAGE_DIR / name).read_text() for name in REMOTE_CODE_FILES}

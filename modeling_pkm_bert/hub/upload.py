@@ -14,6 +14,7 @@ from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
 from ..configuration_bert_pkm import AUTO_MAP, REMOTE_CODE_FILES, BertPkmConfig
 from ..configuration_roberta_pkm import ROBERTA_AUTO_MAP, RobertaPkmConfig
+from ..utils.input_errors import InputError
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
@@ -136,7 +137,7 @@ def files_to_upload(folder: str | os.PathLike, ignore_patterns: list[str] = PUSH
             elif upload_allowed(relative):
                 files.append(relative)
     if links:
-        raise ValueError(
+        raise InputError(
             f"{folder}: refusing to upload symlinks (their targets may lie outside the folder): {', '.join(links)}; "
             "replace them with the files themselves"
         )
@@ -179,13 +180,13 @@ def quantize_folder(model_dir, output_dir, bits: int = 8) -> str:
         raise ValueError(f"bits={bits!r}: quantize_memory_values packs 8 (int8) or 4 (4-bit) bits per value")
     source, target = Path(model_dir), Path(output_dir)
     if target.exists() and any(target.iterdir()):
-        raise ValueError(f"{target} exists and is not empty: give another folder for the quantized model")
+        raise InputError(f"{target} exists and is not empty: give another folder for the quantized model")
     config = json.loads((source / "config.json").read_text())
     architecture = (config.get("architectures") or ["BertPkmModel"])[0]
     module = modeling_roberta_pkm if architecture.startswith("RobertaPkm") else modeling_bert_pkm
     model_class = getattr(module, architecture, None)
     if model_class is None:
-        raise ValueError(f"{source}: architectures={config.get('architectures')} names no BertPkm or RobertaPkm class")
+        raise InputError(f"{source}: architectures={config.get('architectures')} names no BertPkm or RobertaPkm class")
     model = model_class.from_pretrained(source)
     quantize_memory_values(model, bits)
     target.mkdir(parents=True, exist_ok=True)

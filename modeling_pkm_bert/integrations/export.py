@@ -81,14 +81,20 @@ def export_onnx(
     dynamic: bool = True,
     verify: bool = True,
     atol: float = 1e-4,
+    overwrite: bool = False,
 ) -> Path:
     """Exports `model` (in eval mode) to an ONNX file with `torch.onnx.export(..., dynamo=True)`: inputs named as the
     keys of `example_inputs` (batch and sequence axes dynamic with `dynamic`), outputs named as the model's outputs
     (`last_hidden_state`, `logits`, ...). With `verify`, the file is run in onnxruntime on `example_inputs` and must
-    match the eager model within `atol`. Written atomically (a failure leaves nothing at `path`); returns `path`."""
+    match the eager model within `atol`. Written atomically (a failure leaves nothing at `path`); returns `path`. An
+    existing file at `path` (or its `<name>.data`) is replaced only with `overwrite`."""
     path = Path(path)
     if path.suffix != ".onnx":
         raise ValueError(f"path {str(path)!r} must end in .onnx")
+    for existing in (path, path.with_name(path.name + ".data")):
+        if os.path.lexists(existing) and (existing.is_dir() or not overwrite):
+            what = "is a folder" if existing.is_dir() else "exists: give overwrite=True to replace it"
+            raise ValueError(f"path {str(existing)!r} {what}")
     if not path.parent.is_dir():
         raise ValueError(f"the folder of path {str(path)!r} does not exist")
     if not atol > 0:

@@ -70,6 +70,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from ..utils.input_errors import InputError
 from ..utils.memories import memory_modules, readable_name, unwrap_model
 from .arguments import SMF_RANKERS, STATISTICS_NAME
 from .optimizers import clip_grad_norm_, unscale_once
@@ -114,7 +115,7 @@ class BackgroundStatistics:
     def for_model(cls, model: nn.Module) -> "BackgroundStatistics":
         layers = memory_layers(model)
         if not layers:
-            raise ValueError("the model has no product key memory: sparse memory finetuning needs memory layers")
+            raise InputError("the model has no product key memory: sparse memory finetuning needs memory layers")
         return cls({name: _mem_size(memory) for name, memory in layers.items()})
 
     @property
@@ -133,7 +134,7 @@ class BackgroundStatistics:
         """Raises ValueError unless `model` has exactly these memory layers with these slot counts."""
         expected = {name: _mem_size(memory) for name, memory in memory_layers(model).items()}
         if expected != self.mem_sizes:
-            raise ValueError(
+            raise InputError(
                 f"{source} are for memory layers {self.mem_sizes} (name: slots), but the model has {expected}: "
                 "compute the statistics with this model"
             )
@@ -200,18 +201,18 @@ class BackgroundStatistics:
         if os.path.isdir(path):
             path = os.path.join(path, STATISTICS_NAME)
         if not os.path.isfile(path):
-            raise ValueError(f"background statistics file {path!r} does not exist")
+            raise InputError(f"background statistics file {path!r} does not exist")
         with safe_open(path, framework="pt") as handle:
             metadata = handle.metadata() or {}
             if metadata.get("format") != _FORMAT:
-                raise ValueError(f"{path!r} is not a background statistics file (format {metadata.get('format')!r})")
+                raise InputError(f"{path!r} is not a background statistics file (format {metadata.get('format')!r})")
             statistics = cls(json.loads(metadata["mem_sizes"]))
             statistics.num_batches = int(metadata["num_batches"])
             for name in statistics.reads:
                 statistics.document_frequency[name] = handle.get_tensor(f"{name}.document_frequency")
                 statistics.reads[name] = handle.get_tensor(f"{name}.reads")
         if statistics.num_batches < 1:
-            raise ValueError(f"{path!r} counts no background batch")
+            raise InputError(f"{path!r} counts no background batch")
         return statistics
 
     def __eq__(self, other) -> bool:
@@ -362,7 +363,7 @@ def compute_background_statistics(
     finally:
         model.train(was_training)
     if statistics.num_batches == 0:
-        raise ValueError("the background set is empty: give at least one background batch")
+        raise InputError("the background set is empty: give at least one background batch")
     return statistics
 
 
@@ -439,10 +440,10 @@ def validate_top_t(top_t: int, model_or_sizes) -> None:
         else {n: _mem_size(m) for n, m in memory_layers(model_or_sizes).items()}
     )
     if not sizes:
-        raise ValueError("the model has no product key memory: sparse memory finetuning needs memory layers")
+        raise InputError("the model has no product key memory: sparse memory finetuning needs memory layers")
     smallest = min(sizes.values())
     if isinstance(top_t, bool) or not isinstance(top_t, int) or not 1 <= top_t <= smallest:
-        raise ValueError(f"top_t={top_t!r} must be an integer in [1, {smallest}] (the slots of the smallest memory)")
+        raise InputError(f"top_t={top_t!r} must be an integer in [1, {smallest}] (the slots of the smallest memory)")
 
 
 class SparseMemoryFinetuning:
@@ -610,7 +611,7 @@ class SparseMemoryFinetuning:
         def load(models, input_dir):
             path = os.path.join(input_dir, STATISTICS_NAME)
             if not os.path.isfile(path):
-                raise ValueError(
+                raise InputError(
                     f"{input_dir} holds no {STATISTICS_NAME}: resume it without --sparse_memory_finetuning"
                 )
             statistics = BackgroundStatistics.load(path)
@@ -696,7 +697,7 @@ def background_batches(
         ids = [token for line in lines for token in line]
         inner = max_seq_length - 2  # [CLS] ... [SEP]
         if inner < 1:
-            raise ValueError(f"max_seq_length={max_seq_length} is too short for a background block")
+            raise InputError(f"max_seq_length={max_seq_length} is too short for a background block")
         blocks = [
             [tokenizer.cls_token_id, *ids[start : start + inner], tokenizer.sep_token_id]
             for start in range(0, len(ids) - inner + 1, inner)

@@ -33,6 +33,7 @@ import math
 
 import torch
 
+from ..utils.input_errors import InputError
 from ..utils.memories import unwrap_model
 
 
@@ -243,14 +244,14 @@ def output_layer(model: torch.nn.Module) -> torch.nn.Module:
     get = getattr(model, "get_output_embeddings", None)
     layer = get() if callable(get) else None
     if layer is None:
-        raise ValueError(
+        raise InputError(
             f"--trime: {type(model).__name__} has no output embeddings (get_output_embeddings() is None): TRIME needs "
             "the vocabulary projection of an LM head to score the vocabulary and the memory together"
         )
     _read_output_layer(layer)
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
     if vocab_size is not None and layer.weight.shape[0] != vocab_size:
-        raise ValueError(
+        raise InputError(
             f"--trime: the output layer of {type(model).__name__} has {layer.weight.shape[0]} rows, not the "
             f"vocabulary's {vocab_size}: it is not a vocabulary projection TRIME can read"
         )
@@ -281,7 +282,7 @@ def check_logits_match(model_logits: torch.Tensor, captured: dict, model_name: s
     if captured.get("logits") is None or not torch.allclose(
         model_logits.float(), captured["logits"].float(), rtol=1e-4, atol=1e-4
     ):
-        raise ValueError(
+        raise InputError(
             f"--trime: the logits of {model_name} are not its output layer's (the model transforms them after the "
             "vocabulary projection); TRIME needs a plain linear output layer"
         )

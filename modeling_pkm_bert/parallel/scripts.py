@@ -16,6 +16,7 @@ import os
 import torch
 from torch import nn
 
+from ..utils.input_errors import InputError
 from .arguments import add_parallel_arguments  # noqa: F401 (re-exported)
 from .memory_parallel import (
     check_batch_statistics_everywhere,
@@ -39,7 +40,7 @@ def prepare_memory_parallel(accelerator, model: nn.Module, args) -> nn.Module:
     one of them ([`check_batch_statistics_everywhere`]; FSDP2 and memory parallel do the same)."""
     memory_parallel = getattr(args, "memory_parallel", False)
     if enabled(args) and not memory_parallel and getattr(args, "memory_optimizer", "adam") == "sparse_row_adam":
-        raise ValueError(
+        raise InputError(
             "--fsdp2 with --memory_optimizer sparse_row_adam: FSDP2 shards the value tables by rows, which SparseRowAdam "
             "does not update; use --memory_parallel (column shards, which it does) or --memory_optimizer adam"
         )
@@ -50,7 +51,7 @@ def prepare_memory_parallel(accelerator, model: nn.Module, args) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
 
     if accelerator.num_processes > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        raise ValueError("--fsdp2/--memory_parallel need torch.distributed (launch with torchrun or accelerate launch)")
+        raise InputError("--fsdp2/--memory_parallel need torch.distributed (launch with torchrun or accelerate launch)")
     if not torch.distributed.is_initialized():  # one process: a group of one, the same code path
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29531")
@@ -97,7 +98,7 @@ def register_sharded_checkpointing(accelerator, model: nn.Module, optimizers, ar
             models.remove(model)
         folder = os.path.join(input_dir, DCP_FOLDER)
         if not os.path.isdir(folder):
-            raise ValueError(
+            raise InputError(
                 f"{input_dir} holds no {DCP_FOLDER}/ (a sharded checkpoint of --fsdp2/--memory_parallel): it was saved "
                 "without --fsdp2/--memory_parallel; resume it with the flags it was saved with"
             )

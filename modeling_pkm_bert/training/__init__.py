@@ -69,8 +69,8 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "in_process_memory",
             "load_model",
             "pkm_kwargs_from_args",
-            "usable_positions",
         ),
+        "..utils.positions": ("usable_positions",),
         ".optimization": (
             "clip_memory_gradients",
             "create_memory_optimizer",

@@ -193,7 +193,19 @@ def add_training_arguments(parser: argparse.ArgumentParser, warmup_ratio: float 
         choices=["no", "fp16", "bf16"],
         help="Mixed precision (default: accelerate's configuration or ACCELERATE_MIXED_PRECISION, else fp32).",
     )
-    add("--output_dir", type=str, default=None, help="Where to store the final model, results and checkpoints.")
+    add(
+        "--output_dir",
+        type=str,
+        default=None,
+        help="Where to store the final model, results and checkpoints: a new or empty folder, or this script's earlier "
+        "output (a rerun, a resume).",
+    )
+    add(
+        "--overwrite_output_dir",
+        action="store_true",
+        help="Write into a non-empty --output_dir this script did not write (its files of the same names are replaced);"
+        " never the model's folder, the current directory or the home folder.",
+    )
     add(
         "--seed",
         type=int,

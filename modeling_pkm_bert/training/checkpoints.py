@@ -6,6 +6,7 @@ import os
 import re
 
 from ..hub.card_command import redact_secrets
+from ..utils.input_errors import InputError
 from .results import atomic_write_json
 
 
@@ -93,7 +94,7 @@ def resume_position(
     name = os.path.basename(os.path.normpath(checkpoint))
     match = CHECKPOINT_NAME.match(name)
     if match is None:
-        raise ValueError(f"cannot resume from {checkpoint!r}: the folder must be named step_<N> or epoch_<E>")
+        raise InputError(f"cannot resume from {checkpoint!r}: the folder must be named step_<N> or epoch_<E>")
     kind, number = match.group(1), int(match.group(2))
     if kind == "epoch":
         return number + 1, (number + 1) * num_update_steps_per_epoch, 0
@@ -128,7 +129,7 @@ def resolve_checkpoint(resume_from_checkpoint: str, output_dir: str | None, step
         return resume_from_checkpoint
     checkpoint = latest_checkpoint(output_dir, steps_per_epoch)
     if checkpoint is None:
-        raise ValueError(f"--resume_from_checkpoint latest: no step_<N>/epoch_<E> folder in {output_dir}")
+        raise InputError(f"--resume_from_checkpoint latest: no step_<N>/epoch_<E> folder in {output_dir}")
     return checkpoint
 
 
@@ -195,7 +196,7 @@ def check_checkpoint(checkpoint: str, settings: dict, allow_inexact: bool, proce
 
     pickled = sorted(name for name in os.listdir(checkpoint) if re.fullmatch(r"custom_checkpoint_\d+\.pkl", name))
     if pickled:  # accelerate would unpickle them with weights_only=False: code could run
-        raise ValueError(
+        raise InputError(
             f"{checkpoint} holds pickled custom state {pickled}, which this version never writes nor loads (it "
             "would run code on loading): an older checkpoint or a planted file. Delete it to resume."
         )
@@ -207,7 +208,7 @@ def check_checkpoint(checkpoint: str, settings: dict, allow_inexact: bool, proce
         ):
             raise ValueError("not a dict of random, numpy and torch states")
     except Exception as error:  # noqa: BLE001 - any failure means the states cannot be restored
-        raise ValueError(
+        raise InputError(
             f"{states}: the random states of the checkpoint cannot be read ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}); a resume from it would not be exact"
         ) from error
@@ -220,7 +221,7 @@ def check_checkpoint(checkpoint: str, settings: dict, allow_inexact: bool, proce
             with open(saved_file, encoding="utf-8") as handle:
                 saved = json.load(handle)
         except (OSError, ValueError) as error:
-            raise ValueError(f"{saved_file} cannot be read: {error}") from error
+            raise InputError(f"{saved_file} cannot be read: {error}") from error
         for name in sorted(set(saved) | set(settings)):
             if saved.get(name) != settings.get(name):
                 differences.append(f"{name}: checkpoint {saved.get(name)!r}, now {settings.get(name)!r}")
@@ -230,6 +231,6 @@ def check_checkpoint(checkpoint: str, settings: dict, allow_inexact: bool, proce
         differences
     )
     if not allow_inexact:
-        raise ValueError(message + ". Resume with the checkpoint's settings, or pass --allow_inexact_resume.")
+        raise InputError(message + ". Resume with the checkpoint's settings, or pass --allow_inexact_resume.")
     if logger is not None:
         logger.warning(message + " (--allow_inexact_resume: continuing)")

@@ -6,7 +6,9 @@ import os
 
 import torch
 
+from ..utils.input_errors import InputError, usage_errors
 from ..utils.memories import memory_modules
+from ..utils.output_folders import check_output_folder, mark_output_folder
 
 
 # (argument, lowest allowed value, what it means); checked only where the script has the argument and it is given
@@ -75,7 +77,27 @@ def validate_training_arguments(parser: argparse.ArgumentParser, args: argparse.
         problem = output_dir_problem(output_dir)
         if problem:
             parser.error(f"--output_dir {output_dir!r}: {problem}")
+        # the output-folder contract: the script's marker (`.run_mlm`) recognises its own output (a rerun); resuming
+        # from a checkpoint inside the folder says it is the run's (a checkpoint copied or left by an older release)
+        args.output_tool = os.path.splitext(parser.prog)[0]
+        resumes_here = resume == "latest" or (
+            resume is not None and os.path.realpath(os.path.dirname(os.path.abspath(resume))) == os.path.realpath(output_dir)
+        )
+        reads = [(f"--{name}", getattr(args, name, None)) for name in ("model_name_or_path", "config_name", "tokenizer_name")]
+        with usage_errors(parser):
+            overwrite = getattr(args, "overwrite_output_dir", False) or resumes_here
+            check_output_folder(output_dir, args.output_tool, overwrite=overwrite, reads=reads)
     check_parallel_arguments(parser, args)
+
+
+def check_model_config(parser: argparse.ArgumentParser, args: argparse.Namespace, task: str) -> None:
+    """The config of the model the script will train, built from the flags and the model's config alone
+    (`loading.planned_config`, no weight): `parser.error` where a folder is missing or the config refuses a value
+    (`--pkm_knn 32` above `--pkm_n_keys 16`, a `--config_overrides` field), before anything is loaded or created."""
+    from .loading import planned_config
+
+    with usage_errors(parser, ValueError):  # only configs are built here: a ValueError is the flags' or the folder's
+        planned_config(args, task)
 
 
 def check_parallel_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -144,15 +166,19 @@ def output_dir_problem(output_dir: str) -> str | None:
     return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot be created: {parent} is not writable"
 
 
-def prepare_output_dir(output_dir: str) -> None:
+def prepare_output_dir(output_dir: str, tool: str | None = None) -> None:
     """Creates `output_dir` and proves it writable (a probe file written and removed) before any data is loaded or
-    any step is trained: a run never discovers at the end that its model cannot be saved."""
+    any step is trained: a run never discovers at the end that its model cannot be saved. With `tool` (the script,
+    which `validate_training_arguments` checked the folder for) the folder gets its marker (`.run_mlm`), so a rerun
+    or a resume writes into it without --overwrite_output_dir."""
     import tempfile
 
     try:
         os.makedirs(output_dir, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=output_dir, prefix=".write-probe-"):
             pass
+        if tool is not None:
+            mark_output_folder(output_dir, tool)
     except OSError as error:
         raise ValueError(f"--output_dir {output_dir!r} cannot be written: {error.strerror or error}") from error
 
@@ -226,7 +252,7 @@ def check_data_files(parser: argparse.ArgumentParser, files: list[tuple[str, str
 def check_freeze_memory(model: torch.nn.Module) -> None:
     """`--freeze_memory` on a model without product key memory would silently train everything: refuse."""
     if not memory_modules(model):
-        raise ValueError(
+        raise InputError(
             f"--freeze_memory: the model ({type(model).__name__}) has no product key memory to freeze; give --pkm_* "
             "flags to convert it, or drop --freeze_memory"
         )

@@ -31,6 +31,8 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from ..utils.input_errors import InputError
+
 
 if TYPE_CHECKING:
     import datasets
@@ -91,7 +93,7 @@ GLUE_TASKS = {
 
 def get_glue_task(name: str) -> GlueTask:
     if name not in GLUE_TASKS:
-        raise ValueError(f"unknown GLUE task {name!r}; expected one of {sorted(GLUE_TASKS)}")
+        raise InputError(f"unknown GLUE task {name!r}; expected one of {sorted(GLUE_TASKS)}")
     return GLUE_TASKS[name]
 
 
@@ -113,12 +115,12 @@ def _parse_label(task: GlueTask, text: str, where: str):
         try:
             return float(text)
         except ValueError:
-            raise ValueError(f"{where}: the {task.name} score {text!r} is not a number") from None
+            raise InputError(f"{where}: the {task.name} score {text!r} is not a number") from None
     if text in task.label_names:
         return task.label_names.index(text)
     if text.isdigit() and int(text) < len(task.label_names):
         return int(text)
-    raise ValueError(
+    raise InputError(
         f"{where}: label {text!r} is not a {task.name} label (expected one of {list(task.label_names)} "
         f"or their ids 0..{len(task.label_names) - 1})"
     )
@@ -136,10 +138,10 @@ def read_glue_tsv(path: str | os.PathLike, task: GlueTask | str) -> dict[str, li
         if task.tsv_has_header:
             header = next(reader, None)
             if header is None:
-                raise ValueError(f"{path} is empty; expected a {task.name} TSV with a header")
+                raise InputError(f"{path} is empty; expected a {task.name} TSV with a header")
             missing = [name for name in wanted.values() if name not in header]
             if missing:
-                raise ValueError(
+                raise InputError(
                     f"{path} does not have the GLUE {task.name} layout: header {header} lacks {missing} "
                     f"(expected columns {sorted(wanted.values(), key=str)})"
                 )
@@ -159,7 +161,7 @@ def read_glue_tsv(path: str | os.PathLike, task: GlueTask | str) -> dict[str, li
                 columns[key].append(_parse_label(task, value, f"{path}:{line_number}") if key == "label" else value)
             columns["idx"].append(len(columns["idx"]))
     if not columns["idx"]:
-        raise ValueError(
+        raise InputError(
             f"{path} holds no {task.name} rows in the GLUE {task.name} layout ({len(skipped)} rows too short)"
         )
     if skipped:
@@ -201,7 +203,7 @@ def load_raw_datasets(args) -> datasets.DatasetDict:
         try:
             raw = datasets.load_dataset("nyu-mll/glue", task.name)
         except Exception as error:  # offline: ConnectionError / LocalEntryNotFoundError / OfflineModeIsEnabled
-            raise RuntimeError(
+            raise InputError(
                 f"could not load GLUE {task.name} from the Hub (nyu-mll/glue): {type(error).__name__}: {error}. "
                 "Offline (HF_HUB_OFFLINE=1, no network) give the task's files instead: --train_file train.tsv "
                 "--validation_file dev.tsv (GLUE's own TSV layout)."
@@ -226,7 +228,7 @@ def load_raw_datasets(args) -> datasets.DatasetDict:
                 "json" if extension == "jsonl" else extension, data_files={split: path}, split=split
             )
         if "label" not in dataset.column_names:
-            raise ValueError(
+            raise InputError(
                 f"{path} has no 'label' column (columns: {dataset.column_names}); every file needs its gold labels "
                 "in a column named 'label'"
             )
@@ -244,7 +246,7 @@ def to_task_columns(dataset: datasets.Dataset, task, path: str) -> datasets.Data
     needed = [key for key in task.sentence_keys if key is not None]
     missing = [key for key in needed if key not in dataset.column_names]
     if missing:
-        raise ValueError(
+        raise InputError(
             f"{path}: GLUE {task.name} needs the columns {needed + ['label']}, missing {missing} "
             f"(columns: {dataset.column_names})"
         )
@@ -259,7 +261,7 @@ def to_task_columns(dataset: datasets.Dataset, task, path: str) -> datasets.Data
         if isinstance(label, (int, np.integer)) or (isinstance(label, str) and label.isdigit()):
             if 0 <= int(label) < len(names):
                 return {"label": int(label)}
-        raise ValueError(f"{path}: label {label!r} is not a {task.name} label ({names} or 0..{len(names) - 1})")
+        raise InputError(f"{path}: label {label!r} is not a {task.name} label ({names} or 0..{len(names) - 1})")
 
     dataset = dataset.map(label_id)
     return dataset.cast_column("label", datasets.ClassLabel(names=names))

@@ -11,6 +11,8 @@ from pathlib import Path
 import datasets
 from datasets import load_dataset
 
+from ..utils.input_errors import InputError
+
 
 TEXT_EXTENSIONS = ("txt", "text", "raw", "tokens")
 DATA_EXTENSIONS = (*TEXT_EXTENSIONS, "csv", "json", "jsonl")
@@ -93,7 +95,7 @@ def load_text_file(path: str, split: str, text_column_name: str | None) -> datas
         desc=f"Dropping empty lines of {split}",
     )
     if len(dataset) == 0:
-        raise ValueError(f"{path} holds no text (every line of column {column!r} is empty)")
+        raise InputError(f"{path} holds no text (every line of column {column!r} is empty)")
     return dataset
 
 
@@ -101,13 +103,13 @@ def text_column(column_names: list[str], requested: str | None, where: str) -> s
     """The text column: `requested` (which must exist), else `text`, else the only column; else a clear error."""
     if requested is not None:
         if requested not in column_names:
-            raise ValueError(f"{where} has no column {requested!r} (--text_column_name); its columns: {column_names}")
+            raise InputError(f"{where} has no column {requested!r} (--text_column_name); its columns: {column_names}")
         return requested
     if "text" in column_names:
         return "text"
     if len(column_names) == 1:
         return column_names[0]
-    raise ValueError(
+    raise InputError(
         f"{where} has no 'text' column; name the text column with --text_column_name (columns: {column_names})"
     )
 
@@ -120,12 +122,12 @@ def load_raw_datasets(args) -> tuple[datasets.Dataset | None, dict[str, datasets
         try:
             raw = load_dataset(args.dataset_name, args.dataset_config_name, trust_remote_code=args.trust_remote_code)
         except Exception as error:  # offline: ConnectionError / LocalEntryNotFoundError / OfflineModeIsEnabled
-            raise RuntimeError(
+            raise InputError(
                 f"could not load {args.dataset_name!r} from the Hub: {type(error).__name__}: {error}. Offline, give "
                 "local files instead: --train_file and --validation_files (txt, csv or json)."
             ) from error
         if "train" not in raw:
-            raise ValueError(f"{args.dataset_name} has no 'train' split (splits: {list(raw)})")
+            raise InputError(f"{args.dataset_name} has no 'train' split (splits: {list(raw)})")
         column = text_column(raw["train"].column_names, args.text_column_name, args.dataset_name)
         train = raw["train"]
         if not args.validation_sets:
@@ -155,7 +157,7 @@ def load_raw_datasets(args) -> tuple[datasets.Dataset | None, dict[str, datasets
         if not args.validation_sets:
             cut = len(train) * args.validation_split_percentage // 100
             if cut == 0:
-                raise ValueError(
+                raise InputError(
                     f"{args.train_file} has too few lines ({len(train)}) to hold out "
                     f"{args.validation_split_percentage}% for validation: give --validation_files"
                 )

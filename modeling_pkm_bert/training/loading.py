@@ -3,11 +3,13 @@ flags ask for memory (the paper's "+Init"), or a config from scratch; the `--pkm
 
 import argparse
 import dataclasses
+import os
 
 import torch
 
 from ..configuration_bert_pkm import BertPkmConfig
 from ..configuration_roberta_pkm import RobertaPkmConfig
+from ..utils.input_errors import InputError
 
 
 # the model types of this package's models: a checkpoint of one is loaded as it is, never converted
@@ -70,15 +72,10 @@ def load_model(
         raise ValueError(f"unknown task {task!r}; expected one of {sorted(TASK_CLASSES)}")
     pkm_class_name, auto_class_name = TASK_CLASSES[task]
     pkm_kwargs, config_overrides = dict(pkm_kwargs or {}), dict(config_overrides or {})
-    config = transformers.AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    config = read_config(model_name_or_path, trust_remote_code=trust_remote_code)
 
     if config.model_type in PKM_MODEL_TYPES:
-        structural = {k: v for k, v in pkm_kwargs.items() if k not in RUNTIME_PKM_FIELDS and getattr(config, k) != v}
-        if structural:
-            raise ValueError(
-                f"{model_name_or_path} is already a PKM model ({config.model_type}); its {sorted(structural)} cannot"
-                " change without new weights (convert the plain BERT / RoBERTa checkpoint instead)"
-            )
+        _check_runtime_fields(config, pkm_kwargs, model_name_or_path)
         if config.model_type == RobertaPkmConfig.model_type:
             pkm_class = getattr(modeling_roberta_pkm, pkm_class_name.replace("BertPkm", "RobertaPkm", 1))
         else:
@@ -105,17 +102,76 @@ def load_model(
     return model.float()
 
 
-# RoBERTa-family model types: their positions start at pad_token_id + 1
-ROBERTA_FAMILY_MODEL_TYPES = ("roberta", "xlm-roberta", RobertaPkmConfig.model_type)
+def _check_runtime_fields(config, pkm_kwargs: dict, model_name_or_path: str) -> None:
+    structural = {k: v for k, v in pkm_kwargs.items() if k not in RUNTIME_PKM_FIELDS and getattr(config, k) != v}
+    if structural:
+        raise InputError(
+            f"{model_name_or_path} is already a PKM model ({config.model_type}); its {sorted(structural)} cannot"
+            " change without new weights (convert the plain BERT / RoBERTa checkpoint instead)"
+        )
 
 
-def usable_positions(config) -> int | None:
-    """The most tokens a sequence of the model may hold: `max_position_embeddings` (GPT-2: `n_positions`), less the
-    `pad_token_id + 1` positions a RoBERTa-family model skips (roberta-base: 514 -> 512); None where unknown."""
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if positions is not None and config.model_type in ROBERTA_FAMILY_MODEL_TYPES:
-        positions -= config.pad_token_id + 1
-    return positions
+def planned_config(args: argparse.Namespace, task: str, config_overrides: dict | None = None):
+    """The config of the model a script will train, from its flags and the model's config alone (no weight loads): what
+    `load_model` builds for `--model_name_or_path` (a PKM checkpoint with runtime `--pkm_*` overrides, a conversion, or
+    the plain model), else `config_from_scratch`. Raises the ValueError of each check and of the config's own checks
+    (e.g. `--pkm_knn` above `--pkm_n_keys`); None where the model's config cannot be read here (a Hub id outside
+    the cache: the load names it)."""
+    from ..hub.conversion import conversion_target
+    from ..hub.model_card import hub_id_or_none
+
+    pkm_kwargs = pkm_kwargs_from_args(args)
+    source = getattr(args, "model_name_or_path", None)
+    if not source:
+        return config_from_scratch(args, pkm_kwargs)
+    try:
+        config = read_config(source, trust_remote_code=getattr(args, "trust_remote_code", False))
+    except InputError:
+        if hub_id_or_none(source) is not None:
+            return None  # perhaps on the Hub: the load says what it finds
+        raise
+    if config.model_type in PKM_MODEL_TYPES:
+        _check_runtime_fields(config, pkm_kwargs, source)
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "transformers_version")}
+        return type(config)(**{**fields, **pkm_kwargs})  # the runtime overrides pass the config's own checks
+    if pkm_kwargs:
+        return conversion_target(config, source, TASK_CLASSES[task][0], config_overrides, pkm_kwargs)[1]
+    return config
+
+
+def read_config(model_name_or_path: str, option: str = "--model_name_or_path", trust_remote_code: bool = False):
+    """`AutoConfig.from_pretrained(model_name_or_path)`; InputError naming `option` where there is no such folder or
+    Hub model, or it holds no readable config (transformers' OSError: a missing folder, file or repository)."""
+    import transformers
+
+    from .. import register_auto_classes
+    from ..hub.model_card import hub_id_or_none
+
+    register_auto_classes()  # a BertPkm config resolves to this package's class, without trust_remote_code
+    if not os.path.exists(model_name_or_path) and hub_id_or_none(str(model_name_or_path)) is None:
+        raise InputError(f"{option} {str(model_name_or_path)!r}: no such folder, and not a Hub model id either")
+    try:
+        return transformers.AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        where = "" if os.path.exists(model_name_or_path) else "no such folder, and as a Hub model id: "
+        raise InputError(f"{option} {str(model_name_or_path)!r}: {where}{error}") from None
+
+
+def load_tokenizer(source: str, option: str = "--model_name_or_path", trust_remote_code: bool = False, **kwargs):
+    """`AutoTokenizer.from_pretrained(source, **kwargs)`; InputError naming `option` where a folder holds no tokenizer
+    files (transformers would fail with a message about converting a slow tokenizer) or it cannot be read."""
+    import transformers
+
+    from ..hub.upload import TOKENIZER_FILES
+
+    names = (*TOKENIZER_FILES, "sentencepiece.bpe.model", "spiece.model", "vocab.json")
+    if os.path.isdir(source) and not any(os.path.isfile(os.path.join(source, name)) for name in names):
+        raise InputError(f"{option} {source!r} holds no tokenizer (none of {', '.join(names)}); save one into it")
+    try:
+        return transformers.AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
+    except OSError as error:
+        where = "" if os.path.exists(source) else "no such folder, and as a Hub model id: "
+        raise InputError(f"{option} {source!r}: {where}{error}") from None
 
 
 @torch.no_grad()
@@ -141,7 +197,7 @@ def config_from_scratch(args: argparse.Namespace, pkm_kwargs: dict, extra_fields
     import transformers
 
     if args.config_name:
-        config = transformers.AutoConfig.from_pretrained(args.config_name, trust_remote_code=args.trust_remote_code)
+        config = read_config(args.config_name, "--config_name", trust_remote_code=args.trust_remote_code)
     else:
         config = transformers.CONFIG_MAPPING[args.model_type]()
         if logger is not None:
@@ -151,12 +207,12 @@ def config_from_scratch(args: argparse.Namespace, pkm_kwargs: dict, extra_fields
         try:
             config.update_from_string(overrides)
         except ValueError as error:
-            raise ValueError(f"--config_overrides {overrides!r}: {error}") from error
+            raise InputError(f"--config_overrides {overrides!r}: {error}") from error
     config.update(dict(extra_fields or {}))
     if not pkm_kwargs and config.model_type != BertPkmConfig.model_type:
         return config
     if config.model_type not in ("bert", BertPkmConfig.model_type):
-        raise ValueError(f"--pkm_* flags need a BERT or BertPkm config, got model_type {config.model_type!r}")
+        raise InputError(f"--pkm_* flags need a BERT or BertPkm config, got model_type {config.model_type!r}")
     fields = {
         k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")
     }

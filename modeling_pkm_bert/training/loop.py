@@ -28,6 +28,7 @@ from typing import Callable
 
 from ..analysis.metrics_log import MetricsLog
 from ..methods.optimizers import step_optimizers
+from ..utils.input_errors import InputError
 from .checkpoints import check_checkpoint, read_loss_state, resolve_checkpoint, resume_position, save_checkpoint
 from .optimization import clip_memory_gradients, memory_optimizer_summary
 
@@ -157,7 +158,7 @@ class TrainingLoop:
 
         checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir, self.steps_per_epoch)
         if self.staleness is not None and not os.path.isfile(os.path.join(checkpoint, STALENESS_FILE)):
-            raise ValueError(f"{checkpoint} holds no staleness state: resume it without --track_staleness")
+            raise InputError(f"{checkpoint} holds no staleness state: resume it without --track_staleness")
         check_checkpoint(checkpoint, self.settings, args.allow_inexact_resume, accelerator.process_index, self.logger)
         accelerator.print(f"Resumed from checkpoint: {checkpoint}")
         accelerator.load_state(checkpoint)

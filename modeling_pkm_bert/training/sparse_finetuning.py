@@ -8,6 +8,7 @@ import argparse
 import os
 
 from ..methods import sparse_finetuning as smf
+from ..utils.input_errors import InputError
 from ..utils.lazy_imports import moved_names
 
 
@@ -16,15 +17,15 @@ def check_smf_arguments(args: argparse.Namespace) -> None:
     if not getattr(args, "sparse_memory_finetuning", False):
         return
     if args.smf_top_t < 1:
-        raise ValueError(f"--smf_top_t {args.smf_top_t} must be >= 1")
+        raise InputError(f"--smf_top_t {args.smf_top_t} must be >= 1")
     if args.smf_background_batches < 1:
-        raise ValueError(f"--smf_background_batches {args.smf_background_batches} must be >= 1")
+        raise InputError(f"--smf_background_batches {args.smf_background_batches} must be >= 1")
     if args.smf_background_file and args.smf_background_dataset:
-        raise ValueError("give --smf_background_file or --smf_background_dataset, not both")
+        raise InputError("give --smf_background_file or --smf_background_dataset, not both")
     if args.smf_background_file and not os.path.isfile(args.smf_background_file):
-        raise ValueError(f"--smf_background_file {args.smf_background_file!r} does not exist")
+        raise InputError(f"--smf_background_file {args.smf_background_file!r} does not exist")
     if getattr(args, "freeze_memory", False):
-        raise ValueError("--sparse_memory_finetuning trains memory values: it cannot be combined with --freeze_memory")
+        raise InputError("--sparse_memory_finetuning trains memory values: it cannot be combined with --freeze_memory")
 
 
 def _background_texts(args) -> list[str]:
@@ -40,12 +41,12 @@ def _background_texts(args) -> list[str]:
                 return [line for line in handle.read().splitlines() if line.strip()]
         builder = {"csv": "csv", "json": "json", "jsonl": "json"}.get(extension)
         if builder is None:
-            raise ValueError(
+            raise InputError(
                 f"--smf_background_file {args.smf_background_file!r}: expected .txt/.csv/.json/.jsonl/.safetensors"
             )
         dataset = datasets.load_dataset(builder, data_files=args.smf_background_file, split="train")
     if "text" not in dataset.column_names:
-        raise ValueError(f"the background data has no 'text' column (columns: {dataset.column_names})")
+        raise InputError(f"the background data has no 'text' column (columns: {dataset.column_names})")
     return [text for text in dataset["text"] if text and text.strip()]
 
 
@@ -65,7 +66,7 @@ def statistics_from_args(
     elif not args.smf_background_file and not args.smf_background_dataset:
         beside = os.path.join(args.model_name_or_path or "", smf.STATISTICS_NAME)
         if not os.path.isfile(beside):
-            raise ValueError(
+            raise InputError(
                 "--sparse_memory_finetuning needs background statistics: give --smf_background_file (text or "
                 f".safetensors) or --smf_background_dataset, or put {smf.STATISTICS_NAME} beside the model"
             )
@@ -83,7 +84,7 @@ def statistics_from_args(
         tokenizer, texts, max_seq_length, document * accelerator.num_processes, args.smf_background_batches, causal
     )
     if not batches:
-        raise ValueError(
+        raise InputError(
             f"the background text ({args.smf_background_file or args.smf_background_dataset}) yields no block of "
             f"{max_seq_length} tokens: give more background text or a smaller --max_seq_length"
         )

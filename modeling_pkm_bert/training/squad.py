@@ -8,13 +8,15 @@ import os
 
 import numpy as np
 
+from ..utils.input_errors import InputError
+
 
 logger = logging.getLogger(__name__)
 
 QUESTION_FIELDS = ("id", "question", "answers")
 
 
-class SquadFormatError(ValueError):
+class SquadFormatError(InputError):
     """A SQuAD file or dataset that does not have the layout or the answers it should."""
 
 

@@ -5,6 +5,7 @@ resolved) and the perplexity the scripts log. The objective itself (Zhong, Lei &
 
 import math
 
+from ..utils.input_errors import InputError
 from ..utils.lazy_imports import moved_names
 
 
@@ -14,7 +15,7 @@ def resolve_trime_arguments(args, causal: bool = True) -> None:
     positions' labels, which a test-time score may not read."""
     args.trime = None if args.trime in (None, "none") else args.trime
     if not causal and args.trime_eval == "batch":
-        raise ValueError(
+        raise InputError(
             "--trime_eval batch would credit every other masked position to its label, and at test time those labels "
             "are what is hidden from the model (the perplexity would read the answers); use --trime_eval context "
             "(the visible positions, each credited to its own token). --trime batch still trains with it."
@@ -23,7 +24,7 @@ def resolve_trime_arguments(args, causal: bool = True) -> None:
         args.trime_eval = args.trime if causal or args.trime is None else "context"
     args.trime_eval = None if args.trime_eval == "none" else args.trime_eval
     if args.trime_chunk_size < 1:
-        raise ValueError(f"--trime_chunk_size must be >= 1, got {args.trime_chunk_size}")
+        raise InputError(f"--trime_chunk_size must be >= 1, got {args.trime_chunk_size}")
 
 
 def perplexity(loss: float) -> float:
