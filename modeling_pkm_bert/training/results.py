@@ -113,8 +113,8 @@ def save_final_outputs(accelerator, output_dir: str, write) -> None:
         for name in names:
             target = os.path.join(output_dir, name)
             if os.path.isdir(os.path.join(staging, name)):
-                if os.path.isdir(target):
-                    shutil.rmtree(target)
+                if os.path.isdir(target):  # a module folder of the same name (1_Pooling): the folder passed the
+                    shutil.rmtree(target)  # output-folder contract when the run started (utils.output_folders)
             os.replace(os.path.join(staging, name), target)
         os.rmdir(staging)
         if any(WEIGHT_FILE.match(name) for name in names):  # as save_pretrained does: drop an older save's shards
