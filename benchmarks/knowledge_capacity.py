@@ -48,6 +48,7 @@ REPO_ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO_ROOT))
 
+from modeling_pkm_bert.utils.output_folders import check_output_folder, mark_output_folder  # noqa: E402
 from modeling_pkm_bert.analysis.knowledge import (  # noqa: E402
     biographies,
     fact_probes,
@@ -61,7 +62,7 @@ from modeling_pkm_bert.analysis.knowledge import (  # noqa: E402
 
 
 RUN_MLM = REPO_ROOT / "run_scripts" / "run_mlm.py"
-OUTPUT_MARKER = ".knowledge_capacity"  # marks a folder this benchmark wrote (replaced without asking)
+TOOL = "knowledge_capacity"  # its run folders hold the marker `.knowledge_capacity` (utils.output_folders)
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 # the small encoder every scratch arm starts from (hidden 128, 2 layers: the scale this machine can train many times)
@@ -290,13 +291,13 @@ class Results:
 
 
 def prepare_own_folder(folder: Path) -> None:
-    """Creates `folder`, or empties it if this benchmark wrote it (its marker file); a foreign folder is refused."""
-    if folder.exists() and any(folder.iterdir()):
-        if not (folder / OUTPUT_MARKER).exists():
-            raise SystemExit(f"error: {folder} exists, is not empty and was not written by this benchmark")
+    """Creates `folder`, or empties it if this benchmark wrote it (the project's output-folder contract); a foreign
+    folder is refused."""
+    check_output_folder(folder, TOOL)
+    if folder.exists():
         shutil.rmtree(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / OUTPUT_MARKER).write_text("written by benchmarks/knowledge_capacity.py\n")
+    folder.mkdir(parents=True)
+    mark_output_folder(folder, TOOL)
 
 
 class Benchmark:
@@ -337,7 +338,7 @@ class Benchmark:
 
     # one run: run_mlm.py, then recall at each checkpoint and at the end
     def run(self, arm: str, size: int, seed: int, lr: float, steps: int | None = None, train_file: str | None = None,
-            key: str | None = None, config: dict | None = None, source: str | None = None, batch_size=None) -> dict:  # fmt: skip
+            key: str | None = None, source: str | None = None, flags: tuple[str, ...] = (), batch_size=None) -> dict:  # fmt: skip
         steps = steps or self.plan["steps"]
         key = key or f"{arm}/n{size}/seed{seed}/lr{lr:g}"
         done = self.results.read()["runs"].get(key)
@@ -359,14 +360,13 @@ class Benchmark:
             "--output_dir", str(model_dir), "--mixed_precision", "no",
         ]  # fmt: skip
         if source is None:
-            config = config or arm_config(arm, len(self.tokenizer), self.widths())
+            config = arm_config(arm, len(self.tokenizer), self.widths())
             (folder / "config").mkdir()
             (folder / "config" / "config.json").write_text(json.dumps(config, indent=1))
             command += ["--config_name", str(folder / "config"), "--tokenizer_name", str(self.data / "tokenizer")]
         else:
             command += ["--model_name_or_path", source]
-        command += ARMS.get(arm, ({}, []))[1]
-        command += (config or {}).get("_flags", []) if source is not None else []
+        command += [*ARMS.get(arm, ({}, []))[1], *flags]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}  # fmt: skip
         start = time.perf_counter()
@@ -390,11 +390,8 @@ class Benchmark:
             shutil.rmtree(checkpoint)
         if self.args.save_models:
             target = Path(self.args.save_models) / key.replace("/", "_")
-            if target.exists():
-                shutil.rmtree(target) if (target / OUTPUT_MARKER).exists() else None
-            if not target.exists():
-                shutil.copytree(model_dir, target)
-                (target / OUTPUT_MARKER).write_text("written by benchmarks/knowledge_capacity.py\n")
+            prepare_own_folder(target)
+            shutil.copytree(model_dir, target, dirs_exist_ok=True)
         with self.results.locked() as data:
             data["runs"][key] = result
         print(f"{key}: train recall {result['final']['train']['recall']:.3f}, held-out "
@@ -520,8 +517,7 @@ class Benchmark:
         jobs = []
         for lr in self.plan["learning_rates"][:2] if not self.args.quick else self.plan["learning_rates"]:
             for arm, flags in (("minilm_plain", ["--pkm_layers"]), ("minilm_resm", memory)):
-                jobs.append(dict(arm=arm, size=size, seed=0, lr=lr / 10, steps=steps, source=str(trimmed),
-                                 config={"_flags": flags}))  # fmt: skip
+                jobs.append(dict(arm=arm, size=size, seed=0, lr=lr / 10, steps=steps, source=str(trimmed), flags=flags))
         self.run_all(jobs)
 
 
