@@ -20,8 +20,12 @@ The stages (each run is kept in `benchmarks/knowledge_capacity.json` as it finis
    equal-compute arm;
 3. `sweep`: a learning-rate sweep of every arm at one size (the same points for every arm);
 4. `sizes`: every arm at each size with its best learning rate; `seeds`: more seeds at the largest size;
-5. `quantized`: the ResM runs' values packed int8 and 4-bit after training, recall measured again;
-6. `minilm`: the real all-MiniLM-L6-v2 converted with +Init, plain against ResM.
+5. `templates`: plain, ResM, replace and n-gram again with one training template per attribute (a fact always said
+   the same way), at the sweep size;
+6. `quantized`: the ResM runs' values packed int8 and 4-bit after training, recall measured again;
+7. `diagnose`: what the memory's layer reads at a masked value (keyed by the person or by the sentence), and the
+   memory's slot usage, of every run whose folder is here;
+8. `minilm`: the real all-MiniLM-L6-v2 converted with +Init, plain against ResM.
 """
 
 from __future__ import annotations
@@ -110,8 +114,8 @@ def parse_args(argv=None):
     parser.add_argument("--report", default=None, help="default: benchmarks/KNOWLEDGE_CAPACITY.md (--quick: in --output_dir)")
     parser.add_argument("--quick", action="store_true", help="the suite's version: a tiny base, a few steps")
     parser.add_argument(
-        "--stages", nargs="+", default=["sanity", "speed", "sweep", "sizes", "seeds", "quantized", "minilm"],
-        choices=["sanity", "speed", "sweep", "sizes", "seeds", "quantized", "minilm"],
+        "--stages", nargs="+", default=["sanity", "speed", "sweep", "sizes", "seeds", "templates", "quantized", "diagnose", "minilm"],
+        choices=["sanity", "speed", "sweep", "sizes", "seeds", "templates", "quantized", "diagnose", "minilm"],
     )  # fmt: skip
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--workers", type=int, default=2, help="runs trained side by side, one thread each")
@@ -323,6 +327,11 @@ class Benchmark:
             if longest > 120:
                 raise RuntimeError(f"a biography of {longest} tokens does not fit the 128 positions")
             (self.data / f"train_{size}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        size = self.plan["sweep_size"]
+        kb = one_template(self.base(size))  # the `templates` stage: a fact always said the same way
+        write_knowledge_base(kb, self.data / f"kb_{size}_t1.json")
+        lines = training_lines(kb, self.plan["bios_per_person"], self.args.training_text)
+        (self.data / f"train_{size}_t1.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
         held = [probe_text(p) for p in fact_probes(self.base(self.plan["sweep_size"]), "heldout", context=self.args.context)]
         (self.data / "validation.txt").write_text("\n".join(held[:64]) + "\n", encoding="utf-8")
 
@@ -338,7 +347,8 @@ class Benchmark:
 
     # one run: run_mlm.py, then recall at each checkpoint and at the end
     def run(self, arm: str, size: int, seed: int, lr: float, steps: int | None = None, train_file: str | None = None,
-            key: str | None = None, source: str | None = None, flags: tuple[str, ...] = (), batch_size=None) -> dict:  # fmt: skip
+            key: str | None = None, source: str | None = None, flags: tuple[str, ...] = (), batch_size=None,
+            kb_file: str | None = None, fields: dict | None = None) -> dict:  # fmt: skip
         steps = steps or self.plan["steps"]
         key = key or f"{arm}/n{size}/seed{seed}/lr{lr:g}"
         done = self.results.read()["runs"].get(key)
@@ -376,7 +386,7 @@ class Benchmark:
             raise RuntimeError(f"{key}: run_mlm.py failed ({completed.returncode}); see {folder / 'train.log'}")
         train_seconds = time.perf_counter() - start
         measured = subprocess.run(
-            [sys.executable, __file__, "--measure", str(model_dir), "--kb", str(self.data / f"kb_{size}.json"),
+            [sys.executable, __file__, "--measure", str(model_dir), "--kb", str(kb_file or self.data / f"kb_{size}.json"),
              "--checkpoints", "--context", self.args.context],
             env=env, capture_output=True, text=True,
         )  # fmt: skip
@@ -385,7 +395,7 @@ class Benchmark:
         result = json.loads(measured.stdout.strip().splitlines()[-1])
         all_results = json.loads((model_dir / "all_results.json").read_text())
         result.update(arm=arm, size=size, seed=seed, lr=lr, steps=steps, train_seconds=round(train_seconds, 1),
-                      train_loss=all_results.get("train_loss"), load=os.getloadavg()[0])  # fmt: skip
+                      train_loss=all_results.get("train_loss"), load=os.getloadavg()[0], **(fields or {}))  # fmt: skip
         for checkpoint in model_dir.glob("step_*"):  # the curve is measured: the optimizer states are not needed
             shutil.rmtree(checkpoint)
         if self.args.save_models:
@@ -482,6 +492,18 @@ class Benchmark:
         jobs = [dict(arm=a, size=self.largest, seed=s, lr=self.best_lr(a)) for s in self.plan["seeds"] for a in self.args.arms]
         self.run_all(jobs)
 
+    def templates(self):
+        """Every fact said in one training template (the other three unused): the query of a memory then depends on
+        the person alone. Plain, ResM, replace and n-gram at the sweep size, their best learning rates."""
+        size = self.plan["sweep_size"]
+        jobs = []
+        for arm in [a for a in ("plain", "resm", "replace", "ngram") if a in self.args.arms]:
+            lr = self.best_lr(arm)
+            jobs.append(dict(arm=arm, size=size, seed=0, lr=lr, train_file=str(self.data / f"train_{size}_t1.txt"),
+                             kb_file=str(self.data / f"kb_{size}_t1.json"), key=f"{arm}/n{size}/seed0/lr{lr:g}/templates1",
+                             fields={"templates": 1}))  # fmt: skip
+        self.run_all(jobs)
+
     def quantized(self):
         """The ResM runs' values packed int8 and 4-bit after training: the bits kept."""
         from transformers import AutoModelForMaskedLM
@@ -505,6 +527,26 @@ class Benchmark:
             with self.results.locked() as data:
                 data["runs"][key]["quantized"] = quantized
 
+    def diagnose(self):
+        """Why a memory stores what it stores: `keying_diagnosis` of every scratch run whose model folder is here."""
+        from transformers import AutoModelForMaskedLM
+
+        from modeling_pkm_bert import register_auto_classes
+
+        register_auto_classes()
+        torch.set_num_threads(1)
+        for key, run in sorted(self.results.read()["runs"].items()):
+            folder = self.out / "runs" / key.replace("/", "_") / "model"
+            if run["arm"] not in ARMS or key.startswith("sanity") or "diagnosis" in run or not folder.exists():
+                continue
+            kb = self.base(run["size"])
+            lines = training_lines(kb, self.plan["bios_per_person"], self.args.training_text)
+            model = AutoModelForMaskedLM.from_pretrained(folder)
+            diagnosis = keying_diagnosis(model, self.tokenizer, kb, train_lines=lines[:: max(1, len(lines) // 2000)])
+            with self.results.locked() as data:
+                data["runs"][key]["diagnosis"] = diagnosis
+            print(f"{key}: {diagnosis}", flush=True)
+
     def minilm(self):
         """The real all-MiniLM-L6-v2 converted with +Init (memories at layers 2 and 4, values from zero), plain
         against ResM, at the smallest size (its steps cost ~15x a scratch arm's here)."""
@@ -519,6 +561,114 @@ class Benchmark:
             for arm, flags in (("minilm_plain", ["--pkm_layers"]), ("minilm_resm", memory)):
                 jobs.append(dict(arm=arm, size=size, seed=0, lr=lr / 10, steps=steps, source=str(trimmed), flags=flags))
         self.run_all(jobs)
+
+
+@torch.no_grad()
+def keying_diagnosis(model, tokenizer, kb: dict, people: int = 100, train_lines: list[str] | None = None) -> dict:
+    """What the memory's layer reads at a masked value, every (person, attribute) in each of its six templates: is it
+    keyed by the person (the only key to the fact) or by the sentence around the value?
+
+    - `person_nn`: the share of these inputs (the layer's attention output, which both the FFN and a memory read) whose
+      nearest neighbour (cosine) among the same attribute's inputs in *other* templates is the same person (chance:
+      1 / people); `person_nn_heldout` the same for the two held-out templates only.
+    - with a product-key memory: `slots_same_fact` the mean Jaccard overlap of the slots read (all heads' top knn) for
+      one fact in two templates, against `slots_same_template` for two people in one template (a memory keyed by the
+      person has the first far above the second); `memory_to_input` the memory output's norm over its input's there;
+      `usage` the memory report's slot usage over the training lines (`mu`: the share of slots ever read).
+    """
+    from modeling_pkm_bert.analysis.knowledge import tokenize_probes
+    from modeling_pkm_bert.analysis.memory_usage import MemoryUsageAccumulator
+
+    model.eval()
+    layer = model.bert.encoder.layer[MEMORY["pkm_layers"][0]]
+    probes = []
+    for index, person in enumerate(kb["people"][:people]):
+        for attribute, spec in kb["attributes"].items():
+            for template in spec["train_templates"] + spec["heldout_templates"]:
+                prefix, suffix = template.format(name=person["name"], value="\0").split("\0")
+                parts = [[prefix, None], [person[attribute], attribute], [suffix, None]]
+                probes.append({"person": index, "attribute": attribute, "value": person[attribute], "parts": parts})
+    n_train = len(next(iter(kb["attributes"].values()))["train_templates"])
+    encoded = tokenize_probes(tokenizer, probes)
+
+    def layer_inputs(rows: list[list[int]], positions: list[list[int]]) -> torch.Tensor:
+        captured = []
+        hook = layer.attention.register_forward_hook(lambda m, a, out: captured.append(out[0] if isinstance(out, tuple) else out))
+        try:
+            picked = []
+            for start in range(0, len(rows), 256):
+                chunk = rows[start : start + 256]
+                ids = torch.full((len(chunk), max(map(len, chunk))), tokenizer.pad_token_id)
+                for r, row in enumerate(chunk):
+                    ids[r, : len(row)] = torch.tensor(row)
+                captured.clear()
+                model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long())
+                picked += [captured[0][r, p] for r, ps in enumerate(positions[start : start + 256]) for p in ps]
+            return torch.stack(picked)
+        finally:
+            hook.remove()
+
+    masked = [ids[:start] + [tokenizer.mask_token_id] * len(value) + ids[start + len(value) :] for ids, start, value in encoded]
+    inputs = layer_inputs(masked, [[start] for _, start, _ in encoded])  # person-attribute-template order
+    n_people, n_attributes = min(people, len(kb["people"])), len(kb["attributes"])
+    grid = inputs.view(n_people, n_attributes, len(probes) // (n_people * n_attributes), -1)
+    memory = layer.memory if getattr(layer.memory, "search", None) is not None else None
+    result = keying_metrics(grid, n_train, memory)
+    if memory is not None and train_lines:
+        usage = MemoryUsageAccumulator(memory.mem_size)
+        rows = [tokenizer(line)["input_ids"] for line in train_lines]
+        hidden = layer_inputs(rows, [list(range(len(row))) for row in rows])
+        for start in range(0, hidden.shape[0], 4096):
+            usage.update(*memory_reads(memory, hidden[start : start + 4096]))
+        result["usage"] = {k: v for k, v in usage.compute().items() if k in ("mu", "top1_mu", "kl_u", "gini_w", "tokens")}
+    return result
+
+
+def memory_reads(memory, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots a product-key memory (in eval mode) reads for `hidden` (tokens, input_dim), all heads: (indices,
+    weights), each (tokens, heads * knn)."""
+    queries = memory.query_batchnorm(memory.query_proj(hidden))
+    scores, indices = memory.search(queries.view(*hidden.shape[:-1], memory.heads, memory.k_dim))
+    return indices.flatten(-2), memory.score_weights(scores).flatten(-2)
+
+
+@torch.no_grad()
+def keying_metrics(grid: torch.Tensor, n_train: int, memory=None) -> dict:
+    """`keying_diagnosis`'s figures from the layer inputs `grid` (people, attributes, templates, hidden), the first
+    `n_train` templates the training ones."""
+    n_people, n_attributes, templates, _ = grid.shape
+    unit = torch.nn.functional.normalize(grid.float(), dim=-1)
+    same_person = []
+    for t in range(templates):
+        others = [u for u in range(templates) if u != t]
+        similarity = torch.einsum("pah,qaoh->apqo", unit[:, :, t], unit[:, :, others])  # (attr, person, person, other)
+        nearest = similarity.flatten(2).argmax(-1) // len(others)  # the person of the nearest neighbour
+        same_person.append((nearest == torch.arange(n_people)).float().mean(0))  # per attribute
+    same_person = torch.stack(same_person)  # (templates, attributes)
+    result = {"people": n_people, "templates": templates, "chance": 1 / n_people,
+              "person_nn": same_person.mean().item(), "person_nn_heldout": same_person[n_train:].mean().item()}  # fmt: skip
+    if memory is None:
+        return result
+    slots = memory_reads(memory, grid.flatten(0, 2))[0].view(n_people, n_attributes, templates, -1)
+
+    def jaccard(a: torch.Tensor, b: torch.Tensor) -> float:  # the rows' slot sets, mean overlap
+        return statistics.fmean(len(set(x) & set(y)) / len(set(x) | set(y)) for x, y in zip(a.tolist(), b.tolist()))
+
+    pairs = [(t, u) for t in range(templates) for u in range(t + 1, templates)]
+    rolled = slots.roll(1, dims=0)  # each person against another one, in the same template
+    flat = lambda x, t: x[:, :, t].flatten(0, 1)  # noqa: E731
+    output = memory(grid.flatten(0, 2)[:, None]).squeeze(1)
+    return result | {
+        "slots_same_fact": statistics.fmean(jaccard(flat(slots, t), flat(slots, u)) for t, u in pairs),
+        "slots_same_template": statistics.fmean(jaccard(flat(slots, t), flat(rolled, t)) for t in range(templates)),
+        "memory_to_input": (output.norm(dim=-1) / grid.flatten(0, 2).norm(dim=-1)).mean().item(),
+    }
+
+
+def one_template(kb: dict) -> dict:
+    """`kb` with one training template per attribute (the first); the held-out templates stay."""
+    attributes = {name: {**spec, "train_templates": spec["train_templates"][:1]} for name, spec in kb["attributes"].items()}
+    return {**kb, "attributes": attributes}
 
 
 def trim_vocabulary(source: str, tokenizer_folder: Path, target: Path) -> None:

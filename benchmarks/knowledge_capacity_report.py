@@ -18,7 +18,9 @@ def _mean_spread(values: list[float]) -> str:
 
 
 def _runs(data: dict, **where) -> list[dict]:
-    return [r for k, r in sorted(data["runs"].items()) if not k.startswith("sanity") and all(r.get(f) == v for f, v in where.items())]
+    templates = where.pop("templates", None)  # the runs of the `templates` stage only when asked for
+    return [r for k, r in sorted(data["runs"].items()) if not k.startswith("sanity") and r.get("templates") == templates
+            and all(r.get(f) == v for f, v in where.items())]  # fmt: skip
 
 
 def best_learning_rates(data: dict, plan: dict) -> dict:
@@ -191,6 +193,37 @@ def write_report(args, data: dict) -> None:
             lines.append(f"| ResM >= 80% of the equal-parameter arm's bits at <= 1/3 of its step time | {share:.0%} at "
                          f"{time_share:.2f}x | {'yes' if share >= 0.8 and time_share <= 1 / 3 else 'no'} |")  # fmt: skip
             lines.append("")
+
+    one_template = _runs(data, templates=1)
+    if one_template:
+        lines += [f"## A fact always said the same way ({one_template[0]['size']} people, one training template per "
+                  "attribute, seed 0)", "", "The same people, steps and learning rates as the sweep's best; recall in "
+                  "the one training template / the two held-out ones; beside it the four-template run of the sweep.",
+                  "", "| arm | one template: recall, bits | four templates: recall, bits |", "|---|---|---|"]  # fmt: skip
+        for run in one_template:
+            four = _runs(data, arm=run["arm"], size=run["size"], seed=0, lr=run["lr"])
+            cell = lambda r: f"{r['final']['train']['recall']:.2f} / {r['final']['heldout']['recall']:.2f}, {r['final']['train']['bits']:,.0f} b"  # noqa: E731
+            lines.append(f"| {LABELS[run['arm']]} | {cell(run)} | {cell(four[0]) if four else '—'} |")
+        lines.append("")
+
+    diagnosed = [(k, r) for k, r in sorted(data["runs"].items()) if "diagnosis" in r]
+    if diagnosed:
+        lines += ["## What the memory's layer reads at a masked value", "",
+                  "At the first position of a masked value, the layer input the FFN and the memory read, for each person "
+                  "and attribute in all six templates (`keying_diagnosis`): *person nn* = the share whose nearest "
+                  "neighbour among the other templates' inputs is the same person (chance 1 / people); with a memory, "
+                  "the slots read for one fact in two templates (*same fact*) against two people in one template "
+                  "(*same template*), mean Jaccard overlap; *mu* = the share of slots read over the training lines.",
+                  "", "| run | person nn (held-out templates) | slots: same fact / same template | memory / input norm | mu |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for key, run in diagnosed:
+            d = run["diagnosis"]
+            slots = f"{d['slots_same_fact']:.3f} / {d['slots_same_template']:.3f}" if "slots_same_fact" in d else "—"
+            norm = f"{d['memory_to_input']:.2f}" if "memory_to_input" in d else "—"
+            mu = f"{d['usage']['mu']:.3f}" if "usage" in d else "—"
+            lines.append(f"| {key} | {d['person_nn']:.2f} ({d['person_nn_heldout']:.2f}; chance {d['chance']:.3f}) | "
+                         f"{slots} | {norm} | {mu} |")  # fmt: skip
+        lines.append("")
 
     quantized = [(k, r) for k, r in sorted(data["runs"].items()) if "quantized" in r]
     if quantized:

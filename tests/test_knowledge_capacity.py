@@ -166,3 +166,23 @@ def test_quick_pipeline_resumes_and_measures_from_the_saved_folder(tmp_path):
     )  # fmt: skip
     final = json.loads(measured.stdout.strip().splitlines()[-1])["final"]
     assert final["train"] == runs["resm/n8/seed0/lr0.003"]["final"]["train"]
+
+
+def test_keying_metrics_tell_a_person_keyed_layer_input_from_a_template_keyed_one():
+    torch.manual_seed(0)
+    people, attributes, templates, hidden = 12, 3, 6, 32
+    person, template = torch.randn(people, 1, 1, hidden), torch.randn(1, attributes, templates, hidden)
+    noise = 0.1 * torch.randn(people, attributes, templates, hidden)
+    by_person = kc.keying_metrics(person + 0.2 * template + noise, n_train=4)
+    by_template = kc.keying_metrics(0.2 * person + template + noise, n_train=4)
+    assert by_person["person_nn"] == 1.0 and by_person["person_nn_heldout"] == 1.0
+    assert by_template["person_nn"] < 0.5 and by_person["chance"] == pytest.approx(1 / 12)
+
+    from modeling_pkm_bert.product_key_memory import ProductKeyMemory
+
+    memory = ProductKeyMemory(hidden, n_keys=16, heads=2, knn=8, k_dim=16, v_dim=hidden, query_batchnorm=False).eval()
+    keyed = kc.keying_metrics(person + 0.05 * template + 0.01 * noise, n_train=4, memory=memory)
+    mixed = kc.keying_metrics(0.05 * person + template + 0.01 * noise, n_train=4, memory=memory)
+    assert keyed["slots_same_fact"] > 0.8 > keyed["slots_same_template"]  # one person: the same slots in any template
+    assert mixed["slots_same_template"] > 0.8 > mixed["slots_same_fact"]
+    assert keyed["memory_to_input"] > 0
