@@ -12,15 +12,7 @@ forms).
 The import is lazy: `import modeling_pkm_bert` imports neither torch nor transformers and registers no op. A public
 name is resolved on first use (module `__getattr__`); resolving a model class, `ProductKeyMemory` or
 `register_auto_classes` registers the native CPU kernels first (`kernels.register()`; `PKM_BERT_NATIVE=0`: off).
-The module paths of release 0.1.0 (`modeling_pkm_bert.optimization`, `.conversion`, ...) still import, with a
-DeprecationWarning, through `LEGACY_MODULES`.
 """
-
-import importlib
-import importlib.abc
-import importlib.util
-import sys
-import warnings
 
 from .utils.lazy_imports import lazy_exports
 
@@ -60,46 +52,6 @@ _PUBLIC = {
 _RUN_THE_MEMORY = (".modeling_bert_pkm", ".modeling_roberta_pkm", ".product_key_memory", ".kernels.cpu", ".serving.quantization")
 _REGISTERS_KERNELS = {name for module in _RUN_THE_MEMORY for name in _PUBLIC[module]}
 _resolve, __dir__, _ = lazy_exports(__name__, _PUBLIC)
-
-# the module paths of release 0.1.0 -> their places now (kept for one release)
-LEGACY_MODULES = {
-    "modeling_pkm_bert.arguments": "modeling_pkm_bert.training.arguments",
-    "modeling_pkm_bert.code_refresh": "modeling_pkm_bert.hub.refresh",
-    "modeling_pkm_bert.conversion": "modeling_pkm_bert.hub.conversion",
-    "modeling_pkm_bert.cpu_kernels": "modeling_pkm_bert.kernels.cpu",
-    "modeling_pkm_bert.glue_data": "modeling_pkm_bert.training.glue_data",
-    "modeling_pkm_bert.glue_metrics": "modeling_pkm_bert.training.glue_metrics",
-    "modeling_pkm_bert.lm_data": "modeling_pkm_bert.training.lm_data",
-    "modeling_pkm_bert.memory_usage": "modeling_pkm_bert.analysis.memory_usage",
-    "modeling_pkm_bert.optimization": "modeling_pkm_bert.training.optimization",
-    "modeling_pkm_bert.sparse_finetuning": "modeling_pkm_bert.training.sparse_finetuning",
-    "modeling_pkm_bert.squad_metrics": "modeling_pkm_bert.training.squad_metrics",
-    "modeling_pkm_bert.staleness": "modeling_pkm_bert.analysis.staleness",
-    "modeling_pkm_bert.trime": "modeling_pkm_bert.training.trime",
-    "modeling_pkm_bert.triton_kernels": "modeling_pkm_bert.kernels.triton_gathers",
-}
-
-
-class LegacyModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports an old module path as the module at its new place (the same module object), with a DeprecationWarning."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname in LEGACY_MODULES:
-            return importlib.util.spec_from_loader(fullname, self)
-        return None
-
-    def create_module(self, spec):
-        return None  # a placeholder, replaced in sys.modules by the module at its new place
-
-    def exec_module(self, module):
-        new = LEGACY_MODULES[module.__name__]
-        warnings.warn(f"{module.__name__} moved to {new}; the old path goes away in the next release", DeprecationWarning, 2)
-        sys.modules[module.__name__] = importlib.import_module(new)
-
-
-if not any(isinstance(finder, LegacyModuleFinder) for finder in sys.meta_path):
-    sys.meta_path.append(LegacyModuleFinder())
-
 
 def __getattr__(name):
     if name in _REGISTERS_KERNELS:

@@ -1,6 +1,5 @@
 """The package layout: the flat files at the package root are exactly the shipped remote code, a saved folder holds
-exactly those, `import modeling_pkm_bert` is lazy (no torch, no op registered), the module paths of release 0.2.0
-still import (with a DeprecationWarning) as the modules at their new places, the subpackages import each other without
+exactly those, `import modeling_pkm_bert` is lazy (no torch, no op registered), the subpackages import each other without
 a cycle, every package resolves its lazy names through the one helper from the module that defines them, the
 scripts and benchmarks import each name from its module, and ruff (ruff.toml) finds nothing."""
 
@@ -10,7 +9,6 @@ import importlib.util
 import json
 import subprocess
 import sys
-import warnings
 
 import pytest
 from conftest import REPO_ROOT, tiny_config, tiny_roberta_config
@@ -71,36 +69,6 @@ def test_import_is_lazy_and_the_first_class_registers_the_kernels():
     from modeling_pkm_bert.kernels import cpu
 
     assert result["ops_after_class"] is (cpu.library() is not None)
-
-
-@pytest.mark.parametrize("old, new", sorted(modeling_pkm_bert.LEGACY_MODULES.items()))
-def test_old_module_paths_import_with_a_deprecation_warning(old, new):
-    sys.modules.pop(old, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)
-    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
-    # `from modeling_pkm_bert.<old> import name` gives the name at its new place
-    public = [name for name in vars(module) if not name.startswith("_")]
-    assert public and getattr(importlib.import_module(old), public[0]) is getattr(module, public[0])
-
-
-def test_names_of_the_old_training_module_still_import():
-    """What run scripts of release 0.2.0 imported; `memory_modules` (now utils.memories) with a DeprecationWarning."""
-    with pytest.warns(DeprecationWarning, match="utils.memories.memory_modules") as caught:
-        from modeling_pkm_bert.training import (  # noqa: F401
-            MEMORY_OPTIMIZERS,
-            atomic_write_json,
-            check_checkpoint,
-            clip_memory_gradients,
-            create_memory_optimizer,
-            load_model,
-            memory_modules,
-            optimizer_param_groups,
-            save_checkpoint,
-        )
-    assert {str(w.message).split(" moved")[0] for w in caught} == {"modeling_pkm_bert.training.memory_modules"}
 
 
 def test_public_names_resolve():
@@ -172,11 +140,8 @@ def is_module(module: str) -> bool:
 def imports_of(path) -> list[tuple[str, int]]:
     """(module or package name, line) of everything `path` imports from the package: every import statement, those
     inside functions included (`from .x import y` is module x.y where y is a submodule, else x), and the entries of
-    its lazy-export table (a lazy import by name). The tables of moved names are left out: an old path points
-    wherever the name lived, and goes with the next release."""
-    from test_deprecated_aliases import lazy_tables, module_name
-
-    name = module_name(path)
+    its lazy-export table (a lazy import by name)."""
+    name = module_name_of(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -188,7 +153,7 @@ def imports_of(path) -> list[tuple[str, int]]:
                 base = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
             for alias in node.names:
                 found.append((f"{base}.{alias.name}" if is_module(f"{base}.{alias.name}") else base, node.lineno))
-    found += [(module, 0) for module in lazy_tables(path)["exports"].values()]
+    found += [(module, 0) for module in lazy_table(path).values()]
     return found
 
 
@@ -282,30 +247,50 @@ def test_every_package_resolves_its_names_lazily_through_one_helper():
     """Every package `__init__` gets `__getattr__` from `utils.lazy_imports.lazy_exports` (none writes its own, the
     package root only registers the kernels first), and each name of a table is defined in the module the table names
     (not imported there): one known module per name, no search."""
-    from test_deprecated_aliases import lazy_tables
-
     for path in PACKAGE.rglob("__init__.py"):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         own = [node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"]
-        tables = lazy_tables(path)
+        table = lazy_table(path)
         if path.parent == PACKAGE:
-            assert own and tables["exports"], "the package root resolves its public names through lazy_exports"
+            assert own and table, "the package root resolves its public names through lazy_exports"
         else:
             assert not own, f"{path.relative_to(REPO_ROOT)} writes its own __getattr__: use lazy_exports"
-        for name, module in tables["exports"].items():
+        for name, module in table.items():
             file = REPO_ROOT.joinpath(*module.split("."))
             file = file / "__init__.py" if file.is_dir() else file.with_suffix(".py")
             assert name in defined_names(file), f"{path.relative_to(REPO_ROOT)}: {name} is not defined in {module}"
         # (the root's __all__ leaves out AUTO_MAP, ProductKeyValues, ...)
-        if tables["exports"] and path.parent != PACKAGE:
+        if table and path.parent != PACKAGE:
             package = importlib.import_module(module_name_of(path))
-            assert package.__all__ == sorted(tables["exports"]) and set(package.__all__) <= set(dir(package))
+            assert package.__all__ == sorted(table) and set(package.__all__) <= set(dir(package))
 
 
 def module_name_of(path) -> str:
-    from test_deprecated_aliases import module_name
+    """`modeling_pkm_bert/serving/quantization.py` -> `modeling_pkm_bert.serving.quantization` (a package: its
+    `__init__` dropped)."""
+    parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
-    return module_name(path)
+
+def lazy_table(path) -> dict[str, str]:
+    """{name: absolute module} of the `lazy_exports` table of a package `__init__`, read from its source (a dict
+    literal, in the call or bound to a module-level name)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    name = module_name_of(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    literals = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                literals[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass
+    table = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "lazy_exports":
+            value = literals[node.args[1].id] if isinstance(node.args[1], ast.Name) else ast.literal_eval(node.args[1])
+            table |= {item: importlib.util.resolve_name(module, package) for module, names in value.items() for item in names}
+    return table
 
 
 def defined_names(path) -> set[str]:
@@ -321,20 +306,22 @@ def defined_names(path) -> set[str]:
     return names
 
 
-def test_the_training_package_resolves_each_name_from_one_module_and_the_old_ones_with_a_warning():
-    """`from modeling_pkm_bert.training import X`: a harness name from its module, without a warning; a name that
-    moved to `methods` (or `utils`) from there, with a DeprecationWarning."""
+def test_a_package_exports_only_the_names_of_its_own_modules():
+    """No subpackage re-exports a name of another (an old path kept alive): `training.SparseRowAdam` is an
+    AttributeError, `methods.optimizers` is where it lives. The package root is the public API and takes its names
+    from everywhere."""
     import modeling_pkm_bert.training as training
-    from modeling_pkm_bert.methods.optimizers import SparseRowAdam
     from modeling_pkm_bert.training.loading import load_model
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert training.load_model is load_model
-    with pytest.warns(DeprecationWarning, match="methods.optimizers.SparseRowAdam"):
-        assert training.SparseRowAdam is SparseRowAdam
-    with pytest.raises(AttributeError, match="no_such_name"):
-        training.no_such_name  # noqa: B018
+    for path in PACKAGE.rglob("__init__.py"):
+        if path.parent != PACKAGE:
+            package = module_name_of(path)
+            foreign = {name: module for name, module in lazy_table(path).items() if not module.startswith(package + ".")}
+            assert foreign == {}, f"{package} re-exports names of other packages"
+    assert training.load_model is load_model
+    for name in ("SparseRowAdam", "memory_modules", "no_such_name"):
+        with pytest.raises(AttributeError, match=name):
+            getattr(training, name)
 
 
 def script_imports(path) -> list[tuple[int, str, str]]:

@@ -29,5 +29,4 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "write_run_memory_report",
         ),
     },
-    moved={"..training.glue_data": ("class_data_from_files",)},
 )

@@ -32,7 +32,6 @@ from torch import nn
 
 from ..hub.conversion import replace_folder, staging_folder
 from ..utils.input_errors import InputError
-from ..utils.lazy_imports import moved_names
 from ..utils.memories import memory_modules, ngram_memory_modules
 from ..utils.output_folders import check_output_folder, mark_output_folder, model_folder
 from ..utils.positions import sequence_length
@@ -652,9 +651,3 @@ def write_run_memory_report(
         title=f"Memory report of {os.path.basename(os.path.abspath(args.output_dir))}",
         overwrite=True,
     )
-
-
-# names that lived here until release 0.2.0
-__getattr__ = moved_names(
-    __name__, {".arguments": ("add_memory_report_arguments",), "..training.glue_data": ("class_data_from_files",)}
-)

@@ -18,7 +18,6 @@ from ..product_key_memory import (
     QuantizedProductKeyValues,
     packed_row_bytes,
 )
-from ..utils.lazy_imports import moved_names
 from ..utils.memories import ngram_memory_modules
 
 
@@ -145,6 +144,3 @@ def quantize_memory_values(model: nn.Module, bits: int = 8) -> int:
 
 
 __all__ = ["check_not_quantized", "prepack_rows", "quantize_memory_values", "quantized_tables"]
-
-# a Hub folder written quantized, which lived here until release 0.2.0
-__getattr__ = moved_names(__name__, {"..hub.upload": ("quantize_folder",)})

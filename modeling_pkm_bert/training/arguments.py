@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 from ..hub.card_command import DEFAULT_LICENSE
-from ..utils.lazy_imports import moved_names
 
 
 def help_requested(module_name: str) -> bool:
@@ -366,28 +365,3 @@ __all__ = [
     "help_requested",
     "hub_model_id",
 ]
-
-# flags and helpers that lived here until release 0.2.0
-__getattr__ = moved_names(
-    __name__,
-    {
-        "..analysis.arguments": ("add_memory_report_arguments",),
-        "..hub.card_command": (
-            "REDACTED",
-            "SECRET_NAME",
-            "SECRET_VALUE",
-            "card_command",
-            "is_secret_option",
-            "redact_argv",
-            "redact_command",
-            "redact_secrets",
-        ),
-        "..methods.arguments": (
-            "CAUSAL_MEMORY_KINDS",
-            "SMF_RANKERS",
-            "STATISTICS_NAME",
-            "add_smf_arguments",
-            "add_trime_arguments",
-        ),
-    },
-)

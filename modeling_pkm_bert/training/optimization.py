@@ -11,7 +11,6 @@ import torch
 # the modules, not their names: a name that moved out of this module must reach `__getattr__` below (and warn)
 from ..methods import optimizers
 from ..utils import memories
-from ..utils.lazy_imports import moved_names
 
 
 def clip_memory_gradients(accelerator, model: torch.nn.Module, memory_optimizer, max_norm: float | None, smf=None):
@@ -89,22 +88,3 @@ __all__ = [
     "optimizer_param_groups",
     "sparse_gradients_supported",
 ]
-
-# the library methods that lived here until release 0.2.0
-__getattr__ = moved_names(
-    __name__,
-    {
-        "..methods.optimizers": (
-            "PKM_VALUES_GROUP",
-            "SparseRowAdam",
-            "cast_pkm_values",
-            "clip_grad_norm_",
-            "freeze_memory",
-            "pkm_lr_lambdas",
-            "pkm_param_groups",
-            "pkm_value_parameters",
-            "set_sparse_values",
-        ),
-        "..utils.memories": ("is_product_key_memory", "memory_modules"),
-    },
-)

@@ -9,7 +9,6 @@ import os
 
 from ..methods import sparse_finetuning as smf
 from ..utils.input_errors import InputError
-from ..utils.lazy_imports import moved_names
 
 
 def check_smf_arguments(args: argparse.Namespace) -> None:
@@ -125,26 +124,3 @@ def setup_from_args(
 
 
 __all__ = ["check_smf_arguments", "setup_from_args", "statistics_from_args"]
-
-# the method, which lived here until release 0.2.0
-__getattr__ = moved_names(
-    __name__,
-    {
-        "..methods.arguments": ("SMF_RANKERS", "STATISTICS_NAME", "add_smf_arguments"),
-        "..methods.sparse_finetuning": (
-            "BackgroundStatistics",
-            "ReadCounter",
-            "SparseMemoryFinetuning",
-            "SparseMemoryFinetuningCallback",
-            "background_batches",
-            "choose_slots",
-            "compute_background_statistics",
-            "freeze_all_but_values",
-            "kl_scores",
-            "memory_layers",
-            "rank_slots",
-            "tfidf_scores",
-            "validate_top_t",
-        ),
-    },
-)

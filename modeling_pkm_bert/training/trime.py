@@ -6,7 +6,6 @@ resolved) and the perplexity the scripts log. The objective itself (Zhong, Lei &
 import math
 
 from ..utils.input_errors import InputError
-from ..utils.lazy_imports import moved_names
 
 
 def resolve_trime_arguments(args, causal: bool = True) -> None:
@@ -36,23 +35,3 @@ def perplexity(loss: float) -> float:
 
 
 __all__ = ["perplexity", "resolve_trime_arguments"]
-
-# the objective and its flags, which lived here until release 0.2.0
-__getattr__ = moved_names(
-    __name__,
-    {
-        "..methods.arguments": ("CAUSAL_MEMORY_KINDS", "add_trime_arguments"),
-        "..methods.trime": (
-            "MEMORY_KINDS",
-            "capture_output_layer",
-            "causal_targets",
-            "check_logits_match",
-            "check_trime_model",
-            "model_trime_losses",
-            "output_layer",
-            "trime_log_probs",
-            "trime_loss",
-        ),
-        "..utils.memories": ("unwrap_model",),
-    },
-)

@@ -11,7 +11,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
         ".input_errors": ("InputError", "exits_with_usage_errors", "one_line", "usage_errors"),
-        ".lazy_imports": ("lazy_exports", "moved_names"),
+        ".lazy_imports": ("lazy_exports",),
         ".memories": ("is_product_key_memory", "memory_modules", "readable_name", "unwrap_model"),
         ".output_folders": (
             "OVERWRITE_FLAG",
