@@ -21,7 +21,7 @@ The stages (each run is kept in `benchmarks/knowledge_capacity.json` as it finis
 3. `sweep`: a learning-rate sweep of every arm at one size (the same points for every arm);
 4. `sizes`: every arm at each size with its best learning rate; `seeds`: more seeds at the largest size;
 5. `templates`: plain, ResM, replace and n-gram again with one training template per attribute (a fact always said
-   the same way), at the sweep size;
+   the same way), at the sweep size; `placement`: ResM in layer 0 instead of 1;
 6. `quantized`: the ResM runs' values packed int8 and 4-bit after training, recall measured again;
 7. `diagnose`: what the memory's layer reads at a masked value (keyed by the person or by the sentence), and the
    memory's slot usage, of every run whose folder is here;
@@ -84,7 +84,11 @@ ARMS = {  # name -> (config fields beyond BASE, extra run_mlm flags); "wide_*" F
     "frozen_memory": ({**MEMORY, "pkm_mode": "resm"}, ["--freeze_memory"]),  # a fixed random memory: no storage
     "one_slot": ({**MEMORY, "pkm_mode": "resm", "pkm_n_keys": 1, "pkm_knn": 1}, []),
     "ngram": ({"ngram_layers": [1], "ngram_table_size": 4096, "ngram_dim": 32}, []),  # ~2.1M values, as resm
+    # the `placement` stage, not in the plan's arms: ResM in the first layer, whose query at a name's word pieces is
+    # the name itself (what the n-gram memory, read before layer 1's attention, keys on)
+    "resm_layer0": ({**MEMORY, "pkm_layers": [0], "pkm_mode": "resm"}, []),
 }
+PLAN_ARMS = [arm for arm in ARMS if arm != "resm_layer0"]
 LABELS = {
     "plain": "(a) plain",
     "resm": "(b) ResM",
@@ -94,6 +98,7 @@ LABELS = {
     "frozen_memory": "(f) frozen random memory",
     "one_slot": "(f) one-slot memory",
     "ngram": "(g) n-gram memory",
+    "resm_layer0": "(b') ResM in layer 0",
     "minilm_plain": "(h) MiniLM plain",
     "minilm_resm": "(h) MiniLM ResM",
 }
@@ -114,10 +119,11 @@ def parse_args(argv=None):
     parser.add_argument("--report", default=None, help="default: benchmarks/KNOWLEDGE_CAPACITY.md (--quick: in --output_dir)")
     parser.add_argument("--quick", action="store_true", help="the suite's version: a tiny base, a few steps")
     parser.add_argument(
-        "--stages", nargs="+", default=["sanity", "speed", "sweep", "sizes", "seeds", "templates", "quantized", "diagnose", "minilm"],
-        choices=["sanity", "speed", "sweep", "sizes", "seeds", "templates", "quantized", "diagnose", "minilm"],
+        "--stages", nargs="+", default=["sanity", "speed", "sweep", "sizes", "seeds", "templates", "placement", "quantized", "diagnose",
+                 "minilm"],
+        choices=["sanity", "speed", "sweep", "sizes", "seeds", "templates", "placement", "quantized", "diagnose", "minilm"],
     )  # fmt: skip
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="+", default=PLAN_ARMS, choices=list(ARMS))
     parser.add_argument("--workers", type=int, default=2, help="runs trained side by side, one thread each")
     parser.add_argument("--report_only", action="store_true")
     parser.add_argument("--retime", action="store_true", help="time the arms' steps again (with --stages speed)")
@@ -437,7 +443,7 @@ class Benchmark:
         if "speed" in data and self.args.retime:  # the arms as trained, timed again (a quieter machine)
             speed = data["speed"]
             widths = {"wide_params": speed["wide_params_width"], "wide_time": speed["wide_time_width"]}
-            configs = {arm: arm_config(arm, len(self.tokenizer), widths) for arm in ARMS}
+            configs = {arm: arm_config(arm, len(self.tokenizer), widths) for arm in PLAN_ARMS}
             batch = timing_batch(self.tokenizer, self.kb, self.plan["batch_size"], self.args.training_text)
             with self.results.locked() as data:
                 data["speed"].setdefault("earlier", []).append({"arms": speed["arms"], "machine": speed["machine"]})
@@ -451,7 +457,7 @@ class Benchmark:
         batch = timing_batch(self.tokenizer, self.kb, self.plan["batch_size"], self.args.training_text)
         candidates = [512, 640, 768, 1024, 1536, 2048]
         configs = {f"ffn{w}": arm_config("plain", vocab, {}) | {"intermediate_size": w} for w in candidates}
-        configs |= {arm: arm_config(arm, vocab, {"wide_params": width_params, "wide_time": 512}) for arm in ARMS if arm != "wide_time"}
+        configs |= {arm: arm_config(arm, vocab, {"wide_params": width_params, "wide_time": 512}) for arm in PLAN_ARMS if arm != "wide_time"}
         times = time_training_steps(configs, batch, rounds=3 if not self.args.quick else 1, steps=4 if not self.args.quick else 1)
         # the equal-compute width: the FFN width whose step time is closest to ResM's (interpolated between the grid)
         grid = [(w, times[f"ffn{w}"]) for w in candidates]
@@ -467,7 +473,7 @@ class Benchmark:
                  "machine": machine(), "batch": list(batch["input_ids"].shape)}  # fmt: skip
         # the arms as trained (wide_time at its width), timed again side by side
         widths = {"wide_params": speed["wide_params_width"], "wide_time": speed["wide_time_width"]}
-        final = {arm: arm_config(arm, vocab, widths) for arm in ARMS}
+        final = {arm: arm_config(arm, vocab, widths) for arm in PLAN_ARMS}
         speed["arms"] = time_training_steps(final, batch, rounds=5 if not self.args.quick else 1, steps=6 if not self.args.quick else 1)
         with self.results.locked() as data:
             data["speed"] = speed
@@ -503,6 +509,10 @@ class Benchmark:
                              kb_file=str(self.data / f"kb_{size}_t1.json"), key=f"{arm}/n{size}/seed0/lr{lr:g}/templates1",
                              fields={"templates": 1}))  # fmt: skip
         self.run_all(jobs)
+
+    def placement(self):
+        """ResM in layer 0 instead of layer 1, at the sweep size with ResM's best learning rate (seed 0)."""
+        self.run_all([dict(arm="resm_layer0", size=self.plan["sweep_size"], seed=0, lr=self.best_lr("resm"))])
 
     def quantized(self):
         """The ResM runs' values packed int8 and 4-bit after training: the bits kept."""
@@ -580,7 +590,8 @@ def keying_diagnosis(model, tokenizer, kb: dict, people: int = 100, train_lines:
     from modeling_pkm_bert.analysis.memory_usage import MemoryUsageAccumulator
 
     model.eval()
-    layer = model.bert.encoder.layer[MEMORY["pkm_layers"][0]]
+    with_memory = [layer for layer in model.bert.encoder.layer if getattr(layer, "memory", None) is not None]
+    layer = with_memory[0] if with_memory else model.bert.encoder.layer[MEMORY["pkm_layers"][0]]
     probes = []
     for index, person in enumerate(kb["people"][:people]):
         for attribute, spec in kb["attributes"].items():
