@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from modeling_pkm_bert.methods.optimizers import SparseRowAdam, pkm_value_parameters  # noqa: E402
-from modeling_pkm_bert.methods.sparse_finetuning import (  # noqa: E402
+from modeling_pkm_bert.methods.optimizers.memory_optimizer import SparseRowAdam, pkm_value_parameters  # noqa: E402
+from modeling_pkm_bert.methods.sparse_finetuning.method import (  # noqa: E402
     SparseMemoryFinetuning,
     background_batches,
     compute_background_statistics,

@@ -26,7 +26,7 @@ def build(kind: str, size: str):
     import transformers
 
     from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM
-    from modeling_pkm_bert.methods.optimizers import set_sparse_values
+    from modeling_pkm_bert.methods.optimizers.memory_optimizer import set_sparse_values
 
     torch.manual_seed(3)
     if kind == "bert":

@@ -51,7 +51,7 @@ def worker(rank, world, mode, port, args, out):
 
     from modeling_pkm_bert import BertPkmForMaskedLM
     from modeling_pkm_bert.parallel.memory_parallel import fully_shard_with_memory_parallel, value_bytes_per_process
-    from modeling_pkm_bert.training.optimization import optimizer_param_groups
+    from modeling_pkm_bert.methods.optimizers.scripts import optimizer_param_groups
 
     torch.set_num_threads(1)
     exchanged = {"bytes": 0}

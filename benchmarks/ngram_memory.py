@@ -501,7 +501,7 @@ def measure_training_steps(args) -> dict:
     import torch
 
     from modeling_pkm_bert.hub.conversion import convert_to_pkm
-    from modeling_pkm_bert.methods.optimizers import pkm_param_groups
+    from modeling_pkm_bert.methods.optimizers.memory_optimizer import pkm_param_groups
     from modeling_pkm_bert.training.arguments import add_pkm_arguments
     from modeling_pkm_bert.training.loading import pkm_kwargs_from_args
 

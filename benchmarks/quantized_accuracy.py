@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE.parent))
 import torch  # noqa: E402
 
 from modeling_pkm_bert import BertPkmForMaskedLM, BertPkmForSequenceClassification, quantize_memory_values  # noqa: E402
-from modeling_pkm_bert.methods.optimizers import cast_pkm_values  # noqa: E402
+from modeling_pkm_bert.methods.optimizers.memory_optimizer import cast_pkm_values  # noqa: E402
 
 
 VARIANTS = ("fp32", "bf16", "int8", "4bit")

@@ -420,7 +420,8 @@ def spread(values: list[float]) -> str:
 
 def write_report(args, stage0_summary, mlm, glue, elapsed) -> None:
     from modeling_pkm_bert.analysis.metrics_log import read_metrics_log
-    from modeling_pkm_bert.analysis.report import load_staleness, plot_staleness, plot_training_curves, staleness_histogram
+    from modeling_pkm_bert.analysis.figures import plot_staleness, plot_training_curves
+    from modeling_pkm_bert.analysis.report import load_staleness, staleness_histogram
 
     c = args.config
     figures = args.figures_dir
@@ -586,7 +587,7 @@ def write_report(args, stage0_summary, mlm, glue, elapsed) -> None:
 
 
 def plot_figure4(figure4: dict, path: Path) -> str:
-    from modeling_pkm_bert.analysis.report import pyplot_module, save_figure
+    from modeling_pkm_bert.analysis.figures import pyplot_module, save_figure
 
     plt = pyplot_module()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

@@ -106,7 +106,7 @@ def time_steps(model, inputs: dict, targets, memory: str, rounds: int, steps: in
     same model and batch (order rotating each round); the ratio is the median of the per-round ratios."""
     import torch
 
-    from modeling_pkm_bert.methods.trime import model_trime_losses
+    from modeling_pkm_bert.methods.trime.objective import model_trime_losses
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     model.train()
@@ -141,7 +141,7 @@ def timing(output_dirs: dict, budget: dict, seed: int) -> dict:
     from transformers import AutoTokenizer, DataCollatorForLanguageModeling
 
     from modeling_pkm_bert import register_auto_classes
-    from modeling_pkm_bert.methods.trime import causal_targets
+    from modeling_pkm_bert.methods.trime.objective import causal_targets
     from modeling_pkm_bert.training.loading import load_model
 
     torch.manual_seed(seed)
@@ -242,7 +242,7 @@ RUNS = (
 NAMES = {"pride": "Pride and Prejudice ch. 59-61", "moby": "Moby-Dick ch. 1-2", "wt2": "WikiText-2 test"}
 MEMORY_TEXT = (
     "TRIME's loss: p(w|t) ∝ exp(E_w·h_t + b_w) + Σ_{j∈M(t), y_j=w} exp(h_t·h_j/√d), normalised over the vocabulary "
-    "and every memory entry (`modeling_pkm_bert/trime.py`). \"ppl with memory\" scores the same held-out tokens "
+    "and every memory entry (`modeling_pkm_bert/methods/trime/objective.py`). \"ppl with memory\" scores the same held-out tokens "
     "with that formula and the memory of the evaluation batch (8 consecutive blocks): TRIME_long for the causal "
     "models (all earlier tokens of the batch); for the masked ones the visible (unmasked) positions of the batch, each "
     "credited to its own token (`--trime_eval context`), never the label of a masked position, which is what the "

@@ -333,7 +333,7 @@ def time_mlm_steps(args, folders: dict, rounds: int = 10) -> dict:
     from transformers import AutoTokenizer, DataCollatorForLanguageModeling
 
     from modeling_pkm_bert.training.loading import load_model
-    from modeling_pkm_bert.training.optimization import create_memory_optimizer, optimizer_param_groups
+    from modeling_pkm_bert.methods.optimizers.scripts import create_memory_optimizer, optimizer_param_groups
 
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(next(iter(folders.values())), trust_remote_code=True)  # our folder

@@ -47,7 +47,7 @@ if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source c
 
 from modeling_pkm_bert.analysis.arguments import add_memory_report_arguments  # noqa: E402
 from modeling_pkm_bert.hub.card_command import card_command  # noqa: E402
-from modeling_pkm_bert.methods.arguments import add_smf_arguments  # noqa: E402
+from modeling_pkm_bert.methods.sparse_finetuning.arguments import add_smf_arguments  # noqa: E402
 from modeling_pkm_bert.parallel.arguments import add_parallel_arguments  # noqa: E402
 from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_model_card_arguments,
@@ -70,7 +70,7 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
     from modeling_pkm_bert.analysis.class_usage import PerClassMemoryUsage, format_class_usage
     from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage, gather, track_memory_usage
     from modeling_pkm_bert.analysis.report import ClassData, write_run_memory_report
-    from modeling_pkm_bert.methods.optimizers import freeze_memory
+    from modeling_pkm_bert.methods.optimizers.memory_optimizer import freeze_memory
     from modeling_pkm_bert.training.checkpoints import run_settings
     from modeling_pkm_bert.training.checks import (
         check_data_files,
@@ -91,7 +91,7 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
     )
     from modeling_pkm_bert.training.preparation import prepare_training, start_run
     from modeling_pkm_bert.training.results import tracker_config
-    from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
+    from modeling_pkm_bert.methods.sparse_finetuning.arguments import check_smf_arguments
     from modeling_pkm_bert.utils.memories import memory_modules
     from modeling_pkm_bert.utils.positions import sequence_length
 

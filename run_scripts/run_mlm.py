@@ -63,7 +63,8 @@ if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source c
 
 from modeling_pkm_bert.analysis.arguments import add_memory_report_arguments  # noqa: E402
 from modeling_pkm_bert.hub.card_command import card_command  # noqa: E402
-from modeling_pkm_bert.methods.arguments import add_smf_arguments, add_trime_arguments  # noqa: E402
+from modeling_pkm_bert.methods.sparse_finetuning.arguments import add_smf_arguments  # noqa: E402
+from modeling_pkm_bert.methods.trime.arguments import add_trime_arguments  # noqa: E402
 from modeling_pkm_bert.parallel.arguments import add_parallel_arguments  # noqa: E402
 from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_language_modeling_arguments,
@@ -91,8 +92,8 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
     from modeling_pkm_bert import register_auto_classes
     from modeling_pkm_bert.analysis.memory_usage import flatten_memory_usage, format_memory_usage
     from modeling_pkm_bert.analysis.report import write_run_memory_report
-    from modeling_pkm_bert.methods.optimizers import freeze_memory
-    from modeling_pkm_bert.methods.trime import check_trime_model, model_trime_losses
+    from modeling_pkm_bert.methods.optimizers.memory_optimizer import freeze_memory
+    from modeling_pkm_bert.methods.trime.objective import check_trime_model, model_trime_losses
     from modeling_pkm_bert.training.checkpoints import run_settings
     from modeling_pkm_bert.training.checks import check_freeze_memory, check_model_config, validate_training_arguments
     from modeling_pkm_bert.training.lm_data import (
@@ -105,8 +106,8 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
     from modeling_pkm_bert.training.loop import TrainingLoop, create_scheduler, finish_run, plan_training_steps
     from modeling_pkm_bert.training.preparation import prepare_training, start_run
     from modeling_pkm_bert.training.results import tracker_config
-    from modeling_pkm_bert.training.sparse_finetuning import check_smf_arguments
-    from modeling_pkm_bert.training.trime import resolve_trime_arguments
+    from modeling_pkm_bert.methods.sparse_finetuning.arguments import check_smf_arguments
+    from modeling_pkm_bert.methods.trime.arguments import resolve_trime_arguments
 
     logger = get_logger(__name__)
 

@@ -38,7 +38,8 @@ from modeling_pkm_bert import (
     BertPkmModel,
 )
 from modeling_pkm_bert.hub import conversion
-from modeling_pkm_bert.hub.conversion import convert_to_pkm, save_converted, source_license
+from modeling_pkm_bert.hub.conversion import convert_to_pkm, save_converted
+from modeling_pkm_bert.hub.model_card import source_license
 
 
 SMALL_PKM = dict(pkm_layers=[1], pkm_n_keys=8, pkm_heads=2, pkm_knn=4, pkm_k_dim=16, pkm_value_init="zeros")

@@ -8,10 +8,9 @@ from conftest import tiny_config
 
 from modeling_pkm_bert import BertPkmForSequenceClassification
 from modeling_pkm_bert.training.glue_data import GLUE_TASKS, get_glue_task, load_glue_tsv, read_glue_tsv
+from modeling_pkm_bert.analysis.class_usage import PerClassMemoryUsage, class_usage_divergence
 from modeling_pkm_bert.training.glue_metrics import (
-    PerClassMemoryUsage,
     accuracy,
-    class_usage_divergence,
     classification_metrics,
     f1,
     glue_compute_metrics,

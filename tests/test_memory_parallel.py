@@ -45,7 +45,7 @@ def config(shared: bool):
 def optimizers_for(model, memory_optimizer="adam"):
     """AdamW for the model, the values' own group at 1e-3 (Adam or SparseRowAdam), as the scripts."""
     from modeling_pkm_bert.methods.optimizers import SparseRowAdam
-    from modeling_pkm_bert.training import optimizer_param_groups
+    from modeling_pkm_bert.methods.optimizers.scripts import optimizer_param_groups
 
     main, memory = optimizer_param_groups(model, weight_decay=0.01)
     memory_class = SparseRowAdam if memory_optimizer == "sparse_row_adam" else torch.optim.Adam
@@ -130,7 +130,7 @@ def _worker(rank, port, out_dir):
         memory_parallel_parameters,
         value_bytes_per_process,
     )
-    from modeling_pkm_bert.training import optimizer_param_groups
+    from modeling_pkm_bert.methods.optimizers.scripts import optimizer_param_groups
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

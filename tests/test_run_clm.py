@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, BertTokenizer
 
 from modeling_pkm_bert import BertPkmForCausalLM, register_auto_classes
-from modeling_pkm_bert.training import sparse_finetuning
-from modeling_pkm_bert.methods.arguments import STATISTICS_NAME
+from modeling_pkm_bert.methods.sparse_finetuning import scripts as sparse_finetuning
+from modeling_pkm_bert.methods.sparse_finetuning.arguments import STATISTICS_NAME
 from modeling_pkm_bert.methods.sparse_finetuning import BackgroundStatistics
 
 

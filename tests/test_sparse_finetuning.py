@@ -13,7 +13,7 @@ from conftest import REPO_ROOT, tiny_config
 from helpers import load_script, reset_accelerate_state, torchrun, usage_error
 
 from modeling_pkm_bert import BertPkmForMaskedLM
-from modeling_pkm_bert.methods.arguments import STATISTICS_NAME
+from modeling_pkm_bert.methods.sparse_finetuning.arguments import STATISTICS_NAME
 from modeling_pkm_bert.methods.optimizers import SparseRowAdam, pkm_value_parameters, set_sparse_values
 from modeling_pkm_bert.methods.sparse_finetuning import (
     BackgroundStatistics,
@@ -573,7 +573,7 @@ def test_scripts_mask_before_clipping_the_memory_gradient():
     chosen rows' update does not depend on the unchosen rows' gradient."""
     from accelerate import Accelerator
 
-    from modeling_pkm_bert.training import clip_memory_gradients
+    from modeling_pkm_bert.methods.optimizers.scripts import clip_memory_gradients
 
     accelerator = Accelerator(cpu=True)
 

@@ -130,7 +130,7 @@ def fp16_run(output_dir, memory_optimizer, max_norm, scaler=None, steps=2, poiso
     from conftest import tiny_config
     from helpers import reset_accelerate_state
     from modeling_pkm_bert import BertPkmForMaskedLM
-    from modeling_pkm_bert.training.optimization import create_memory_optimizer, optimizer_param_groups
+    from modeling_pkm_bert.methods.optimizers.scripts import create_memory_optimizer, optimizer_param_groups
 
     reset_accelerate_state()  # each run builds its own Accelerator (and a test compares two runs)
     accelerator = Accelerator(cpu=True)

@@ -1,4 +1,4 @@
-"""TRIME's in-batch memory loss (modeling_pkm_bert/methods/trime.py): the formula and its gradient against a direct
+"""TRIME's in-batch memory loss (modeling_pkm_bert/methods/trime/objective.py): the formula and its gradient against a direct
 loop, an empty memory == cross-entropy bit for bit, the memory rules (local / long / batch, never itself, unscored
 positions never in it), chunking, the output layer of real models, and run_mlm.py --trime."""
 

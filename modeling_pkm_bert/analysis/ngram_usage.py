@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..utils.memories import ngram_memory_modules, readable_name
+from .figures import pyplot_module, save_figure
 
 
 GATE_BINS = 20
@@ -142,8 +143,6 @@ class NgramUsageTracker:
 
 def plot_ngram_usage(layer: str, usage: dict, path: str) -> str:
     """One figure per n-gram layer: bucket usage per table, collisions per n-gram kind, the gate's histogram."""
-    from .report import pyplot_module, save_figure
-
     plt = pyplot_module()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4), layout="constrained")
     tables = usage["table_usage"]

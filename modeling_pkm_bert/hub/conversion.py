@@ -1,8 +1,7 @@
 """BERT / DistilBERT checkpoints -> BertPkm models ("+Init" of Kim & Jung 2020), saved as complete Hub folders
 (weights, config, remote code, tokenizer, model card), atomically.
 
-The model card is written by `model_card`, the upload list and push are in `upload`; their names are importable
-from here too (the import path of release 0.2.0).
+The model card is written by `model_card`, the upload list and push are in `upload`.
 """
 
 import dataclasses
@@ -27,26 +26,16 @@ from ..modeling_bert_pkm import BertPkmPreTrainedModel
 from ..modeling_roberta_pkm import RobertaPkmPreTrainedModel
 from ..utils.input_errors import InputError
 from ..utils.output_folders import check_output_folder, mark_output_folder
-from .model_card import (  # noqa: F401 (card_*, curated_results, ...: importable from here, as in release 0.2.0)
+from .model_card import (
     HEAD_PREFIXES,
     PKM_FIELDS,
-    card_base_model,
-    card_license,
-    curated_results,
-    folder_parameter_counts,
     hub_file,
     hub_id_or_none,
-    results_section,
-    source_license,
     write_model_card,
 )
-from .upload import (  # noqa: F401 (files_to_upload, ...: importable from here, as in release 0.2.0)
-    PUSH_IGNORE_PATTERNS,
+from .upload import (
     TOKENIZER_FILES,
     check_hub_folder,
-    files_to_upload,
-    push_folder_to_hub,
-    upload_allowed,
 )
 
 

@@ -16,7 +16,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import Trainer, TrainingArguments
 from transformers.optimization import get_scheduler
 
-from ..methods.optimizers import (
+from ..methods.optimizers.memory_optimizer import (
     PKM_VALUES_GROUP,
     SparseRowAdam,
     clip_grad_norm_,

@@ -1,11 +1,13 @@
 """Training methods for product key memories, as a library (what the training scripts, `integrations.PkmTrainer` and
-your own loop use), one module a method:
+your own loop use), one folder a method, each with its algorithm, its command-line flags (`arguments.py`, standard
+library only) and, where the scripts need more than the flags, their use in the scripts (`scripts.py`):
 
-- `optimizers`: the memory values' own optimizer group and `SparseRowAdam` (row-wise lazy Adam), sparse value
-  gradients, clipping that takes them, freezing a memory, fp16 loss scaling with several optimizers;
-- `trime`: TRIME's training objective with in-batch memory (Zhong, Lei & Chen 2022);
-- `sparse_finetuning`: sparse memory finetuning (Lin et al. 2025), with a `transformers.Trainer` callback;
-- `arguments`: the command-line flags of TRIME and sparse memory finetuning (standard library only).
+- `optimizers/`: the memory values' own optimizer group and `SparseRowAdam` (row-wise lazy Adam), sparse value
+  gradients, clipping that takes them, freezing a memory, fp16 loss scaling with several optimizers
+  (`memory_optimizer.py`); `--memory_optimizer`, `--memory_learning_rate`, `--memory_max_grad_norm`, `--freeze_memory`;
+- `trime/`: TRIME's training objective with in-batch memory (Zhong, Lei & Chen 2022; `objective.py`); `--trime*`;
+- `sparse_finetuning/`: sparse memory finetuning (Lin et al. 2025), with a `transformers.Trainer` callback
+  (`method.py`); `--sparse_memory_finetuning`, `--smf_*`.
 
 Names resolve on first use:
 
@@ -19,7 +21,7 @@ from ..utils.lazy_imports import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
-        ".optimizers": (
+        ".optimizers.memory_optimizer": (
             "PKM_VALUES_GROUP",
             "SparseRowAdam",
             "cast_pkm_values",
@@ -32,7 +34,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "step_optimizers",
             "unscale_once",
         ),
-        ".sparse_finetuning": (
+        ".sparse_finetuning.method": (
             "BackgroundStatistics",
             "ReadCounter",
             "SparseMemoryFinetuning",
@@ -41,6 +43,6 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "compute_background_statistics",
             "freeze_all_but_values",
         ),
-        ".trime": ("causal_targets", "model_trime_losses", "trime_log_probs", "trime_loss"),
+        ".trime.objective": ("causal_targets", "model_trime_losses", "trime_log_probs", "trime_loss"),
     },
 )

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from ..utils.input_errors import InputError
-from .arguments import add_parallel_arguments  # noqa: F401 (re-exported)
 from .memory_parallel import (
     check_batch_statistics_everywhere,
     fully_shard_with_memory_parallel,

@@ -2,19 +2,17 @@
 
 - `arguments`: the command-line flags the scripts share (standard library only: a fast `--help`);
 - `loading`: the model a run trains (+Init conversion, from scratch), `--pkm_*` flags as config fields;
-- `optimization`: the memory values' optimizer a run trains with (`--memory_optimizer`), their clipping;
 - `checks`: the arguments, output folder, data files and freezing, checked before a run starts;
 - `checkpoints`: atomic checkpoints, resume position, the run settings a resume must match;
 - `results`: final outputs, model card with results, tracker config, peak memory;
 - `preparation` (accelerator, seed, output folder; training dataloader, optimizers, `accelerate.prepare`), `loop` (the
   training loop and the end of a run), `evaluation` (each process's shard, in eval mode, the random streams kept);
-- `trime`, `sparse_finetuning`: the command line of those methods (the methods: `modeling_pkm_bert.methods`);
 - task data and metrics: `lm_data`, `glue_data` (also the per-class report's examples), `glue_metrics`, `squad`,
   `squad_metrics`.
 
-Importing this package imports nothing heavy: `from modeling_pkm_bert.training import X` resolves X on first use from
-the one module that defines it (the table below: the names that module `training` of release 0.2.0 gave). The names
-that moved to `methods`, `utils`, `hub` or `analysis` still resolve here for one release, with a DeprecationWarning.
+The methods' flags and their use in a run (the memory optimizer, TRIME, sparse memory finetuning) live with each
+method in `modeling_pkm_bert.methods`. Importing this package imports nothing heavy: `from modeling_pkm_bert.training
+import X` resolves X on first use from the one module that defines it.
 """
 
 from ..utils.lazy_imports import lazy_exports
@@ -25,7 +23,6 @@ __getattr__, __dir__, __all__ = lazy_exports(
     {
         ".arguments": (
             "LR_SCHEDULER_TYPES",
-            "MEMORY_OPTIMIZERS",
             "PKM_CHOICES",
             "PKM_FLAG_FIELDS",
             "TARGET_CLASSES",
@@ -69,13 +66,6 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "in_process_memory",
             "load_model",
             "pkm_kwargs_from_args",
-        ),
-        ".optimization": (
-            "clip_memory_gradients",
-            "create_memory_optimizer",
-            "memory_optimizer_summary",
-            "optimizer_param_groups",
-            "sparse_gradients_supported",
         ),
         ".results": (
             "FINAL_STAGING",

@@ -1,6 +1,6 @@
 """Command-line flags the scripts share: the model and its memories, training, language-modeling data, resuming and
-the model card. The flags of the methods (TRIME, sparse memory finetuning), the memory report and parallel training
-live beside their code: `methods.arguments`, `analysis.arguments`, `parallel.arguments`.
+the model card. The flags of the methods (the memory optimizer, TRIME, sparse memory finetuning), the memory report and
+parallel training live beside their code: `methods/<method>/arguments.py`, `analysis.arguments`, `parallel.arguments`.
 
 This module imports the standard library only, so that `python run_scripts/<script>.py --help` prints every flag in
 a fraction of a second: the scripts import it without the package's `__init__` (which loads torch, transformers and
@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from ..hub.card_command import DEFAULT_LICENSE
+from ..methods.optimizers.arguments import add_memory_optimizer_arguments
 
 
 def help_requested(module_name: str) -> bool:
@@ -56,7 +57,6 @@ def _config_source() -> tuple[dict[str, tuple[str, object]], dict[str, str], dic
 
 PKM_FLAG_FIELDS, _AUTO_MAP, _CONFIG_CONSTANTS = _config_source()
 TARGET_CLASSES = [target.split(".")[-1] for auto, target in _AUTO_MAP.items() if auto != "AutoConfig"]
-MEMORY_OPTIMIZERS = ("adam", "sparse_row_adam", "sgd")
 # the str fields take one of these values
 PKM_CHOICES = {
     "pkm_mode": _CONFIG_CONSTANTS["PKM_MODES"],
@@ -71,13 +71,6 @@ def _boolean(text: str) -> bool:
     value = {"true": True, "false": False}.get(str(text).lower())
     if value is None:
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
@@ -98,7 +91,7 @@ def _field_parser(name: str, annotation: str) -> dict:
 
 def add_pkm_arguments(parser: argparse.ArgumentParser, training_options: bool = True) -> argparse.ArgumentParser:
     """Adds `--pkm_<field>` / `--ngram_<field>` for every pkm_* / ngram_* field of BertPkmConfig, and (for training
-    scripts) the memory optimisation options `--memory_learning_rate` and `--freeze_memory`."""
+    scripts) the memory values' optimizer flags (`methods.optimizers.arguments`) in the same group."""
     group = parser.add_argument_group(
         "product key memory",
         "Given any --pkm_* flag and a plain BERT/DistilBERT checkpoint, the model is converted on load (+Init); "
@@ -115,36 +108,7 @@ def add_pkm_arguments(parser: argparse.ArgumentParser, training_options: bool = 
         target.add_argument(f"--{name}", default=None, help=f"BertPkmConfig.{name} (config default: {default})", **_field_parser(name, annotation))
     if not training_options:
         return parser
-    group.add_argument(
-        "--memory_learning_rate",
-        type=float,
-        default=1e-3,
-        help="Constant learning rate of the memory values, in their own Adam group without weight decay or warm-up "
-        "(XLM and the paper: 1e-3).",
-    )
-    group.add_argument(
-        "--freeze_memory", action="store_true", help="Keep all memory parameters fixed (the paper's Table 5 ablation)."
-    )
-    group.add_argument(
-        "--memory_optimizer",
-        choices=MEMORY_OPTIMIZERS,
-        default="adam",
-        help="adam: torch Adam on dense value gradients (XLM's published setting; works with every backend). "
-        "sparse_row_adam: methods.optimizers.SparseRowAdam, a lazy row-wise Adam that updates only the rows a step "
-        "read (the paper's 'sparse update' of the values; bf16 first moment and one second moment per row, 1.5x the table "
-        "instead of Adam's 4x), fed sparse value gradients on one process or gloo and dense ones under NCCL, which "
-        "has no sparse all-reduce. It pays off when a step reads a small part of the table "
-        "(tokens per step * heads * knn well below pkm_n_keys ** 2). "
-        "sgd: plain SGD without momentum or weight decay (sparse memory finetuning's choice, Lin et al. 2025, with "
-        "--memory_learning_rate up to ~2): a row without gradient does not move.",
-    )
-    group.add_argument(
-        "--memory_max_grad_norm",
-        type=_positive_float,
-        default=None,
-        help="Clip the gradient of the memory value tables to this norm, on its own (Memory+ clips the values "
-        "separately from the other parameters); dense and sparse gradients. Default: no clipping.",
-    )
+    add_memory_optimizer_arguments(group)
     return parser
 
 
@@ -353,7 +317,6 @@ def add_model_card_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
 
 __all__ = [
     "LR_SCHEDULER_TYPES",
-    "MEMORY_OPTIMIZERS",
     "PKM_CHOICES",
     "PKM_FLAG_FIELDS",
     "TARGET_CLASSES",

@@ -7,7 +7,7 @@ Task metrics, with the names of the Hub's `glue` metric (fractions in [0, 1], no
 * stsb: `pearson` and `spearmanr` (`scipy.stats`);
 * sst2, mnli (matched and mismatched), qnli, rte, wnli: `accuracy`.
 
-The per-class memory usage (Figure 4) lives in `modeling_pkm_bert.analysis.class_usage` (re-exported here).
+The per-class memory usage (Figure 4) lives in `modeling_pkm_bert.analysis.class_usage`.
 """
 
 import math
@@ -15,7 +15,6 @@ import math
 import numpy as np
 
 from .glue_data import get_glue_task
-from ..analysis.class_usage import PerClassMemoryUsage, class_usage_divergence, format_class_usage  # noqa: F401
 
 
 def _arrays(predictions, references) -> tuple[np.ndarray, np.ndarray]:
@@ -102,12 +101,9 @@ def classification_metrics(predictions, references, is_regression: bool = False)
 
 
 __all__ = [
-    "PerClassMemoryUsage",
     "accuracy",
-    "class_usage_divergence",
     "classification_metrics",
     "f1",
-    "format_class_usage",
     "glue_compute_metrics",
     "matthews_correlation",
     "pearson",

@@ -3,6 +3,7 @@
 evaluation on every set (`evaluate_language_model`: the script scores a batch, this counts every token once)."""
 
 import contextlib
+import math
 import os
 import re
 from collections.abc import Callable
@@ -168,6 +169,14 @@ def load_raw_datasets(args) -> tuple[datasets.Dataset | None, dict[str, datasets
     return train, validation
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss), inf where it overflows."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return float("inf")
+
+
 def evaluate_language_model(
     accelerator,
     model,
@@ -191,7 +200,6 @@ def evaluate_language_model(
     from ..analysis.memory_usage import gather, track_memory_usage
     from .evaluation import evaluating, shard_batches
     from ..utils.memories import memory_modules
-    from .trime import perplexity
 
     metrics, usage = {}, {}
     with evaluating(accelerator, model) as unwrapped:

@@ -27,10 +27,10 @@ import time
 from typing import Callable
 
 from ..analysis.metrics_log import MetricsLog
-from ..methods.optimizers import step_optimizers
+from ..methods.optimizers.memory_optimizer import step_optimizers
+from ..methods.optimizers.scripts import clip_memory_gradients, memory_optimizer_summary
 from ..utils.input_errors import InputError
 from .checkpoints import check_checkpoint, read_loss_state, resolve_checkpoint, resume_position, save_checkpoint
-from .optimization import clip_memory_gradients, memory_optimizer_summary
 
 
 def plan_training_steps(args, train_dataloader) -> int:

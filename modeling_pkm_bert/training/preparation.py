@@ -83,8 +83,8 @@ def prepare_training(
 
     from ..parallel import prepare_memory_parallel, register_sharded_checkpointing
     from .checkpoints import resolve_checkpoint
-    from .optimization import create_memory_optimizer, optimizer_param_groups
-    from .sparse_finetuning import setup_from_args as setup_sparse_memory_finetuning
+    from ..methods.optimizers.scripts import create_memory_optimizer, optimizer_param_groups
+    from ..methods.sparse_finetuning.scripts import setup_from_args as setup_sparse_memory_finetuning
 
     training = train_dataset is not None
     train_dataloader = None

@@ -6,7 +6,7 @@ loads no torch:
 
     __getattr__, __dir__, __all__ = lazy_exports(__name__, {".report": ("write_memory_report", ...), ...})
 
-Module paths are relative to the package the table is in (`.report`, `..methods.optimizers`).
+Module paths are relative to the package the table is in (`.report`, `..methods.optimizers.memory_optimizer`).
 """
 
 import importlib

@@ -14,7 +14,7 @@ value table's training state is then 4x the table (weights, gradient, two moment
 - `freeze_memory` fixes a memory (Table 5), `cast_pkm_values` stores the values in bf16 for inference;
 - under fp16 loss scaling with the values' own optimizer beside the main one: `unscale_once`, `step_optimizers`.
 
-The training scripts' use of these (`--memory_optimizer`, `--memory_max_grad_norm`) is `training.optimization`.
+The training scripts' use of these (`--memory_optimizer`, `--memory_max_grad_norm`): `methods.optimizers.scripts`.
 
 Typical use (two optimizers, as XLM):
 
@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from ..utils.memories import memory_modules, ngram_memory_modules
+from ...utils.memories import memory_modules, ngram_memory_modules
 
 
 PKM_VALUES_GROUP = "pkm_values"

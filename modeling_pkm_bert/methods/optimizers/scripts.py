@@ -1,16 +1,15 @@
 """The training scripts' use of the memory values' own optimizer (`--memory_optimizer`, `--memory_learning_rate`,
 `--memory_max_grad_norm`): the main and memory parameter groups, the memory optimizer a run trains with, its log line
-and the values' own gradient clipping. The optimizers themselves (`SparseRowAdam`, `pkm_param_groups`, ...) are a
-library method: `modeling_pkm_bert.methods.optimizers`.
+and the values' own gradient clipping. The optimizers themselves (`SparseRowAdam`, `pkm_param_groups`, ...):
+`memory_optimizer`; the flags: `arguments`.
 """
 
 import argparse
 
 import torch
 
-# the modules, not their names: a name that moved out of this module must reach `__getattr__` below (and warn)
-from ..methods import optimizers
-from ..utils import memories
+from ...utils import memories
+from . import memory_optimizer as optimizers
 
 
 def clip_memory_gradients(accelerator, model: torch.nn.Module, memory_optimizer, max_norm: float | None, smf=None):

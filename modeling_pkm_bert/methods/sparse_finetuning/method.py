@@ -70,10 +70,10 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from ..utils.input_errors import InputError
-from ..utils.memories import memory_modules, readable_name, unwrap_model
+from ...utils.input_errors import InputError
+from ...utils.memories import memory_modules, readable_name, unwrap_model
 from .arguments import SMF_RANKERS, STATISTICS_NAME
-from .optimizers import clip_grad_norm_, unscale_once
+from ..optimizers.memory_optimizer import clip_grad_norm_, unscale_once
 
 
 _FORMAT = "modeling_pkm_bert.smf_background_statistics/1"
@@ -714,8 +714,6 @@ def background_batches(
 __all__ = [
     "BackgroundStatistics",
     "ReadCounter",
-    "SMF_RANKERS",
-    "STATISTICS_NAME",
     "SparseMemoryFinetuning",
     "SparseMemoryFinetuningCallback",
     "background_batches",

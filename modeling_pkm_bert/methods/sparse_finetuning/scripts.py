@@ -1,30 +1,13 @@
-"""Sparse memory finetuning in the training scripts (`--sparse_memory_finetuning`, `--smf_*`): the flags checked, the
-background statistics a run trains with (from a checkpoint, a statistics file, or background text given on the
-command line) and the `SparseMemoryFinetuning` a script attaches. The method itself (Lin et al. 2025) is a library
-method: `modeling_pkm_bert.methods.sparse_finetuning`.
+"""Sparse memory finetuning in the training scripts (`--sparse_memory_finetuning`, `--smf_*`): the background
+statistics a run trains with (from a checkpoint, a statistics file, or background text given on the command line) and
+the `SparseMemoryFinetuning` a script attaches. The method itself (Lin et al. 2025): `method`; the flags: `arguments`.
 """
 
-import argparse
 import os
 
-from ..methods import sparse_finetuning as smf
-from ..utils.input_errors import InputError
-
-
-def check_smf_arguments(args: argparse.Namespace) -> None:
-    """Clear errors for bad SMF flags before anything is loaded."""
-    if not getattr(args, "sparse_memory_finetuning", False):
-        return
-    if args.smf_top_t < 1:
-        raise InputError(f"--smf_top_t {args.smf_top_t} must be >= 1")
-    if args.smf_background_batches < 1:
-        raise InputError(f"--smf_background_batches {args.smf_background_batches} must be >= 1")
-    if args.smf_background_file and args.smf_background_dataset:
-        raise InputError("give --smf_background_file or --smf_background_dataset, not both")
-    if args.smf_background_file and not os.path.isfile(args.smf_background_file):
-        raise InputError(f"--smf_background_file {args.smf_background_file!r} does not exist")
-    if getattr(args, "freeze_memory", False):
-        raise InputError("--sparse_memory_finetuning trains memory values: it cannot be combined with --freeze_memory")
+from ...utils.input_errors import InputError
+from . import method as smf
+from .arguments import check_smf_arguments
 
 
 def _background_texts(args) -> list[str]:
@@ -123,4 +106,4 @@ def setup_from_args(
     return smf.SparseMemoryFinetuning(model, statistics, args.smf_top_t, args.smf_ranker)
 
 
-__all__ = ["check_smf_arguments", "setup_from_args", "statistics_from_args"]
+__all__ = ["setup_from_args", "statistics_from_args"]

@@ -33,8 +33,8 @@ import math
 
 import torch
 
-from ..utils.input_errors import InputError
-from ..utils.memories import unwrap_model
+from ...utils.input_errors import InputError
+from ...utils.memories import unwrap_model
 
 
 MEMORY_KINDS = ("local", "long", "batch", "context")
