@@ -1,21 +1,19 @@
 #!/usr/bin/env bash
 # Every GPU check of the project, for a machine lent for a few minutes (no internet there):
 #
-#     OUT=/some/folder bash benchmarks/gpu_check.sh          # QUICK=1: fewer rounds; SWEEP=1: tune the Triton launches
-#     OUT=/some/folder PARTS="environment tests_cuda tests_triton mixed_precision" bash benchmarks/gpu_check.sh
-#     OUT=/some/folder PARTS="layer_compile train_step triton_gathers benchmark_gpu" bash benchmarks/gpu_check.sh
+#     OUT=/some/folder bash benchmarks/gpu_check.sh          # QUICK=1: fewer rounds
+#     OUT=/some/folder PARTS="environment tests_cuda mixed_precision" bash benchmarks/gpu_check.sh
+#     OUT=/some/folder PARTS="layer_compile train_step benchmark_gpu" bash benchmarks/gpu_check.sh
 #
 # 1. environment: nvidia-smi, versions; the wheels of a `.whl` folder beside the checkout (packages the machine's image
 #    lacks: datasets and its dill/multiprocess, lucidrains' product-key-memory and its chain) go to /tmp/site;
-# 2. tests_cuda, tests_triton: `pytest -m cuda tests/test_devices.py` and tests/test_triton_kernels.py (compiled);
+# 2. tests_cuda: `pytest -m cuda tests/test_devices.py`;
 # 3. mixed_precision: a few steps of run_mlm.py and run_glue.py in fp32, bf16 and fp16 compared
 #    (benchmarks/gpu_mixed_precision.py, $OUT/mixed_precision/mixed_precision.md);
-# 4. layer_compile: the layer eager and compiled, fp32 and bf16, ours (dense, sparse, Triton) vs lucidrains
+# 4. layer_compile: the layer eager and compiled, fp32 and bf16, ours (dense, sparse) vs lucidrains
 #    (benchmarks/gpu_layer_compile.py, $OUT/layer_compile.log);
 # 5. train_step: a bf16 (and fp32) masked-LM training step of ResM-BERT-base vs BERT-base (benchmarks/gpu_train_step.py);
-# 6. triton_gathers: the Triton gathers and the fused backward vs EmbeddingBag in GB/s and as a share of the device's
-#    copy bandwidth (benchmarks/gpu_triton_gathers.py, $OUT/triton_gathers.md);
-# 7. benchmark_gpu: the GPU section of the benchmarks (gathers, the layer vs its peers, Table 1), $OUT/gpu_results.md
+# 6. benchmark_gpu: the GPU section of the benchmarks (gathers, the layer vs its peers, Table 1), $OUT/gpu_results.md
 #    (benchmarks/RESULTS.md is left alone).
 # Each part has its own time limit and log in $OUT, and a failing part does not stop the next; $OUT/summary.txt lists
 # each part's exit status and seconds. All parts at their limits take over 10 minutes: where one command may run at
@@ -73,19 +71,15 @@ EOF
 if [ -d .whl ]; then export PYTHONPATH=/tmp/site:$PYTHONPATH; fi
 export PYTHON
 export -f environment
-PARTS=${PARTS:-environment tests_cuda tests_triton mixed_precision layer_compile train_step triton_gathers benchmark_gpu}
+PARTS=${PARTS:-environment tests_cuda mixed_precision layer_compile train_step benchmark_gpu}
 wanted() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 ROUNDS=$([ -n "${QUICK:-}" ] && echo 5 || echo 15)
 wanted environment && part environment 60 bash -c environment
 wanted tests_cuda && part tests_cuda 150 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m cuda tests/test_devices.py
-# the CUDA run compiles every launch configuration of the kernels the tests cover
-wanted tests_triton && part tests_triton 240 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py
 wanted mixed_precision && part mixed_precision 120 "$PYTHON" benchmarks/gpu_mixed_precision.py \
     --output_dir "$OUT/mixed_precision" --steps 20
 wanted layer_compile && part layer_compile 240 "$PYTHON" benchmarks/gpu_layer_compile.py --rounds "$ROUNDS"
 wanted train_step && part train_step 150 "$PYTHON" benchmarks/gpu_train_step.py --rounds "$ROUNDS"
-wanted triton_gathers && part triton_gathers "$([ -n "${SWEEP:-}" ] && echo 300 || echo 90)" \
-    "$PYTHON" benchmarks/gpu_triton_gathers.py --output "$OUT/triton_gathers.md" ${SWEEP:+--sweep}
 wanted benchmark_gpu && part benchmark_gpu 200 "$PYTHON" benchmarks/run_benchmarks.py --sections gpu overhead \
     --threads "$(nproc)" --output "$OUT/gpu_results.md" ${QUICK:+--quick}
 cat "$SUMMARY"

@@ -1,13 +1,14 @@
 """The PKM layer on a GPU, eager and compiled, fp32 and bf16, against lucidrains' PKM: wall times of forward + backward
 at the paper's size, 8 x 128 tokens (the layers of `run_benchmarks.py` section 1). Ours: dense and sparse value
-gradients (a compiled step is one graph: the search and the lookup are custom ops, `fullgraph=True`), and on the Triton
-gathers where they are registered. Interleaved rounds, CUDA-synchronised medians, ratios paired per round.
+gradients, each on its plan (compiled: one graph, the value read the custom op, `fullgraph=True`) and on the plain
+reference (`use_reference()`), which decides whether the custom op stays. Interleaved rounds, CUDA-synchronised medians, ratios paired per round.
 
     python benchmarks/gpu_layer_compile.py                 # on a CUDA machine (benchmarks/gpu_check.sh runs it)
     python benchmarks/gpu_layer_compile.py --device cpu --size tiny --rounds 1   # a smoke run of the code (the tests)
 """
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -17,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run_benchmarks as rb  # noqa: E402  (the layers and timing helpers)
 
-from modeling_pkm_bert import product_key_memory_ops  # noqa: E402
+from modeling_pkm_bert.product_key_memory_ops import use_reference  # noqa: E402
 
 
 SIZES = {  # (layer builder, input shape)
@@ -28,12 +29,9 @@ SIZES = {  # (layer builder, input shape)
 
 def build(impl: str, size: str, device: str, dtype: torch.dtype):
     builder = SIZES[size][0]
-    impl = impl.removesuffix("_fused").removesuffix("_torch_nodes")
+    impl = impl.removesuffix("_reference")
     name = {"ours_dense": "dense", "ours_sparse": "sparse"}.get(impl, impl) if size == "tiny" else impl
-    module = builder(name.removesuffix("_triton")).to(device=device, dtype=dtype).train()
-    if impl.endswith("_triton"):
-        module.values.triton_devices = (torch.device(device).type,)
-    return module
+    return builder(name).to(device=device, dtype=dtype).train()
 
 
 def main(argv=None):
@@ -46,13 +44,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_layer_compile.py times CUDA steps: no CUDA device here (--device cpu --size tiny for a smoke run)")
-    # eager variants to decide the host-bound defaults from a GPU measurement: `_torch_nodes` with torch's own autograd
-    # nodes for the read instead of one HostBoundLookup node (ONE_NODE_WHEN_HOST_BOUND = ()), `_fused` with
-    # TORCH_AUTOGRAD_WHEN_HOST_BOUND off (the fused Python node of each phase)
-    impls = ["lucidrains", "ours_dense", "ours_dense_torch_nodes", "ours_dense_fused"]
-    impls += ["ours_sparse", "ours_sparse_torch_nodes", "ours_sparse_fused"]
-    if rb.triton_on(args.device):
-        impls += ["ours_dense_triton", "ours_sparse_triton"]
+    # ours on its plan (what `plan_lookup` picks: under compile the value read is the custom op) and on the plain
+    # reference (`use_reference()`): a fast path stays on a GPU only where this shows it faster
+    impls = ["lucidrains", "ours_dense", "ours_dense_reference", "ours_sparse", "ours_sparse_reference"]
     print(f"device: {torch.cuda.get_device_name() if args.device == 'cuda' else args.device}; torch {torch.__version__}")
     print("\n| dtype | step | median ms | speed-up vs lucidrains eager (paired) |\n|---|---|---|---|")
     for dtype_name in args.dtypes:
@@ -61,29 +55,19 @@ def main(argv=None):
         g = torch.randn(*SIZES[args.size][1], device=args.device, dtype=dtype)
         steps = {}
         for impl in impls:
-            variant = impl.endswith(("_fused", "_torch_nodes"))
-            for mode in args.modes if not variant else ["eager"]:
+            for mode in args.modes:
                 module = build(impl, args.size, args.device, dtype)
                 if mode == "eager":
                     runner = module
                 else:  # ours: one graph (fullgraph), sparse gradients included
                     runner = torch.compile(module, mode=None if mode == "default" else mode, fullgraph=impl != "lucidrains")
 
-                one_node = () if impl.endswith("_torch_nodes") else None
-
-                def step(module=module, runner=runner, fused=impl.endswith("_fused"), one_node=one_node):
+                def step(module=module, runner=runner, reference=impl.endswith("_reference")):
                     for p in module.parameters():
                         p.grad = None
                     x.grad = None
-                    saved = product_key_memory_ops.ONE_NODE_WHEN_HOST_BOUND
-                    product_key_memory_ops.TORCH_AUTOGRAD_WHEN_HOST_BOUND = not fused
-                    if one_node is not None:
-                        product_key_memory_ops.ONE_NODE_WHEN_HOST_BOUND = one_node
-                    try:
+                    with use_reference() if reference else contextlib.nullcontext():
                         (runner(x) * g).sum().backward()
-                    finally:
-                        product_key_memory_ops.TORCH_AUTOGRAD_WHEN_HOST_BOUND = True
-                        product_key_memory_ops.ONE_NODE_WHEN_HOST_BOUND = saved
 
                 start = time.perf_counter()
                 for _ in range(3):

@@ -20,8 +20,8 @@ Sections:
   training state in bytes; peak RSS growth during a step (sampled).
 - table1: Kim & Jung's Table 1 on this machine: batch/s of BERT-base/large, +PKM (memories replace the FFN) and +ResM
   (memories beside it), batch 1x128 and 32x128, eval mode, torch.inference_mode, random weights.
-- gpu: where CUDA is available, the value gather (EmbeddingBag vs the Triton `bag_sum`), the layer vs its peers and
-  Table 1 on the GPU, each also with the Triton gathers (`ProductKeyValues.triton_devices`); else a line saying so.
+- gpu: where CUDA is available, the value gather (EmbeddingBag), the layer vs its peers and Table 1 on the GPU; else
+  a line saying so.
 - options (with --append): the cost of each Memory+ option.
 - shared (with --append): two memories sharing one value table against a table each, dense and sparse gradients.
 - quantized (with --append): the value gather and Table 1's ResM/BERT-base with fp32, bf16, int8 and 4-bit value
@@ -34,6 +34,7 @@ ratios are medians of the per-round ratios. The machine may be shared: the load 
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -56,7 +57,7 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from modeling_pkm_bert.methods.optimizers import (  # noqa: E402
+from modeling_pkm_bert.methods.optimizers.memory_optimizer import (  # noqa: E402
     SparseRowAdam,
     cast_pkm_values,
     pkm_param_groups,
@@ -337,24 +338,34 @@ def section_layer(args) -> list[str]:
 
 
 def compiled_layer(args) -> list[str]:
-    """Our layer (dense value grads) eager vs `torch.compile`d: the training lookup traced (the default: one graph, the
-    search and the value lookup as custom ops) or run eagerly (`trace_training_lookup = False`)."""
+    """Our layer (dense value grads) eager vs `torch.compile`d: its plan under compile (the search traced, the value read
+    the custom op) and the plain reference compiled (`use_reference()`: EmbeddingBag's own backward)."""
+    from modeling_pkm_bert.product_key_memory_ops import use_reference
+
     rounds = 3 if args.quick else 5
     torch.manual_seed(1)
     x, g = torch.randn(8, 128, 768, requires_grad=True), torch.randn(8, 128, 768)
-    modules = {kind: build_layer("ours_dense").train() for kind in ("eager", "compiled", "compiled_eager_lookup")}
-    modules["compiled_eager_lookup"].trace_training_lookup = False
+    modules = {kind: build_layer("ours_dense").train() for kind in ("eager", "compiled", "compiled_reference")}
+
+    def under_reference(step):
+        def run():
+            with use_reference():
+                step()
+
+        return run
+
     # inductor; compiles in the first call below
     steps = {kind: layer_step_fn(m if kind == "eager" else torch.compile(m), x, g) for kind, m in modules.items()}
+    steps["compiled_reference"] = under_reference(steps["compiled_reference"])
     start = time.perf_counter()
     for step in steps.values():
         step()
     compile_seconds = time.perf_counter() - start
     samples = interleaved(steps, rounds=rounds, warmup=1)
     labels = {
-        "eager": "eager",
-        "compiled": "`torch.compile` (inductor), default: one graph, the search and the lookup custom ops (fused backward)",
-        "compiled_eager_lookup": "`torch.compile` (inductor), `trace_training_lookup = False` (the lookup runs eagerly)",
+        "eager": "eager (its plan: native selection, search backward through the selected sub-keys, CSR value backward)",
+        "compiled": "`torch.compile` (inductor) of its plan: one graph, the value read the custom op",
+        "compiled_reference": "`torch.compile` (inductor) of the reference (`use_reference()`)",
     }
     lines = [
         "",
@@ -379,8 +390,6 @@ OVERHEAD_IMPLS = {
     "sparse": "ours, `sparse=True`",
     "memory_plus": "ours, Memory+ options (`qk_norm`, `output_gate='swilu'`, `memory_scale`)",
     "relu": "ours, `score_activation='relu'`",
-    "dense_torch_nodes": "ours, dense, torch's own nodes (`ONE_NODE_WHEN_HOST_BOUND = ()`)",
-    "sparse_torch_nodes": "ours, `sparse=True`, torch's own search nodes (`ONE_NODE_WHEN_HOST_BOUND = ()`)",
     "memory_plus_options_only": "the Memory+ options' own modules alone (no search, no lookup: `MemoryPlusOptionsOnly`)",
 }
 
@@ -397,9 +406,10 @@ class MemoryPlusOptionsOnly(torch.nn.Module):
         self.read = torch.nn.Parameter(torch.randn(8, 32))
 
     def forward(self, hidden_states):
-        queries, keys = self.memory._scoring_inputs(self.queries)
-        output = self.memory.memory_output(self.read, hidden_states.reshape(-1, 32)).view_as(hidden_states)
-        return output + (queries.sum() + keys.sum())
+        memory, inputs = self.memory, hidden_states.reshape(-1, 32)
+        halves = memory.query_norm(self.queries.view(-1, TINY["heads"] * 2, TINY["k_dim"] // 2))
+        output = memory.output_proj(self.read * torch.nn.functional.silu(memory.gate_proj(inputs))) * memory.memory_scale
+        return output.view_as(hidden_states) + (halves.sum() + memory.scoring_keys().sum())
 
 
 def build_tiny_layer(impl: str):
@@ -415,7 +425,7 @@ def build_tiny_layer(impl: str):
     if impl == "memory_plus_options_only":
         return MemoryPlusOptionsOnly()
     options = {
-        "sparse": dict(sparse=True), "sparse_torch_nodes": dict(sparse=True), "relu": dict(score_activation="relu"),
+        "sparse": dict(sparse=True), "relu": dict(score_activation="relu"),
         "memory_plus": dict(qk_norm=True, output_gate="swilu", memory_scale=0.01),
     }.get(impl, {})  # fmt: skip
     return ProductKeyMemory(32, 32, **TINY, **options)
@@ -442,20 +452,12 @@ class DispatchedOps(TorchDispatchMode):
 
 
 def with_paths(impl: str, step):
-    """The step with the switches of `impl`: the native CPU selection off for all of ours (a GPU has none), and so the
-    CPU sparse CSR kernels (a GPU runs the other value backward); the `_torch_nodes` variants with torch's own autograd
-    nodes for the read of a host-bound step instead of one node (`ONE_NODE_WHEN_HOST_BOUND = ()`)."""
-    from modeling_pkm_bert import product_key_memory_ops as ops
+    """The step of ours on the reference plan (`use_reference()`): what a GPU runs (no fast path has shown a win there)."""
+    from modeling_pkm_bert.product_key_memory_ops import use_reference
 
     def run():
-        saved = ProductKeyMemory.native_search, ops.CPU_SPARSE_KERNELS, ops.ONE_NODE_WHEN_HOST_BOUND
-        ProductKeyMemory.native_search = ops.CPU_SPARSE_KERNELS = False
-        if impl.endswith("_torch_nodes"):
-            ops.ONE_NODE_WHEN_HOST_BOUND = ()
-        try:
+        with use_reference():
             step()
-        finally:
-            ProductKeyMemory.native_search, ops.CPU_SPARSE_KERNELS, ops.ONE_NODE_WHEN_HOST_BOUND = saved
 
     return run
 
@@ -492,16 +494,14 @@ def section_overhead(args) -> list[str]:
         "Forward + backward of one layer at 32 in/out, 8^2 slots, 4 heads, knn 4, k_dim 32 (lucidrains: `dim_head=16`, "
         "its query half), input 2 x 4 x 32, one torch thread: the arithmetic is negligible, so the time is the host "
         "side of a step (Python, dispatch, autograd), what bounds these layers on a GPU at the paper's size. Ours run "
-        "with the native CPU selection and the CPU sparse CSR kernels off (a GPU has neither), the read of the step one "
-        "autograd node (`HostBoundLookup`); the `torch's own nodes` rows with torch's autograd nodes for it instead "
-        "(`ONE_NODE_WHEN_HOST_BOUND = ()`). "
+        "the reference plan (`use_reference()`), what a GPU runs. "
         "Dispatched ops: aten ops seen by a `TorchDispatchMode` in one step (those inside our "
         "autograd functions included), each a kernel launch or a view on a GPU; of them computing: neither a view nor a "
         "mere allocation, about the kernel launches of the step on a GPU. Time: the CPU time of the "
         "timing thread (`time.thread_time`: on a shared machine, the time other processes hold the core does not "
         f"count), median over {rounds} interleaved rounds of {repeats} steps each (+1 warm-up round); ratio: paired "
         "median of "
-        "time / lucidrains' time (lower is faster; the goal is <= 0.8 with fewer ops than lucidrains). The last row is "
+        "time / lucidrains' time (lower is faster). The last row is "
         "not a layer: the modules the Memory+ options add, timed alone, what the Memory+ row cannot go below.",
         "",
         "| implementation | dispatched ops | of them computing | us per step | time / lucidrains | ops / lucidrains |",
@@ -848,6 +848,8 @@ def memory_breakdown(args) -> list[str]:
 
 
 def section_table1(args) -> list[str]:
+    from modeling_pkm_bert.product_key_memory_ops import use_reference
+
     sizes = ["base"] if args.quick else ["base", "large"]
     lines = [
         "## 4. Table 1 on this machine: inference throughput",
@@ -895,7 +897,6 @@ def section_table1(args) -> list[str]:
                 pair = {"bert": models["bert"], "resm": models["resm"]}
                 if "4 KiB" in label:
                     pair["resm"] = build_encoder(size, "resm")  # the same weights (same seed), freshly allocated
-                ProductKeyMemory.native_search = "topk" not in label
                 if "bf16" in label:
                     cast_pkm_values(models["resm"], torch.bfloat16)
                     on_huge_pages["resm-base, bf16 values"] = use_huge_pages(models["resm"])  # the cast made new tables
@@ -904,7 +905,8 @@ def section_table1(args) -> list[str]:
                     bf16_error = ((out - fp32_out).abs().max() / fp32_out.abs().max()).item()
                 for batch in (1,) if args.quick else (1, 32):
                     rounds = table1_rounds(args, size, batch)
-                    samples, shares = time_models(pair, batch, rounds)
+                    with use_reference() if "topk" in label else contextlib.nullcontext():
+                        samples, shares = time_models(pair, batch, rounds)
                     resm, implied = paired_ratio(samples, "bert", "resm"), 1 - median(shares)
                     lines.append(
                         f"| BERT-{size}, {label} | {batch} x 128 | {rounds} | {1 / median(samples['bert']):.2f} | - | "
@@ -912,7 +914,6 @@ def section_table1(args) -> list[str]:
                         f"{min_ratio(samples, 'bert', 'resm'):.3f} | {implied:.3f} |"
                     )
                     verdicts.append(f"BERT-{size} {label} {batch}x128: {resm:.3f} paired, {implied:.3f} from the share ({verdict(resm, implied)})")
-                ProductKeyMemory.native_search = True
                 del pair
         del models
     lines += [
@@ -956,61 +957,34 @@ def peak_allocated(function, device: str) -> float:
     return torch.cuda.max_memory_allocated() - before
 
 
-def triton_on(device: str) -> bool:
-    """Whether the Triton gathers (`torch.ops.pkm_bert.bag_sum`) are registered and take tensors of `device`."""
-    if not hasattr(torch.ops.pkm_bert, "bag_sum"):
-        return False
-    try:
-        torch.ops.pkm_bert.bag_sum(torch.zeros(1, 1, device=device), torch.zeros(1, dtype=torch.long, device=device),
-                                   torch.ones(1, device=device), torch.tensor([0, 1], device=device))  # fmt: skip
-        return True
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
 def gpu_gathers(device: str, quick: bool) -> list[str]:
-    """The forward gather of a memory at the paper's size: EmbeddingBag vs the Triton `bag_sum`, fp32 and bf16."""
+    """The forward gather of a memory at the paper's size (EmbeddingBag), fp32 and bf16."""
     import torch.nn.functional as F
 
-    lines = ["| tokens | values | EmbeddingBag ms | GB/s | Triton `bag_sum` ms | GB/s | speed-up |", "|---|---|---|---|---|---|---|"]
+    lines = ["| tokens | values | EmbeddingBag ms | GB/s |", "|---|---|---|---|"]
     generator = torch.Generator(device=device).manual_seed(11)
     for dtype in (torch.float32, torch.bfloat16):
         table = torch.randn(512**2, 768, device=device, dtype=dtype)
         for tokens in (1024, 4096) if not quick else (1024,):
             rows = torch.randint(0, 512**2, (tokens, 128), device=device, generator=generator)
             weights = torch.rand(tokens, 128, device=device, dtype=dtype, generator=generator)
-            bounds = torch.arange(0, tokens * 128 + 1, 128, device=device)
             functions = {"embedding_bag": lambda: F.embedding_bag(rows, table, mode="sum", per_sample_weights=weights)}
-            if triton_on(device):
-                functions["triton"] = lambda: torch.ops.pkm_bert.bag_sum(table, rows.view(-1), weights.view(-1), bounds)
             samples = interleaved({k: synchronized(f, device) for k, f in functions.items()}, rounds=5 if quick else 20, warmup=3)
             read = tokens * 128 * 768 * table.element_size()
             bag = median(samples["embedding_bag"])
             cells = [f"{tokens}", str(dtype).replace("torch.", ""), f"{bag * 1e3:.3f}", f"{read / bag / 1e9:.0f}"]
-            if "triton" in samples:
-                tri = median(samples["triton"])
-                cells += [f"{tri * 1e3:.3f}", f"{read / tri / 1e9:.0f}", f"{paired_ratio(samples, 'embedding_bag', 'triton'):.2f}x"]
-            else:
-                cells += ["-", "-", "-"]
             lines.append("| " + " | ".join(cells) + " |")
         table = None  # freed before the next dtype's (not `del`: the lambdas above still name it)
     return lines
 
 
 def gpu_layer(device: str, quick: bool) -> list[str]:
-    """The layer comparison of section 1 on the device, with our memory also on the Triton gathers."""
+    """The layer comparison of section 1 on the device."""
     torch.manual_seed(1)
     x = torch.randn(8, 128, 768, device=device, requires_grad=True)
     g = torch.randn(8, 128, 768, device=device)
     impls = dict(LAYER_IMPLS)
-    if triton_on(device):
-        impls["ours_dense_triton"] = "ours, dense value grad, Triton gathers"
-        impls["ours_sparse_triton"] = "ours, sparse value grad, Triton gathers"
-    modules = {}
-    for impl in impls:
-        modules[impl] = build_layer(impl.removesuffix("_triton")).to(device).train()
-        if impl.endswith("_triton"):
-            modules[impl].values.triton_devices = (device,)
+    modules = {impl: build_layer(impl).to(device).train() for impl in impls}
     steps = {impl: synchronized(layer_step_fn(m, x, g), device) for impl, m in modules.items()}
     samples = interleaved(steps, rounds=3 if quick else 10, warmup=2)
     peers = ["lucidrains", "xlm"]
@@ -1026,18 +1000,12 @@ def gpu_layer(device: str, quick: bool) -> list[str]:
 
 def gpu_table1(device: str, quick: bool) -> tuple[list[str], list[str]]:
     lines = [
-        "| model | batch | BERT batch/s | +PKM batch/s | +ResM batch/s | +ResM, Triton gathers batch/s | +PKM / BERT | "
-        "+ResM / BERT | +ResM, Triton / BERT |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | batch | BERT batch/s | +PKM batch/s | +ResM batch/s | +PKM / BERT | +ResM / BERT |",
+        "|---|---|---|---|---|---|---|",
     ]
     verdicts = []
     for size in ["base"] if quick else ["base", "large"]:
         models = {kind: build_encoder(size, kind).to(device) for kind in ("bert", "pkm", "resm")}
-        if triton_on(device):
-            models["resm_triton"] = build_encoder(size, "resm").to(device)
-            for module in models["resm_triton"].modules():
-                if isinstance(module, ProductKeyMemory):
-                    module.values.triton_devices = (device,)
         for batch in (1, 32):
             ids = torch.randint(1000, 30000, (batch, 128), device=device, generator=torch.Generator(device=device).manual_seed(6))
             mask = torch.ones_like(ids)
@@ -1054,10 +1022,10 @@ def gpu_table1(device: str, quick: bool) -> tuple[list[str], list[str]]:
             rate = {k: f"{1 / median(v):.1f}" for k, v in samples.items()}
             ratio = {k: f"{paired_ratio(samples, 'bert', k):.3f}" for k in samples if k != "bert"}
             lines.append(
-                f"| BERT-{size} | {batch} x 128 | {rate['bert']} | {rate['pkm']} | {rate['resm']} | {rate.get('resm_triton', '-')} | "
-                f"{ratio['pkm']} | {ratio['resm']} | {ratio.get('resm_triton', '-')} |"
+                f"| BERT-{size} | {batch} x 128 | {rate['bert']} | {rate['pkm']} | {rate['resm']} | {ratio['pkm']} | "
+                f"{ratio['resm']} |"
             )
-            best = max(float(ratio["resm"]), float(ratio.get("resm_triton", 0)))
+            best = float(ratio["resm"])
             verdicts.append(f"BERT-{size} {batch}x128: {best:.3f} ({'met' if best >= 0.9 else 'not met'})")
         del models
     return lines, verdicts
@@ -1069,12 +1037,11 @@ def section_gpu(args) -> list[str]:
     if device == "cuda" and not torch.cuda.is_available():
         return title + [
             "No CUDA device in this run: nothing measured. On a GPU machine: `python benchmarks/run_benchmarks.py "
-            "--sections gpu` (the Triton gathers need the triton package, which CUDA wheels of torch bring)."
+            "--sections gpu`."
         ]
     name = torch.cuda.get_device_name() if device == "cuda" else f"{device} (smoke run of the GPU section)"
-    triton_note = "registered" if triton_on(device) else "not registered for this device: Triton columns empty"
     lines = title + [
-        f"Device: {name}; Triton gathers (`torch.ops.pkm_bert.bag_sum`): {triton_note}. fp32, CUDA-synchronised "
+        f"Device: {name}; the layer on its reference plan. fp32, CUDA-synchronised "
         "wall times, interleaved rounds, medians; ratios are medians of per-round ratios.",
         "",
         "### Value gather, 128 lookups (4 heads x knn 32) of 768-wide rows per token, 262,144-row table",
@@ -1147,28 +1114,20 @@ def section_options(args) -> list[str]:
 
 def section_shared(args) -> list[str]:
     """Two memories sharing one value table (Memory+) against two with a table each, fwd + bwd of both, with dense and
-    with sparse value gradients (the shared table's gradient accumulates both memories' in one reused buffer)."""
-    import modeling_pkm_bert.product_key_memory_ops as pkm  # the fast paths: where a lookup finds the pending ones
-
+    with sparse value gradients (autograd sums the shared table's two gradients)."""
     rounds = 3 if args.quick else getattr(args, "rounds", 5)
     batch = getattr(args, "options_batch", None) or ((4, 128) if args.quick else (8, 128))
     torch.manual_seed(2)
     x = torch.randn(*batch, 768, requires_grad=True)
     g = torch.randn(*batch, 768)
 
-    def pair_step(pair, accumulate=True):
+    def pair_step(pair):
         def step():
             for memory in pair:
                 for p in memory.parameters():
                     p.grad = None
             x.grad = None
-            pending = pkm._pending_lookups
-            if not accumulate:  # each lookup returns its own gradient, autograd sums them (before the accumulation)
-                pkm._pending_lookups = lambda ctx: []
-            try:
-                ((pair[0](x) + pair[1](x)) * g).sum().backward()
-            finally:
-                pkm._pending_lookups = pending
+            ((pair[0](x) + pair[1](x)) * g).sum().backward()
 
         return step
 
@@ -1180,44 +1139,34 @@ def section_shared(args) -> list[str]:
         f"memories at the paper's size (768 in/out, {PAPER['n_keys']}^2 slots, 4 heads, knn 32, k_dim 256, query "
         f"BatchNorm) on the same input {batch[0]} x {batch[1]} x 768 fp32; step = both forwards + "
         "`((a(x) + b(x)) * g).sum().backward()`, grads set to None before each step; a table each vs one shared table "
-        f"(`values=`); {rounds} interleaved rounds (+1 warm-up), torch threads {args.threads}. Target: shared / own "
-        "<= 1.10.",
+        f"(`values=`); {rounds} interleaved rounds (+1 warm-up), torch threads {args.threads}.",
         "",
         "| value gradient | two memories | median ms | all rounds (ms) | time / own tables (paired median; fastest rounds) |",
         "|---|---|---|---|---|",
     ]
     for sparse in (False, True):
         own = [ProductKeyMemory(768, 768, **PAPER, sparse=sparse).train() for _ in range(2)]
-        shared, before = [], []  # 'before' on a table of its own: its gradient buffers would evict the shared one's
-        for pair in (shared, before):
-            table = ProductKeyValues(PAPER["n_keys"] ** 2, 768, sparse=sparse)
-            torch.nn.init.normal_(table.weight, std=768**-0.5)
-            pair += [ProductKeyMemory(768, 768, **PAPER, values=table).train() for _ in range(2)]
+        table = ProductKeyValues(PAPER["n_keys"] ** 2, 768, sparse=sparse)
+        torch.nn.init.normal_(table.weight, std=768**-0.5)
+        shared = [ProductKeyMemory(768, 768, **PAPER, values=table).train() for _ in range(2)]
 
         def no_gradients(_name):  # only the running pair holds gradients
-            for memory in (*own, *shared, *before):
+            for memory in (*own, *shared):
                 for p in memory.parameters():
                     p.grad = None
 
-        steps = {"own": pair_step(own), "shared": pair_step(shared), "autograd": pair_step(before, accumulate=False)}
-        samples = interleaved(steps, rounds=rounds, warmup=1, before=no_gradients)
+        samples = interleaved({"own": pair_step(own), "shared": pair_step(shared)}, rounds=rounds, warmup=1, before=no_gradients)
         kind = "sparse (`sparse=True`)" if sparse else "dense"
-        for name, label in (
-            ("own", f"a table each (2 x {table_mib:.0f} MiB)"),
-            ("shared", f"one shared table ({table_mib:.0f} MiB)"),
-            ("autograd", "one shared table, autograd's out-of-place sum (before)"),
-        ):
+        for name, label in (("own", f"a table each (2 x {table_mib:.0f} MiB)"), ("shared", f"one shared table ({table_mib:.0f} MiB)")):
             lines.append(
                 f"| {kind} | {label} | {fmt_ms(median(samples[name]))} | {', '.join(fmt_ms(t) for t in samples[name])} | "
                 f"{paired_ratio(samples, name, 'own'):.2f}; {min_ratio(samples, name, 'own'):.2f} |"
             )
-        own = shared = before = table = samples = None  # freed before the next pair (no_gradients still names them)
+        own = shared = table = samples = None  # freed before the next pair (no_gradients still names them)
     return lines + [
         "",
-        "The shared table's backward adds the second memory's row sums into the gradient buffer the first one filled "
-        "(dense: `addmm` with beta 1; sparse: one buffer over the union of the rows), and that buffer is reused from "
-        "step to step, as a table of its own reuses its gradient buffer. Before, autograd added the two gradients out "
-        "of place into a fresh table-sized buffer (row 'before': each lookup returns its own gradient). "
+        "Autograd adds the shared table's two gradients out of place; the second lookup's backward takes a fresh buffer "
+        "(the first one's gradient is still in flight), the first reuses the table's kept one. "
         f"Load average at the end of this section: {loadavg()} (ratios are paired per round).",
     ]
 
@@ -1282,7 +1231,7 @@ NOTES = [
     "- THP: `THP_MEM_ALLOC_ENABLE=1` (a torch environment variable) backs large CPU allocations with huge pages. It "
     "removes most of the page-fault cost of the peers' fresh dense gradients, so against peers run that way the layer "
     "speed-up is smaller (see section 1); our path avoids those allocations either way.",
-    "- Table 1 on CPU: the selection runs in a native kernel (`modeling_pkm_bert/csrc/product_key_select.c`, built at "
+    "- Table 1 on CPU: the selection runs in a native kernel (`modeling_pkm_bert/kernels/csrc/product_key_select.c`, built at "
     "first use with the system C compiler, registered as `torch.ops.pkm_bert.select_product_keys` by "
     "`modeling_pkm_bert.kernels.cpu`): a threshold from the maxima of 64 groups of sub-keys leaves ~40 of the 512 "
     "scores per head-half, ranked by counting with AVX-512, then the pruned pairs likewise (the rows 'on "
@@ -1293,10 +1242,8 @@ NOTES = [
     "memory against ~270 ms for BERT-base at 1 x 128, the fp32 ResM / BERT-base ratio cannot rise much above ~0.95 "
     "on this CPU; bf16 values halve the gather. BERT-large hides the same memory cost behind 2x the layers and 1.8x "
     "the width.",
-    "- GPU: section 5 runs where CUDA is available. The Triton gathers (`modeling_pkm_bert/kernels/triton_gathers.py`: "
-    "`bag_sum` for the lookup and the value gradient, `row_dots` for the per-sample-weight gradient) are opt-in "
-    "(`ProductKeyValues.triton_devices = (\"cuda\",)`) until that section shows them faster than EmbeddingBag; their "
-    "results are checked on CPU under the Triton interpreter (`tests/test_triton_kernels.py`).",
+    "- GPU: section 5 runs where CUDA is available; the layer runs its reference plan there (no fast path has shown a "
+    "win on a GPU).",
     "- The values' training state (weights + sparse gradient + `SparseRowAdam` state) is 1.5x the table plus the "
     "fraction of rows a step touches (0.39 at 8 x 128 tokens): it reaches 2x at ~11 x 128 tokens per memory per step "
     "and 2.5x once every row is touched; `SparseRowAdam(betas=(0.0, 0.999))` keeps no first moment (<= 2x always).",

@@ -497,6 +497,13 @@ class BertPkmLayer(GradientCheckpointingLayer):
             self.intermediate = BertPkmIntermediate(config)
             self.output = BertPkmOutput(config)
 
+    def __call__(self, *args, **kwargs):
+        # a checkpointed layer runs its forward again in backward (not through this call): the query BatchNorm's running
+        # statistics, updated by the first run, must stay as they are then
+        if self.memory is not None:
+            self.memory.batch_statistics_updates = 1 if self.gradient_checkpointing and self.training else None
+        return super().__call__(*args, **kwargs)
+
     def forward(
         self,
         hidden_states: torch.Tensor,

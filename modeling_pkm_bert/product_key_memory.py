@@ -1,10 +1,11 @@
-"""Product key memory (Lample et al. 2019, XLM `pq_fast`), pure torch, all heads batched.
+"""Product key memory (Lample et al. 2019), pure torch, all heads batched: the reference path, top-down.
 
-Top-down: `ProductKeyMemory`, the layer (`__init__`, `forward`, then what `forward` calls, in call order), then
-`ProductKeyValues`, its value table (an `nn.EmbeddingBag`), and last, in a section of their own, the int8 / 4-bit value
-tables for serving (`QuantizedProductKeyValues`). The fast autograd paths they run (value lookup and its backward,
-sub-key top-k, the native selection) and the switches that choose between those paths and the reference torch ops are
-in `product_key_memory_ops.py`, documented there in one list.
+`ProductKeyMemory.forward` -> `lookup`: the query network (Linear, then a BatchNorm whose statistics skip padding), the
+exact product-key search (each query half scores its `n_keys` sub-keys; the top-`knn` of each half; the top-`knn` of
+the candidate sums), the score weights (softmax in fp32, or relu), the value read (`ProductKeyValues`, an
+`nn.EmbeddingBag`), then the Memory+ options. `ProductKeyValues` and, last, the int8 / 4-bit tables for serving
+(`QuantizedProductKeyValues`) follow. Where a fast path has measured faster on its device, `product_key_memory_ops.py`
+holds it and its one plan (`ProductKeyMemory.explain_paths` prints it; `use_reference()` turns every fast path off).
 """
 
 import math
@@ -17,21 +18,12 @@ from torch import nn
 from .product_key_memory_ops import (
     OUTPUT_GATES,
     SCORE_ACTIVATIONS,
-    HostBoundLookup,
     ProductKeySearch,
-    SharedGradient,
+    PendingLookups,
     WeightedRowSum,
-    bag_layout,
     is_exporting,
-    lookup_is_host_bound,
-    read_is_host_bound,
-    release_op_workspaces,
+    plan_lookup,
     row_sum_op,
-    search_is_host_bound,
-    search_op,
-    select_product_keys,
-    subkey_scores,
-    triton_bag_sum,
 )
 
 
@@ -41,21 +33,7 @@ def check_memory_scale(name: str, value) -> None:
         raise ValueError(f"{name}={value!r} must be a finite nonzero number (e.g. 0.01 for a near-zero start) or None")
 
 
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
-def _has_hooks(module: nn.Module) -> bool:
-    """Whether a forward or backward hook of `module`, or a global one of every module
-    (`nn.modules.module.register_module_forward_hook` and the like), is set: each needs the module call."""
-    return any(getattr(module, name, None) for name in _HOOKS) or any(
-        getattr(nn.modules.module, f"_global{name}", None) for name in _HOOKS
-    )
-
-
-def _dropout(dropout: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """`dropout(hidden_states)`, without the module call where it is a no-op (`p == 0`, the default: a memory step is
-    host-bound on a GPU, and every call counts)."""
-    return hidden_states if getattr(dropout, "p", None) == 0 else dropout(hidden_states)
+_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 class ProductKeyMemory(nn.Module):
@@ -70,8 +48,8 @@ class ProductKeyMemory(nn.Module):
     zero.
 
     `sparse=True` (or setting `sparse_values` before wrapping the model in DDP) makes `values.weight.grad` a coalesced
-    sparse tensor over the rows a step used, for a row-wise optimizer (`optimization.SparseRowAdam`); the default dense
-    gradient suits DDP/NCCL, FSDP and any optimizer. Either way the values are read through `self.values(indices,
+    sparse tensor over the rows a step used, for a row-wise optimizer (`SparseRowAdam`); the default dense gradient
+    suits DDP/NCCL, FSDP and any optimizer. Either way the values are read through `self.values(indices,
     per_sample_weights=weights)`, a [`ProductKeyValues`] (an `nn.EmbeddingBag`).
 
     Options of Memory+ (Berges et al. 2024) and later memory layers, each off by default (written from the papers'
@@ -91,13 +69,11 @@ class ProductKeyMemory(nn.Module):
       near-zero start of a memory added beside a pretrained FFN); a finite nonzero number.
     """
 
-    # the fast paths (documented in one list: product_key_memory_ops.py); False: the reference torch ops
-    prune_candidates = True
-    fused_search_backward = True
-    native_search = True
-    trace_training_lookup = True  # under torch.compile: True traces a training lookup, False runs it eagerly
     # how errors name this memory (BertPkmLayer sets e.g. "layer 4 memory")
     layer_name = "ProductKeyMemory"
+    # set by a gradient-checkpointed layer before each of its forwards (BertPkmLayer): the query BatchNorm updates its
+    # running statistics in that many more training lookups; the checkpoint's recomputation in backward finds 0
+    batch_statistics_updates = None
 
     def __init__(
         self,
@@ -150,7 +126,6 @@ class ProductKeyMemory(nn.Module):
             values = ProductKeyValues(n_keys**2, self.v_dim, sparse=bool(sparse))
         else:
             self._check_shared_values(values, sparse)
-            values.shared = True  # its lookups sum their gradients into one buffer (SharedGradient)
         self.values = values
         self.value_dropout = nn.Dropout(value_dropout)
         if self.qk_norm:  # one norm for the query halves, one for the sub-keys
@@ -192,54 +167,38 @@ class ProductKeyMemory(nn.Module):
 
     def lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The memory on a flat batch of tokens: `(tokens, input_dim)` -> `(tokens, v_dim)`."""
-        if torch.compiler.is_compiling() and not self.trace_training_lookup and torch.is_grad_enabled():
-            if hidden_states.requires_grad or any(p.requires_grad for p in self.parameters()):
-                return self._eager_lookup(hidden_states)
-        return self._lookup(hidden_states)
+        inputs = self.input_dropout(hidden_states)
+        queries = self.query_dropout(self.normalized_queries(hidden_states, self.query_proj(inputs)))
+        scores, indices = self._search(queries)  # (tokens, heads, knn)
+        weights = self.score_weights(scores).flatten(1).to(lookup_dtype(self.values.weight))
+        # one bag of heads * knn rows per token: the heads are summed
+        output = self.values(indices.flatten(1), per_sample_weights=weights).to(hidden_states.dtype)
+        if self.output_gate == "swilu":
+            output = self.output_proj(output * F.silu(self.gate_proj(inputs)))
+        if self.memory_scale is not None:
+            output = output * self.memory_scale.to(output.dtype)
+        return self.value_dropout(output)
 
-    @torch.compiler.disable
-    def _eager_lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self._lookup(hidden_states)
-
-    def _lookup(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        inputs = _dropout(self.input_dropout, hidden_states)
-        queries = self.query_proj(inputs)
-        batchnorms = self.training and not torch.compiler.is_compiling() and self.query_batchnorms()
-        if batchnorms and torch._C._current_graph_task_id() != -1:  # run inside backward: checkpointing recomputes
-            queries = self._recomputed_batchnorm(queries, batchnorms)
-        else:
-            if batchnorms:
-                self._check_batch_statistics(hidden_states, queries)
-            queries = self.query_batchnorm(queries)
-        queries = _dropout(self.query_dropout, queries)
-        weight = self._one_node_table(queries)
-        if weight is not None:  # host-bound: the search, weights and lookup in one autograd node
-            queries, keys = self._scoring_inputs(queries)
-            output = HostBoundLookup.apply(
-                queries, keys, weight, self.knn, self.prune_candidates, self.native_search, self.score_activation,
-                self.values.sparse,
-            )  # fmt: skip
-        else:
-            scores, indices = self._search(queries)  # (tokens, heads, knn)
-            weights = self.score_weights(scores)
-            output = self.values(
-                indices.flatten(1), per_sample_weights=weights.flatten(1).to(lookup_dtype(self.values.weight))
-            )  # the bag sums knn rows of every head: heads are summed
-        output = output.to(hidden_states.dtype)
-        if self.output_gate == "swilu" or self.memory_scale is not None:
-            output = self.memory_output(output, inputs)
-        return _dropout(self.value_dropout, output)
+    def normalized_queries(self, hidden_states: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        """The query BatchNorm; in training, a batch it cannot take is refused first ([`check_batch_statistics`]), and
+        in a gradient-checkpointing recomputation its running statistics stay (the first forward updated them)."""
+        batchnorms = self.training and self.query_batchnorms()
+        if not batchnorms:
+            return self.query_batchnorm(queries)
+        if self.batch_statistics_updates == 0:
+            return self._recomputed_batchnorm(queries, batchnorms)
+        if self.batch_statistics_updates is not None:
+            self.batch_statistics_updates -= 1
+        self.check_batch_statistics(hidden_states, queries)
+        return self.query_batchnorm(queries)
 
     def query_batchnorms(self) -> list[nn.Module]:
         """The BatchNorms that normalise the queries: the query BatchNorm, or the copies inside a wrapper of it."""
-        if type(self.query_batchnorm) is nn.BatchNorm1d:  # the usual case, without walking the modules
-            return [self.query_batchnorm]
-        return [module for module in self.query_batchnorm.modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)]
+        return [module for module in self.query_batchnorm.modules() if isinstance(module, _BATCHNORMS)]
 
     def _recomputed_batchnorm(self, queries: torch.Tensor, batchnorms: list[nn.Module]) -> torch.Tensor:
-        """The query BatchNorm in a gradient-checkpointing recomputation (it runs inside backward): the same batch
-        statistics, and the running ones, already updated by the first forward, stay: the BatchNorms update copies of
-        them (they may sit in a wrapper, e.g. PEFT's modules_to_save, so the wrapper's own forward runs)."""
+        """The query BatchNorm with the same batch statistics, its running ones left as they are: the BatchNorms update
+        copies of them (they may sit in a wrapper, e.g. PEFT's modules_to_save, so the wrapper's own forward runs)."""
         buffers = [(norm, name, buffer) for norm in batchnorms for name, buffer in norm.named_buffers(recurse=False)]
         for norm, name, buffer in buffers:
             setattr(norm, name, buffer.clone())
@@ -249,7 +208,7 @@ class ProductKeyMemory(nn.Module):
             for norm, name, buffer in buffers:
                 setattr(norm, name, buffer)
 
-    def _check_batch_statistics(self, hidden_states: torch.Tensor, queries: torch.Tensor):
+    def check_batch_statistics(self, hidden_states: torch.Tensor, queries: torch.Tensor):
         """In training the query BatchNorm normalises each token with statistics of the whole batch and keeps them in
         its running mean and variance: one non-finite query would make every sequence's output and every later
         evaluation non-finite, so such a batch is refused (ValueError) before the BatchNorm, as is a batch of one token
@@ -263,8 +222,7 @@ class ProductKeyMemory(nn.Module):
                 " query BatchNorm needs at least 2 to compute batch statistics; use a batch with more real tokens,"
                 " or eval() mode"
             )
-        # a sum is NaN/inf iff some entry is (or, rarely, it overflows: then the exact count decides); read on the host
-        # as a number: one op and the sync, not the four ops of torch.isfinite on a tensor
+        # a sum is NaN/inf iff some entry is (or, rarely, it overflows: then the exact count decides)
         if not math.isfinite(queries.detach().sum().item()):
             bad_queries = int((~torch.isfinite(queries.detach())).sum())
             if bad_queries:
@@ -286,40 +244,15 @@ class ProductKeyMemory(nn.Module):
 
     def _search(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`search` on a flat batch: queries `(tokens, heads * k_dim)` -> scores, indices `(tokens, heads, knn)`."""
-        knn, prune, native = self.knn, self.prune_candidates, self.native_search
-        queries, keys = self._scoring_inputs(queries)
-        needs_grad = torch.is_grad_enabled() and (queries.requires_grad or keys.requires_grad)
-        if needs_grad and self.fused_search_backward:  # one node, reshapes included
-            if torch.compiler.is_compiling() and not is_exporting():
-                return search_op(queries, keys, knn, prune, native)
-            scoring = queries.shape[0] * self.heads * self.k_dim * self.n_keys  # multiply-adds of the sub-key scores
-            if not search_is_host_bound(queries.device, scoring):
-                return ProductKeySearch.apply(queries, keys, knn, prune, native)
-        # without gradients, fp32 on CPU: the native kernel (kernels/cpu.py); else the reference, torch's own backward
-        return select_product_keys(subkey_scores(queries, keys), knn, prune, native and not needs_grad)[:2]
-
-    def _scoring_inputs(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The flat queries and the sub-keys `(heads, 2, n_keys, half)` as scored: with `qk_norm` normalised (the
-        queries then `(tokens, heads * 2, half)`)."""
         keys = self.scoring_keys().to(queries.dtype)
+        halves = queries.view(queries.shape[0], self.heads * 2, self.k_dim // 2)
         if self.qk_norm:
-            queries = self.query_norm(queries.view(queries.shape[0], self.heads * 2, self.k_dim // 2))
-        return queries, keys
-
-    def _one_node_table(self, queries: torch.Tensor) -> torch.Tensor | None:
-        """The table's weight where the read is one `HostBoundLookup` node, else None: a training step with gradients,
-        eager, host-bound in both phases, on the memory's own plain table (a hook on `values`, a wrapper of it, a
-        shared, Triton or quantized table each needs the module call or its own node)."""
-        values, tokens = self.values, queries.shape[0]
-        if type(values) is not ProductKeyValues or not torch.is_grad_enabled():
-            return None
-        scoring = tokens * self.heads * self.k_dim * self.n_keys  # multiply-adds of the sub-key scores
-        weight, elements = values.weight, tokens * self.heads * self.knn * self.v_dim
-        if not (read_is_host_bound(weight.device, scoring, elements, values.sparse) and self.fused_search_backward):
-            return None
-        if not values.readable_in_one_node() or torch.compiler.is_compiling() or is_exporting():
-            return None  # (the module call; the custom ops; standard ops)
-        return weight
+            halves = self.query_norm(halves)
+        plan = self.plan(queries)
+        select = select_native if plan.selection == "native" else select_product_keys
+        if plan.search_backward == "selected":
+            return ProductKeySearch.apply(halves, keys, self.knn, select)
+        return select(halves, keys, self.knn)
 
     def scoring_keys(self) -> torch.Tensor:
         """The sub-keys the queries are scored against, `(heads, 2, n_keys, k_dim // 2)`: `keys`, with `qk_norm` normalised."""
@@ -331,13 +264,24 @@ class ProductKeyMemory(nn.Module):
             return F.relu(scores.float())
         return F.softmax(scores.float(), dim=-1)
 
-    def memory_output(self, read: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-        """The options applied to the weighted sum of values `read`: the swilu output and the learned scale."""
-        if self.output_gate == "swilu":
-            read = self.output_proj(read * F.silu(self.gate_proj(inputs)))
-        if self.memory_scale is not None:
-            read = read * self.memory_scale.to(read.dtype)
-        return read
+    def plan(self, queries: torch.Tensor) -> "Plan":  # noqa: F821 (product_key_memory_ops.Plan)
+        """Which implementation each phase of a lookup of these queries runs (`product_key_memory_ops.plan_lookup`)."""
+        needs_grad = torch.is_grad_enabled() and (
+            queries.requires_grad or any(p.requires_grad for p in (self.keys, self.values.weight))
+        )
+        return plan_lookup(
+            queries.device, queries.dtype, needs_grad=needs_grad, table=table_kind(self.values),
+            compiling=torch.compiler.is_compiling(), exporting=is_exporting(),
+        )  # fmt: skip
+
+    def explain_paths(self, hidden_states: torch.Tensor | None = None) -> "Plan":  # noqa: F821
+        """The plan a lookup of `hidden_states` (`(..., input_dim)`; default: one token on the memory's device, in the
+        query network's dtype) runs now, in this grad mode: print it, or read its fields."""
+        weight = self.query_proj.weight
+        if hidden_states is None:
+            hidden_states = torch.zeros(1, self.input_dim, device=weight.device, dtype=weight.dtype)
+        queries = torch.empty(0, self.heads * self.k_dim, device=hidden_states.device, dtype=weight.dtype)
+        return self.plan(queries.requires_grad_(torch.is_grad_enabled() and hidden_states.requires_grad))
 
     def _export_forward(self, flat: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Every token looked up, padding outputs zeroed: exact where the query BatchNorm does not use the batch's own
@@ -419,84 +363,112 @@ class ProductKeyMemory(nn.Module):
         )
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# The search: sub-key scores, the top-knn of each half, the top-knn of the candidate sums
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def subkey_scores(halves: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Each query half against its head-half's sub-keys (one bmm): halves `(tokens, heads * 2, half)`, keys `(heads, 2,
+    n_keys, half)` -> `(heads * 2, tokens, n_keys)`."""
+    groups, n_keys, half = keys.shape[0] * 2, keys.shape[2], keys.shape[3]
+    return torch.bmm(halves.transpose(0, 1), keys.reshape(groups, n_keys, half).transpose(1, 2))
+
+
+def candidate_pairs(knn: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Ranks `(a, b)` in the two halves' descending top-`knn` lists whose sum can be among the best `knn` products.
+
+    Pair `(a, b)` is matched or beaten by every pair `(a', b')` with `a' <= a` and `b' <= b`, that is by
+    `(a + 1) * (b + 1) - 1` others, so only pairs with `(a + 1) * (b + 1) <= knn` can make the top `knn` (exact):
+    119 of the 1024 pairs for `knn=32` (about `knn * ln(knn)`).
+    """
+    pairs = [(a, b) for a in range(knn) for b in range(knn // (a + 1))]
+    return tuple(a for a, _ in pairs), tuple(b for _, b in pairs)
+
+
+_RANKS: dict = {}
+
+
+def _candidate_ranks(knn: int, device: torch.device) -> torch.Tensor:
+    """`(2, candidates)`, the ranks of [`candidate_pairs`], made once per device (a constant while tracing)."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(candidate_pairs(knn), device=device)
+    if (knn, device) not in _RANKS:
+        with torch.inference_mode(False):  # made under inference_mode, it could not be saved for a later backward
+            _RANKS[knn, device] = torch.tensor(candidate_pairs(knn), device=device)
+    return _RANKS[knn, device]
+
+
+def select_product_keys(halves: torch.Tensor, keys: torch.Tensor, knn: int):
+    """The exact top-`knn` product keys: scores, indices `(tokens, heads, knn)`, from the query halves `(tokens, heads *
+    2, half)` and the sub-keys `(heads, 2, n_keys, half)`."""
+    return select_from_scores(subkey_scores(halves, keys), knn)
+
+
+def select_from_scores(scores: torch.Tensor, knn: int):
+    """[`select_product_keys`] from the sub-key scores `(heads * 2, tokens, n_keys)`. A product key's score is the sum
+    of its two sub-keys' scores, so the best `knn` are among the pairs of each half's top-`knn` (only those of
+    [`candidate_pairs`] can win)."""
+    groups, tokens, n_keys = scores.shape
+    scores = scores.view(groups // 2, 2, tokens, n_keys).permute(2, 0, 1, 3)  # (tokens, heads, 2, n_keys)
+    half_scores, half_indices = scores.topk(knn, dim=-1)  # (tokens, heads, 2, knn), descending
+    ranks = _candidate_ranks(knn, scores.device).expand(*half_scores.shape[:2], -1, -1)
+    best_scores, best = half_scores.gather(-1, ranks).sum(2).topk(knn, dim=-1)
+    subkeys = half_indices.gather(-1, ranks.gather(-1, best.unsqueeze(2).expand(-1, -1, 2, -1)))
+    return best_scores, subkeys[:, :, 0] * n_keys + subkeys[:, :, 1]
+
+
+def select_native(halves: torch.Tensor, keys: torch.Tensor, knn: int):
+    """[`select_product_keys`] with the selection in the native op (`kernels/csrc`, CPU fp32)."""
+    return torch.ops.pkm_bert.select_product_keys(subkey_scores(halves, keys), knn)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The value table
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def table_kind(values: nn.Module) -> str:
+    """"plain": a `ProductKeyValues` whose read is the weighted sum of rows; "quantized"; "other" (any other module)."""
+    if isinstance(values, QuantizedProductKeyValues):
+        return "quantized"
+    plain = type(values) is ProductKeyValues and values.max_norm is None and values.padding_idx is None
+    return "plain" if plain else "other"
+
+
 class ProductKeyValues(nn.EmbeddingBag):
     r"""
     The value table of a [`ProductKeyMemory`]: an `nn.EmbeddingBag(num_slots, v_dim, mode="sum")` (same `weight`, same
-    call `values(indices, per_sample_weights=weights)`, same output) whose training backward is cheaper.
+    call `values(indices, per_sample_weights=weights)`, same output), whose training backward on CPU may take the fast
+    path of the plan (`product_key_memory_ops.WeightedRowSum`).
 
     - `sparse=False` (default): a dense `weight.grad` as EmbeddingBag's, which DDP/NCCL, FSDP, `clip_grad_norm_` and
       every optimizer accept.
     - `sparse=True`: `weight.grad` is a coalesced sparse COO tensor over the rows the step used (one row each), for
-      [`~optimization.SparseRowAdam`] or `torch.optim.SparseAdam`; DDP reads the `sparse` attribute at wrapping time
-      (sparse all-reduce needs gloo, not NCCL; FSDP refuses sparse gradients).
+      `SparseRowAdam` or `torch.optim.SparseAdam`; DDP reads the `sparse` attribute at wrapping time (sparse
+      all-reduce needs gloo, not NCCL; FSDP refuses sparse gradients).
 
-    On CPU the gradient lives in a buffer reused from step to step (fresh allocations of hundreds of MiB cost page
-    faults), also for a table shared by several memories, whose lookups add their gradients into one buffer (bitwise
-    autograd's sum); `eval()` releases it. `fused_backward = False` gives EmbeddingBag's own backward (the reference).
+    On that CPU path the gradient lives in a buffer reused from step to step (fresh allocations of hundreds of MiB
+    cost page faults); `eval()` releases it.
     """
-
-    # the fast paths (documented in one list: product_key_memory_ops.py); opt-in Triton gathers, e.g.
-    # `ProductKeyValues.triton_devices = ("cuda",)`
-    fused_backward = True
-    triton_devices = ()
 
     def __init__(self, num_embeddings: int, embedding_dim: int, sparse: bool = False, **kwargs):
         super().__init__(num_embeddings, embedding_dim, mode="sum", sparse=sparse, **kwargs)
-        self._workspaces = {}
-        self._shared_gradient = SharedGradient()
-        # set when a second memory reads this table: only then do the lookups keep track of each other (a table read
-        # twice otherwise, e.g. a memory module called twice, gets autograd's out-of-place sum: the same gradient)
-        self.shared = False
+        self.workspaces, self.pending = {}, PendingLookups()
 
     def forward(self, input, offsets=None, per_sample_weights=None):
-        if is_exporting():  # standard ops only
-            return super().forward(input, offsets, per_sample_weights)
-        return self._fused_forward(input, offsets, per_sample_weights)
-
-    def _fused_forward(self, input, offsets=None, per_sample_weights=None):
-        if (
-            offsets is not None
-            or input.dim() != 2
-            or input.dtype != torch.long
-            or per_sample_weights is None
-            or self.max_norm is not None
-            or self.padding_idx is not None
-        ):
-            return super().forward(input, offsets, per_sample_weights)
-        triton = (
-            self.weight.device.type in self.triton_devices
-            and self.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)  # the kernels sum in fp32
-            and hasattr(torch.ops.pkm_bert, "bag_sum")
-        )
-        needs_grad = torch.is_grad_enabled() and (self.weight.requires_grad or per_sample_weights.requires_grad)
-        if needs_grad and self.fused_backward and torch.compiler.is_compiling():  # one node of the graph
-            return row_sum_op(self.weight, input, per_sample_weights, self.sparse, triton)
-        # a dense gradient of a table read once, host-bound: EmbeddingBag's own node (C++), the kernels WeightedRowSum
-        # would call there
-        own_node = not (self.sparse or self.shared or triton) and lookup_is_host_bound(
-            self.weight.device, input.numel() * self.embedding_dim
-        )
-        if needs_grad and self.fused_backward and not own_node:
-            return WeightedRowSum.apply(
-                self.weight, input, per_sample_weights, self.sparse, self._workspaces, triton,
-                self._shared_gradient if self.shared else None,
-            )
-        if triton and not needs_grad:
-            return triton_bag_sum(self.weight, input, per_sample_weights)
-        # one bag of input.shape[1] rows per token: the offsets made once per shape, not on every call
-        offsets = bag_layout(input)[0]
-        return torch.embedding_bag(
-            self.weight, input.reshape(-1), offsets, False, 0, self.sparse, per_sample_weights.reshape(-1), False, None
-        )[0]
-
-    def readable_in_one_node(self) -> bool:
-        """Whether a memory may read this table inside its one-node read (`HostBoundLookup`) instead of calling it: the
-        fused backward, a plain sum of rows (no max_norm, padding_idx or overridden forward), read by that memory only,
-        not on a Triton device, and no forward or backward hook (of the table or of every module) that needs the call."""
-        plain = self.max_norm is None and self.padding_idx is None and "forward" not in vars(self)
-        return self.fused_backward and plain and not (self.shared or _has_hooks(self)) and (
-            self.weight.device.type not in self.triton_devices
-        )
+        weight = self.weight
+        if offsets is None and input.dim() == 2 and per_sample_weights is not None and table_kind(self) == "plain":
+            needs_grad = torch.is_grad_enabled() and (weight.requires_grad or per_sample_weights.requires_grad)
+            plan = plan_lookup(
+                weight.device, weight.dtype, needs_grad=needs_grad, compiling=torch.compiler.is_compiling(),
+                exporting=is_exporting(),
+            )  # fmt: skip
+            if plan.value_read == "csr":
+                return WeightedRowSum.apply(weight, input, per_sample_weights, self.sparse, self)
+            if plan.value_read == "op":
+                return row_sum_op(weight, input, per_sample_weights, self.sparse)
+        return super().forward(input, offsets, per_sample_weights)
 
     def train(self, mode: bool = True):
         if not mode:
@@ -505,13 +477,11 @@ class ProductKeyValues(nn.EmbeddingBag):
 
     def release_workspace(self):
         """Frees the gradient buffer kept between training steps (it is made again by the next backward)."""
-        self._workspaces.clear()
-        self._shared_gradient.partial.clear()  # left only by a backward pass that raised
-        release_op_workspaces(self.weight)  # those the custom ops keep for this table (a compiled step)
+        self.workspaces.clear()
 
     def __getstate__(self):
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
-        return {**state, "_workspaces": {}, "_shared_gradient": SharedGradient()}
+        return {**state, "workspaces": {}, "pending": PendingLookups()}
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, mode='sum', sparse={self.sparse}"

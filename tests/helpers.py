@@ -118,3 +118,17 @@ def usage_error(capsys, call) -> str:
     errors = [line for line in err.splitlines() if ": error: " in line]
     assert len(errors) == 1, err
     return errors[0]
+
+
+def lookup_plans() -> dict:
+    """Every plan of a memory lookup a CPU can run, by name (`product_key_memory_ops.Plan`): tests run each and compare
+    it with the reference."""
+    from modeling_pkm_bert.product_key_memory_ops import REFERENCE, Plan
+
+    return {
+        "reference": REFERENCE,
+        "cpu": Plan("native", "selected", "csr"),  # what a CPU training step runs
+        "cpu_torch_selection": Plan("torch", "selected", "csr"),
+        "custom_op": Plan("torch", "torch", "op"),  # what a compiled step runs, here eagerly
+    }
+

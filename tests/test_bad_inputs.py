@@ -357,9 +357,8 @@ def test_checksum_is_verified_through_remote_code(tmp_path):
 
 
 
-def test_compiled_graphs_hold_no_data_dependent_check(monkeypatch):
+def test_compiled_graphs_hold_no_data_dependent_check():
     """`fullgraph=True` fails on any graph break: the id-range and non-finite checks (host syncs) are not traced."""
-    monkeypatch.setattr(ProductKeyMemory, "trace_training_lookup", True)  # the training lookup in the graph too
     lm = model(BertPkmForMaskedLM, train=True)
     input_ids = ids(2, 8)
     compiled = torch.compile(lm, backend="eager", fullgraph=True)

@@ -1,4 +1,5 @@
-"""The native product-key selection (`cpu_kernels`, `csrc/product_key_select.c`) equals the torch selection."""
+"""The native product-key selection (`kernels/cpu.py`, `csrc/product_key_select.c`) equals the torch selection, and
+the plans that run it compute what the reference computes."""
 
 import copy
 import os
@@ -8,11 +9,14 @@ import sys
 import pytest
 import torch
 
-from modeling_pkm_bert import ProductKeyMemory, product_key_memory_ops, use_huge_pages
+from helpers import lookup_plans
+from modeling_pkm_bert import ProductKeyMemory, use_huge_pages
 from modeling_pkm_bert.kernels import cpu as cpu_kernels
 from modeling_pkm_bert.kernels.cpu import FLAGS, PORTABLE_FLAGS, _torch_selection, select_product_keys_native
 from modeling_pkm_bert.methods.optimizers import SparseRowAdam
-from modeling_pkm_bert.product_key_memory_ops import native_selection
+from modeling_pkm_bert.product_key_memory_ops import REFERENCE, plan_lookup, use_plan, use_reference
+
+PLANS = lookup_plans()
 
 
 SHAPES = [  # heads, tokens, n_keys, knn
@@ -29,13 +33,6 @@ def compiled(flags):
     if cpu_kernels.library(flags) is None:
         pytest.skip(f"no C compiler could build the kernel with {' '.join(flags)} (the torch selection is used then)")
     return flags
-
-
-@pytest.fixture(autouse=True)
-def _fused_nodes_at_every_size(monkeypatch):
-    """The tiny layers here train through the fused search node, which runs the native selection, as large ones do
-    (at host-bound sizes the search takes torch's own nodes: `TORCH_AUTOGRAD_WHEN_HOST_BOUND`)."""
-    monkeypatch.setattr(product_key_memory_ops, "TORCH_AUTOGRAD_WHEN_HOST_BOUND", False)
 
 
 @pytest.fixture(params=[FLAGS, PORTABLE_FLAGS], ids=["native", "portable"])
@@ -116,45 +113,37 @@ def test_op_schema_and_fake_tensor():
     torch.library.opcheck(torch.ops.pkm_bert.select_product_keys.default, (torch.randn(4, 10, 64), 8))
 
 
-def test_memory_uses_the_kernel_for_fp32_cpu_queries():
-    compiled(FLAGS)
-    memory = ProductKeyMemory(32, n_keys=64, heads=2, knn=8, k_dim=16).eval()
-    assert native_selection(torch.randn(4, 3, 64)) is not None
-    assert native_selection(torch.randn(4, 3, 64, dtype=torch.float64)) is None
-    queries = torch.randn(2, 7, 2, 16)
-    with torch.no_grad():
-        native = memory.search(queries)
-        memory.native_search = False
-        reference = memory.search(queries)
-    assert torch.equal(native[0], reference[0]) and torch.equal(native[1], reference[1])
+def native_calls(run) -> int:
+    with torch.profiler.profile() as profile:
+        run()
+    return len([event for event in profile.events() if "select_product_keys" in event.name])
 
+
+def test_the_plan_takes_the_kernel_for_fp32_cpu_queries():
+    compiled(FLAGS)
+    cpu = torch.device("cpu")
+    for needs_grad in (False, True):
+        assert plan_lookup(cpu, torch.float32, needs_grad=needs_grad).selection == "native"
+        assert plan_lookup(cpu, torch.float64, needs_grad=needs_grad).selection == "torch"
+    memory = ProductKeyMemory(32, n_keys=64, heads=2, knn=8, k_dim=16).eval()
     hidden = torch.randn(2, 7, 32)
     with torch.inference_mode():
-        memory.native_search = True
         output = memory(hidden)
-        memory.native_search = False
-        torch.testing.assert_close(output, memory(hidden), rtol=0, atol=1e-6)
-
-    # with gradients: the fused search backward goes through the op, the reference (dense bmm backward) never does
-    memory.native_search = True
-    memory.train()
-    for fused in (True, False):
-        memory.fused_search_backward = fused
-        with torch.profiler.profile() as profile:
-            memory(hidden).sum().backward()
-        assert memory.keys.grad is not None
-        assert bool([event for event in profile.events() if "select_product_keys" in event.name]) == fused
-    memory.eval()
-    with torch.profiler.profile() as profile, torch.no_grad():
-        memory(hidden)
-    assert [event for event in profile.events() if "select_product_keys" in event.name]
+        assert native_calls(lambda: memory(hidden)) == 1
+        with use_reference():
+            torch.testing.assert_close(output, memory(hidden), rtol=0, atol=1e-6)
+            assert native_calls(lambda: memory(hidden)) == 0
+    memory.train()  # with gradients: inside the search through the selected sub-keys; never in the reference
+    assert native_calls(lambda: memory(hidden).sum().backward()) == 1
+    with use_reference():
+        assert native_calls(lambda: memory(hidden).sum().backward()) == 0
 
 
 @pytest.mark.parametrize("with_ties", [False, True])
 def test_native_search_with_gradients_equals_the_torch_search(with_ties):
-    """Scores, indices, and the query and key gradients of the native search vs the torch ops (`_SubkeyTopk`); with
-    ties, where either may pick another slot of equal score, the gradients vs autograd through brute-force scores of
-    the slots the native search picked."""
+    """Scores, indices, and the query and key gradients of the native search (plan "cpu") vs the reference; with ties,
+    where either may pick another slot of equal score, the gradients vs autograd through brute-force scores of the
+    slots the native search picked."""
     compiled(FLAGS)
     torch.manual_seed(3)
     memory = ProductKeyMemory(32, n_keys=64, heads=3, knn=16, k_dim=12)
@@ -165,15 +154,17 @@ def test_native_search_with_gradients_equals_the_torch_search(with_ties):
         queries = queries.round()
     weights = torch.randn(40, 3, 16)
     results = []
-    for native in (True, False):
-        memory.native_search = native
+    for plan in (PLANS["cpu"], REFERENCE):
         memory.keys.grad = None
         q = queries.clone().requires_grad_()
-        with torch.profiler.profile() as profile:
-            scores, indices = memory.search(q)
+
+        def search():
+            with use_plan(plan):
+                scores, indices = memory.search(q)
             (scores * weights).sum().backward()
-        assert bool([event for event in profile.events() if "select_product_keys" in event.name]) == native
-        results.append((scores.detach(), indices, q.grad, memory.keys.grad.clone()))
+            results.append((scores.detach(), indices, q.grad, memory.keys.grad.clone()))
+
+        assert native_calls(search) == (plan is PLANS["cpu"])
     (scores, indices, query_grad, keys_grad), (ref_scores, ref_indices, ref_query_grad, ref_keys_grad) = results
     assert torch.equal(scores, ref_scores)
     assert keys_grad.abs().sum() > 0
@@ -202,7 +193,6 @@ def test_training_with_the_native_search_equals_the_torch_search_after_several_s
     # no query bias: before a BatchNorm its gradient is rounding noise, which Adam would blow up to lr-sized steps
     memory = ProductKeyMemory(24, 16, n_keys=32, heads=2, knn=8, k_dim=16, query_bias=False, sparse=sparse).train()
     native, reference = copy.deepcopy(memory), copy.deepcopy(memory)
-    reference.native_search = False
     optimizers = [
         (
             torch.optim.AdamW([p for n, p in m.named_parameters() if n != "values.weight"], lr=1e-2, foreach=False),
@@ -214,8 +204,10 @@ def test_training_with_the_native_search_equals_the_torch_search_after_several_s
         x = torch.randn(3, 10, 24)
         mask = torch.ones(3, 10)
         mask[step % 3, 6:] = 0
-        for module, module_optimizers in zip((native, reference), optimizers):
-            module(x, mask).square().mean().backward()
+        for module, module_optimizers, plan in zip((native, reference), optimizers, (PLANS["cpu"], PLANS["cpu_torch_selection"])):
+            with use_plan(plan):
+                loss = module(x, mask).square().mean()
+            loss.backward()
             for optimizer in module_optimizers:
                 optimizer.step()
                 optimizer.zero_grad()

@@ -19,10 +19,9 @@ from modeling_pkm_bert import (
     BertPkmForSequenceClassification,
     BertPkmForTokenClassification,
     BertPkmModel,
-    ProductKeyMemory,
 )
-from modeling_pkm_bert.kernels import triton_gathers
 from modeling_pkm_bert.methods.optimizers import set_sparse_values
+from modeling_pkm_bert.product_key_memory_ops import use_reference
 from modeling_pkm_bert.utils.memories import memory_modules
 from test_modeling import batch
 
@@ -52,12 +51,10 @@ def device(request) -> torch.device:
 
 
 def reference_on_cpu(model):
-    """A CPU copy of `model` on the reference paths of its memories."""
+    """A CPU copy of `model` with dense value gradients (run it under `use_reference()`: the reference paths)."""
     model = copy.deepcopy(model).cpu()
     for memory in memory_modules(model).values():
         memory.sparse_values = False
-        memory.values.fused_backward = memory.fused_search_backward = memory.prune_candidates = memory.native_search = False
-        memory.values.triton_devices = ()
     return model
 
 
@@ -121,7 +118,8 @@ def test_training_step_equals_the_cpu_reference(device, model_class, variant):
     assert torch.isfinite(loss)
     for name, grad in value_grads(grads).items():
         assert grad.isfinite().all() and grad.abs().sum() > 0, name
-    expected_loss, expected_outputs, expected_grads = forward_backward(reference, inputs, "cpu")
+    with use_reference():
+        expected_loss, expected_outputs, expected_grads = forward_backward(reference, inputs, "cpu")
     assert_near(loss, expected_loss)
     assert len(outputs) == len(expected_outputs)
     for out, expected in zip(outputs, expected_outputs):
@@ -173,7 +171,8 @@ def test_greedy_generation_equals_the_cpu_reference(device):
     reference = reference_on_cpu(model)
     prompt = torch.randint(1, 99, (2, 4))
     settings = dict(max_new_tokens=6, do_sample=False)
-    expected = reference.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
+    with use_reference():
+        expected = reference.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
     prompt = prompt.to(device)
     tokens = model.to(device).generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
     assert tokens.device.type == device.type and tokens.shape == (2, 10)
@@ -184,7 +183,7 @@ def test_saved_folder_loads_onto_the_device(device, tmp_path):
     model = BertPkmForMaskedLM(tiny_config(pkm_layers=[0, 2])).eval()
     model.save_pretrained(tmp_path)
     ids, mask = batch()
-    with torch.no_grad():
+    with torch.no_grad(), use_reference():
         expected = reference_on_cpu(model)(ids, attention_mask=mask).logits
         for loaded in (
             remote_code_model(tmp_path).to(device).eval(),  # the folder's own code, as trust_remote_code loads it
@@ -192,46 +191,6 @@ def test_saved_folder_loads_onto_the_device(device, tmp_path):
         ):
             assert {p.device.type for p in loaded.parameters()} == {device.type}
             assert_near(loaded(ids.to(device), attention_mask=mask.to(device)).logits.cpu(), expected)
-
-
-def op_calls(function) -> dict:
-    with torch.profiler.profile() as profile:
-        function()
-    names = ("pkm_bert::bag_sum", "pkm_bert::row_dots", "pkm_bert::row_sum_backward")
-    return {name: sum(e.count for e in profile.key_averages() if e.key == name) for name in names}
-
-
-@pytest.mark.parametrize("sparse", [False, True])
-def test_triton_gathers_equal_embedding_bag(device, sparse):
-    if device.type != "cuda":
-        pytest.skip("the Triton gathers run on CUDA; on CPU tests/test_triton_kernels.py checks them under the interpreter")
-    if not triton_gathers.available():
-        pytest.skip("the triton package is not installed: the gathers stay on EmbeddingBag")
-    assert hasattr(torch.ops.pkm_bert, "bag_sum") and hasattr(torch.ops.pkm_bert, "row_dots")
-    memory = ProductKeyMemory(64, 48, n_keys=16, heads=2, knn=8, k_dim=16).train().to(device)
-    triton = copy.deepcopy(memory)
-    triton.values.triton_devices, triton.sparse_values = ("cuda",), sparse
-    x, g = torch.randn(3, 7, 64, device=device), torch.randn(3, 7, 48, device=device)
-    mask = torch.ones(3, 7, device=device)
-    mask[1, 4:] = 0
-    results = []
-    for module in (triton, memory):
-        xx = x.clone().requires_grad_()
-        outputs = []
-        calls = op_calls(lambda: outputs.append(module(xx, mask)) or (outputs[0] * g).sum().backward())  # noqa: B023
-        grads = {n: (p.grad.to_dense() if p.grad.is_sparse else p.grad) for n, p in module.named_parameters()}
-        results.append((calls, outputs[0], xx.grad, grads))
-    (calls, out, x_grad, grads), (no_calls, expected, expected_x_grad, expected_grads) = results
-    assert tuple(calls.values()) == (1, 0, 1)  # the lookup; both gradients in one fused pass
-    assert set(no_calls.values()) == {0}  # off by default
-    assert triton.values.weight.grad.is_sparse == sparse
-    assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    assert_close(x_grad, expected_x_grad, rtol=1e-5, atol=1e-5)
-    for name in expected_grads:
-        assert_close(grads[name], expected_grads[name], rtol=1e-5, atol=1e-5, msg=name)
-    with torch.no_grad():
-        inference = op_calls(lambda: assert_close(triton.eval()(x), memory.eval()(x), rtol=1e-5, atol=1e-5))
-    assert tuple(inference.values()) == (1, 0, 0)
 
 
 def cuda_allocations() -> int:

@@ -108,8 +108,8 @@ def test_dynamic_export_with_each_memory_plus_option_equals_eager(option):
 @pytest.mark.parametrize("with_mask", [False, True])
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_export_with_and_without_attention_mask_and_gradients_enabled(dynamic, with_mask):
-    """The original failures: without a mask, a lookup that needs gradients recursed forever (lookup -> _eager_lookup
-    -> lookup); with one, the data-dependent token selection failed. Here gradients stay enabled, the parameters
+    """The original failures: without a mask, a lookup that needs gradients recursed forever; with one, the
+    data-dependent token selection failed. Here gradients stay enabled, the parameters
     require them and the values have sparse gradients: nothing may recurse."""
     model = tiny_model("BertPkmModel")
     set_sparse_values(model, True)
@@ -124,12 +124,6 @@ def test_export_with_and_without_attention_mask_and_gradients_enabled(dynamic, w
         other.pop("attention_mask", None)
     with torch.no_grad():
         assert_outputs_equal(program.module()(**other), model(**other))
-
-
-def test_eager_lookup_calls_the_body_not_lookup_again():
-    memory = modeling_pkm_bert.ProductKeyMemory(16, n_keys=8, heads=2, knn=4, k_dim=8).eval()
-    hidden = torch.randn(5, 16)
-    torch.testing.assert_close(memory._eager_lookup(hidden), memory.lookup(hidden))
 
 
 def test_export_of_generate_for_the_causal_lm_equals_eager_generate():

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from transformers import BertConfig, BertForMaskedLM
 
 from conftest import REPO_ROOT, tiny_config
-from helpers import load_script
+from helpers import load_script, lookup_plans
 from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM, BertPkmModel
 from modeling_pkm_bert.hub.conversion import convert_to_pkm
 from modeling_pkm_bert.analysis.memory_usage import track_memory_usage
@@ -26,7 +26,9 @@ from modeling_pkm_bert.methods.optimizers import (
     set_sparse_values,
 )
 from modeling_pkm_bert.product_key_memory import ProductKeyMemory, ProductKeyValues
-from modeling_pkm_bert.training import add_pkm_arguments, clip_memory_gradients, pkm_kwargs_from_args
+from modeling_pkm_bert.product_key_memory_ops import use_plan
+from modeling_pkm_bert.methods.optimizers.scripts import clip_memory_gradients
+from modeling_pkm_bert.training import add_pkm_arguments, pkm_kwargs_from_args
 
 
 DIM, N_KEYS, HEADS, KNN, K_DIM = 12, 6, 2, 4, 8
@@ -75,15 +77,11 @@ def reference(memory: ProductKeyMemory, x: torch.Tensor, table: torch.Tensor) ->
     return out
 
 
-def fast_paths(on: bool, monkeypatch):
-    import modeling_pkm_bert.product_key_memory_ops as pkm
-
-    monkeypatch.setattr(ProductKeyMemory, "native_search", on)
-    monkeypatch.setattr(ProductKeyMemory, "fused_search_backward", on)
-    monkeypatch.setattr(ProductKeyValues, "fused_backward", on)
-    # the tiny memories here take the paths of large ones (the CSR kernels and their reused buffers)
-    monkeypatch.setattr(pkm, "SMALL_LOOKUP_ELEMENTS", 0)
-    monkeypatch.setattr(pkm, "DENSE_SCORE_GRADIENT_CPU_LIMIT", 0)
+@pytest.fixture
+def plan(request):
+    """The lookup plan a test runs (`helpers.lookup_plans()`, by name), for the test's duration."""
+    with use_plan(lookup_plans()[request.param]):
+        yield request.param
 
 
 def gradients(module_list, x, outputs):
@@ -94,11 +92,10 @@ def gradients(module_list, x, outputs):
     return [g.to_dense() if g is not None and g.is_sparse else g for g in grads]
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["fast", "reference_paths"])
+@pytest.mark.parametrize("plan", ["cpu", "reference"], indirect=True)
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("option", list(OPTIONS))
-def test_option_equals_reference_formula(option, sparse, fast, monkeypatch):
-    fast_paths(fast, monkeypatch)
+def test_option_equals_reference_formula(option, sparse, plan):
     memory = make_memory(sparse=sparse, **OPTIONS[option])
     x = torch.randn(9, DIM, requires_grad=True)
     out = memory(x)
@@ -110,9 +107,9 @@ def test_option_equals_reference_formula(option, sparse, fast, monkeypatch):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("plan", ["cpu", "reference"], indirect=True)
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_shared_table_gradient_is_the_sum_over_memories(sparse, monkeypatch):
-    fast_paths(True, monkeypatch)
+def test_shared_table_gradient_is_the_sum_over_memories(sparse, plan):
     table = ProductKeyValues(N_KEYS**2, DIM, sparse=sparse)
     first = make_memory(values=table, **OPTIONS["all"])
     second = make_memory(values=table, qk_norm=True, output_gate="swilu")
@@ -131,49 +128,6 @@ def test_shared_table_gradient_is_the_sum_over_memories(sparse, monkeypatch):
     g_both = g_both.to_dense() if g_both.is_sparse else g_both
     assert g_first.abs().sum() > 0 and g_second.abs().sum() > 0
     torch.testing.assert_close(g_both, g_first + g_second, rtol=1e-4, atol=1e-6)
-
-
-@pytest.mark.parametrize("set_to_none", [True, False])
-@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_shared_table_gradient_accumulates_in_one_reused_buffer_exactly(sparse, set_to_none, monkeypatch):
-    """Memories sharing a table add their value gradients into one buffer reused from step to step (autograd would
-    add them out of place into a fresh one): bitwise the gradient autograd's own sum gives, with one backward pass a
-    step and with two (gradient accumulation), after zero_grad(set_to_none=True/False); lookups of graphs that this
-    backward pass does not differentiate do not count."""
-    import modeling_pkm_bert.product_key_memory_ops as pkm  # the fast paths: where a lookup finds the pending ones
-
-    fast_paths(True, monkeypatch)
-    torch.manual_seed(0)
-    table = ProductKeyValues(N_KEYS**2, DIM, sparse=sparse)
-    memories = torch.nn.ModuleList(make_memory(values=table, **options) for options in ({}, OPTIONS["all"], {}))
-    inputs = [torch.randn(2, 9, DIM) for _ in range(6)]
-
-    def train(passes_per_step):
-        grads, workspaces = [], []
-        batches = iter(inputs)
-        for _ in range(len(inputs) // passes_per_step):
-            memories.zero_grad(set_to_none=set_to_none)
-            for _ in range(passes_per_step):
-                x = next(batches)
-                memories[0](x.flip(1))  # a graph dropped without backward, and one kept but not differentiated
-                kept = memories[1](x.flip(0))  # noqa: F841
-                sum((memory(x.roll(i, 1)) * (i + 1)).square().sum() for i, memory in enumerate(memories)).backward()
-            grads.append(table.weight.grad.to_dense() if sparse else table.weight.grad.clone())
-            workspaces.append(dict(table._workspaces))
-        return grads, workspaces
-
-    one_pass, workspaces = train(1)
-    accumulated, _ = train(2)
-    monkeypatch.setattr(pkm, "_pending_lookups", lambda ctx: [])  # each lookup's own gradient, autograd's sum
-    reference_one_pass, _ = train(1)
-    reference_accumulated, _ = train(2)
-    assert all(g.abs().sum() > 0 for g in one_pass)
-    for got, want in zip(one_pass + accumulated, reference_one_pass + reference_accumulated):
-        assert torch.equal(got, want)
-    # the step after the first finds every buffer free again: the same objects, nothing allocated
-    assert workspaces[-1].keys() == workspaces[-2].keys() and workspaces[-1]
-    for name, (buffer, _) in workspaces[-1].items():
-        assert buffer is workspaces[-2][name][0], name
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
@@ -509,16 +463,12 @@ def test_shared_table_benchmark_section_compares_dense_and_sparse_gradients(monk
     monkeypatch.setattr(bench, "PAPER", dict(n_keys=16, heads=2, knn=4, k_dim=16))
     lines = bench.section_shared(argparse.Namespace(quick=True, threads=1, options_batch=(2, 8)))
     rows = [line for line in lines if line.startswith("| ") and "ms" not in line and "---" not in line]
-    before = "one shared table, autograd's out-of-place sum (before)"
     assert [row.split(" | ")[:2] for row in rows] == [
         [f"| {kind}", label]
         for kind in ("dense", "sparse (`sparse=True`)")
-        for label in ("a table each (2 x 1 MiB)", "one shared table (1 MiB)", before)
+        for label in ("a table each (2 x 1 MiB)", "one shared table (1 MiB)")
     ]
-    assert rows[0].endswith("| 1.00; 1.00 |") and rows[3].endswith("| 1.00; 1.00 |")  # own tables against themselves
-    import modeling_pkm_bert.product_key_memory_ops as pkm  # the fast paths: where a lookup finds the pending ones
-
-    assert pkm._pending_lookups.__name__ == "_pending_lookups"  # restored after the 'before' rows
+    assert rows[0].endswith("| 1.00; 1.00 |") and rows[2].endswith("| 1.00; 1.00 |")  # own tables against themselves
 
 
 def test_memory_plus_report_lists_every_finished_run(tmp_path):

@@ -103,14 +103,14 @@ def test_no_nan_under_autocast(dtype):
 def test_search_under_bfloat16_autocast_is_exact_for_the_rounded_scores():
     """Under bf16 autocast the search ranks bf16-rounded scores (docs/scripts.md): the scores it selects are the
     top-knn of every product key's bf16 sum of sub-key scores, and each is its slot's own rounded score."""
-    from modeling_pkm_bert.product_key_memory_ops import subkey_scores
+    from modeling_pkm_bert.product_key_memory import subkey_scores
 
     torch.manual_seed(0)
     memory = ProductKeyMemory(12, n_keys=16, heads=2, knn=8, k_dim=16).eval()
     queries = torch.randn(40, 2, 16)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         scores, indices = memory.search(queries)
-        halves = subkey_scores(queries.view(40, -1), memory.keys).view(2, 2, 40, 16)  # (heads, half, tokens, n_keys)
+        halves = subkey_scores(queries.view(40, 4, -1), memory.keys).view(2, 2, 40, 16)  # (heads, half, tokens, n_keys)
     every = (halves[:, 0, :, :, None] + halves[:, 1, :, None, :]).flatten(-2).transpose(0, 1)  # (tokens, heads, n**2)
     assert scores.dtype == torch.bfloat16
     assert torch.equal(scores, every.topk(8, dim=-1).values)

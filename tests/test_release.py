@@ -151,22 +151,24 @@ def test_the_ops_check_fails_on_a_changed_op(tmp_path):
     source = (PACKAGE / OPS_FILE).read_text(encoding="utf-8")
     _, ops = custom_op_definitions(PACKAGE / OPS_FILE)
     planted = tmp_path / OPS_FILE
-    # a statement before the last one of the CPU value backward's per-sample-weight gradient
-    (function,) = [n for n in ast.parse(source).body if getattr(n, "name", None) == "_csr_per_sample_weight_gradient"]
+    # a statement before the last one of the plain-ops value backward (a function the backward op reaches)
+    (function,) = [n for n in ast.parse(source).body if getattr(n, "name", None) == "_plain_gradients"]
     lines = source.splitlines(keepends=True)
     last = function.body[-1]
-    lines.insert(last.lineno - 1, " " * last.col_offset + "dots = dots * 1\n")
+    lines.insert(last.lineno - 1, " " * last.col_offset + "grad_weight = grad_weight\n")
     planted.write_text("".join(lines), encoding="utf-8")
     changed = custom_op_definitions(planted)[1]
     assert changed["weighted_row_sum_backward"] != ops["weighted_row_sum_backward"]
-    assert changed["product_key_search"] == ops["product_key_search"]  # the search does not reach it
-    planted.write_text(source.replace("def _search_op(\n    queries", "def _search_op(\n    q", 1), encoding="utf-8")
-    signature = custom_op_definitions(planted)[1]["product_key_search"]["signature"]
-    assert signature != ops["product_key_search"]["signature"]
+    unreached = source.replace("    if _forced:\n", "    if _forced:  # planted\n        pass\n", 1)
+    assert unreached != source
+    planted.write_text(unreached, encoding="utf-8")
+    assert custom_op_definitions(planted)[1] == ops  # no op reaches the plan
+    planted.write_text(source.replace("def _row_sum(weight: torch.Tensor,", "def _row_sum(table: torch.Tensor,", 1), encoding="utf-8")
+    signature = custom_op_definitions(planted)[1]["weighted_row_sum"]["signature"]
+    assert signature != ops["weighted_row_sum"]["signature"]
     # comments and docstrings are no change
-    planted.write_text(source.replace("def _row_sum_op(", "# a comment\ndef _row_sum_op(", 1), encoding="utf-8")
+    planted.write_text(source.replace("def _row_sum(", "# a comment\ndef _row_sum(", 1), encoding="utf-8")
     assert custom_op_definitions(planted)[1] == ops
-
 
 if __name__ == "__main__" and sys.argv[1:] == ["--record-ops"]:
     record = json.loads(OPS_RECORD.read_text(encoding="utf-8")) if OPS_RECORD.is_file() else {}

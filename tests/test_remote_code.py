@@ -157,7 +157,7 @@ STABLE_TRANSFORMERS = {
 def test_remote_code_files_import_only_allowed_modules():
     from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 
-    allowed = {"torch", "transformers", "huggingface_hub", "__future__", "dataclasses", "typing", "math", "collections", "functools", "itertools", "warnings", "hashlib", "weakref"}
+    allowed = {"torch", "transformers", "huggingface_hub", "__future__", "dataclasses", "typing", "math", "collections", "functools", "itertools", "warnings", "hashlib", "weakref", "contextlib"}
     forbidden_calls = {"open", "exec", "eval", "compile", "__import__"}
     for name in REMOTE_CODE_FILES:
         tree = ast.parse((REPO_ROOT / "modeling_pkm_bert" / name).read_text())

@@ -1,10 +1,11 @@
-"""A native CPU kernel for the product-key selection at inference, built at run time with the system C compiler.
+"""The native product-key selection for CPU, built at run time with the system C compiler.
 
-`torch.topk` over the 512 sub-key scores of every (token, head, half) is most of a memory's inference time on CPU
-(about 5 us per row); `csrc/product_key_select.c` selects the same top-`knn` product keys in well under 1 us per row
-(AVX-512 where the compiler targets it, portable C elsewhere). Importing `modeling_pkm_bert` registers it as the torch
-op `torch.ops.pkm_bert.select_product_keys`, which `ProductKeyMemory.search` uses, when it exists, for fp32 CPU inputs
-that need no gradient; models loaded with `trust_remote_code=True` use it too once the package is imported.
+`torch.topk` over the 512 sub-key scores of every (token, head, half) is most of a memory's inference time on CPU;
+`csrc/product_key_select.c` selects the same top-`knn` product keys faster (AVX-512 where the compiler targets it,
+portable C elsewhere). `register()` (called by `modeling_pkm_bert` when a model class is first resolved) registers it as
+the torch op `torch.ops.pkm_bert.select_product_keys`; the plan of a memory (`product_key_memory_ops.plan_lookup`) takes
+it for fp32 CPU lookups without gradients, models loaded with `trust_remote_code=True` included once the package is
+imported. docs/performance.md has its measured gain.
 
 The library is compiled once (`cc -O3 -march=native`, about a second) into `$PKM_BERT_CACHE` (default
 `~/.cache/modeling_pkm_bert`) and loaded with ctypes. Without a compiler the op computes the same result with torch
@@ -40,7 +41,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..product_key_memory_ops import candidate_pairs, select_product_keys
+from ..product_key_memory import candidate_pairs, select_from_scores
 
 
 logger = logging.getLogger(__name__)
@@ -224,7 +225,7 @@ def _pair_tensors(knn: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _torch_selection(subkey_scores: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same selection with torch ops (`ProductKeyMemory.search`'s own path)."""
-    return select_product_keys(subkey_scores, knn, prune=True, native=False)[:2]
+    return select_from_scores(subkey_scores, knn)
 
 
 def select_product_keys_native(
