@@ -14,7 +14,8 @@ full; each person gets several such biographies.
 
 The generator is seeded and nested: the first n people of a larger base are the base of n people, so runs over
 several sizes share their people and a tokenizer built for the largest base covers every smaller one. The benchmarks
-`knowledge_capacity.py` and the demo use this one generator.
+`knowledge_capacity.py` and `knowledge_editing.py` (new knowledge: `edit_facts`, `apply_edits`, `fact_sentences`, and
+the people after the first n as new people) and the demo use this one generator.
 """
 
 from __future__ import annotations
@@ -212,6 +213,45 @@ def biographies(kb: dict, per_person: int, seed: int = 0) -> list[str]:
 def sentences(kb: dict, per_person: int, seed: int = 0) -> list[str]:
     """The sentences of `biographies(...)`, one a line: each fact stated alone, the name its only key."""
     return [sentence + "." for line in biographies(kb, per_person, seed) for sentence in line[:-1].split(". ")]
+
+
+def edit_facts(kb: dict, share: float, seed: int = 0) -> list[dict]:
+    """Edits of `kb` (the knowledge-editing benchmark's new knowledge): `round(share * people)` people (a seeded draw)
+    each get one attribute (a seeded draw) changed to another value of its list, drawn uniformly. Returns [{"person":
+    index, "attribute", "old", "new"}] in the order of the people; `new != old` always."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"share must be in [0, 1], got {share}")
+    rng = random.Random(f"edits-{seed}")
+    chosen = sorted(rng.sample(range(len(kb["people"])), round(share * len(kb["people"]))))
+    edits = []
+    for index in chosen:
+        attribute = rng.choice(list(kb["attributes"]))
+        old = kb["people"][index][attribute]
+        new = rng.choice([v for v in kb["attributes"][attribute]["values"] if v != old])
+        edits.append({"person": index, "attribute": attribute, "old": old, "new": new})
+    return edits
+
+
+def apply_edits(kb: dict, edits: list[dict]) -> dict:
+    """A copy of `kb` with the edits' new values (`kb` itself is unchanged)."""
+    people = [dict(person) for person in kb["people"]]
+    for edit in edits:
+        if people[edit["person"]][edit["attribute"]] != edit["old"]:
+            raise ValueError(f"edit {edit} does not match the knowledge base's value")
+        people[edit["person"]][edit["attribute"]] = edit["new"]
+    return {**kb, "people": people}
+
+
+def fact_sentences(kb: dict, facts: list[tuple[int, str]], per_fact: int, seed: int = 0) -> list[str]:
+    """`per_fact` sentences of each (person index, attribute) fact, each in a random training template (a fact a line,
+    as `sentences`): the training text of a few facts, e.g. the edited ones."""
+    lines = []
+    for index, attribute in facts:
+        rng = random.Random(f"fact-{seed}-{index}-{attribute}")
+        person = kb["people"][index]
+        templates = kb["attributes"][attribute]["train_templates"]
+        lines += [rng.choice(templates).format(name=person["name"], value=person[attribute]) for _ in range(per_fact)]
+    return lines
 
 
 def fact_probes(kb: dict, split: str, seed: int = 0, context: str = "biography") -> list[dict]:

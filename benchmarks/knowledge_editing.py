@@ -1,0 +1,593 @@
+"""Teaching a model new facts without forgetting: sparse memory finetuning against full finetuning and LoRA, on facts.
+
+A small encoder (the knowledge-capacity benchmark's: hidden 128, 2 layers; ResM with a 16,384-slot memory, and the
+plain model without one) learns knowledge base A (`modeling_pkm_bert.analysis.knowledge`, a fact a line, mixed with
+sentences of WikiText-2 so that it also models real text) with `run_scripts/run_mlm.py`, as that benchmark trains its
+arms. Then each method learns new knowledge B alone: (i) edits, a changed attribute for a share of A's people
+(`edit_facts`), (ii) new people (the generator's next people). At every checkpoint we measure B recalled (a training
+template, and a held-out one: does the edit generalise beyond the sentences trained on?), A's untouched facts still
+recalled (retention), the edited facts' old values, and the masked-LM pseudo-perplexity of held-out WikiText-2
+sentences (fixed masks). Methods are compared at matched learning: where a curve first crosses `target` recall of B
+(linear interpolation between checkpoints, from step 0, the A model).
+
+    python benchmarks/knowledge_editing.py                  # the full plan (resumable run by run), then the report
+    python benchmarks/knowledge_editing.py --report_only    # the report from the finished runs
+    python benchmarks/knowledge_editing.py --quick          # the suite's version: a tiny base, a few steps
+    python benchmarks/knowledge_editing.py --methods full smf_tfidf_t1000 --stages base sweep   # a part of it
+
+Stages (each run is kept in `benchmarks/knowledge_editing.json` as it finishes; a stopped plan continues):
+1. `base`: the A models (ResM and plain) trained and measured; the ResM model's SMF background statistics, counted
+   on A's training text in documents of one training batch (32 lines, as a step ranks them);
+2. `sweep`: every method at each of its learning rates (one budget of steps), seed 0;
+3. `seeds`: every method at its best learning rate (the one reaching the target with the least loss of A; if none
+   does, the highest recall of B), more seeds (B's data order, masks and LoRA's initialisation; the A model is one).
+
+Methods: `full` (every parameter, the memory values at 5x the network's rate as in training A), `lora` (peft, r 16 on
+the attention and FFN projections; a loop of this script, since run_mlm.py has no LoRA flag: same data, batch, masking
+rate, AdamW and schedule), `values` (the memory values only, every row a step reads: `--sparse_memory_finetuning
+--smf_top_t <all slots>`), `smf_<ranker>_t<T>` (Lin et al. 2025's sparse memory finetuning), `plain_full` and
+`plain_lora` (the model without memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import copy
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO_ROOT))
+
+import knowledge_capacity as kc  # noqa: E402
+
+from modeling_pkm_bert.analysis.knowledge import (  # noqa: E402
+    apply_edits,
+    edit_facts,
+    fact_probes,
+    fact_sentences,
+    generate_knowledge_base,
+    probe_facts,
+    probe_text,
+    read_knowledge_base,
+    sentences,
+    write_knowledge_base,
+)
+from modeling_pkm_bert.utils.output_folders import check_output_folder, mark_output_folder  # noqa: E402
+
+
+TOOL = "knowledge_editing"  # its run folders hold the marker `.knowledge_editing` (utils.output_folders)
+WIKITEXT = Path(os.environ.get("PKM_SHARED_DATA", REPO_ROOT.parent / "shared" / "data")) / "wikitext-2-raw" / "wiki.test.raw"
+SLOTS = kc.MEMORY["pkm_n_keys"] ** 2
+LORA_TARGETS = ["query", "key", "value", "dense"]
+METHODS = {  # name -> (A model, how B is learned, learning rates swept: the network's, or the values' for SMF)
+    "full": ("resm", dict(kind="full"), [3e-4, 1e-3, 3e-3]),
+    "lora": ("resm", dict(kind="lora"), [1e-3, 3e-3, 1e-2]),
+    "values": ("resm", dict(kind="smf", ranker="tfidf", top_t=SLOTS), [1e-2, 3e-2, 1e-1]),
+    "smf_tfidf_t100": ("resm", dict(kind="smf", ranker="tfidf", top_t=100), [1e-2, 3e-2, 1e-1]),
+    "smf_tfidf_t1000": ("resm", dict(kind="smf", ranker="tfidf", top_t=1000), [1e-2, 3e-2, 1e-1]),
+    "smf_kl_t100": ("resm", dict(kind="smf", ranker="kl", top_t=100), [1e-2, 3e-2, 1e-1]),
+    "smf_kl_t1000": ("resm", dict(kind="smf", ranker="kl", top_t=1000), [1e-2, 3e-2, 1e-1]),
+    "plain_full": ("plain", dict(kind="full"), [3e-4, 1e-3, 3e-3]),
+    "plain_lora": ("plain", dict(kind="lora"), [1e-3, 3e-3, 1e-2]),
+}
+FULL = dict(  # the committed plan
+    people=24, edit_share=0.5, new_people=6, per_fact=8, wiki_train=800, wiki_heldout=200, a_steps=3000, a_lr=2e-3,
+    a_memory_lr=1e-2, b_steps=400, checkpoints=16, batch_size=32, seeds=[0, 1, 2], target=0.9, background_documents=200,
+    lora_rank=16,
+)
+QUICK = dict(
+    people=6, edit_share=0.5, new_people=2, per_fact=2, wiki_train=24, wiki_heldout=16, a_steps=16, a_lr=3e-3,
+    a_memory_lr=1e-2, b_steps=6, checkpoints=3, batch_size=8, seeds=[0], target=0.9, background_documents=4,
+    lora_rank=4,
+)
+
+QUICK_METHODS = ["full", "lora", "values", "smf_kl_t100", "plain_lora"]  # every code path once: the suite's minutes
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output_dir", default=str(REPO_ROOT / "outputs" / "knowledge_editing"))
+    parser.add_argument("--results", default=None, help="default: benchmarks/knowledge_editing.json (--quick: in --output_dir)")
+    parser.add_argument("--report", default=None, help="default: benchmarks/KNOWLEDGE_EDITING.md (--quick: in --output_dir)")
+    parser.add_argument("--quick", action="store_true", help="the suite's version: a tiny base, a few steps")
+    parser.add_argument("--stages", nargs="+", default=["base", "sweep", "seeds"], choices=["base", "sweep", "seeds"])
+    parser.add_argument("--methods", nargs="+", default=None, choices=list(METHODS), help=f"default: all (--quick: {QUICK_METHODS})")
+    parser.add_argument("--learning_rates", nargs="+", type=float, default=None, help="sweep these instead of each method's")
+    parser.add_argument("--workers", type=int, default=2, help="runs trained side by side, one thread each")
+    parser.add_argument("--report_only", action="store_true")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override a plan entry (a probe)")
+    # the script's own pieces, run as subprocesses
+    parser.add_argument("--measure", default=None, help="measure a model folder and its step_N checkpoints (--data)")
+    parser.add_argument("--data", default=None, help="the data folder of --measure")
+    parser.add_argument("--train_lora", default=None, help="LoRA-train the model folder BASE (the `lora` methods)")
+    parser.add_argument("--lora_args", default=None, help="the JSON of --train_lora's settings")
+    args = parser.parse_args(argv)
+    plan = dict(QUICK if args.quick else FULL)
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in plan or not value:
+            parser.error(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(plan)}")
+        plan[key] = json.loads(value)
+    args.plan = plan
+    args.methods = args.methods or (QUICK_METHODS if args.quick else list(METHODS))
+    out = Path(args.output_dir)
+    args.results = Path(args.results) if args.results else (out / "knowledge_editing.json" if args.quick else HERE / "knowledge_editing.json")
+    args.report = Path(args.report) if args.report else (out / "KNOWLEDGE_EDITING.md" if args.quick else HERE / "KNOWLEDGE_EDITING.md")
+    if args.measure and not args.data:
+        parser.error("--measure needs --data FOLDER (the benchmark's data folder)")
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The data: A, B (edits and new people), WikiText-2 sentences, one tokenizer
+
+
+def wiki_sentences(path: Path, train: int, heldout: int) -> tuple[list[str], list[str]]:
+    """Sentences of 8-40 words of WikiText-2's test split (the one in ../shared/data), headings left out: `train` from
+    its first 80% of lines (A's training mix and SMF's background), `heldout` from the last 20% (the pseudo-perplexity):
+    different articles."""
+    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    cut = len(lines) * 4 // 5
+
+    def pick(part: list[str], n: int) -> list[str]:
+        found = []
+        for line in part:
+            if not line or line.startswith("="):
+                continue
+            for sentence in line.split(" . "):
+                if 8 <= len(sentence.split()) <= 40:
+                    found.append(sentence.rstrip(" .") + " .")
+                    if len(found) == n:
+                        return found
+        raise RuntimeError(f"{path} has fewer than {n} usable sentences there")
+
+    return pick(lines[:cut], train), pick(lines[cut:], heldout)
+
+
+def build_tokenizer(texts: list[str], folder: Path, check: list[str]):
+    """MiniLM's WordPiece tokenizer restricted to the pieces of `texts` (as knowledge_capacity.build_tokenizer, with the
+    WikiText sentences too): every piece the full tokenizer chose is kept, so greedy longest-match splits alike."""
+    from transformers import AutoTokenizer, BertTokenizer
+
+    full = AutoTokenizer.from_pretrained(kc.minilm_path())
+    pieces = sorted({piece for text in texts for piece in full.tokenize(text)} - set(kc.SPECIAL_TOKENS))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(kc.SPECIAL_TOKENS + pieces) + "\n", encoding="utf-8")
+    small = BertTokenizer(vocab=str(folder / "vocab.txt"), do_lower_case=True)
+    small.model_max_length = 128
+    for text in check:
+        if small.tokenize(text) != full.tokenize(text):
+            raise RuntimeError(f"the restricted vocabulary splits {text!r} differently")
+    small.save_pretrained(folder)
+    return small
+
+
+def prepare_data(plan: dict, data: Path) -> None:
+    """Writes the data folder: the knowledge bases, the training texts of A and B, the held-out sentences, the
+    tokenizer. Deterministic: a second call writes the same files."""
+    data.mkdir(parents=True, exist_ok=True)
+    everyone = generate_knowledge_base(plan["people"] + plan["new_people"], seed=0)
+    kb_a = {**everyone, "people": everyone["people"][: plan["people"]]}
+    kb_new = {**everyone, "people": everyone["people"][plan["people"] :]}
+    edits = edit_facts(kb_a, plan["edit_share"], seed=0)
+    kb_edited = apply_edits(kb_a, edits)
+    wiki_train, wiki_heldout = wiki_sentences(WIKITEXT, plan["wiki_train"], plan["wiki_heldout"])
+    a_lines = sentences(kb_a, plan["per_fact"]) + wiki_train
+    b_lines = fact_sentences(kb_edited, [(e["person"], e["attribute"]) for e in edits], plan["per_fact"])
+    b_lines += sentences(kb_new, plan["per_fact"])
+    probes = [probe_text(p) for kb in (kb_a, kb_edited, kb_new) for s in ("train", "heldout") for p in fact_probes(kb, s, context="sentence")]
+    tokenizer = build_tokenizer(a_lines + b_lines + probes + wiki_heldout, data / "tokenizer", a_lines[::7] + b_lines + probes)
+    longest = max(len(tokenizer(line)["input_ids"]) for line in a_lines + b_lines + wiki_heldout)
+    if longest > 126:
+        raise RuntimeError(f"a training line of {longest} tokens does not fit the 128 positions")
+    write_knowledge_base(kb_a, data / "kb_a.json")
+    write_knowledge_base(kb_edited, data / "kb_a_edited.json")
+    write_knowledge_base(kb_new, data / "kb_new.json")
+    (data / "edits.json").write_text(json.dumps(edits, indent=1) + "\n")
+    for name, lines in (("a_train", a_lines), ("b_train", b_lines), ("wiki_heldout", wiki_heldout), ("validation", wiki_heldout[:32])):
+        (data / f"{name}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What a model knows: B, A's untouched facts, the edits' old values, held-out text
+
+
+class Probes:
+    """Every probe of a checkpoint's measurement, built once from the data folder."""
+
+    def __init__(self, data: Path):
+        kb_a, kb_edited, kb_new = (read_knowledge_base(data / f"{n}.json") for n in ("kb_a", "kb_a_edited", "kb_new"))
+        edited = {(e["person"], e["attribute"]) for e in json.loads((data / "edits.json").read_text())}
+        self.sets = {}  # (group, split) -> probes
+        for split in ("train", "heldout"):
+            on_edited = fact_probes(kb_edited, split, context="sentence")
+            self.sets["a", split] = [p for p in on_edited if (p["person"], p["attribute"]) not in edited]
+            self.sets["edits", split] = [p for p in on_edited if (p["person"], p["attribute"]) in edited]
+            self.sets["old", split] = [p for p in fact_probes(kb_a, split, context="sentence") if (p["person"], p["attribute"]) in edited]
+            self.sets["new", split] = fact_probes(kb_new, split, context="sentence")
+        self.heldout_text = [line for line in (data / "wiki_heldout.txt").read_text(encoding="utf-8").splitlines() if line]
+
+    def measure(self, model, tokenizer) -> dict:
+        keys = list(self.sets)
+        outcomes = probe_facts(model, tokenizer, [p for key in keys for p in self.sets[key]])
+        result, position = {}, 0
+        for group, split in keys:
+            n = len(self.sets[group, split])
+            hits = sum(c for c, _ in outcomes[position : position + n])
+            position += n
+            name = group if split == "train" else f"{group}_heldout"
+            result[name], result[f"{name}_n"] = (hits / n if n else 0.0), n
+        for suffix in ("", "_heldout"):  # B: the edits and the new people's facts together
+            n = result[f"edits{suffix}_n"] + result[f"new{suffix}_n"]
+            hits = result[f"edits{suffix}"] * result[f"edits{suffix}_n"] + result[f"new{suffix}"] * result[f"new{suffix}_n"]
+            result[f"b{suffix}"] = hits / n if n else 0.0
+        result["ppl"] = pseudo_perplexity(model, tokenizer, self.heldout_text)
+        return result
+
+
+@torch.no_grad()
+def pseudo_perplexity(model, tokenizer, lines: list[str], probability: float = 0.15, seed: int = 0) -> float:
+    """exp of the mean cross-entropy of masked tokens of `lines`: 15% of each line's tokens (at least one; never a
+    special token or [UNK]) replaced by [MASK], the same positions every call (a fixed generator)."""
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    total, count = 0.0, 0
+    for start in range(0, len(lines), 64):
+        encoded = [tokenizer(line, truncation=True, max_length=128)["input_ids"] for line in lines[start : start + 64]]
+        ids = torch.full((len(encoded), max(map(len, encoded))), tokenizer.pad_token_id)
+        for row, line in enumerate(encoded):
+            ids[row, : len(line)] = torch.tensor(line)
+        maskable = ~torch.isin(ids, torch.tensor(tokenizer.all_special_ids))
+        chosen = (torch.rand(ids.shape, generator=generator) < probability) & maskable
+        first = maskable.float().argmax(1)  # every line at least one masked token
+        chosen[torch.arange(len(ids)), first] |= maskable[torch.arange(len(ids)), first]
+        inputs = ids.masked_fill(chosen, tokenizer.mask_token_id)
+        logits = model(input_ids=inputs, attention_mask=(ids != tokenizer.pad_token_id).long()).logits
+        losses = torch.nn.functional.cross_entropy(logits[chosen].float(), ids[chosen], reduction="sum")
+        total, count = total + losses.item(), count + int(chosen.sum())
+    return math.exp(total / count)
+
+
+def measure_folder(folder: str, data: str) -> dict:
+    """{"final": metrics, "curve": {step: metrics}} of a run's model folder and its step_N checkpoints."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    from modeling_pkm_bert import register_auto_classes
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    register_auto_classes()
+    probes = Probes(Path(data))
+    tokenizer = AutoTokenizer.from_pretrained(Path(data) / "tokenizer")
+    model = AutoModelForMaskedLM.from_pretrained(folder)
+    result = {"final": probes.measure(model, tokenizer), "curve": {}}
+    for checkpoint in sorted(Path(folder).glob("step_*"), key=lambda p: int(p.name.split("_")[1])):
+        state = load_file(checkpoint / "model.safetensors")
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or any("decoder" not in name and "num_batches" not in name for name in missing):
+            raise RuntimeError(f"{checkpoint}: missing {missing}, unexpected {unexpected}")
+        model.tie_weights()
+        result["curve"][checkpoint.name.split("_")[1]] = probes.measure(model, tokenizer)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# LoRA: run_mlm.py has no LoRA flag, so this loop (the same data, batch, masking rate, AdamW and schedule)
+
+
+def train_lora(base: str, settings: dict) -> None:
+    """LoRA on `base` (peft; `pkm_lora_config` where it has a memory, so its query BatchNorms' statistics travel),
+    the merged model saved at every `checkpoint_every` steps (step_N/) and at the end, as run_mlm.py's folders."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForMaskedLM, AutoTokenizer, DataCollatorForLanguageModeling, get_scheduler
+
+    from modeling_pkm_bert import register_auto_classes
+    from modeling_pkm_bert.integrations.lora import pkm_lora_config
+    from modeling_pkm_bert.utils.memories import memory_modules
+
+    torch.set_num_threads(1)
+    register_auto_classes()
+    random.seed(settings["seed"])
+    torch.manual_seed(settings["seed"])
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForMaskedLM.from_pretrained(base)
+    fields = dict(r=settings["rank"], lora_alpha=2 * settings["rank"], lora_dropout=0.0)
+    config = pkm_lora_config(model, LORA_TARGETS, **fields) if memory_modules(model) else LoraConfig(target_modules=LORA_TARGETS, **fields)
+    model = get_peft_model(model, config)
+    lines = [line for line in Path(settings["train_file"]).read_text(encoding="utf-8").splitlines() if line.strip()]
+    encoded = [tokenizer(line, truncation=True, max_length=128, return_special_tokens_mask=True) for line in lines]
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
+    collator.generator = torch.Generator().manual_seed(settings["seed"])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=settings["lr"], weight_decay=0.01)
+    steps = settings["steps"]
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=max(1, steps // 20), num_training_steps=steps)
+    output = Path(settings["output_dir"])
+
+    def save(folder: Path) -> None:
+        merged = copy.deepcopy(model).merge_and_unload()
+        merged.save_pretrained(folder)
+
+    order, step = [], 0
+    model.train()
+    while step < steps:
+        if len(order) < settings["batch_size"]:
+            order += random.sample(range(len(encoded)), len(encoded))  # an epoch's shuffle
+        batch = collator([encoded[i] for i in order[: settings["batch_size"]]])
+        del order[: settings["batch_size"]]
+        loss = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "labels")}).loss
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if step % settings["checkpoint_every"] == 0 and step < steps:
+            save(output / f"step_{step}")
+    save(output)
+    tokenizer.save_pretrained(output)
+    (output / "all_results.json").write_text(json.dumps({"train_loss": loss.item()}) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Matched learning
+
+
+def matched(curve: list[dict], target: float, key: str = "b") -> dict | None:
+    """The metrics where `curve` (points sorted by "step", step 0 the A model) first reaches `target` on `key`, each
+    interpolated linearly between the two points around the crossing; None if it never does."""
+    for index, point in enumerate(curve):
+        if point[key] >= target:
+            if index == 0:
+                return dict(point)
+            before = curve[index - 1]
+            share = (target - before[key]) / (point[key] - before[key])
+            return {name: before[name] + share * (point[name] - before[name]) for name in point if isinstance(point[name], (int, float))}
+    return None
+
+
+def curve_of(run: dict, base: dict) -> list[dict]:
+    """A run's points, step 0 the A model, each with `a_drop`: A's untouched facts' recall lost, in points."""
+    points = [{"step": 0, **base}] + [{"step": int(s), **m} for s, m in sorted(run["curve"].items(), key=lambda i: int(i[0]))]
+    if points[-1]["step"] != run["steps"]:  # run_mlm.py also checkpoints the last step; LoRA's loop does not
+        points.append({"step": run["steps"], **run["final"]})
+    return [{**p, "a_drop": 100 * (base["a"] - p["a"]), "ppl_change": 100 * (p["ppl"] / base["ppl"] - 1)} for p in points]
+
+
+def best_lr(runs: list[dict], bases: dict, target: float) -> float:
+    """The learning rate that reaches `target` with the least loss of A (if none reaches it: the most B)."""
+
+    def score(run):
+        at = matched(curve_of(run, bases[run["base"]]), target)
+        return (1, -at["a_drop"]) if at else (0, run["final"]["b"])
+
+    return max(runs, key=score)["lr"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Runs
+
+
+def learning_rates(args, method: str) -> list[float]:
+    """The learning rates swept for `method`: its own (--quick: the middle one), or --learning_rates."""
+    return args.learning_rates or (METHODS[method][2] if not args.quick else METHODS[method][2][1:2])
+
+
+def prepare_own_folder(folder: Path) -> None:
+    """Creates `folder`, or empties it if this benchmark wrote it; a foreign folder is refused (utils.output_folders)."""
+    check_output_folder(folder, TOOL)
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    mark_output_folder(folder, TOOL)
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "PYTHONWARNINGS": "ignore"}  # fmt: skip
+
+
+LOADING = threading.Lock()
+BACKGROUND = "smf_background.safetensors"  # beside the A model's folder: the statistics every SMF run ranks with
+
+
+class Benchmark:
+    def __init__(self, args):
+        self.args, self.plan = args, args.plan
+        self.out = Path(args.output_dir)
+        self.data = self.out / "data"
+        self.results = kc.Results(args.results)
+
+    def base_folder(self, arm: str) -> Path:
+        return self.out / "runs" / f"base_{arm}" / "model"
+
+    def trained(self, folder: Path, command: list[str]) -> float | None:
+        """The seconds of an earlier training of `folder` by the same command that finished (the session ended before
+        it was measured), else None."""
+        done = folder / "trained.json"
+        if done.exists() and json.loads(done.read_text())["command"] == command:
+            return json.loads(done.read_text())["seconds"]
+        return None
+
+    def train(self, folder: Path, command: list[str], log: str = "train.log") -> float:
+        start = time.perf_counter()
+        with open(folder / log, "w") as handle:
+            completed = subprocess.run(command, env=ENV, stdout=handle, stderr=subprocess.STDOUT)
+        if completed.returncode != 0:
+            raise RuntimeError(f"{command[1]} failed ({completed.returncode}); see {folder / log}")
+        seconds = time.perf_counter() - start
+        (folder / "trained.json").write_text(json.dumps({"command": command, "seconds": seconds}) + "\n")
+        return seconds
+
+    def measure(self, model_dir: Path) -> dict:
+        # in this process (a subprocess would spend more on its imports than on measuring), one at a time: loading a
+        # model builds it on the meta device, which a forward in another thread would see
+        with LOADING:
+            return json.loads(json.dumps(measure_folder(str(model_dir), str(self.data))))
+
+    def mlm_command(self, model_dir: Path, train_file: Path, lr: float, memory_lr: float, steps: int, seed: int) -> list[str]:
+        return [
+            sys.executable, str(kc.RUN_MLM), "--train_file", str(train_file),
+            "--validation_file", str(self.data / "validation.txt"), "--max_eval_samples", "32",
+            "--line_by_line", "--max_seq_length", "128", "--per_device_train_batch_size", str(self.plan["batch_size"]),
+            "--learning_rate", f"{lr:g}", "--memory_learning_rate", f"{memory_lr:g}", "--weight_decay", "0.01",
+            "--lr_scheduler_type", "linear", "--num_warmup_steps", str(max(1, steps // 20)), "--max_train_steps", str(steps),
+            "--seed", str(seed), "--output_dir", str(model_dir), "--mixed_precision", "no",
+        ]  # fmt: skip
+
+    # stage 1: the A models
+    def base(self):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.data / "tokenizer")
+        arms = sorted({METHODS[m][0] for m in self.args.methods})
+        jobs = [arm for arm in arms if arm not in self.results.read().get("bases", {})]
+        with concurrent.futures.ThreadPoolExecutor(self.args.workers) as pool:
+            list(pool.map(lambda arm: self.train_base(arm, len(tokenizer)), jobs))
+
+    def train_base(self, arm: str, vocab_size: int) -> dict:
+        folder = self.base_folder(arm).parent
+        plan = self.plan
+        command = self.mlm_command(self.base_folder(arm), self.data / "a_train.txt", plan["a_lr"], plan["a_memory_lr"], plan["a_steps"], 0)
+        command += ["--config_name", str(folder / "config"), "--tokenizer_name", str(self.data / "tokenizer")]
+        config = kc.arm_config(arm, vocab_size, {})
+        seconds = self.trained(folder, command) if (folder / "config" / "config.json").exists() else None
+        if seconds is None or json.loads((folder / "config" / "config.json").read_text()) != config:
+            prepare_own_folder(folder)
+            (folder / "config").mkdir()
+            (folder / "config" / "config.json").write_text(json.dumps(config, indent=1))
+            seconds = self.train(folder, command)
+        metrics = self.measure(self.base_folder(arm))["final"]
+        if arm == "resm":
+            with LOADING:
+                self.background_statistics(self.base_folder(arm))
+        with self.results.locked() as data:
+            data.setdefault("bases", {})[arm] = {"metrics": metrics, "train_seconds": round(seconds, 1), "command": command[1:],
+                                                 "machine": kc.machine()}  # fmt: skip
+        print(f"base {arm}: A recall {metrics['a']:.3f} (held-out {metrics['a_heldout']:.3f}), ppl {metrics['ppl']:.1f} ({seconds:.0f} s)", flush=True)
+        return metrics
+
+    def background_statistics(self, model_dir: Path) -> None:
+        """SMF's background: A's training text, shuffled, in documents of one training batch of lines (a step ranks one
+        such batch), padded (padding is never looked up)."""
+        from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+        from modeling_pkm_bert import register_auto_classes
+        from modeling_pkm_bert.methods import sparse_finetuning as smf  # the module, not a name: where each name lives may move
+
+        register_auto_classes()
+        torch.set_num_threads(1)
+        tokenizer = AutoTokenizer.from_pretrained(self.data / "tokenizer")
+        model = AutoModelForMaskedLM.from_pretrained(model_dir)
+        lines = [line for line in (self.data / "a_train.txt").read_text(encoding="utf-8").splitlines() if line]
+        random.Random(0).shuffle(lines)
+        size = self.plan["batch_size"]
+        documents = [tokenizer(lines[i : i + size], padding=True, return_tensors="pt") for i in range(0, len(lines) - size + 1, size)]
+        documents = [{k: d[k] for k in ("input_ids", "attention_mask")} for d in documents]
+        statistics = smf.compute_background_statistics(model, documents, max_batches=self.plan["background_documents"])
+        statistics.save(model_dir.parent / BACKGROUND)
+
+    # stages 2 and 3: B
+    def run(self, method: str, lr: float, seed: int) -> dict:
+        key = f"{method}/lr{lr:g}/seed{seed}"
+        done = self.results.read()["runs"].get(key)
+        if done is not None:
+            return done
+        arm, how, _ = METHODS[method]
+        base_dir, plan = self.base_folder(arm), self.plan
+        folder = self.out / "runs" / key.replace("/", "_")
+        model_dir, steps = folder / "model", plan["b_steps"]
+        every = max(1, steps // plan["checkpoints"])
+        if how["kind"] == "lora":
+            settings = dict(train_file=str(self.data / "b_train.txt"), lr=lr, steps=steps, seed=seed, batch_size=plan["batch_size"],
+                            checkpoint_every=every, output_dir=str(model_dir), rank=plan["lora_rank"])  # fmt: skip
+            command = [sys.executable, __file__, "--train_lora", str(base_dir), "--lora_args", json.dumps(settings)]
+        else:
+            memory_lr = 5 * lr if how["kind"] == "full" else lr
+            command = self.mlm_command(model_dir, self.data / "b_train.txt", lr, memory_lr, steps, seed)
+            command += ["--model_name_or_path", str(base_dir), "--checkpointing_steps", str(every)]
+            if how["kind"] == "smf":
+                command += ["--sparse_memory_finetuning", "--smf_ranker", how["ranker"], "--smf_top_t", str(how["top_t"]),
+                            "--smf_background_file", str(base_dir.parent / BACKGROUND)]  # fmt: skip
+        seconds = self.trained(folder, command)
+        if seconds is None:
+            prepare_own_folder(folder)
+            seconds = self.train(folder, command)
+        result = self.measure(model_dir)
+        for checkpoint in model_dir.glob("step_*"):  # measured: the optimizer states are not needed
+            shutil.rmtree(checkpoint)
+        result.update(method=method, base=arm, lr=lr, seed=seed, steps=steps, train_seconds=round(seconds, 1),
+                      load=round(os.getloadavg()[0], 2), command=command[1:])  # fmt: skip
+        with self.results.locked() as data:
+            data["runs"][key] = result
+        final = result["final"]
+        print(f"{key}: B {final['b']:.3f} (held-out {final['b_heldout']:.3f}), A kept {final['a']:.3f}, ppl {final['ppl']:.1f} "
+              f"({seconds:.0f} s)", flush=True)  # fmt: skip
+        return result
+
+    def run_all(self, jobs: list[tuple[str, float, int]]) -> None:
+        with concurrent.futures.ThreadPoolExecutor(self.args.workers) as pool:
+            list(pool.map(lambda job: self.run(*job), jobs))
+
+    def learning_rates(self, method: str) -> list[float]:
+        return learning_rates(self.args, method)
+
+    def sweep(self):
+        self.run_all([(m, lr, self.plan["seeds"][0]) for lr_index in range(3) for m in self.args.methods
+                      for lr in self.learning_rates(m)[lr_index : lr_index + 1]])  # fmt: skip
+
+    def seeds(self):
+        data = self.results.read()
+        bases = {arm: b["metrics"] for arm, b in data.get("bases", {}).items()}
+        jobs = []
+        for method in self.args.methods:
+            swept = [r for r in data["runs"].values() if r["method"] == method and r["seed"] == self.plan["seeds"][0]]
+            if swept:
+                lr = best_lr(swept, bases, self.plan["target"])
+                jobs += [(method, lr, seed) for seed in self.plan["seeds"][1:]]
+        self.run_all(jobs)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.measure:
+        print(json.dumps(measure_folder(args.measure, args.data)))
+        return
+    if args.train_lora:
+        train_lora(args.train_lora, json.loads(args.lora_args))
+        return
+    if not WIKITEXT.exists() and not args.report_only:
+        raise SystemExit(f"error: {WIKITEXT} does not exist (WikiText-2's test split: see ../shared/data/SOURCES.md)")
+    bench = Benchmark(args)
+    torch.set_num_threads(1)  # the measurements run here, one thread per worker
+    if not args.report_only:
+        bench.out.mkdir(parents=True, exist_ok=True)
+        prepare_data(args.plan, bench.data)
+        with bench.results.locked() as data:
+            if data.setdefault("plan", args.plan) != args.plan:
+                raise SystemExit(f"error: {args.results} holds runs of another plan ({data['plan']}): give another --results")
+        for stage in args.stages:
+            print(f"== {stage}", flush=True)
+            getattr(bench, stage)()
+    from knowledge_editing_report import write_report
+
+    write_report(args, bench.results.read())
+
+
+if __name__ == "__main__":
+    main()
