@@ -528,7 +528,8 @@ class Benchmark:
             folder = self.out / "runs" / key.replace("/", "_") / "model"
             if not folder.exists():
                 continue
-            kb = self.base(run["size"])
+            # the knowledge base the run was measured on (a `templates` run: its one-template base)
+            kb = one_template(self.base(run["size"])) if run.get("templates") == 1 else self.base(run["size"])
             quantized = {}
             for bits in (8, 4):
                 model = AutoModelForMaskedLM.from_pretrained(folder)

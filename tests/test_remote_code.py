@@ -154,6 +154,37 @@ STABLE_TRANSFORMERS = {
 }
 
 
+def private_torch_uses(source: str) -> list[str]:
+    """The private names a file reaches through torch's modules: `torch._C`, `torch.ops.aten._embedding_bag_backward`,
+    `nn.modules.module._global_forward_hooks`, `F._x` (a name starting with "_", dunders aside, anywhere on a chain rooted
+    at `torch`, `nn` or `F`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            chain, base = [node.attr], node.value
+            while isinstance(base, ast.Attribute):
+                chain.append(base.attr)
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in ("torch", "nn", "F"):
+                names = [base.id, *reversed(chain)]
+                if any(n.startswith("_") and not n.startswith("__") for n in names[1:]):
+                    found.append(".".join(names))
+    return found
+
+
+def test_private_torch_uses_are_found():
+    source = "import torch\nx = torch._C._storage_Use_Count(t)\ny = torch.ops.aten._embedding_bag_backward\nz = torch.nn.functional.relu"
+    assert set(private_torch_uses(source)) == {"torch._C._storage_Use_Count", "torch._C", "torch.ops.aten._embedding_bag_backward"}
+
+
+def test_remote_code_files_use_no_private_torch_internals():
+    """A Hub folder written today must load under a later torch: the shipped files call torch's public API only."""
+    from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
+
+    for name in REMOTE_CODE_FILES:
+        assert private_torch_uses((REPO_ROOT / "modeling_pkm_bert" / name).read_text()) == [], name
+
+
 def test_remote_code_files_import_only_allowed_modules():
     from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 
