@@ -43,19 +43,20 @@ def write_figures(data: dict, plan: dict, labels: dict, folder: Path) -> list[st
     largest = max(finished or plan["sizes"])  # the largest size run so far (the plan's, once finished)
     names = []
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for arm, lr in best.items():
+    for index, (arm, lr) in enumerate(best.items()):
+        color = f"C{index}"  # one colour an arm in every panel (the legend is on the first)
         runs = sorted(_runs(data, arm=arm, seed=0, lr=lr), key=lambda r: r["size"])
         runs = [r for r in runs if r["size"] in plan["sizes"]]
         if runs:
-            axes[0].plot([r["size"] for r in runs], [r["final"]["train"]["bits"] for r in runs], "o-", label=labels[arm])
+            axes[0].plot([r["size"] for r in runs], [r["final"]["train"]["bits"] for r in runs], "o-", color=color, label=labels[arm])
         at_largest = [r for r in runs if r["size"] == largest]
         if at_largest and at_largest[0]["curve"]:
             curve = sorted((int(s), v["train"]) for s, v in at_largest[0]["curve"].items())
             curve.append((at_largest[0]["steps"], at_largest[0]["final"]["train"]["bits"]))
-            axes[1].plot(*zip(*curve), "o-", label=labels[arm])
+            axes[1].plot(*zip(*curve), "o-", color=color, label=labels[arm])
         seconds = data.get("speed", {}).get("arms", {}).get(arm)
         if at_largest and seconds:
-            axes[2].scatter([seconds * 1000], [at_largest[0]["final"]["train"]["bits"]], label=labels[arm])
+            axes[2].scatter([seconds * 1000], [at_largest[0]["final"]["train"]["bits"]], color=color, label=labels[arm])
             axes[2].annotate(labels[arm].split(" ", 1)[0], (seconds * 1000, at_largest[0]["final"]["train"]["bits"]))
     axes[0].set(xlabel="people in the knowledge base", ylabel="stored bits (training template)", xscale="log", title="bits against size")
     axes[1].set(xlabel="training steps", ylabel="stored bits", title=f"bits against steps ({largest} people)")
