@@ -149,9 +149,9 @@ def test_quick_pipeline_resumes_and_measures_from_the_saved_folder(tmp_path):
     subprocess.run(command, check=True, env=env, capture_output=True)
     results = json.loads((tmp_path / "out" / "knowledge_capacity.json").read_text())
     runs = {k: r for k, r in results["runs"].items() if not k.startswith("sanity")}
-    assert {r["arm"] for r in runs.values()} == set(kc.ARMS)
+    assert {r["arm"] for r in runs.values()} == set(kc.PLAN_ARMS)
     assert all(r["steps"] == kc.QUICK["steps"] and r["curve"] for r in runs.values())
-    assert "quantized" in runs["resm/n8/seed0/lr0.003"] and results["speed"]["arms"].keys() == set(kc.ARMS)
+    assert "quantized" in runs["resm/n8/seed0/lr0.003"] and results["speed"]["arms"].keys() == set(kc.PLAN_ARMS)
     report = (tmp_path / "out" / "KNOWLEDGE_CAPACITY.md").read_text()
     assert "(b) ResM" in report and (tmp_path / "out" / "knowledge_capacity.png").exists()
     # a second call trains nothing again: every run is kept
