@@ -300,14 +300,14 @@ class Results:
         return json.loads(self.path.read_text()) if self.path.exists() else {"runs": {}}
 
 
-def prepare_own_folder(folder: Path) -> None:
-    """Creates `folder`, or empties it if this benchmark wrote it (the project's output-folder contract); a foreign
-    folder is refused."""
-    check_output_folder(folder, TOOL)
+def prepare_own_folder(folder: Path, tool: str = TOOL) -> None:
+    """Creates `folder`, or empties it if `tool` (this benchmark, by default) wrote it (the project's output-folder
+    contract); a foreign folder is refused."""
+    check_output_folder(folder, tool)
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
-    mark_output_folder(folder, TOOL)
+    mark_output_folder(folder, tool)
 
 
 class Benchmark:

@@ -67,7 +67,6 @@ from modeling_pkm_bert.analysis.knowledge import (  # noqa: E402
     sentences,
     write_knowledge_base,
 )
-from modeling_pkm_bert.utils.output_folders import check_output_folder, mark_output_folder  # noqa: E402
 
 
 TOOL = "knowledge_editing"  # its run folders hold the marker `.knowledge_editing` (utils.output_folders)
@@ -389,15 +388,6 @@ def learning_rates(args, method: str) -> list[float]:
     return args.learning_rates or (METHODS[method][2] if not args.quick else METHODS[method][2][1:2])
 
 
-def prepare_own_folder(folder: Path) -> None:
-    """Creates `folder`, or empties it if this benchmark wrote it; a foreign folder is refused (utils.output_folders)."""
-    check_output_folder(folder, TOOL)
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    mark_output_folder(folder, TOOL)
-
-
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        "PYTHONWARNINGS": "ignore"}  # fmt: skip
 
@@ -468,7 +458,7 @@ class Benchmark:
         config = kc.arm_config(arm, vocab_size, {})
         seconds = self.trained(folder, command) if (folder / "config" / "config.json").exists() else None
         if seconds is None or json.loads((folder / "config" / "config.json").read_text()) != config:
-            prepare_own_folder(folder)
+            kc.prepare_own_folder(folder, TOOL)
             (folder / "config").mkdir()
             (folder / "config" / "config.json").write_text(json.dumps(config, indent=1))
             seconds = self.train(folder, command)
@@ -526,7 +516,7 @@ class Benchmark:
                             "--smf_background_file", str(base_dir.parent / BACKGROUND)]  # fmt: skip
         seconds = self.trained(folder, command)
         if seconds is None:
-            prepare_own_folder(folder)
+            kc.prepare_own_folder(folder, TOOL)
             seconds = self.train(folder, command)
         result = self.measure(model_dir)
         for checkpoint in model_dir.glob("step_*"):  # measured: the optimizer states are not needed
