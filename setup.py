@@ -9,7 +9,10 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     packages=find_packages(include=["modeling_pkm_bert", "modeling_pkm_bert.*"]),
-    package_data={"modeling_pkm_bert.kernels": ["csrc/*.c"]},
+    package_data={
+        "modeling_pkm_bert.kernels": ["csrc/*.c"],
+        "modeling_pkm_bert.analysis": ["explorer_page/*.html", "explorer_page/*.css", "explorer_page/*.js"],
+    },
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.13,<3",  # the torch CI installs (constraints*.txt); FSDP2 needs >= 2.6

@@ -493,6 +493,9 @@ def test_script_writes_the_page(model, tokenizer, tmp_path):
     assert [layer["name"] for layer in summary["layers"]] == ["layer_2"] and summary["tokens"] == 96
     assert (tmp_path / "out" / "index.html").read_text().startswith("<!DOCTYPE html>")
     assert "Memory explorer of model" in (tmp_path / "out" / "index.html").read_text()
+    for name in ("explorer.css", "explorer.js"):  # the page's own files, beside it (it loads them by these names)
+        assert f'"{name}"' in (tmp_path / "out" / "index.html").read_text()
+        assert (tmp_path / "out" / name).read_text().strip()
 
 
 def test_script_reads_a_dataset(model, tokenizer, tmp_path, capsys):

@@ -178,3 +178,25 @@ if __name__ == "__main__" and sys.argv[1:] == ["--record-ops"]:
     record[str(version)] = ops
     OPS_RECORD.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     print(f"recorded the {len(ops)} custom ops of OPS_VERSION {version} in {OPS_RECORD.relative_to(REPO_ROOT)}")
+
+
+def test_the_wheel_holds_the_package_data(tmp_path):
+    """A user's `pip install` gets what the package reads from disk: the explorer's page (HTML, CSS, JavaScript) and
+    the native selection's C source (built on first use)."""
+    import shutil
+    import subprocess
+    import zipfile
+
+    from modeling_pkm_bert.analysis.explorer import PAGE_FILES
+
+    source = tmp_path / "source"  # a copy: the build writes build/ and *.egg-info beside setup.py
+    shutil.copytree(PACKAGE, source / PACKAGE.name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    for name in ("setup.py", "README.md"):
+        shutil.copy(REPO_ROOT / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True)  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {f"modeling_pkm_bert/analysis/explorer_page/{name}" for name in PAGE_FILES}
+    expected |= {f"modeling_pkm_bert/kernels/csrc/{path.name}" for path in (PACKAGE / "kernels" / "csrc").glob("*.c")}
+    assert expected <= names, sorted(expected - names)

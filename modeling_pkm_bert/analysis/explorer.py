@@ -67,6 +67,7 @@ from .report import MemoryReportError, model_batches, sequence_length_of, text_s
 TOOL = "memory_explorer"  # its output folders hold the marker `.memory_explorer` (`utils.output_folders`)
 SUMMARY_NAME = "explorer.json"
 PAGE_NAME = "index.html"
+PAGE_FILES = (PAGE_NAME, "explorer.css", "explorer.js")  # explorer_page/, copied beside the data
 DATA_FOLDER = "data"
 DATA_CALLBACK = "pkmExplorerData"
 FORMAT = "modeling_pkm_bert.memory_explorer"
@@ -182,7 +183,7 @@ def build_memory_explorer(
             summary["layers"].append(layer)
         _write_data(staging, "explorer", summary)
         (staging / SUMMARY_NAME).write_text(json.dumps(summary), encoding="utf-8")
-        (staging / PAGE_NAME).write_text(_page_html(summary["title"]), encoding="utf-8")
+        _write_page(staging, summary["title"])
         mark_output_folder(staging, TOOL)
         replace_folder(staging, output_dir)
     except BaseException:
@@ -791,12 +792,19 @@ def _vocab_size(model) -> int:
     return value_projection_embeddings(model)[0].shape[0]
 
 
-def _page_html(title: str) -> str:
+def _write_page(folder: Path, title: str) -> None:
+    """The page: `explorer_page/` (package data: plain HTML, CSS and JavaScript, no network), its title filled in.
+    Its data comes from `data/*.js` files (`pkmExplorerData(name, json)`), loaded with script tags because browsers
+    refuse `fetch()` of files opened from disk."""
     import html
+    from importlib.resources import files
 
-    from .explorer_page import PAGE
-
-    return PAGE.replace("{{TITLE}}", html.escape(title))
+    page = files(__package__) / "explorer_page"
+    for name in PAGE_FILES:
+        text = (page / name).read_text(encoding="utf-8")
+        if name == PAGE_NAME:
+            text = text.replace("{{TITLE}}", html.escape(title))
+        (folder / name).write_text(text, encoding="utf-8")
 
 
 __all__ = [

@@ -1,56 +1,7 @@
-"""The memory explorer's page (`explorer.build_memory_explorer` writes it as `index.html`): plain HTML, CSS and
-JavaScript, no network. Its data comes from `data/*.js` files (`pkmExplorerData(name, json)`), loaded with script tags
-because browsers refuse `fetch()` of files opened from disk. The view is the URL's hash
-(`#layer=layer_4&sort=top1&page=0&slot=123&q=word&window=12`): every click changes the hash, and `render()` draws
-the hash, so a view can be linked, reloaded, or driven by a test. `body[data-ready]` holds the hash last drawn."""
-
-PAGE = r"""<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<title>{{TITLE}}</title>
-<style>
-body { font: 14px/1.45 system-ui, sans-serif; margin: 0; color: #222; background: #fafafa; }
-header { background: #243b53; color: #fff; padding: 10px 18px; }
-header h1 { font-size: 18px; margin: 0 0 2px; }
-header .sub { opacity: .8; font-size: 12px; }
-nav { display: flex; gap: 8px; align-items: center; padding: 8px 18px; background: #e9eef3; flex-wrap: wrap; }
-nav button { border: 1px solid #9fb3c8; background: #fff; border-radius: 4px; padding: 4px 10px; cursor: pointer; }
-nav button.active { background: #243b53; color: #fff; border-color: #243b53; }
-nav form { margin-left: auto; display: flex; gap: 4px; }
-main { display: grid; grid-template-columns: minmax(420px, 1fr) minmax(420px, 1.2fr); gap: 14px; padding: 14px 18px; }
-section { background: #fff; border: 1px solid #d9e2ec; border-radius: 6px; padding: 10px 14px; min-width: 0; }
-h2 { font-size: 15px; margin: 4px 0 8px; }
-h3 { font-size: 13px; margin: 10px 0 4px; }
-table { border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; }
-th, td { text-align: right; padding: 2px 6px; border-bottom: 1px solid #eef2f6; }
-th:first-child, td:first-child { text-align: left; }
-tr[data-slot] { cursor: pointer; } tr[data-slot]:hover { background: #f0f4f8; }
-tr.open { background: #fff3c4 !important; }
-a { color: #1f5fa8; }
-.pager { display: flex; gap: 8px; align-items: center; margin: 6px 0; flex-wrap: wrap; }
-.muted { color: #627d98; font-size: 12px; }
-ol.contexts { padding-left: 22px; margin: 4px 0; }
-ol.contexts li { margin: 3px 0; }
-mark { background: #ffd54f; padding: 0 2px; border-radius: 2px; }
-.w { font-variant-numeric: tabular-nums; color: #486581; margin-right: 6px; }
-.top1 { color: #b44d12; font-weight: 600; margin-right: 4px; }
-.tokens span { display: inline-block; background: #e3f2fd; border-radius: 3px; padding: 1px 6px; margin: 2px; }
-.tokens span small { color: #627d98; margin-left: 4px; }
-.error { color: #b00020; }
-.links a { display: inline-block; white-space: nowrap; margin: 1px 10px 1px 0; text-decoration: none; }
-.links a small { color: #627d98; margin-left: 2px; }
-svg text { font-size: 10px; fill: #486581; }
-</style>
-</head>
-<body>
-<header><h1 id="title">{{TITLE}}</h1><div class="sub" id="subtitle">loading&hellip;</div></header>
-<nav id="layers"></nav>
-<main>
-  <section id="layer-view"></section>
-  <section id="detail-view"><p class="muted">Open a slot (click a row) or search for a token.</p></section>
-</main>
-<script>
+// The memory explorer's script (index.html loads it, then the data files, with script tags).
+// The view is the URL's hash (#layer=layer_4&sort=top1&page=0&slot=123&q=word&window=12): every click changes
+// the hash and render() draws the hash, so a view can be linked, reloaded, or driven by a test.
+// body[data-ready] holds the hash last drawn.
 "use strict";
 var cache = {}, waiting = {};
 window.pkmExplorerData = function (name, data) { cache[name] = data; };
@@ -396,7 +347,3 @@ load("explorer").then(function (data) {
   document.getElementById("subtitle").textContent = String(error);
   document.body.setAttribute("data-ready", "error");
 });
-</script>
-</body>
-</html>
-"""
