@@ -22,7 +22,6 @@ setup(
         "numpy>=1.26,<3",
     ],
     extras_require={
-        "triton": ["triton>=3.2,<4"],  # the opt-in GPU value gathers (CUDA wheels of torch bring it already)
         "scripts": [
             "accelerate>=1.10,<2",
             "datasets>=4,<6",
@@ -49,8 +48,6 @@ setup(
             "onnx>=1.17,<2",
             "onnxruntime>=1.20,<2",
             "onnxscript>=0.5,<1",
-            # the Triton gathers are checked on CPU under the Triton interpreter
-            "triton>=3.2,<4; platform_system == 'Linux' and platform_machine == 'x86_64'",
         ],
     },
 )

@@ -1,9 +1,12 @@
-"""Speed and memory of the product key memory, as ratios measured side by side in one run; writes RESULTS.md.
+"""Speed and memory of the product key memory, as ratios measured side by side in one run; updates RESULTS.md.
 
-    python benchmarks/run_benchmarks.py            # everything (~15 min on 2 busy cores)
-    python benchmarks/run_benchmarks.py --quick    # a smaller version of every section (~3-4 min)
+    python benchmarks/run_benchmarks.py            # the default sections (~15-20 min on 2 quiet cores)
+    python benchmarks/run_benchmarks.py --quick    # a smaller version of each (~3-4 min)
     python benchmarks/run_benchmarks.py --sections layer update   # some sections only
-    python benchmarks/run_benchmarks.py --sections options --append   # Memory+ options, appended to RESULTS.md
+    python benchmarks/run_benchmarks.py --sections options        # Memory+ options
+
+RESULTS.md holds the latest run of each section (with the machine, versions, commit and load it ran on) and a history
+table of every run: a run replaces the sections it ran, keeps the others, and adds a history row.
 
 Sections:
 - overhead: the host time and dispatched aten ops of a forward + backward at a tiny size (the launch-bound cost of a
@@ -22,11 +25,11 @@ Sections:
   (memories beside it), batch 1x128 and 32x128, eval mode, torch.inference_mode, random weights.
 - gpu: where CUDA is available, the value gather (EmbeddingBag), the layer vs its peers and Table 1 on the GPU; else
   a line saying so.
-- options (with --append): the cost of each Memory+ option.
-- shared (with --append): two memories sharing one value table against a table each, dense and sparse gradients.
-- quantized (with --append): the value gather and Table 1's ResM/BERT-base with fp32, bf16, int8 and 4-bit value
+- options (not in the default run): the cost of each Memory+ option.
+- shared (not in the default run): two memories sharing one value table against a table each, dense and sparse gradients.
+- quantized (not in the default run): the value gather and Table 1's ResM/BERT-base with fp32, bf16, int8 and 4-bit value
   tables (`quantize_memory_values`), on 4 KiB and huge pages.
-- trainer (with --append): a Trainer step with `sparse_row_adam`, PkmTrainer's sparse value gradient against the plain
+- trainer (not in the default run): a Trainer step with `sparse_row_adam`, PkmTrainer's sparse value gradient against the plain
   Trainer's dense one (`pkm_optimizers`).
 
 Every timing is a median over rounds in which the compared variants run one after the other (rotating the order);
@@ -1041,14 +1044,12 @@ def gpu_table1(device: str, quick: bool) -> tuple[list[str], list[str]]:
     return lines, verdicts
 
 
-def section_gpu(args) -> list[str]:
+def section_gpu(args) -> list[str] | None:
     device = args.device
     title = ["## 5. GPU: gathers, layer vs peers, Table 1", ""]
     if device == "cuda" and not torch.cuda.is_available():
-        return title + [
-            "No CUDA device in this run: nothing measured. On a GPU machine: `python benchmarks/run_benchmarks.py "
-            "--sections gpu`."
-        ]
+        print("section gpu: no CUDA device, nothing measured (RESULTS.md keeps the last GPU run)")
+        return None
     name = torch.cuda.get_device_name() if device == "cuda" else f"{device} (smoke run of the GPU section)"
     lines = title + [
         f"Device: {name}; the layer on its reference plan. fp32, CUDA-synchronised "
@@ -1103,7 +1104,7 @@ def section_options(args) -> list[str]:
     lines = [
         "## Memory+ options: layer cost (forward + backward)",
         "",
-        f"`python benchmarks/run_benchmarks.py --sections options --append{' --quick' if args.quick else ''}`. "
+        f"`python benchmarks/run_benchmarks.py --sections options{' --quick' if args.quick else ''}`. "
         f"768 in/out, 512^2 slots, 4 heads, knn 32, k_dim 256, query BatchNorm, dense value gradient; input "
         f"{batch[0]} x {batch[1]} x 768 fp32 with `requires_grad`; step = forward + `(out * g).sum().backward()`, grads "
         f"set to None before each step; {rounds} interleaved rounds (+1 warm-up), torch threads {args.threads}. Every "
@@ -1145,7 +1146,7 @@ def section_shared(args) -> list[str]:
     lines = [
         "## Two memories sharing one value table against a table each (forward + backward)",
         "",
-        f"`python benchmarks/run_benchmarks.py --sections shared --append{' --quick' if args.quick else ''}`. Two "
+        f"`python benchmarks/run_benchmarks.py --sections shared{' --quick' if args.quick else ''}`. Two "
         f"memories at the paper's size (768 in/out, {PAPER['n_keys']}^2 slots, 4 heads, knn 32, k_dim 256, query "
         f"BatchNorm) on the same input {batch[0]} x {batch[1]} x 768 fp32; step = both forwards + "
         "`((a(x) + b(x)) * g).sum().backward()`, grads set to None before each step; a table each vs one shared table "
@@ -1206,38 +1207,109 @@ def header(args) -> list[str]:
     except OSError:
         thp = "n/a"
     return [
-        "# Benchmarks: product key memory speed and memory",
-        "",
         f"Command: `python benchmarks/run_benchmarks.py {' '.join(sys.argv[1:])}`".rstrip() + "  ",
-        f"Date: {datetime.datetime.now().isoformat(timespec='seconds')}  ",
+        f"Date: {datetime.datetime.now().isoformat(timespec='seconds')}; commit {git_commit()}  ",
         f"Machine: {cpu}, {os.cpu_count()} logical CPUs, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, "
         f"Linux {platform.release()}; transparent huge pages: {thp}  ",
         f"Versions: Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
         f"product-key-memory {pkm_version}  ",
         f"Threads: torch.set_num_threads({args.threads}); THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}  ",
         f"Load average at start: {loadavg()} (the machine is shared: absolute times are noisy, ratios are paired)",
-        "",
     ]
+
+
+def git_commit() -> str:
+    """The commit of the code measured (`+changes` when the tree differs from it), or n/a outside a checkout."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "modeling_pkm_bert"],
+                               cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "n/a"
+    return commit + ("+changes" if dirty else "")
+
+
+# ---------------------------------------------------------------------------------------------- RESULTS.md
+# The latest run of each section between markers, in SECTIONS' order, and a history row per run; a run rewrites the
+# sections it ran and keeps the others.
+
+TITLE = [
+    "# Benchmarks: product key memory speed and memory",
+    "",
+    "Each section is the latest run of it, with the command, commit, machine and load it ran under; the history table "
+    "lists every run. `python benchmarks/run_benchmarks.py --sections NAME` reruns a section (`--help`: what each "
+    "measures). Times are medians of interleaved rounds; ratios are paired per round, so they hold on a shared "
+    "machine where absolute times do not.",
+    "",
+]
+HISTORY_TITLE = ["## History", "", "| date | commit | sections | machine | load at start | torch | took |", "|---|---|---|---|---|---|---|"]
+
+
+def section_marks(name: str) -> tuple[str, str]:
+    return f"<!-- section {name} -->", f"<!-- /section {name} -->"
+
+
+def read_results(path) -> tuple[dict[str, list[str]], list[str]]:
+    """The sections (`{name: lines}`) and history rows of a RESULTS.md written by `update_results`."""
+    sections, history = {}, []
+    lines = Path(path).read_text(encoding="utf-8").splitlines() if Path(path).exists() else []
+    name = None
+    for line in lines:
+        if line.startswith("<!-- section ") and line.endswith(" -->"):
+            name = line[len("<!-- section "):-len(" -->")]
+            sections[name] = []
+        elif name is not None and line == section_marks(name)[1]:
+            name = None
+        elif name is not None:
+            sections[name].append(line)
+        elif line.startswith("| 20"):  # a history row starts with its date
+            history.append(line)
+    return sections, history
+
+
+def update_results(path, ran: dict[str, list[str]], history: str | None = None) -> None:
+    """Replace the sections in `ran`, keep the others, add the `history` row; written atomically."""
+    sections, rows = read_results(path)
+    sections.update(ran)
+    order = [name for name in SECTIONS if name in sections] + [name for name in sections if name not in SECTIONS]
+    lines = TITLE + HISTORY_TITLE + rows + ([history] if history else []) + [""]
+    for name in order:
+        lines += [section_marks(name)[0], *sections[name], section_marks(name)[1], ""]
+    lines += NOTES
+    temporary = Path(f"{path}.tmp")
+    temporary.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    os.replace(temporary, path)
+
+
+def history_row(args, sections: list[str], machine: list[str], seconds: float) -> str:
+    fields = {line.split(":", 1)[0]: line.split(":", 1)[1].strip().rstrip() for line in machine if ":" in line}
+    date, _, commit = fields["Date"].partition("; commit ")
+    cpu = ", ".join(fields["Machine"].split(", ")[:2]).replace(" logical CPUs", " CPUs")
+    torch_version = fields["Versions"].split("torch ")[1].split(",")[0]
+    load = fields["Load average at start"].split(" (")[0]
+    sections = " ".join(sections) + (" (quick)" if args.quick else "")
+    return f"| {date} | {commit} | {sections} | {cpu} | {load} | {torch_version} | {seconds / 60:.0f} min |"
 
 
 NOTES = [
     "## Notes",
     "",
-    "- What makes the layer fast (all in `modeling_pkm_bert/product_key_memory.py`, each path tested against the "
-    "reference in `tests/test_performance_paths.py`): (1) the value lookup's backward sorts the lookups by row once; "
-    "the value gradient is a (rows x tokens) sparse-matrix product written straight into its buffer (only the rows "
-    "used with `sparse=True`; all rows, without a separate zero-fill and scatter, in the default dense mode) and the "
-    "per-sample-weight gradient is a sampled matrix product that reads the value rows in ascending order; (2) that "
-    "buffer is reused from step to step on CPU once the optimizer dropped the gradient (a fresh 768 MiB allocation "
-    "costs its page faults every step, about as long as the whole layer on this VM); (3) the sub-key top-k has a "
-    "backward through the knn selected keys only (no dense n_keys-wide gradient matmuls); (4) only the 119 of the "
-    "32 x 32 candidate pairs that can reach the top 32 are scored ((a+1)(b+1) <= knn); (5) `SparseRowAdam` updates "
-    "the touched rows in cache-sized chunks with a bf16 first moment and a row-wise second moment; (6) the native "
-    "selection of the next note, in training too (its gradient goes to the two sub-key scores of each selected slot; "
-    "tested equal to the torch search in `tests/test_cpu_kernels.py`).",
+    "- Sections dated before 2026-12-03 measured the layer before its restructuring: the paths they name "
+    "(`HostBoundLookup`, the Triton gathers, `ONE_NODE_WHEN_HOST_BOUND`, size thresholds) are gone; a GPU now runs the "
+    "reference plan, a CPU the plan of the next note. Their figures stay until the section is rerun.",
+    "- What makes the layer fast on CPU: the CPU plan of `modeling_pkm_bert/product_key_memory_ops.py` "
+    "(`memory.explain_paths()` prints it; `use_reference()` runs the reference, as section 1's `ours_*_reference` rows "
+    "do; each path is tested against the reference in `tests/`): (1) the native selection of the note on Table 1, in "
+    "training too; (2) the search backward through the selected sub-keys only (`ProductKeySearch`: no dense "
+    "n_keys-wide gradient matmuls); (3) the value backward as one sparse-matrix product (CSR, rows sorted once) written "
+    "into a gradient buffer reused from step to step once the optimizer dropped the gradient (a fresh 768 MiB "
+    "allocation costs its page faults every step, about as long as the whole layer on this VM). Every plan scores only "
+    "the 119 of the 32 x 32 candidate pairs that can reach the top 32 ((a+1)(b+1) <= knn), and `SparseRowAdam` updates "
+    "the touched rows in cache-sized chunks with a bf16 first moment and a row-wise second moment.",
     "- Threads: the benchmark runs torch with 1 thread by default. This 2-core VM is shared with other jobs; with 2 "
     "threads every parallel op waits for a descheduled peer thread (single ops then take 10+ ms), which measures the "
-    "scheduler, not the code. `--threads 2` is available; the layer comparison is repeated with 2 threads above.",
+    "scheduler, not the code. `--threads 2` is available.",
     "- THP: `THP_MEM_ALLOC_ENABLE=1` (a torch environment variable) backs large CPU allocations with huge pages. It "
     "removes most of the page-fault cost of the peers' fresh dense gradients, so against peers run that way the layer "
     "speed-up is smaller (see section 1); our path avoids those allocations either way.",
@@ -1282,7 +1354,7 @@ def section_trainer(args) -> list[str]:
     lines = [
         "## Trainer: sparse value gradient (PkmTrainer) vs dense (plain Trainer), `sparse_row_adam`",
         "",
-        f"`python benchmarks/run_benchmarks.py --sections trainer --append{' --quick' if args.quick else ''}`. "
+        f"`python benchmarks/run_benchmarks.py --sections trainer{' --quick' if args.quick else ''}`. "
         f"BertPkmForMaskedLM, 2 layers, vocab 1000, intermediate 4 x hidden, one memory (layer 1; 4 heads, knn 32, "
         f"k_dim 128, values of the hidden size); batch {batch} x {length} tokens, 15% labelled. A step is what `Trainer.train` runs per step: "
         "`training_step` (forward + backward), `_clip_grad_norm` (max_grad_norm 1.0), `optimizer.step()`, gradients "
@@ -1385,7 +1457,7 @@ def section_quantized(args) -> list[str]:
     lines = [
         "## Compact value tables: int8 and 4-bit rows (`quantize_memory_values`)",
         "",
-        f"`python benchmarks/run_benchmarks.py --sections quantized --append{' --quick' if args.quick else ''}`. "
+        f"`python benchmarks/run_benchmarks.py --sections quantized{' --quick' if args.quick else ''}`. "
         f"Torch threads {args.threads}. (a) The value gather alone: {tokens} tokens x {PAPER['heads']} heads x "
         f"knn {PAPER['knn']} random rows of a {PAPER['n_keys']}^2 x 768 table with softmax weights "
         "(`values(indices, per_sample_weights=w)`), `torch.inference_mode()`; fp32 and bf16: `ProductKeyValues` "
@@ -1498,9 +1570,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds (~3-4 min)")
     parser.add_argument("--sections", nargs="*", default=[s for s in SECTIONS if s not in ("options", "shared", "trainer", "quantized")],
-                        choices=list(SECTIONS), help="default: all but options, shared, trainer and quantized (sections run with --append)")
-    parser.add_argument("--append", action="store_true", help="append the sections to --output (with the machine and "
-                        "date) instead of rewriting it: e.g. the options section below the others")
+                        choices=list(SECTIONS), help="default: all but options, shared, trainer and quantized")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared 2-core machine, "
                         "2 threads make every parallel op wait on a descheduled peer thread)")
     parser.add_argument("--output", default=str(HERE / "RESULTS.md"))
@@ -1525,35 +1595,20 @@ def main():
         return
 
     started = time.perf_counter()
-    if args.append:  # each section: its title, then the machine and date it ran on, then its text
-        machine = [line for line in header(args)[2:] if line]
-        appended = []
-        for name in args.sections:
-            section_start = time.perf_counter()
-            section_lines = SECTIONS[name](args)
-            appended += ["", *section_lines[:2], *machine, *section_lines[2:]]
-            appended += ["", f"_(section took {time.perf_counter() - section_start:.0f} s)_", ""]
-        print("\n".join(appended), flush=True)
-        with open(args.output, "a", encoding="utf-8") as handle:
-            handle.write("\n".join(appended) + "\n")
-        print(f"appended to {args.output}")
-        return
-    lines = header(args)
+    machine, measured = header(args), []
     for name in args.sections:
         section_start = time.perf_counter()
         print(f"[{time.perf_counter() - started:6.0f}s] section {name} ...", flush=True)
-        lines += SECTIONS[name](args)
-        lines += ["", f"_(section took {time.perf_counter() - section_start:.0f} s)_", ""]
-        print("\n".join(lines[-40:]), flush=True)
-        Path(args.output).write_text("\n".join(lines) + "\n")
-    lines += NOTES + [
-        "",
-        f"Load average at end: {loadavg()}; total {time.perf_counter() - started:.0f} s.",
-        "",
-    ]
-    Path(args.output).write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.output}")
-
+        text = SECTIONS[name](args)
+        if text is None:  # measured nothing here (the gpu section without a GPU)
+            continue
+        text = [*text[:2], *machine, "", *text[2:], "", f"_(section took {time.perf_counter() - section_start:.0f} s)_"]
+        print("\n".join(text), flush=True)
+        update_results(args.output, {name: text})  # each finished section is kept, should a later one fail
+        measured.append(name)
+    if measured:
+        update_results(args.output, {}, history=history_row(args, measured, machine, time.perf_counter() - started))
+        print(f"updated {args.output}")
 
 if __name__ == "__main__":
     main()

@@ -488,7 +488,7 @@ class ProductKeyValues(nn.EmbeddingBag):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Serving: compact value tables (issue 26), int8 / 4-bit rows in FBGEMM's row-wise layout. `QuantizedProductKeyValues`
+# Serving: compact value tables, int8 / 4-bit rows in FBGEMM's row-wise layout. `QuantizedProductKeyValues`
 # takes the place of a `ProductKeyValues` (same call, same output) in a model made by `quantize_memory_values` or built
 # from a config with `pkm_values_quantization`; inference only.
 # ----------------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The arithmetic behind benchmarks/RESULTS.md: interleaved rounds, paired ratios, verdicts, the memories' share."""
 
+import argparse
 import sys
 import time
 
@@ -163,3 +164,37 @@ def test_gpu_benchmarks_smoke_on_cpu(tmp_path):
     assert [line.split()[0] for line in summary] == ["layer_compile", "train_step"], result.stdout[-2000:]
     if not torch.cuda.is_available():
         assert "no CUDA device here" in (tmp_path / "layer_compile.log").read_text()
+
+
+def test_results_keep_the_latest_run_of_each_section_and_a_history(bench, tmp_path):
+    path = tmp_path / "RESULTS.md"
+    bench.update_results(path, {"table1": ["## 4. Table 1", "", "first table1"]}, history="| 2026-01-01 | a | table1 |")
+    bench.update_results(path, {"layer": ["## 1. layer", "", "first layer"]}, history="| 2026-01-02 | b | layer |")
+    bench.update_results(path, {"table1": ["## 4. Table 1", "", "second table1"]}, history="| 2026-01-03 | c | table1 |")
+    sections, history = bench.read_results(path)
+    assert list(sections) == ["layer", "table1"]  # SECTIONS' order, not the order of the runs
+    assert sections["table1"] == ["## 4. Table 1", "", "second table1"] and sections["layer"][-1] == "first layer"
+    assert history == ["| 2026-01-01 | a | table1 |", "| 2026-01-02 | b | layer |", "| 2026-01-03 | c | table1 |"]
+    text = path.read_text()
+    assert text.count("## Notes") == 1 and "first table1" not in text and not (tmp_path / "RESULTS.md.tmp").exists()
+
+
+def test_the_committed_results_are_in_the_writers_format(bench, tmp_path):
+    """benchmarks/RESULTS.md reads back into sections and history and is rewritten unchanged (no hand edit outside a
+    section would survive the next run)."""
+    committed = bench.HERE / "RESULTS.md"
+    sections, history = bench.read_results(committed)
+    assert set(sections) <= set(bench.SECTIONS) and {"layer", "table1"} <= set(sections) and history
+    copy = tmp_path / "RESULTS.md"
+    copy.write_text(committed.read_text())
+    bench.update_results(copy, {})
+    assert copy.read_text() == committed.read_text()
+
+
+def test_a_history_row_names_the_run(bench):
+    args = argparse.Namespace(sections=["layer", "table1"], quick=True, threads=1)
+    machine = bench.header(args)
+    row = bench.history_row(args, args.sections, machine, 125.0)
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[2] == "layer table1 (quick)" and cells[5] == torch.__version__ and cells[6] == "2 min"
+    assert cells[0].startswith("20") and cells[1]
