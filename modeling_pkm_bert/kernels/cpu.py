@@ -4,8 +4,9 @@
 `csrc/product_key_select.c` selects the same top-`knn` product keys faster (AVX-512 where the compiler targets it,
 portable C elsewhere). `register()` (called by `modeling_pkm_bert` when a model class is first resolved) registers it as
 the torch op `torch.ops.pkm_bert.select_product_keys`; the plan of a memory (`product_key_memory_ops.plan_lookup`) takes
-it for fp32 CPU lookups without gradients, models loaded with `trust_remote_code=True` included once the package is
-imported. docs/performance.md has its measured gain.
+it for every fp32 CPU lookup outside compile and export: without gradients as it is, in training inside
+`ProductKeySearch` (the op has no backward of its own), models loaded with `trust_remote_code=True` included once the
+package is imported. docs/performance.md has its measured gain.
 
 The library is compiled once (`cc -O3 -march=native`, about a second) into `$PKM_BERT_CACHE` (default
 `~/.cache/modeling_pkm_bert`) and loaded with ctypes. Without a compiler the op computes the same result with torch
