@@ -21,6 +21,10 @@ Stages (each run is kept in `benchmarks/knowledge_editing.json` as it finishes; 
 2. `sweep`: every method at each of its learning rates (one budget of steps), seed 0;
 3. `seeds`: every method at its best learning rate (the one reaching the target with the least loss of A; if none
    does, the highest recall of B), more seeds (B's data order, masks and LoRA's initialisation; the A model is one).
+4. `diagnose`: where SMF's update can go at all. On the ResM A model and B's training batches (masked as run_mlm.py
+   masks them), the share of the values' full gradient (squared norm) that lies in the rows each ranker and top-t
+   chooses, against the best any `t` rows could hold (the rows of largest gradient), and with the reads counted only at
+   the masked positions (the only ones whose output has a loss).
 
 Methods: `full` (every parameter, the memory values at 5x the network's rate as in training A), `lora` (peft, r 16 on
 the attention and FFN projections; a loop of this script, since run_mlm.py has no LoRA flag: same data, batch, masking
@@ -104,7 +108,8 @@ def parse_args(argv=None):
     parser.add_argument("--results", default=None, help="default: benchmarks/knowledge_editing.json (--quick: in --output_dir)")
     parser.add_argument("--report", default=None, help="default: benchmarks/KNOWLEDGE_EDITING.md (--quick: in --output_dir)")
     parser.add_argument("--quick", action="store_true", help="the suite's version: a tiny base, a few steps")
-    parser.add_argument("--stages", nargs="+", default=["base", "sweep", "seeds"], choices=["base", "sweep", "seeds"])
+    parser.add_argument("--stages", nargs="+", default=["base", "sweep", "seeds", "diagnose"],
+                        choices=["base", "sweep", "seeds", "diagnose"])
     parser.add_argument("--methods", nargs="+", default=None, choices=list(METHODS), help=f"default: all (--quick: {QUICK_METHODS})")
     parser.add_argument("--learning_rates", nargs="+", type=float, default=None, help="sweep these instead of each method's")
     parser.add_argument("--workers", type=int, default=2, help="runs trained side by side, one thread each")
@@ -285,6 +290,65 @@ def measure_folder(folder: str, data: str) -> dict:
         model.tie_weights()
         result["curve"][checkpoint.name.split("_")[1]] = probes.measure(model, tokenizer)
     return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Diagnosis: where SMF's rows lie against the gradient of B
+
+
+SMF_CHOICES = [(ranker, t) for ranker in ("tfidf", "kl") for t in (100, 1000)]
+
+
+def smf_diagnosis(model_dir: Path, data: Path, background: Path, batch_size: int, batches: int, seed: int = 0) -> dict:
+    """Per (ranker, top-t): the mean over `batches` B training batches of the share of the values' gradient (squared
+    norm) in the rows SMF chooses from the step's reads, of all positions (as SMF counts) and of the masked ones only;
+    and the share of the best `t` rows (largest gradient). Eval mode, as an SMF step runs its forwards."""
+    from transformers import AutoModelForMaskedLM, AutoTokenizer, DataCollatorForLanguageModeling
+
+    from modeling_pkm_bert import register_auto_classes
+    from modeling_pkm_bert.methods.sparse_finetuning import BackgroundStatistics, memory_layers, rank_slots
+
+    register_auto_classes()
+    tokenizer = AutoTokenizer.from_pretrained(data / "tokenizer")
+    model = AutoModelForMaskedLM.from_pretrained(model_dir).eval()
+    statistics = BackgroundStatistics.load(background)
+    (name, memory), = memory_layers(model).items()
+    reads = []
+    hook = memory.values.register_forward_hook(lambda module, args, output: reads.append(args[0].detach()))
+    lines = [line for line in (data / "b_train.txt").read_text(encoding="utf-8").splitlines() if line]
+    random.Random(seed).shuffle(lines)
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
+    torch.manual_seed(seed)
+    shares = {f"{ranker}_t{t}": {"all_positions": [], "masked_positions": [], "best_rows": []} for ranker, t in SMF_CHOICES}
+    touched = {"rows_read": [], "rows_with_gradient": [], "rows_read_at_masked": []}
+    for start in range(0, min(batches * batch_size, len(lines)), batch_size):
+        batch = collator([tokenizer(line, truncation=True, max_length=128) for line in lines[start : start + batch_size]])
+        reads.clear()
+        model.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        indices = reads[-1]  # (real tokens, heads * knn): padding is not looked up
+        labelled = batch["labels"].reshape(-1)[batch["attention_mask"].reshape(-1).bool()] != -100
+        rows = memory.n_keys**2
+        counts = torch.bincount(indices.reshape(-1), minlength=rows)
+        masked_counts = torch.bincount(indices[labelled].reshape(-1), minlength=rows)
+        gradient = memory.values.weight.grad.detach().double().pow(2).sum(1)
+        total = gradient.sum().item()
+        touched["rows_read"].append(int((counts > 0).sum()))
+        touched["rows_read_at_masked"].append(int((masked_counts > 0).sum()))
+        touched["rows_with_gradient"].append(int((gradient > 0).sum()))
+        for ranker, t in SMF_CHOICES:
+            entry = shares[f"{ranker}_t{t}"]
+            for key, reads_of in (("all_positions", counts), ("masked_positions", masked_counts)):
+                chosen = rank_slots(reads_of, statistics, name, t, ranker)
+                entry[key].append(gradient[chosen].sum().item() / total)
+            entry["best_rows"].append(gradient.topk(t).values.sum().item() / total)
+    hook.remove()
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    return {
+        "batches": len(touched["rows_read"]), "batch_size": batch_size, "rows": memory.n_keys**2,
+        "touched": {key: mean(values) for key, values in touched.items()},
+        "shares": {choice: {key: mean(values) for key, values in entry.items()} for choice, entry in shares.items()},
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -536,6 +600,18 @@ class Benchmark:
 
     def learning_rates(self, method: str) -> list[float]:
         return learning_rates(self.args, method)
+
+    # stage 4: the diagnosis of SMF's choice
+    def diagnose(self):
+        base = self.base_folder("resm")
+        with LOADING:
+            result = smf_diagnosis(base, self.data, base.parent / BACKGROUND, self.plan["batch_size"],
+                                   batches=8 if not self.args.quick else 2)  # fmt: skip
+        with self.results.locked() as data:
+            data["diagnosis"] = result
+        for choice, entry in result["shares"].items():
+            print(f"{choice}: gradient share {entry['all_positions']:.3f} (reads at masked positions only "
+                  f"{entry['masked_positions']:.3f}; best rows {entry['best_rows']:.3f})", flush=True)  # fmt: skip
 
     def sweep(self):
         self.run_all([(m, lr, self.plan["seeds"][0]) for lr_index in range(3) for m in self.args.methods

@@ -138,6 +138,26 @@ def write_report(args, data: dict) -> None:
     figure_path = Path(args.report).with_name("knowledge_editing.png")
     if rows and figure(rows, figure_path):
         lines += [f"![learning B against forgetting A]({figure_path.name})", ""]
+    diagnosis = data.get("diagnosis")
+    if diagnosis:
+        touched = diagnosis["touched"]
+        lines += [
+            "## Where SMF's rows lie (`--stages diagnose`)",
+            "",
+            f"The ResM A model on {diagnosis['batches']} of B's training batches ({diagnosis['batch_size']} lines, masked as "
+            f"run_mlm.py masks), eval mode as an SMF step: a batch reads {touched['rows_read']:.0f} of the "
+            f"{diagnosis['rows']:,} rows, {touched['rows_with_gradient']:.0f} of them get a gradient (those read at masked "
+            "positions). Share of the values' gradient (squared norm) in the rows chosen, mean over the batches:",
+            "",
+            "| ranker, top-t | reads of every position (SMF) | reads of masked positions only | the best t rows |",
+            "|---|---:|---:|---:|",
+        ]
+        for choice, entry in diagnosis["shares"].items():
+            lines.append(f"| {choice} | {entry['all_positions']:.3f} | {entry['masked_positions']:.3f} | {entry['best_rows']:.3f} |")
+        lines.append("")
+    notes = Path(ke.HERE / "knowledge_editing_notes.md")
+    if full_plan and notes.exists():  # the findings, written by hand after a run
+        lines += [notes.read_text(encoding="utf-8").strip(), ""]
     lines += [
         "## Every run",
         "",

@@ -169,8 +169,13 @@ def test_quick_pipeline_resumes_and_measures_every_checkpoint(tmp_path):
         for point in [*run["curve"].values(), run["final"]]:
             assert all(0.0 <= point[k] <= 1.0 for k in ("a", "b", "b_heldout", "edits", "new", "old")) and point["ppl"] > 1
     assert not list((tmp_path / "out" / "runs").glob("*/model/step_*"))  # measured, then removed
+    shares = results["diagnosis"]["shares"]
+    assert set(shares) == {f"{r}_t{t}" for r, t in ke.SMF_CHOICES}
+    for entry in shares.values():  # no choice of t rows holds more of the gradient than the t largest rows
+        assert 0.0 <= entry["all_positions"] <= entry["best_rows"] + 1e-9 <= 1.0 + 1e-9
+        assert 0.0 <= entry["masked_positions"] <= entry["best_rows"] + 1e-9
     report = (tmp_path / "out" / "KNOWLEDGE_EDITING.md").read_text()
-    assert "The plan has not been run yet" in report and "| smf_kl_t100 |" in report
+    assert "The plan has not been run yet" in report and "| smf_kl_t100 |" in report and "| kl_t1000 |" in report
     # a second call trains nothing again: every run is kept
     again = subprocess.run(command, check=True, env=env, capture_output=True, text=True)
     assert "A kept" not in again.stdout and "base resm" not in again.stdout
