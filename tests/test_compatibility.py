@@ -37,6 +37,11 @@ FIXTURES = {
         ["mlm", "causal_memory_plus", "mlm_ngram", "causal_ngram", "mlm_ngram_int8", "roberta_mlm", "fill-mask",
          "train:causal_memory_plus", "train:causal_ngram"],
     ),
+    "0.5.0": (
+        REPO_ROOT / "tests" / "fixtures" / "modernbert_pkm_0.5.0",  # the ModernBertPkm family arrived
+        ["modernbert_mlm", "modernbert_cls_memory_plus", "modernbert_tok_replace", "modernbert_choice",
+         "modernbert_mlm_int8", "fill-mask:modernbert_mlm", "train:modernbert_mlm", "train:modernbert_cls_memory_plus"],
+    ),
 }
 MIN_PYTHON = os.environ.get("PKM_COMPAT_MIN_PYTHON")
 NEWEST_PYTHON = os.environ.get("PKM_COMPAT_NEWEST_PYTHON", sys.executable)
@@ -84,8 +89,10 @@ def test_folders_written_under_one_version_run_under_the_other(writer, reader, t
     assert report["written_with"] == transformers_version(PYTHONS[writer])
     assert report["transformers"] == transformers_version(PYTHONS[reader])
     folders = json.loads((tmp_path / "expected.json").read_text())["folders"]
-    trained = ["mlm_memory_plus", "cls", "causal", "causal_memory_plus", "causal_ngram"]  # check_folders.py's
-    assert report["checked"] == [*folders, "fill-mask", *(f"train:{name}" for name in trained)]
+    trained = ["mlm_memory_plus", "cls", "causal", "causal_memory_plus", "causal_ngram", "modernbert_mlm",
+               "modernbert_cls_memory_plus"]  # check_folders.py's
+    pipelines = ["fill-mask", "fill-mask:modernbert_mlm"]
+    assert report["checked"] == [*folders, *pipelines, *(f"train:{name}" for name in trained)]
 
 
 @pytest.mark.parametrize("release", list(FIXTURES))
