@@ -359,3 +359,28 @@ def test_saved_folders_load_as_remote_code_without_the_package(tmp_path):
     for name in folders:
         assert out[name + "_module"].startswith("transformers_modules."), out[name + "_module"]
         torch.testing.assert_close(torch.tensor(out[name]), expected[name], atol=1e-6, rtol=0)
+
+
+def test_register_auto_classes_resolves_modernbert_pkm_folders_without_remote_code(tmp_path):
+    from modeling_pkm_bert import register_auto_classes
+
+    register_auto_classes()
+    ModernBertPkmForTokenClassification(tiny_config(num_labels=4)).save_pretrained(tmp_path)
+    model = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path)
+    assert type(model) is ModernBertPkmForTokenClassification  # the package's class, not a copy from the folder
+    assert type(transformers.AutoModel.from_config(model.config)) is ModernBertPkmModel
+
+
+def test_the_weights_checksum_covers_modernbert_names(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = ModernBertPkmForMaskedLM(tiny_config(**NGRAM))
+    model.save_pretrained(tmp_path, checksum=True)
+    ModernBertPkmForMaskedLM.from_pretrained(tmp_path)  # verified
+    # the body digest holds the layers and the final norm: a head class of the same body verifies it too
+    ModernBertPkmModel.from_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.final_norm.weight"] = tensors["model.final_norm.weight"] + 1
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="do not match the pkm_weights_checksum"):
+        ModernBertPkmForMaskedLM.from_pretrained(tmp_path)
