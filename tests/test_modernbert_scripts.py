@@ -340,3 +340,25 @@ def test_run_mlm_trains_a_modernbert_pkm_on_two_gloo_processes(modernbert_pkm_fo
     assert "MULTI_CPU" in done.stderr and "[RANK 1]" in done.stderr
     assert json.loads((tmp_path / "ddp" / "all_results.json").read_text())["step"] == 2
     assert isinstance(ModernBertPkmForMaskedLM.from_pretrained(tmp_path / "ddp"), ModernBertPkmForMaskedLM)
+
+
+def test_the_benchmark_section_times_plain_ours_and_resm_in_one_run(monkeypatch):
+    """`run_benchmarks.py --sections modernbert`: one row per batch with the three models' throughputs and ratios (here
+    on tiny models: the arithmetic, not the speed)."""
+    import argparse
+
+    bench = load_script("run_benchmarks", folder="benchmarks")
+    tiny = dict(TINY, vocab_size=30001, max_position_embeddings=128)
+
+    def build(kind):
+        if kind == "plain":
+            return transformers.ModernBertModel(ModernBertConfig(**tiny, attn_implementation="sdpa")).eval()
+        layers = [] if kind == "ours" else [1]
+        return ModernBertPkmModel(ModernBertPkmConfig(**tiny, **{**PKM, "pkm_layers": layers})).eval()
+
+    monkeypatch.setattr(bench, "build_modernbert", build)
+    monkeypatch.setattr(bench, "table1_rounds", lambda args, size, batch: 2)
+    lines = bench.section_modernbert(argparse.Namespace(quick=True))
+    rows = [line for line in lines if line.startswith(("| 1 x 128 |", "| 32 x 128 |"))]
+    assert len(rows) == 2 and all(len(row.split("|")) == 11 for row in rows), rows
+    assert lines[-1].startswith("Verdicts (target 0.95")
