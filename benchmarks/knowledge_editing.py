@@ -306,7 +306,7 @@ def smf_diagnosis(model_dir: Path, data: Path, background: Path, batch_size: int
     from transformers import AutoModelForMaskedLM, AutoTokenizer, DataCollatorForLanguageModeling
 
     from modeling_pkm_bert import register_auto_classes
-    from modeling_pkm_bert.methods.sparse_finetuning import BackgroundStatistics, memory_layers, rank_slots
+    from modeling_pkm_bert.methods.sparse_finetuning.method import BackgroundStatistics, memory_layers, rank_slots
 
     register_auto_classes()
     tokenizer = AutoTokenizer.from_pretrained(data / "tokenizer")

@@ -27,6 +27,9 @@ Sections:
   a line saying so.
 - options (not in the default run): the cost of each Memory+ option.
 - shared (not in the default run): two memories sharing one value table against a table each, dense and sparse gradients.
+- modernbert (not in the default run): Table 1's setting for a ModernBERT-base-sized encoder (22 layers, 768 wide,
+  GeGLU 1152, local/global attention, sdpa): +ResM (memories at layers 7 and 14, the paper's memory size) against
+  transformers' ModernBertModel, and ModernBertPkmModel without memories against it (the cost of our copies of its blocks).
 - quantized (not in the default run): the value gather and Table 1's ResM/BERT-base with fp32, bf16, int8 and 4-bit value
   tables (`quantize_memory_values`), on 4 KiB and huge pages.
 - trainer (not in the default run): a Trainer step with `sparse_row_adam`, PkmTrainer's sparse value gradient against the plain
@@ -1552,6 +1555,55 @@ def section_quantized(args) -> list[str]:
     return lines + ["", "Verdicts: " + "; ".join(verdicts) + f". Load average at the end: {loadavg()}."]
 
 
+def build_modernbert(kind: str):
+    """ModernBERT-base's size with random weights: transformers' ModernBertModel ("plain"), ours without memories
+    ("ours"), ours with ResM memories at layers 7 and 14 ([n // 3, 2n // 3] of 22; the paper's 512^2 slots, 4 heads,
+    knn 32, k_dim 256) ("resm"); sdpa attention for all."""
+    import transformers
+
+    from modeling_pkm_bert import ModernBertPkmConfig, ModernBertPkmModel
+
+    torch.manual_seed(5)
+    if kind == "plain":
+        return transformers.ModernBertModel(transformers.ModernBertConfig(attn_implementation="sdpa")).eval()
+    layers = [] if kind == "ours" else [7, 14]
+    return ModernBertPkmModel(ModernBertPkmConfig(pkm_layers=layers, pkm_mode="resm", attn_implementation="sdpa")).eval()
+
+
+def section_modernbert(args) -> list[str]:
+    lines = [
+        "## Table 1's setting on ModernBERT-base: inference throughput",
+        "",
+        "Random weights of ModernBERT-base's size (22 layers, hidden 768, GeGLU 1152, global attention every third "
+        "layer, a 128-token window elsewhere, sdpa), eval mode, `torch.inference_mode()`, input ids + an all-ones "
+        "attention mask, sequence length 128, all three models in one run (interleaved rounds, as section 4). plain: "
+        "transformers' `ModernBertModel`; ours: `ModernBertPkmModel` without memories (our copies of its blocks); "
+        "+ResM: memories (512^2 slots, 4 heads, knn 32, k_dim 256) beside the MLP at layers 7 and 14. Ratios are "
+        "throughput ratios (plain time / model time): the median of the per-round ratios, the ratio of the fastest "
+        "rounds, and for +ResM the estimate from the memories' share of each call (1 - time in the memories / time of "
+        "the call).",
+        "",
+        "| batch | rounds | plain batch/s | ours batch/s | +ResM batch/s | ours / plain | +ResM / plain | "
+        "+ResM / plain, fastest rounds | +ResM / ours from the memories' share |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    models = {"bert": build_modernbert("plain"), "ours": build_modernbert("ours"), "resm": build_modernbert("resm")}
+    for model in models.values():
+        use_huge_pages(model)
+    verdicts = []
+    for batch in (1, 32):
+        rounds = table1_rounds(args, "base", batch)
+        samples, shares = time_models(models, batch, rounds)
+        ours, resm, implied = paired_ratio(samples, "bert", "ours"), paired_ratio(samples, "bert", "resm"), 1 - median(shares)
+        lines.append(
+            f"| {batch} x 128 | {rounds} | {1 / median(samples['bert']):.2f} | {1 / median(samples['ours']):.2f} | "
+            f"{1 / median(samples['resm']):.2f} | {ours:.3f} | {resm:.3f} | {min_ratio(samples, 'bert', 'resm'):.3f} | "
+            f"{implied:.3f} |"
+        )
+        verdicts.append(f"{batch}x128: +ResM/plain {resm:.3f} paired, {implied:.3f} from the share ({verdict(resm, implied)})")
+    return lines + ["", "Verdicts (target 0.95, as Table 1's): " + "; ".join(verdicts) + f". Load average at the end: {loadavg()}."]
+
+
 SECTIONS = {
     "overhead": section_overhead,
     "layer": section_layer,
@@ -1563,14 +1615,16 @@ SECTIONS = {
     "shared": section_shared,
     "trainer": section_trainer,
     "quantized": section_quantized,
+    "modernbert": section_modernbert,
 }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds (~3-4 min)")
-    parser.add_argument("--sections", nargs="*", default=[s for s in SECTIONS if s not in ("options", "shared", "trainer", "quantized")],
-                        choices=list(SECTIONS), help="default: all but options, shared, trainer and quantized")
+    extra_sections = ("options", "shared", "trainer", "quantized", "modernbert")  # not in the default run
+    parser.add_argument("--sections", nargs="*", default=[s for s in SECTIONS if s not in extra_sections],
+                        choices=list(SECTIONS), help=f"default: all but {', '.join(extra_sections)}")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared 2-core machine, "
                         "2 threads make every parallel op wait on a descheduled peer thread)")
     parser.add_argument("--output", default=str(HERE / "RESULTS.md"))

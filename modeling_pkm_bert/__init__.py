@@ -43,13 +43,23 @@ _PUBLIC = {
         "RobertaPkmModel",
         "RobertaPkmPreTrainedModel",
     ),
+    ".configuration_modernbert_pkm": ("MODERNBERT_AUTO_MAP", "ModernBertPkmConfig"),
+    ".modeling_modernbert_pkm": (
+        "ModernBertPkmForMaskedLM",
+        "ModernBertPkmForMultipleChoice",
+        "ModernBertPkmForQuestionAnswering",
+        "ModernBertPkmForSequenceClassification",
+        "ModernBertPkmForTokenClassification",
+        "ModernBertPkmModel",
+        "ModernBertPkmPreTrainedModel",
+    ),
     ".product_key_memory": ("ProductKeyMemory", "ProductKeyValues"),
     ".kernels.cpu": ("use_huge_pages",),
     ".parallel.memory_parallel": ("shard_memory_values",),
     ".serving.quantization": ("quantize_memory_values",),
 }
 # the modules that run the memory: resolving a name of theirs registers the native kernels first
-_RUN_THE_MEMORY = (".modeling_bert_pkm", ".modeling_roberta_pkm", ".product_key_memory", ".kernels.cpu", ".serving.quantization")
+_RUN_THE_MEMORY = (".modeling_bert_pkm", ".modeling_roberta_pkm", ".modeling_modernbert_pkm", ".product_key_memory", ".kernels.cpu", ".serving.quantization")
 _REGISTERS_KERNELS = {name for module in _RUN_THE_MEMORY for name in _PUBLIC[module]}
 _resolve, __dir__, _ = lazy_exports(__name__, _PUBLIC)
 
@@ -62,16 +72,21 @@ def __getattr__(name):
 
 
 def register_auto_classes() -> None:
-    """Make `AutoConfig`/`AutoModel*` resolve `model_type="bert_pkm"` and `"roberta_pkm"` to this package in the
-    current process."""
+    """Make `AutoConfig`/`AutoModel*` resolve `model_type="bert_pkm"`, `"roberta_pkm"` and `"modernbert_pkm"` to this
+    package in the current process."""
     import transformers
 
-    from . import kernels, modeling_bert_pkm, modeling_roberta_pkm
+    from . import kernels, modeling_bert_pkm, modeling_modernbert_pkm, modeling_roberta_pkm
     from .configuration_bert_pkm import AUTO_MAP, BertPkmConfig
+    from .configuration_modernbert_pkm import MODERNBERT_AUTO_MAP, ModernBertPkmConfig
     from .configuration_roberta_pkm import ROBERTA_AUTO_MAP, RobertaPkmConfig
 
     kernels.register()
-    families = [(BertPkmConfig, AUTO_MAP, modeling_bert_pkm), (RobertaPkmConfig, ROBERTA_AUTO_MAP, modeling_roberta_pkm)]
+    families = [
+        (BertPkmConfig, AUTO_MAP, modeling_bert_pkm),
+        (RobertaPkmConfig, ROBERTA_AUTO_MAP, modeling_roberta_pkm),
+        (ModernBertPkmConfig, MODERNBERT_AUTO_MAP, modeling_modernbert_pkm),
+    ]
     for config_class, auto_map, module in families:
         transformers.AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
         for auto_class, target in auto_map.items():
@@ -85,6 +100,8 @@ __all__ = sorted(
         "BertPkmConfig",
         *_PUBLIC[".modeling_bert_pkm"],
         "ProductKeyMemory",
+        "ModernBertPkmConfig",
+        *_PUBLIC[".modeling_modernbert_pkm"],
         "RobertaPkmConfig",
         *_PUBLIC[".modeling_roberta_pkm"],
         "quantize_memory_values",

@@ -23,6 +23,8 @@ REMOTE_CODE_FILES = (
     "ngram_memory.py",
     "configuration_roberta_pkm.py",
     "modeling_roberta_pkm.py",
+    "configuration_modernbert_pkm.py",
+    "modeling_modernbert_pkm.py",
 )
 SUPPORTED_TRANSFORMERS = ((5, 4), (6, 0))  # >= 5.4 (dataclass configs, v5 loading), < 6
 

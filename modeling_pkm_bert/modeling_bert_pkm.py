@@ -441,11 +441,12 @@ def ngram_memory(config, layer_idx: int) -> NgramMemory:
     return memory
 
 
-def shared_values_names(config, prefix: str = "") -> list[str]:
-    """With `pkm_shared_values`, the names under which the one value table appears, the first memory's first."""
+def shared_values_names(config, prefix: str = "", layer_path: str = "encoder.layer.") -> list[str]:
+    """With `pkm_shared_values`, the names under which the one value table appears, the first memory's first
+    (`layer_path`: where the model's layers are, `"layers."` in ModernBertPkm)."""
     if not (getattr(config, "pkm_shared_values", False) and config.pkm_layers):
         return []
-    return [f"{prefix}encoder.layer.{i}.memory.values.weight" for i in sorted(config.pkm_layers)]
+    return [f"{prefix}{layer_path}{i}.memory.values.weight" for i in sorted(config.pkm_layers)]
 
 
 class BertPkmLayer(GradientCheckpointingLayer):
@@ -705,6 +706,13 @@ class BertPkmPreTrainedModel(PreTrainedModel):
     # additive 4-D mask (flash and flex attention need masks in their own formats: not supported)
     _supports_sdpa = True
     _supports_attention_backend = True
+    # what the checked loading reads in tensor names (a family with other names, ModernBertPkm, sets its own): where
+    # the layers are, the FFN tensors of a layer (kept by "resm", dropped by "replace"), those "replace" drops from a
+    # plain checkpoint, and the body that every head class shares (the checksum's "body")
+    memory_layer_path = "encoder.layer."
+    memory_ffn_parts = (".intermediate.", ".output.")
+    memory_replaced_parts = (".intermediate.dense.", ".output.dense.")
+    body_prefixes = ("embeddings.", "encoder.")
 
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
@@ -1149,6 +1157,14 @@ def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     allowed = mask.bool()
     zero = torch.zeros((), dtype=dtype, device=mask.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+# the input checks and mask helpers, under the public names another model family's file (modeling_modernbert_pkm.py)
+# imports them by
+refuse_input = _refuse
+check_attention_mask = _check_attention_mask
+real_tokens_of_4d_mask = _real_tokens_of_4d_mask
+additive_mask = _additive_mask
 
 
 def add_ngram_history(model_inputs: dict, input_ids: torch.Tensor, context: int, kwargs: dict) -> dict:
@@ -1615,11 +1631,16 @@ def _check_loaded_tensors(model, source, info, ignore_mismatched_sizes, kwargs):
     missing, unexpected = set(info["missing_keys"]), set(info["unexpected_keys"])
     mismatched = {key: (saved, ours) for key, saved, ours in info["mismatched_keys"]}
     checkpoint_keys = (set(model.state_dict()) - missing) | unexpected | set(mismatched)
-    memory_layers = set(model.config.pkm_layers) | {_layer_index(k) for k in checkpoint_keys if ".memory." in k}
+    # a shared value table (pkm_shared_values) is tied, which transformers may report as loaded: its names are no sign
+    # that the checkpoint holds memories (the memories' other tensors are)
+    prefix = f"{model.base_model_prefix}." if model.base_model is not model else ""
+    checkpoint_keys -= set(shared_values_names(model.config, prefix, model.memory_layer_path)) - unexpected
+    path = model.memory_layer_path
+    memory_layers = set(model.config.pkm_layers) | {_layer_index(k, path) for k in checkpoint_keys if ".memory." in k}
 
     def about_memories(key):  # a memory tensor, or the FFN of a memory layer (which pkm_mode keeps or drops)
-        layer = _layer_index(key)
-        ffn = ".attention." not in key and (".intermediate." in key or ".output." in key)
+        layer = _layer_index(key, path)
+        ffn = ".attention." not in key and any(part in key for part in model.memory_ffn_parts)
         return layer is not None and (".memory." in key or ".ngram." in key or (layer in memory_layers and ffn))
 
     # other tensors missing or unexpected: transformers' behaviour (initialised new, listed in its load report)
@@ -1633,18 +1654,19 @@ def _check_loaded_tensors(model, source, info, ignore_mismatched_sizes, kwargs):
     saved_config = _saved_config(type(model.config), source, kwargs)
     # n-gram memories added to a checkpoint saved without them (any BERT or BertPkm one) start new: +Init
     saved_ngram_layers = set(saved_config.get("ngram_layers") or ())
-    missing_layers = [k for k in missing_layers if ".ngram." not in k or _layer_index(k) in saved_ngram_layers]
+    missing_layers = [k for k in missing_layers if ".ngram." not in k or _layer_index(k, path) in saved_ngram_layers]
     if not (missing_layers or unexpected_layers or shapes):
         return
-    is_pkm = saved_config.get("model_type") == model.config.model_type
+    # the class's model_type: a config read from a plain checkpoint's config.json holds that checkpoint's model_type
+    is_pkm = saved_config.get("model_type") == type(model.config).model_type
     is_pkm = is_pkm or any(".memory." in k for k in checkpoint_keys)
     if not is_pkm:  # +Init of a plain BERT: new memories, the FFN of replace layers dropped
-        replaced = (".intermediate.dense.", ".output.dense.")
+        replaced = model.memory_replaced_parts
         missing_layers = [k for k in missing_layers if ".memory." not in k]
         unexpected_layers = [k for k in unexpected_layers if not any(part in k for part in replaced)]
         if not (missing_layers or unexpected_layers or shapes):
             return
-    memories = sorted({_layer_index(k) for k in checkpoint_keys if ".memory." in k})
+    memories = sorted({_layer_index(k, path) for k in checkpoint_keys if ".memory." in k})
     fields = ("model_type", "pkm_layers", "pkm_mode", "pkm_n_keys")
     fields = {field: saved_config[field] for field in fields if field in saved_config}
     listing = [("missing from the checkpoint (would be initialised at random)", missing_layers)]
@@ -1665,8 +1687,10 @@ def _check_loaded_tensors(model, source, info, ignore_mismatched_sizes, kwargs):
     )
 
 
-def _layer_index(key: str) -> int | None:
-    return int(key.split("encoder.layer.")[1].split(".")[0]) if "encoder.layer." in key else None
+def _layer_index(key: str, path: str = "encoder.layer.") -> int | None:
+    if path not in key or not key.split(path)[1].split(".")[0].isdigit():
+        return None
+    return int(key.split(path)[1].split(".")[0])
 
 
 def _saved_config(config_class, source, kwargs) -> dict:
@@ -1722,7 +1746,7 @@ def _weights_digest(state_dict: dict) -> str:
 def _body_digest(model) -> str:
     """The digest of the embeddings and encoder (what every head class shares; the pooler and heads vary by class)."""
     state_dict = model.base_model.state_dict()
-    return _weights_digest({k: v for k, v in state_dict.items() if k.startswith(("embeddings.", "encoder."))})
+    return _weights_digest({k: v for k, v in state_dict.items() if k.startswith(model.body_prefixes)})
 
 
 def _check_value_tables(model, missing: set[str]) -> None:
@@ -1731,7 +1755,7 @@ def _check_value_tables(model, missing: set[str]) -> None:
     memories = [n for n, m in model.named_modules() if isinstance(m, ProductKeyMemory)]
     # a memory whose keys were read but whose values were not: its table was saved under another memory's name
     orphans = [f"{n}.values.weight" for n in memories if f"{n}.values.weight" in missing and f"{n}.keys" not in missing]
-    shared = shared_values_names(model.config, prefix)
+    shared = shared_values_names(model.config, prefix, model.memory_layer_path)
     if shared:
         separate = [k for k in shared[1:] if k not in missing or k not in model.all_tied_weights_keys]
         if separate:

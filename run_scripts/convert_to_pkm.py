@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """
-Convert a BERT, DistilBERT, RoBERTa, DistilRoBERTa or XLM-RoBERTa checkpoint (local folder or Hub id) into a BertPkm
-or RobertaPkm model with product key memory layers ("+Init" of Kim & Jung 2020) and save it as a complete Hub
-repository; optionally push it to the Hub.
+Convert a BERT, DistilBERT, RoBERTa, DistilRoBERTa, XLM-RoBERTa or ModernBERT-type (ModernBERT, Ettin's encoders,
+mmBERT) checkpoint (local folder or Hub id) into a BertPkm, RobertaPkm or ModernBertPkm model with product key memory
+layers ("+Init" of Kim & Jung 2020) and save it as a complete Hub repository; optionally push it to the Hub.
 
     python run_scripts/convert_to_pkm.py --model_name_or_path bert-base-uncased --output_dir bert-pkm \
         --pkm_layers 4 8 --pkm_mode resm --pkm_value_init zeros
+    python run_scripts/convert_to_pkm.py --model_name_or_path answerdotai/ModernBERT-base --output_dir modernbert-pkm \
+        --pkm_layers 7 14 --pkm_mode resm --pkm_value_init zeros
 """
 
 import argparse
@@ -53,10 +55,11 @@ logger = logging.getLogger(__name__)
 def build_parser():
     parser = argparse.ArgumentParser(
         prog=os.path.basename(__file__),
-        description="Convert a BERT/DistilBERT/RoBERTa/XLM-RoBERTa checkpoint into a BertPkm/RobertaPkm model.",
+        description="Convert a BERT/DistilBERT/RoBERTa/XLM-RoBERTa/ModernBERT checkpoint into a BertPkm/RobertaPkm/"
+        "ModernBertPkm model.",
     )
     parser.add_argument(
-        "--model_name_or_path", type=str, required=True, help="BERT, DistilBERT, RoBERTa or XLM-RoBERTa checkpoint: a local folder or Hub id."
+        "--model_name_or_path", type=str, required=True, help="BERT, DistilBERT, RoBERTa, XLM-RoBERTa or ModernBERT-type (ModernBERT, Ettin, mmBERT) checkpoint: a local folder or Hub id."
     )
     parser.add_argument(
         "--output_dir",
@@ -71,7 +74,7 @@ def build_parser():
         default=None,
         choices=TARGET_CLASSES,
         help="BertPkm class to build (default: the one of the source's head, BertForMaskedLM -> BertPkmForMaskedLM); "
-        "a RoBERTa-family source builds the RobertaPkm class of the same head.",
+        "a RoBERTa-family source builds the RobertaPkm class of the same head, a ModernBERT-type one the ModernBertPkm class.",
     )
     parser.add_argument(
         "--num_labels", type=int, default=None, help="Labels of a new classification head (with --target_class)."

@@ -317,7 +317,7 @@ def main(argv=None):
         config_overrides["label2id"] = {str(name): i for i, name in enumerate(label_list)}
     pkm_kwargs = pkm_kwargs_from_args(args)
     model_type = read_config(args.model_name_or_path, trust_remote_code=args.trust_remote_code).model_type
-    if args.ignore_mismatched_sizes and (not pkm_kwargs or model_type in ("bert_pkm", "roberta_pkm")):
+    if args.ignore_mismatched_sizes and (not pkm_kwargs or model_type in ("bert_pkm", "roberta_pkm", "modernbert_pkm")):
         config_overrides["ignore_mismatched_sizes"] = (
             True  # a from_pretrained argument (conversion re-initialises itself)
         )

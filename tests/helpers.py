@@ -20,10 +20,10 @@ OUTPUT_TAIL = 3000
 
 def bert_pkm_code_files() -> list[str]:
     """The remote-code files a saved BertPkm folder holds: the shipped files its classes import (the RobertaPkm files
-    travel with RobertaPkm models only)."""
+    travel with RobertaPkm models only, the ModernBertPkm files with ModernBertPkm ones)."""
     from modeling_pkm_bert.configuration_bert_pkm import REMOTE_CODE_FILES
 
-    return [name for name in REMOTE_CODE_FILES if "roberta" not in name]
+    return [name for name in REMOTE_CODE_FILES if "roberta" not in name and "modernbert" not in name]
 
 
 def load_script(name: str, folder: str | Path = "run_scripts"):

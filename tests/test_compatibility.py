@@ -17,7 +17,7 @@ import torch
 
 from conftest import REPO_ROOT
 
-from modeling_pkm_bert.configuration_bert_pkm import PKM_CODE_VERSION, REMOTE_CODE_FILES
+from modeling_pkm_bert.configuration_bert_pkm import PKM_CODE_VERSION
 
 
 pytestmark = pytest.mark.multiprocess  # the suite runs other interpreters (.venv-min, the newest releases)
@@ -36,6 +36,11 @@ FIXTURES = {
         REPO_ROOT / "tests" / "fixtures" / "bert_pkm_0.4.0",  # int8/4-bit n-gram tables; n-gram tables as ProductKeyValues
         ["mlm", "causal_memory_plus", "mlm_ngram", "causal_ngram", "mlm_ngram_int8", "roberta_mlm", "fill-mask",
          "train:causal_memory_plus", "train:causal_ngram"],
+    ),
+    "0.5.0": (
+        REPO_ROOT / "tests" / "fixtures" / "modernbert_pkm_0.5.0",  # the ModernBertPkm family arrived
+        ["modernbert_mlm", "modernbert_cls_memory_plus", "modernbert_tok_replace", "modernbert_choice",
+         "modernbert_mlm_int8", "fill-mask:modernbert_mlm", "train:modernbert_mlm", "train:modernbert_cls_memory_plus"],
     ),
 }
 MIN_PYTHON = os.environ.get("PKM_COMPAT_MIN_PYTHON")
@@ -84,8 +89,10 @@ def test_folders_written_under_one_version_run_under_the_other(writer, reader, t
     assert report["written_with"] == transformers_version(PYTHONS[writer])
     assert report["transformers"] == transformers_version(PYTHONS[reader])
     folders = json.loads((tmp_path / "expected.json").read_text())["folders"]
-    trained = ["mlm_memory_plus", "cls", "causal", "causal_memory_plus", "causal_ngram"]  # check_folders.py's
-    assert report["checked"] == [*folders, "fill-mask", *(f"train:{name}" for name in trained)]
+    trained = ["mlm_memory_plus", "cls", "causal", "causal_memory_plus", "causal_ngram", "modernbert_mlm",
+               "modernbert_cls_memory_plus"]  # check_folders.py's
+    pipelines = ["fill-mask", "fill-mask:modernbert_mlm"]
+    assert report["checked"] == [*folders, *pipelines, *(f"train:{name}" for name in trained)]
 
 
 @pytest.mark.parametrize("release", list(FIXTURES))
@@ -148,20 +155,24 @@ FIXTURE_0_1_0 = REPO_ROOT / "tests" / "fixtures" / "bert_pkm_0.1.0"  # written b
 
 def outdated_code_files(folder) -> list[str]:
     """The remote-code files that the installed package would write anew into `folder`."""
+    from modeling_pkm_bert.hub.refresh import code_files_of
+
     package = REPO_ROOT / "modeling_pkm_bert"
-    return [name for name in REMOTE_CODE_FILES if not (folder / name).is_file() or (folder / name).read_text() != (package / name).read_text()]
+    return [name for name in code_files_of("bert_pkm") if not (folder / name).is_file() or (folder / name).read_text() != (package / name).read_text()]
 
 
 def test_a_folder_written_before_0_2_0_runs_again_after_refresh_code(tmp_path):
     """0.1.0's code imports BERT internals that transformers 5.24 changed; `push_to_hub.py --refresh_code` replaces it
     and the folder computes what 0.1.0 computed, through remote code without the package."""
+    from modeling_pkm_bert.hub.refresh import code_files_of
+
     folder = tmp_path / "bert_pkm_0.1.0"
     subprocess.run(["cp", "-r", str(FIXTURE_0_1_0), str(folder)], check=True)
     weights = (folder / "mlm" / "model.safetensors").read_bytes()
     result = run(sys.executable, str(REPO_ROOT / "run_scripts" / "push_to_hub.py"), "--model_dir", str(folder / "mlm"), "--refresh_code")
     assert f"Refreshed {', '.join(outdated_code_files(FIXTURE_0_1_0 / 'mlm'))}, config.json" in result.stdout
     # 0.2.0 split product_key_memory.py: the layer, and its fast paths in product_key_memory_ops.py (a new file)
-    assert sorted(path.name for path in (folder / "mlm").glob("*.py")) == sorted(REMOTE_CODE_FILES)
+    assert sorted(path.name for path in (folder / "mlm").glob("*.py")) == sorted(code_files_of("bert_pkm"))
     config = json.loads((folder / "mlm" / "config.json").read_text())
     assert config["pkm_code_version"] == PKM_CODE_VERSION and config["auto_map"]["AutoModelForCausalLM"].endswith("BertPkmForCausalLM")
     assert (folder / "mlm" / "model.safetensors").read_bytes() == weights

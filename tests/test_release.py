@@ -49,7 +49,8 @@ def test_a_changed_code_file_comes_with_a_newer_code_version():
     released, folder = newest_fixture()
     assert version_tuple(PKM_CODE_VERSION) >= version_tuple(released), f"{PKM_CODE_VERSION} is older than {released}"
     copies = {name: fixture_copies(folder, name) for name in REMOTE_CODE_FILES}
-    assert all(len(texts) == 1 for texts in copies.values()), {name: len(texts) for name, texts in copies.items()}
+    # one text per file; none for a file shipped since that release (e.g. the ModernBertPkm files after 0.4.0): new
+    assert all(len(texts) <= 1 for texts in copies.values()), {name: len(texts) for name, texts in copies.items()}
     changed = [name for name in REMOTE_CODE_FILES if (PACKAGE / name).read_text(encoding="utf-8") not in copies[name]]
     if changed:
         assert version_tuple(PKM_CODE_VERSION) > version_tuple(released), (

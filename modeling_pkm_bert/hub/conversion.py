@@ -17,12 +17,14 @@ import huggingface_hub.constants
 import torch
 import transformers
 from huggingface_hub import try_to_load_from_cache
-from transformers import AutoConfig, AutoTokenizer, BertConfig, PreTrainedModel
+from transformers import AutoConfig, AutoTokenizer, BertConfig, ModernBertConfig, PreTrainedModel
 
-from .. import kernels, modeling_bert_pkm, modeling_roberta_pkm
+from .. import kernels, modeling_bert_pkm, modeling_modernbert_pkm, modeling_roberta_pkm
 from ..configuration_bert_pkm import AUTO_MAP, BertPkmConfig
+from ..configuration_modernbert_pkm import MODERNBERT_AUTO_MAP, ModernBertPkmConfig
 from ..configuration_roberta_pkm import ROBERTA_AUTO_MAP, RobertaPkmConfig
 from ..modeling_bert_pkm import BertPkmPreTrainedModel
+from ..modeling_modernbert_pkm import ModernBertPkmPreTrainedModel
 from ..modeling_roberta_pkm import RobertaPkmPreTrainedModel
 from ..utils.input_errors import InputError
 from ..utils.output_folders import check_output_folder, mark_output_folder
@@ -44,6 +46,7 @@ TOOL = "convert_to_pkm"  # a converted folder holds the marker `.convert_to_pkm`
 
 TARGET_CLASSES = [target.split(".")[-1] for auto, target in AUTO_MAP.items() if auto != "AutoConfig"]
 ROBERTA_TARGET_CLASSES = [target.split(".")[-1] for auto, target in ROBERTA_AUTO_MAP.items() if auto != "AutoConfig"]
+MODERNBERT_TARGET_CLASSES = [t.split(".")[-1] for auto, t in MODERNBERT_AUTO_MAP.items() if auto != "AutoConfig"]
 
 
 # source architecture -> (transformers class loaded to read every tensor of the checkpoint, default BertPkm class);
@@ -73,6 +76,13 @@ SOURCE_ARCHITECTURES = {
         for head in ("Model", "ForMaskedLM", "ForCausalLM", "ForSequenceClassification", "ForMultipleChoice",
                      "ForTokenClassification", "ForQuestionAnswering")
     },
+    # ModernBERT, Ettin's encoders, mmBERT: transformers' names are ModernBertPkm's (`model.`, `head.`, `decoder`,
+    # `classifier`), read through their own class
+    **{
+        f"ModernBert{head}": (f"ModernBert{head}", f"ModernBertPkm{head}")
+        for head in ("Model", "ForMaskedLM", "ForSequenceClassification", "ForMultipleChoice", "ForTokenClassification",
+                     "ForQuestionAnswering")
+    },
 }
 
 
@@ -82,9 +92,31 @@ SOURCE_BASE_ARCHITECTURES = {
     "distilbert": "DistilBertModel",
     "roberta": "RobertaModel",
     "xlm-roberta": "XLMRobertaModel",
+    "modernbert": "ModernBertModel",
 }
 SUPPORTED_MODEL_TYPES = tuple(SOURCE_BASE_ARCHITECTURES)
 ROBERTA_MODEL_TYPES = ("roberta", "xlm-roberta")  # converted into the RobertaPkm classes
+MODERNBERT_MODEL_TYPES = ("modernbert",)  # converted into the ModernBertPkm classes
+# family -> (its target classes, its modeling module, its base class, its config class)
+FAMILIES = {
+    "bert": (TARGET_CLASSES, modeling_bert_pkm, BertPkmPreTrainedModel, BertPkmConfig),
+    "roberta": (ROBERTA_TARGET_CLASSES, modeling_roberta_pkm, RobertaPkmPreTrainedModel, RobertaPkmConfig),
+    "modernbert": (MODERNBERT_TARGET_CLASSES, modeling_modernbert_pkm, ModernBertPkmPreTrainedModel, ModernBertPkmConfig),
+}
+PKM_MODEL_TYPES = {"bert_pkm": "BertPkm", "roberta_pkm": "RobertaPkm", "modernbert_pkm": "ModernBertPkm"}
+
+
+def family_of(model_type: str) -> str:
+    """The BertPkm family a source of `model_type` converts into: "bert", "roberta" or "modernbert"."""
+    if model_type in ROBERTA_MODEL_TYPES:
+        return "roberta"
+    return "modernbert" if model_type in MODERNBERT_MODEL_TYPES else "bert"
+
+
+def memory_layers_of(model) -> torch.nn.ModuleList:
+    """The layers of a converted model (BertPkm, RobertaPkm: `encoder.layer`; ModernBertPkm: `layers`)."""
+    base = model.base_model
+    return base.layers if isinstance(model, ModernBertPkmPreTrainedModel) else base.encoder.layer
 
 
 # the shape of the network: weights are copied, so these cannot change in a conversion
@@ -272,7 +304,7 @@ def convert_to_pkm(
     report.new_parameters = report.target_parameters - report.carried_parameters
     report.dropped_parameters = sum(p.numel() for p in src_params.values() if id(p) not in carried_src_ids)
     tables = set()  # a value table shared by the memories (pkm_shared_values) counts once
-    for i, layer in enumerate(model.base_model.encoder.layer):
+    for i, layer in enumerate(memory_layers_of(model)):
         if layer.memory is not None:
             values = layer.memory.values.weight.numel()
             report.memory_layers.append(i)
@@ -326,7 +358,7 @@ def _fill_ngram_token_map(model, source, source_name) -> str:
         )
     token_map = normalized_token_map(tokenizer, model.config.vocab_size)
     with torch.no_grad():
-        for layer in model.base_model.encoder.layer:
+        for layer in memory_layers_of(model):
             if layer.ngram is not None:
                 layer.ngram.token_map.copy_(token_map)
     folded = int((token_map != torch.arange(len(token_map))).sum())
@@ -343,8 +375,8 @@ def _check_model_type(config, source_name):
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise InputError(
             f"{source_name}: model_type {config.model_type!r} is not supported; convert_to_pkm converts BERT"
-            f" (model_type 'bert'), DistilBERT ('distilbert'), RoBERTa and DistilRoBERTa ('roberta') and XLM-RoBERTa"
-            f" ('xlm-roberta') checkpoints"
+            f" (model_type 'bert'), DistilBERT ('distilbert'), RoBERTa and DistilRoBERTa ('roberta'), XLM-RoBERTa"
+            f" ('xlm-roberta') and ModernBERT, Ettin and mmBERT encoders ('modernbert') checkpoints"
         )
     position_embedding_type = getattr(config, "position_embedding_type", "absolute")
     if position_embedding_type != "absolute":
@@ -383,8 +415,8 @@ def check_source(source: str | os.PathLike, offline: bool = False) -> None:
             model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             return  # transformers' own error names the file
-        if model_type in (BertPkmConfig.model_type, RobertaPkmConfig.model_type):
-            family = "RobertaPkm" if model_type == RobertaPkmConfig.model_type else "BertPkm"
+        if model_type in PKM_MODEL_TYPES:
+            family = PKM_MODEL_TYPES[model_type]
             raise InputError(
                 f"{str(source)!r} is already a {family} model (model_type {model_type!r}): fine-tune it as it is "
                 "(run_mlm.py, run_glue.py, run_squad.py --model_name_or_path take it), or convert its source again "
@@ -425,35 +457,42 @@ def conversion_target(
     _check_model_type(src_config, source_name)
     architecture = architecture or (src_config.architectures or [SOURCE_BASE_ARCHITECTURES[src_config.model_type]])[0]
     _check_architecture(architecture, source_name)
-    target_class = _resolve_target_class(target_class, architecture, src_config.model_type in ROBERTA_MODEL_TYPES)
+    target_class = _resolve_target_class(target_class, architecture, family_of(src_config.model_type))
     return target_class, _target_config(src_config, source_name, config_overrides or {}, dict(pkm_kwargs or {}))
 
 
-def _resolve_target_class(target_class, architecture, roberta: bool) -> type[BertPkmPreTrainedModel]:
-    """The class to build: the source head's by default; a RoBERTa-family source takes the RobertaPkm class of a
-    BertPkm name (`BertPkmForSequenceClassification` -> `RobertaPkmForSequenceClassification`), as the scripts pass."""
+def _resolve_target_class(target_class, architecture, family: str) -> type[BertPkmPreTrainedModel]:
+    """The class to build: the source head's by default; a RoBERTa- or ModernBERT-family source takes its family's
+    class of a BertPkm name (`BertPkmForSequenceClassification` -> `RobertaPkmForSequenceClassification`,
+    `ModernBertPkmForSequenceClassification`), as the scripts pass."""
     if target_class is None:
         target_class = SOURCE_ARCHITECTURES[architecture][1]
-    names, module = (ROBERTA_TARGET_CLASSES, modeling_roberta_pkm) if roberta else (TARGET_CLASSES, modeling_bert_pkm)
+    names, module, base_class, _ = FAMILIES[family]
+    prefix = {"bert": "BertPkm", "roberta": "RobertaPkm", "modernbert": "ModernBertPkm"}[family]
     if isinstance(target_class, str):
-        if roberta and target_class in TARGET_CLASSES:
-            target_class = target_class.replace("BertPkm", "RobertaPkm", 1)
+        if family != "bert" and target_class in TARGET_CLASSES:
+            target_class = target_class.replace("BertPkm", prefix, 1)
         if target_class not in names:
-            family = "RobertaPkm" if roberta else "BertPkm"
-            raise ValueError(f"target_class {target_class!r} is not a {family} model class: {names}")
+            raise ValueError(f"target_class {target_class!r} is not a {prefix} model class: {names}")
         target_class = getattr(module, target_class)
     if not (isinstance(target_class, type) and issubclass(target_class, BertPkmPreTrainedModel)):
         raise ValueError(f"target_class must be a model class {names}, got {target_class!r}")
-    if issubclass(target_class, RobertaPkmPreTrainedModel) != roberta:
+    others = [other for name, (_, _, other, _) in FAMILIES.items() if name not in ("bert", family)]
+    if not issubclass(target_class, base_class) or issubclass(target_class, tuple(others)):
         raise ValueError(
             f"target_class {target_class.__name__} does not fit a {architecture} source: RoBERTa-family checkpoints"
-            f" convert into the RobertaPkm classes, BERT and DistilBERT ones into the BertPkm classes ({names})"
+            f" convert into the RobertaPkm classes, ModernBERT-family ones into the ModernBertPkm classes, BERT and"
+            f" DistilBERT ones into the BertPkm classes ({names})"
         )
     return target_class
 
 
 def _bert_fields(src_config) -> dict:
-    """The BertConfig fields of a BERT or DistilBERT config (DistilBERT: zero token types, LayerNorm eps 1e-12)."""
+    """The BertConfig fields of a BERT or DistilBERT config (DistilBERT: zero token types, LayerNorm eps 1e-12); a
+    ModernBERT config's own fields (its attention pattern, rotary thetas, norms and heads)."""
+    if src_config.model_type in MODERNBERT_MODEL_TYPES:
+        names = [f.name for f in dataclasses.fields(ModernBertConfig) if f.name not in _RUNTIME_FIELDS]
+        return {name: getattr(src_config, name) for name in names if hasattr(src_config, name)}
     if src_config.model_type in ("bert", *ROBERTA_MODEL_TYPES):  # RoBERTa's config has BERT's fields
         names = [f.name for f in dataclasses.fields(BertConfig) if f.name not in _RUNTIME_FIELDS]
         return {name: getattr(src_config, name) for name in names if hasattr(src_config, name)}
@@ -488,10 +527,10 @@ def _target_config(src_config, source_name, config_overrides, pkm_kwargs) -> Ber
     if unknown:
         raise TypeError(f"unknown PKM option(s) {unknown}; BertPkmConfig's PKM fields are {PKM_FIELDS}")
     fields = _bert_fields(src_config)
-    changed = [k for k in ARCHITECTURE_FIELDS if k in config_overrides and config_overrides[k] != fields[k]]
+    changed = [k for k in ARCHITECTURE_FIELDS if k in config_overrides and config_overrides[k] != fields.get(k)]
     if changed:
         raise ValueError(
-            f"config_overrides cannot change {changed} (source: {[fields[k] for k in changed]}): the conversion copies"
+            f"config_overrides cannot change {changed} (source: {[fields.get(k) for k in changed]}): the conversion copies"
             f" the source weights, so the network keeps its shape"
         )
     if "num_labels" in config_overrides and config_overrides["num_labels"] != len(fields.get("id2label") or {}):
@@ -503,15 +542,14 @@ def _target_config(src_config, source_name, config_overrides, pkm_kwargs) -> Ber
             f"pkm_layers={list(layers)} does not fit {source_name}: it has {depth} layers (num_hidden_layers), so"
             f" memory layer indices must be in [0, {depth - 1}] (0-based)"
         )
-    config_class = RobertaPkmConfig if src_config.model_type in ROBERTA_MODEL_TYPES else BertPkmConfig
-    return config_class(**kwargs)
+    return FAMILIES[family_of(src_config.model_type)][3](**kwargs)
 
 
 def _canonical_name(src_name: str, source_model: PreTrainedModel) -> str | None:
     """A source tensor's name in BERT terms: body as in BertModel (`encoder.layer.0...`), heads as in BertFor*."""
     prefix = source_model.base_model_prefix + "."
     name = src_name[len(prefix) :] if src_name.startswith(prefix) else src_name
-    if source_model.config.model_type != "distilbert":  # BERT and RoBERTa names are already BertPkm's / RobertaPkm's
+    if source_model.config.model_type != "distilbert":  # BERT, RoBERTa, ModernBERT names are already their family's
         return name
     for pattern, replacement in _DISTILBERT_RENAMES:
         new, n = re.subn("^" + pattern, replacement, name)

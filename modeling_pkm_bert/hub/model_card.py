@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 PKM_FIELDS = [f.name for f in dataclasses.fields(BertPkmConfig) if f.name.startswith(("pkm_", "ngram_"))]
 # fields a card never lists: digests of the weights, not a setting (config.json keeps them)
 _UNLISTED_FIELDS = {"pkm_weights_checksum"}
-HEAD_PREFIXES = ("cls.", "lm_head.", "classifier.", "qa_outputs.")  # lm_head: RoBERTa's
+# lm_head: RoBERTa's; head (the prediction head of every task) and decoder: ModernBERT's
+HEAD_PREFIXES = ("cls.", "lm_head.", "classifier.", "qa_outputs.", "head.", "decoder.")
 
 
 PIPELINE_TAGS = {
@@ -38,10 +39,13 @@ PIPELINE_TAGS = {
 }
 
 
-# RobertaPkm classes have the pipeline task and Auto class of the BertPkm class of the same head
-PIPELINE_TAGS.update({name.replace("BertPkm", "RobertaPkm"): tag for name, tag in PIPELINE_TAGS.items()})
+# RobertaPkm and ModernBertPkm classes have the pipeline task and Auto class of the BertPkm class of the same head
+_OTHER_FAMILIES = ("RobertaPkm", "ModernBertPkm")
+PIPELINE_TAGS.update({name.replace("BertPkm", f): tag for name, tag in PIPELINE_TAGS.items() for f in _OTHER_FAMILIES})
 _AUTO_CLASS_OF = {target.split(".")[-1]: auto for auto, target in AUTO_MAP.items()}
-_AUTO_CLASS_OF.update({name.replace("BertPkm", "RobertaPkm"): auto for name, auto in _AUTO_CLASS_OF.items()})
+_AUTO_CLASS_OF.update({name.replace("BertPkm", f): auto for name, auto in _AUTO_CLASS_OF.items() for f in _OTHER_FAMILIES})
+# model_type -> (the family's tag, its name in prose)
+_FAMILIES = {"roberta_pkm": ("roberta", "RoBERTa"), "modernbert_pkm": ("modernbert", "ModernBERT")}
 
 
 _BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
@@ -275,7 +279,7 @@ def write_model_card(
     architecture = (config.get("architectures") or ["BertPkmModel"])[0]
     auto_class = _AUTO_CLASS_OF.get(architecture, "AutoModel")
     base_model = hub_id_or_none(base_model)
-    family = "roberta" if config.get("model_type") == "roberta_pkm" else "bert"
+    family, family_name = _FAMILIES.get(config.get("model_type"), ("bert", "BERT"))
     pkm_layers, ngram_layers = config.get("pkm_layers") or [], config.get("ngram_layers") or []
     tags = ["pkm", family, f"{family}_pkm", "custom_code"]  # the model type's tags; those of the memories it has:
     tags[1:1] = ["product-key-memory"] if pkm_layers else []
@@ -302,7 +306,7 @@ def write_model_card(
     lines = [
         f"# {name}",
         "",
-        f"{'RoBERTa' if family == 'roberta' else 'BERT'} with {described}. Architecture: `{architecture}`.",
+        f"{family_name} with {described}. Architecture: `{architecture}`.",
     ]
     if report is not None:
         lines += [

@@ -13,11 +13,20 @@ from pathlib import Path
 import torch
 
 from ..configuration_bert_pkm import AUTO_MAP, PKM_CODE_VERSION, REMOTE_CODE_FILES
+from ..configuration_modernbert_pkm import MODERNBERT_AUTO_MAP
 from ..configuration_roberta_pkm import ROBERTA_AUTO_MAP
 from ..utils.input_errors import InputError
 
 
-AUTO_MAPS = {"bert_pkm": AUTO_MAP, "roberta_pkm": ROBERTA_AUTO_MAP}  # model_type -> the auto_map its folders carry
+# model_type -> the auto_map its folders carry
+AUTO_MAPS = {"bert_pkm": AUTO_MAP, "roberta_pkm": ROBERTA_AUTO_MAP, "modernbert_pkm": MODERNBERT_AUTO_MAP}
+
+
+def code_files_of(model_type: str) -> list[str]:
+    """The remote-code files a refreshed folder of `model_type` holds: every shipped file but those of the other
+    family (BertPkm and RobertaPkm folders: without ModernBertPkm's files; ModernBertPkm folders: without RobertaPkm's)."""
+    other = "roberta" if model_type == "modernbert_pkm" else "modernbert"
+    return [name for name in REMOTE_CODE_FILES if not name.startswith((f"configuration_{other}", f"modeling_{other}"))]
 
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the package root: the remote-code files
@@ -64,7 +73,7 @@ def _remote_outputs(folder: Path, auto_class: str, inputs: dict) -> torch.Tensor
 
 
 def refresh_code(folder: str | os.PathLike, dry_run: bool = False) -> list[str]:
-    """Writes the installed package's remote-code files (`REMOTE_CODE_FILES`) into the saved BertPkm `folder`, and
+    """Writes the installed package's remote-code files (`code_files_of` its model type) into the saved `folder`, and
     the full `auto_map` and `pkm_code_version` into its config.json, after checking in a staging copy that the
     refreshed folder computes the outputs of the package's own classes on the folder's weights (max abs difference
     <= 1e-5). Returns the names of the files that change (nothing is written with `dry_run`). Other files are kept."""
@@ -78,8 +87,8 @@ def refresh_code(folder: str | os.PathLike, dry_run: bool = False) -> list[str]:
     auto_map = AUTO_MAPS.get(config.get("model_type"))
     if auto_map is None:
         raise InputError(
-            f"{folder} holds a {config.get('model_type')!r} model, not a BertPkm one (model_type 'bert_pkm') or a"
-            " RobertaPkm one ('roberta_pkm')"
+            f"{folder} holds a {config.get('model_type')!r} model, not a BertPkm one (model_type 'bert_pkm'), a"
+            " RobertaPkm one ('roberta_pkm') or a ModernBertPkm one ('modernbert_pkm')"
         )
     architecture = (config.get("architectures") or [auto_map["AutoModel"].split(".")[-1]])[0]
     auto_class = {target.split(".")[-1]: auto for auto, target in auto_map.items()}.get(architecture)
@@ -87,7 +96,7 @@ def refresh_code(folder: str | os.PathLike, dry_run: bool = False) -> list[str]:
         raise InputError(f"{folder}: unknown architecture {architecture!r}; expected one of {sorted(auto_map.values())}")
 
     new_config = {**config, "auto_map": {**config.get("auto_map", {}), **auto_map}, "pkm_code_version": PKM_CODE_VERSION}
-    new_files = {name: (PACKAGE_DIR / name).read_text() for name in REMOTE_CODE_FILES}
+    new_files = {name: (PACKAGE_DIR / name).read_text() for name in code_files_of(config.get("model_type"))}
     new_files["config.json"] = json.dumps(new_config, indent=2, sort_keys=True) + "\n"
     changed = [
         name for name, text in new_files.items() if not (folder / name).is_file() or (folder / name).read_text() != text

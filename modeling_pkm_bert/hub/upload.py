@@ -13,6 +13,7 @@ from huggingface_hub import HfApi
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
 from ..configuration_bert_pkm import AUTO_MAP, REMOTE_CODE_FILES, BertPkmConfig
+from ..configuration_modernbert_pkm import MODERNBERT_AUTO_MAP, ModernBertPkmConfig
 from ..configuration_roberta_pkm import ROBERTA_AUTO_MAP, RobertaPkmConfig
 from ..utils.input_errors import InputError
 
@@ -34,7 +35,11 @@ def check_hub_folder(folder: str | os.PathLike) -> None:
         raise ValueError(f"{folder}: no config.json, not a saved model folder")
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     problems = []
-    auto_maps = {BertPkmConfig.model_type: AUTO_MAP, RobertaPkmConfig.model_type: ROBERTA_AUTO_MAP}
+    auto_maps = {
+        BertPkmConfig.model_type: AUTO_MAP,
+        RobertaPkmConfig.model_type: ROBERTA_AUTO_MAP,
+        ModernBertPkmConfig.model_type: MODERNBERT_AUTO_MAP,
+    }
     if config.get("model_type") not in auto_maps:
         problems.append(f"model_type is {config.get('model_type')!r}, not one of {sorted(auto_maps)}")
     auto_map = config.get("auto_map") or {}

@@ -8,12 +8,13 @@ import os
 import torch
 
 from ..configuration_bert_pkm import BertPkmConfig
+from ..configuration_modernbert_pkm import ModernBertPkmConfig
 from ..configuration_roberta_pkm import RobertaPkmConfig
 from ..utils.input_errors import InputError
 
 
 # the model types of this package's models: a checkpoint of one is loaded as it is, never converted
-PKM_MODEL_TYPES = (BertPkmConfig.model_type, RobertaPkmConfig.model_type)
+PKM_MODEL_TYPES = (BertPkmConfig.model_type, RobertaPkmConfig.model_type, ModernBertPkmConfig.model_type)
 
 
 # the pkm_* and ngram_* fields a user sets (pkm_weights_checksum is written by save_pretrained)
@@ -55,14 +56,15 @@ def load_model(
 ):
     """Loads the model a script trains, in fp32.
 
-    - a BertPkm or RobertaPkm checkpoint: loaded as is (runtime pkm_* fields such as dropouts may be overridden);
-    - a plain BERT/DistilBERT/RoBERTa/XLM-RoBERTa checkpoint with pkm_kwargs: converted on load (+Init, into the
-      RobertaPkm class of the task for the RoBERTa family), new memories initialised;
+    - a BertPkm, RobertaPkm or ModernBertPkm checkpoint: loaded as is (runtime pkm_* fields such as dropouts may be
+      overridden);
+    - a plain BERT/DistilBERT/RoBERTa/XLM-RoBERTa/ModernBERT checkpoint with pkm_kwargs: converted on load (+Init,
+      into the RobertaPkm / ModernBertPkm class of the task for those families), new memories initialised;
     - a plain checkpoint without pkm_kwargs: the plain transformers model (the baseline).
     """
     import transformers
 
-    from .. import modeling_bert_pkm, modeling_roberta_pkm
+    from .. import modeling_bert_pkm, modeling_modernbert_pkm, modeling_roberta_pkm
     from .. import register_auto_classes
     from ..hub.conversion import convert_to_pkm
 
@@ -78,6 +80,10 @@ def load_model(
         _check_runtime_fields(config, pkm_kwargs, model_name_or_path)
         if config.model_type == RobertaPkmConfig.model_type:
             pkm_class = getattr(modeling_roberta_pkm, pkm_class_name.replace("BertPkm", "RobertaPkm", 1))
+        elif config.model_type == ModernBertPkmConfig.model_type:
+            pkm_class = getattr(modeling_modernbert_pkm, pkm_class_name.replace("BertPkm", "ModernBertPkm", 1), None)
+            if pkm_class is None:
+                raise InputError(f"{model_name_or_path} is a ModernBertPkm model (an encoder): it has no {task} head")
         else:
             pkm_class = getattr(modeling_bert_pkm, pkm_class_name)
         model = in_process_memory(

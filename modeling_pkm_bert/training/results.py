@@ -8,6 +8,7 @@ import re
 import torch
 
 from ..configuration_bert_pkm import BertPkmConfig
+from ..configuration_modernbert_pkm import ModernBertPkmConfig
 from ..configuration_roberta_pkm import RobertaPkmConfig
 from ..hub.card_command import redact_secrets
 
@@ -36,7 +37,7 @@ def write_results_model_card(
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as handle:
         config = json.load(handle)
     details = dict(command=command, dataset=dataset, task=task)
-    if config.get("model_type") in (BertPkmConfig.model_type, RobertaPkmConfig.model_type):
+    if config.get("model_type") in (BertPkmConfig.model_type, RobertaPkmConfig.model_type, ModernBertPkmConfig.model_type):
         card = write_model_card(
             folder, repo_id=repo_id, base_model=base_model, license=license, results=results, results_title=title, **details
         )

@@ -70,8 +70,9 @@ def ngram_memory_modules(model: nn.Module) -> dict[str, NgramMemory]:
 
 
 def readable_name(path: str) -> str:
-    """`bert.encoder.layer.4.memory` -> `layer_4`; a path without a layer number stays as it is."""
-    layer_numbers = re.findall(r"(?:^|\.)layer\.(\d+)(?=\.|$)", path)
+    """`bert.encoder.layer.4.memory` (ModernBertPkm: `model.layers.4.memory`) -> `layer_4`; a path without a layer
+    number stays as it is."""
+    layer_numbers = re.findall(r"(?:^|\.)layers?\.(\d+)(?=\.|$)", path)
     return f"layer_{layer_numbers[-1]}" if layer_numbers else path or "memory"
 
 

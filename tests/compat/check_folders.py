@@ -30,7 +30,9 @@ AUTO_CLASSES = {
     "BertPkmForMultipleChoice": "AutoModelForMultipleChoice",
     "BertPkmForCausalLM": "AutoModelForCausalLM",
 }
-AUTO_CLASSES.update({name.replace("BertPkm", "RobertaPkm"): auto for name, auto in AUTO_CLASSES.items()})
+AUTO_CLASSES.update(
+    {name.replace("BertPkm", family): auto for name, auto in AUTO_CLASSES.items() for family in ("RobertaPkm", "ModernBertPkm")}
+)
 
 
 def main(folders_dir: str):
@@ -51,16 +53,19 @@ def main(folders_dir: str):
             assert generated.tolist() == record["generated"], (name, generated.tolist(), record["generated"])
         report["checked"].append(name)
 
-    # the fill-mask pipeline on the masked LM
-    tokenizer = AutoTokenizer.from_pretrained(root / "mlm", trust_remote_code=True)
-    fill = transformers.pipeline("fill-mask", model=str(root / "mlm"), tokenizer=tokenizer, trust_remote_code=True)
-    answers = fill("the cat [MASK] on the mat")
-    assert len(answers) == 5 and all(answer["token_str"] for answer in answers)
-    report["checked"].append("fill-mask")
+    # the fill-mask pipeline on the masked LM (of each family the folders hold)
+    for name in ("mlm", "modernbert_mlm"):
+        if name not in expected["folders"]:
+            continue
+        tokenizer = AutoTokenizer.from_pretrained(root / name, trust_remote_code=True)
+        fill = transformers.pipeline("fill-mask", model=str(root / name), tokenizer=tokenizer, trust_remote_code=True)
+        answers = fill("the cat [MASK] on the mat")
+        assert len(answers) == 5 and all(answer["token_str"] for answer in answers)
+        report["checked"].append("fill-mask" if name == "mlm" else f"fill-mask:{name}")
 
     # a few training steps of each kind of head: every memory parameter gets a finite gradient, the loss goes down
     trained = [("mlm_memory_plus", "tokens"), ("cls", "classes"), ("causal", "tokens"), ("causal_memory_plus", "tokens"),
-               ("causal_ngram", "tokens")]
+               ("causal_ngram", "tokens"), ("modernbert_mlm", "tokens"), ("modernbert_cls_memory_plus", "classes")]
     for name, labels in [(name, labels) for name, labels in trained if name in expected["folders"]]:
         model = getattr(transformers, AUTO_CLASSES[expected["folders"][name]["class"]]).from_pretrained(
             root / name, trust_remote_code=True

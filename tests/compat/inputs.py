@@ -8,7 +8,7 @@ def fixed_inputs(name: str, vocab_size: int) -> dict:
     input_ids = torch.randint(5, vocab_size, (2, 9), generator=generator)
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, 6:] = 0  # a padded row: the memories must skip it
-    if name == "choice":
+    if name.endswith("choice"):
         return {"input_ids": input_ids.view(1, 2, 9), "attention_mask": attention_mask.view(1, 2, 9)}
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 

@@ -5,8 +5,9 @@ elsewhere through remote code. `tests/fixtures/bert_pkm_0.2.0` was written by `w
 tests/fixtures/bert_pkm_0.2.0 mlm causal_memory_plus`, `tests/fixtures/bert_pkm_0.3.0` by `write_folders.py
 tests/fixtures/bert_pkm_0.3.0 mlm causal_memory_plus mlm_ngram causal_ngram roberta_mlm`, `tests/fixtures/bert_pkm_0.4.0`
 by `write_folders.py tests/fixtures/bert_pkm_0.4.0 mlm causal_memory_plus mlm_ngram causal_ngram mlm_ngram_int8
-roberta_mlm`; they are never rewritten:
-what every later release must still load."""
+roberta_mlm`, `tests/fixtures/modernbert_pkm_0.5.0` (the release that introduces ModernBertPkm) by `write_folders.py
+tests/fixtures/modernbert_pkm_0.5.0 modernbert_mlm modernbert_cls_memory_plus modernbert_tok_replace modernbert_choice
+modernbert_mlm_int8`; they are never rewritten: what every later release must still load."""
 
 import json
 import sys
@@ -25,6 +26,12 @@ from modeling_pkm_bert import (
     BertPkmForSequenceClassification,
     BertPkmForTokenClassification,
     BertPkmModel,
+    ModernBertPkmConfig,
+    ModernBertPkmForMaskedLM,
+    ModernBertPkmForMultipleChoice,
+    ModernBertPkmForSequenceClassification,
+    ModernBertPkmForTokenClassification,
+    ModernBertPkmModel,
     RobertaPkmConfig,
     RobertaPkmForCausalLM,
     RobertaPkmForMaskedLM,
@@ -59,10 +66,21 @@ FOLDERS = {  # name: (class, config overrides)
     "roberta_mlm": (RobertaPkmForMaskedLM, {}),
     "roberta_cls_memory_plus": (RobertaPkmForSequenceClassification, {"num_labels": 3, **MEMORY_PLUS}),
     "roberta_causal": (RobertaPkmForCausalLM, {"is_decoder": True}),
+    # the ModernBERT family (issue 48): pre-norm layers, rotary positions, a local layer (window 4 < 9 tokens)
+    "modernbert_model": (ModernBertPkmModel, {}),
+    "modernbert_mlm": (ModernBertPkmForMaskedLM, {"ngram_layers": [1], "ngram_table_size": 101, "ngram_dim": 4}),
+    "modernbert_cls_memory_plus": (ModernBertPkmForSequenceClassification, {"num_labels": 3, **MEMORY_PLUS}),
+    "modernbert_tok_replace": (ModernBertPkmForTokenClassification, {"num_labels": 4, "pkm_mode": "replace"}),
+    "modernbert_choice": (ModernBertPkmForMultipleChoice, {"classifier_pooling": "mean"}),
+    "modernbert_mlm_int8": (ModernBertPkmForMaskedLM, {"ngram_layers": [1], "ngram_table_size": 101, "ngram_dim": 4}),
 }
 
 
-QUANTIZED = {"mlm_ngram_int8": 8}  # folders saved with packed tables (bits)
+QUANTIZED = {"mlm_ngram_int8": 8, "modernbert_mlm_int8": 8}  # folders saved with packed tables (bits)
+# ModernBERT's own fields: the special ids of VOCAB ([PAD] 0, [CLS] 2, [SEP] 3), a 4-token local window
+MODERNBERT_FIELDS = dict(
+    pad_token_id=0, bos_token_id=2, cls_token_id=2, eos_token_id=3, sep_token_id=3, local_attention=4
+)
 
 
 def tiny_config(config_class=BertPkmConfig, **overrides) -> BertPkmConfig:
@@ -87,6 +105,8 @@ def main(out_dir: str, names: list[str]):
             continue
         torch.manual_seed(index)
         config_class = RobertaPkmConfig if model_class.__name__.startswith("Roberta") else BertPkmConfig
+        if model_class.__name__.startswith("ModernBert"):
+            config_class, overrides = ModernBertPkmConfig, {**MODERNBERT_FIELDS, **overrides}
         model = model_class(tiny_config(config_class, **overrides)).train()
         with torch.no_grad():
             for module in model.modules():
