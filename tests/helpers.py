@@ -1,4 +1,5 @@
-"""What many test files share: loading a script or benchmark as a module, launching one under torchrun, resetting
+"""What many test files share (test modules import it, `from helpers import ...`; tests/conftest.py does not): the
+repository's paths, tiny configs, loading a script or benchmark as a module, launching one under torchrun, resetting
 accelerate's process-wide state (tests/conftest.py resets it after every test; call `reset_accelerate_state` between
 two runs inside one test), and the usage-error form every script gives bad input (`usage_error`)."""
 
@@ -11,6 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from modeling_pkm_bert import BertPkmConfig
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -131,4 +135,98 @@ def lookup_plans() -> dict:
         "cpu_torch_selection": Plan("torch", "selected", "csr"),
         "custom_op": Plan("torch", "torch", "op"),  # what a compiled step runs, here eagerly
     }
+
+
+def tiny_config(**overrides) -> BertPkmConfig:
+    """A BertPkm config small enough for unit tests (3 layers, hidden 32, a memory of 8**2 slots at layer 1)."""
+    kwargs = dict(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pkm_layers=[1],
+        pkm_n_keys=8,
+        pkm_heads=2,
+        pkm_knn=4,
+        pkm_k_dim=16,
+    )
+    kwargs.update(overrides)
+    return BertPkmConfig(**kwargs)
+
+
+def tiny_roberta_config(**overrides):
+    """`tiny_config`'s sizes as a RobertaPkm config (RoBERTa's special ids: <s> 0, <pad> 1, </s> 2; one token type;
+    positions from pad_token_id + 1 = 2, so 64 tokens fit)."""
+    from modeling_pkm_bert import RobertaPkmConfig
+
+    kwargs = dict(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=66,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pkm_layers=[1],
+        pkm_n_keys=8,
+        pkm_heads=2,
+        pkm_knn=4,
+        pkm_k_dim=16,
+    )
+    return RobertaPkmConfig(**{**kwargs, **overrides})
+
+
+def remote_code_model(folder, auto_class: str = "AutoModelForMaskedLM"):
+    """The model of `folder` built from the folder's own code (the Hub cache module), as `trust_remote_code=True`
+    loads it where the package is not registered with the Auto classes (another test may have registered it)."""
+    from transformers import AutoConfig
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    model_class = get_class_from_dynamic_module(config.auto_map[auto_class], folder)
+    model = model_class.from_pretrained(folder)
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    return model
+
+
+def batch(batch_size=3, seq_len=9, vocab=99, pad_from=(None, 6, 4)):
+    """(input_ids, attention_mask) of random tokens, row `i` padded (id 0, mask 0) from position `pad_from[i]` (None: no
+    padding)."""
+    input_ids = torch.randint(1, vocab, (batch_size, seq_len))
+    attention_mask = torch.ones_like(input_ids)
+    for row, start in enumerate(pad_from[:batch_size]):
+        if start is not None:
+            input_ids[row, start:] = 0
+            attention_mask[row, start:] = 0
+    return input_ids, attention_mask
+
+
+def make_tiny_folder(folder) -> str:
+    """For run_mlm.py: a tiny BertPkm config (memory at layer 1, dropout on: a resume must restore the RNG) and a word-level tokenizer
+    made from the embedded training text, saved in `folder` (tests/scripts/test_run_mlm.py, tests/layer/test_devices.py)."""
+    import collections
+    import re
+
+    from transformers import BertTokenizer
+
+    text = (REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
+    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
+    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(folder)
+    tiny_config(vocab_size=200, max_position_embeddings=64, hidden_dropout_prob=0.1).save_pretrained(folder)
+    return str(folder)
+
+
+def mlm_args(tiny, output_dir, options=""):
+    """run_mlm.py's arguments for a run of the tiny folder of `make_tiny_folder` (`options`: more flags, one string)."""
+    return [
+        *("--config_name", tiny, "--tokenizer_name", tiny, "--output_dir", str(output_dir)),
+        *"--max_seq_length 32 --per_device_train_batch_size 4 --per_device_eval_batch_size 8 --seed 3".split(),
+        *options.split(),
+    ]
 
