@@ -1224,7 +1224,7 @@ NOTES = [
     "## Notes",
     "",
     "- What makes the layer fast (all in `modeling_pkm_bert/product_key_memory.py`, each path tested against the "
-    "reference in `tests/test_performance_paths.py`): (1) the value lookup's backward sorts the lookups by row once; "
+    "reference in `tests/layer/test_performance_paths.py`): (1) the value lookup's backward sorts the lookups by row once; "
     "the value gradient is a (rows x tokens) sparse-matrix product written straight into its buffer (only the rows "
     "used with `sparse=True`; all rows, without a separate zero-fill and scatter, in the default dense mode) and the "
     "per-sample-weight gradient is a sampled matrix product that reads the value rows in ascending order; (2) that "
@@ -1234,7 +1234,7 @@ NOTES = [
     "32 x 32 candidate pairs that can reach the top 32 are scored ((a+1)(b+1) <= knn); (5) `SparseRowAdam` updates "
     "the touched rows in cache-sized chunks with a bf16 first moment and a row-wise second moment; (6) the native "
     "selection of the next note, in training too (its gradient goes to the two sub-key scores of each selected slot; "
-    "tested equal to the torch search in `tests/test_cpu_kernels.py`).",
+    "tested equal to the torch search in `tests/layer/test_cpu_kernels.py`).",
     "- Threads: the benchmark runs torch with 1 thread by default. This 2-core VM is shared with other jobs; with 2 "
     "threads every parallel op waits for a descheduled peer thread (single ops then take 10+ ms), which measures the "
     "scheduler, not the code. `--threads 2` is available; the layer comparison is repeated with 2 threads above.",
