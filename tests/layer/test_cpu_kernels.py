@@ -1,5 +1,8 @@
-"""The native product-key selection (`kernels/cpu.py`, `csrc/product_key_select.c`) equals the torch selection, and
-the plans that run it compute what the reference computes."""
+"""The CPU's native kernel and the plan that runs it: the product-key selection of `kernels/cpu.py`
+(`csrc/product_key_select.c`, both builds) equals the torch selection (ties, skewed, NaN and infinite scores; threads;
+the op's schema); `product_key_memory_ops.plan_lookup` takes it for fp32 CPU queries only and `use_reference()` never
+does; the search with gradients and a few training steps under plan "cpu" equal the reference's; the build is cached,
+a missing compiler or PKM_BERT_NATIVE=0 leaves the torch selection; `use_huge_pages` keeps the model it moves."""
 
 import copy
 import os
