@@ -1,11 +1,13 @@
 """What many test files share (test modules import it, `from helpers import ...`; tests/conftest.py does not): the
 repository's paths, tiny configs, loading a script or benchmark as a module, launching one under torchrun, resetting
 accelerate's process-wide state (tests/conftest.py resets it after every test; call `reset_accelerate_state` between
-two runs inside one test), and the usage-error form every script gives bad input (`usage_error`)."""
+two runs inside one test), the usage-error form every script gives bad input (`usage_error`), and the release
+fixtures' folders assembled from their parts (`release_folders`)."""
 
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -230,3 +232,38 @@ def mlm_args(tiny, output_dir, options=""):
         *options.split(),
     ]
 
+
+# ---- the release fixtures: tests/fixtures/bert_pkm_<version>/ ----
+
+FIXTURES = REPO_ROOT / "tests" / "fixtures"
+# each release's code files are kept once, in code/; each saved folder keeps its own files (config, weights, tokenizer)
+FIXTURE_CODE = "code"
+
+
+def fixture_code_files(release: Path, folder: str) -> list[Path]:
+    """The code files that release fixture `release`'s saved folder `folder` held as the release wrote it: every file
+    of the release's code/, the RobertaPkm ones only in a RobertaPkm folder (what `save_pretrained` writes)."""
+    model_type = json.loads((release / folder / "config.json").read_text(encoding="utf-8"))["model_type"]
+    code = sorted((release / FIXTURE_CODE).glob("*.py"))
+    return [path for path in code if "roberta" not in path.name or model_type == "roberta_pkm"]
+
+
+def release_folders(version: str, into: str | Path) -> Path:
+    """tests/fixtures/bert_pkm_<version> assembled as the release wrote it, in `into`/bert_pkm_<version>: its
+    expected.json and each saved folder, that is the folder's own files with the release's code files beside them.
+    Returns the assembled folder (the layout `write_folders.py` writes and `check_folders.py` reads)."""
+    release = FIXTURES / f"bert_pkm_{version}"
+    if not release.is_dir():
+        raise FileNotFoundError(f"no release fixture {release}")
+    return assemble_fixture(release, Path(into) / release.name)
+
+
+def assemble_fixture(release: Path, out: Path) -> Path:
+    """The folders of fixture `release` (code/, expected.json and each folder's own files) assembled in `out`."""
+    out.mkdir(parents=True)
+    shutil.copy2(release / "expected.json", out / "expected.json")
+    for folder in sorted(path for path in release.iterdir() if path.is_dir() and path.name != FIXTURE_CODE):
+        shutil.copytree(folder, out / folder.name)
+        for path in fixture_code_files(release, folder.name):
+            shutil.copy2(path, out / folder.name / path.name)
+    return out

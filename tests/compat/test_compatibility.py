@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO_ROOT
+from helpers import FIXTURE_CODE, FIXTURES as RELEASES, REPO_ROOT, assemble_fixture, release_folders
 
 from modeling_pkm_bert.configuration_bert_pkm import PKM_CODE_VERSION, REMOTE_CODE_FILES
 
@@ -23,20 +23,16 @@ from modeling_pkm_bert.configuration_bert_pkm import PKM_CODE_VERSION, REMOTE_CO
 pytestmark = pytest.mark.multiprocess  # the suite runs other interpreters (.venv-min, the newest releases)
 
 COMPAT = REPO_ROOT / "tests" / "compat"
-FIXTURE = REPO_ROOT / "tests" / "fixtures" / "bert_pkm_0.2.0"
-# the folders of each release that every later one must still load, and what check_folders.py checks in them
+# the releases whose folders every later one must still load (tests/fixtures/bert_pkm_<version>, assembled by
+# helpers.release_folders), and what check_folders.py checks in them
 FIXTURES = {
-    "0.2.0": (FIXTURE, ["mlm", "causal_memory_plus", "fill-mask", "train:causal_memory_plus"]),
-    "0.3.0": (
-        REPO_ROOT / "tests" / "fixtures" / "bert_pkm_0.3.0",  # n-gram memories and the RoBERTa family arrived
-        ["mlm", "causal_memory_plus", "mlm_ngram", "causal_ngram", "roberta_mlm", "fill-mask", "train:causal_memory_plus",
-         "train:causal_ngram"],
-    ),
-    "0.4.0": (
-        REPO_ROOT / "tests" / "fixtures" / "bert_pkm_0.4.0",  # int8/4-bit n-gram tables; n-gram tables as ProductKeyValues
-        ["mlm", "causal_memory_plus", "mlm_ngram", "causal_ngram", "mlm_ngram_int8", "roberta_mlm", "fill-mask",
-         "train:causal_memory_plus", "train:causal_ngram"],
-    ),
+    "0.2.0": ["mlm", "causal_memory_plus", "fill-mask", "train:causal_memory_plus"],
+    # n-gram memories and the RoBERTa family arrived
+    "0.3.0": ["mlm", "causal_memory_plus", "mlm_ngram", "causal_ngram", "roberta_mlm", "fill-mask",
+              "train:causal_memory_plus", "train:causal_ngram"],
+    # int8/4-bit n-gram tables; n-gram tables as ProductKeyValues
+    "0.4.0": ["mlm", "causal_memory_plus", "mlm_ngram", "causal_ngram", "mlm_ngram_int8", "roberta_mlm", "fill-mask",
+              "train:causal_memory_plus", "train:causal_ngram"],
 }
 MIN_PYTHON = os.environ.get("PKM_COMPAT_MIN_PYTHON")
 NEWEST_PYTHON = os.environ.get("PKM_COMPAT_NEWEST_PYTHON", sys.executable)
@@ -90,15 +86,15 @@ def test_folders_written_under_one_version_run_under_the_other(writer, reader, t
 
 @pytest.mark.parametrize("release", list(FIXTURES))
 @pytest.mark.parametrize("env", ["newest", pytest.param("min", marks=needs_min)])
-def test_the_fixture_folders_of_each_release_still_run_through_their_own_code(env, release):
+def test_the_fixture_folders_of_each_release_still_run_through_their_own_code(env, release, tmp_path):
     """A change (ours or transformers') that breaks folders already on the Hub fails here."""
-    folder, checked = FIXTURES[release]
+    folder, checked = release_folders(release, tmp_path), FIXTURES[release]
     report = json.loads(run(PYTHONS[env], str(COMPAT / "check_folders.py"), str(folder)).stdout.splitlines()[-1])
     assert report["checked"] == checked
 
 
 @pytest.mark.parametrize("release", list(FIXTURES))
-def test_the_fixture_weights_load_into_the_current_classes(release):
+def test_the_fixture_weights_load_into_the_current_classes(release, tmp_path):
     import modeling_pkm_bert
 
     sys.path.insert(0, str(COMPAT))
@@ -106,13 +102,42 @@ def test_the_fixture_weights_load_into_the_current_classes(release):
         from inputs import fixed_inputs, forward_kwargs
     finally:
         sys.path.remove(str(COMPAT))
-    folder = FIXTURES[release][0]
+    folder = release_folders(release, tmp_path)
     expected = json.loads((folder / "expected.json").read_text())
     for name, record in expected["folders"].items():
         model = getattr(modeling_pkm_bert, record["class"]).from_pretrained(folder / name).eval()
         with torch.no_grad():
             outputs = model(**fixed_inputs(name, model.config.vocab_size), **forward_kwargs(name))
         torch.testing.assert_close(outputs[0], torch.tensor(record["outputs"]), atol=1e-5, rtol=1e-5, msg=name)
+
+
+def files_of(root) -> dict:
+    return {path.relative_to(root).as_posix(): path.read_bytes() for path in sorted(root.rglob("*")) if path.is_file()}
+
+
+@pytest.mark.parametrize("release", sorted(path.name for path in RELEASES.glob("bert_pkm_*")))
+def test_a_release_fixture_keeps_each_code_file_once(release):
+    """The release's code files in code/ and nowhere else; each saved folder of expected.json holds its own files
+    (config, weights, tokenizer), nothing else is there."""
+    root = RELEASES / release
+    assert {path.parent.name for path in root.rglob("*.py")} == {FIXTURE_CODE}
+    folders = json.loads((root / "expected.json").read_text())["folders"]
+    assert {path.name for path in root.iterdir() if path.is_dir()} == {FIXTURE_CODE, *folders}
+    for name in folders:
+        assert (root / name / "config.json").is_file() and (root / name / "model.safetensors").is_file(), name
+
+
+def test_a_fixture_written_with_the_fixture_flag_assembles_to_what_write_folders_writes(tmp_path):
+    """`write_folders.py --fixture` (a new release's fixture) keeps the code once, and the folders assembled from it are
+    byte for byte those written without the flag (a BertPkm and a RobertaPkm folder: each gets its family's files)."""
+    names = ["mlm", "roberta_mlm"]
+    run(sys.executable, str(COMPAT / "write_folders.py"), str(tmp_path / "plain"), *names)
+    run(sys.executable, str(COMPAT / "write_folders.py"), "--fixture", str(tmp_path / "fixture"), *names)
+    assert {path.parent.name for path in (tmp_path / "fixture").rglob("*.py")} == {FIXTURE_CODE}
+    assembled = assemble_fixture(tmp_path / "fixture", tmp_path / "assembled")
+    plain = files_of(tmp_path / "plain")
+    assert "roberta_mlm/modeling_roberta_pkm.py" in plain and "mlm/modeling_roberta_pkm.py" not in plain
+    assert files_of(assembled) == plain
 
 
 LOAD_SCRIPT = r"""
@@ -127,8 +152,9 @@ AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
 
 
 @pytest.mark.parametrize("env", ["newest", pytest.param("min", marks=needs_min)])
-def test_importing_the_package_and_loading_a_folder_print_nothing(env):
-    for args in (["-c", "import modeling_pkm_bert; modeling_pkm_bert.BertPkmForMaskedLM"], ["-c", LOAD_SCRIPT, str(FIXTURE / "mlm")]):
+def test_importing_the_package_and_loading_a_folder_print_nothing(env, tmp_path):
+    folder = release_folders("0.2.0", tmp_path) / "mlm"
+    for args in (["-c", "import modeling_pkm_bert; modeling_pkm_bert.BertPkmForMaskedLM"], ["-c", LOAD_SCRIPT, str(folder)]):
         result = run(PYTHONS[env], *args)
         assert (result.stdout, result.stderr) == ("", ""), args
 
@@ -143,7 +169,6 @@ def test_an_unsupported_transformers_is_named_with_the_code_version_and_the_rang
             check_transformers_version(version)
 
 
-FIXTURE_0_1_0 = REPO_ROOT / "tests" / "fixtures" / "bert_pkm_0.1.0"  # written by 0.1.0 (transformers 5.4), before the fix
 
 
 def outdated_code_files(folder) -> list[str]:
@@ -155,11 +180,11 @@ def outdated_code_files(folder) -> list[str]:
 def test_a_folder_written_before_0_2_0_runs_again_after_refresh_code(tmp_path):
     """0.1.0's code imports BERT internals that transformers 5.24 changed; `push_to_hub.py --refresh_code` replaces it
     and the folder computes what 0.1.0 computed, through remote code without the package."""
-    folder = tmp_path / "bert_pkm_0.1.0"
-    subprocess.run(["cp", "-r", str(FIXTURE_0_1_0), str(folder)], check=True)
+    # written by 0.1.0 (transformers 5.4), before the fix
+    folder, released = release_folders("0.1.0", tmp_path / "refreshed"), release_folders("0.1.0", tmp_path / "released")
     weights = (folder / "mlm" / "model.safetensors").read_bytes()
     result = run(sys.executable, str(REPO_ROOT / "run_scripts" / "push_to_hub.py"), "--model_dir", str(folder / "mlm"), "--refresh_code")
-    assert f"Refreshed {', '.join(outdated_code_files(FIXTURE_0_1_0 / 'mlm'))}, config.json" in result.stdout
+    assert f"Refreshed {', '.join(outdated_code_files(released / 'mlm'))}, config.json" in result.stdout
     # 0.2.0 split product_key_memory.py: the layer, and its fast paths in product_key_memory_ops.py (a new file)
     assert sorted(path.name for path in (folder / "mlm").glob("*.py")) == sorted(REMOTE_CODE_FILES)
     config = json.loads((folder / "mlm" / "config.json").read_text())
@@ -174,8 +199,7 @@ def test_a_folder_written_before_0_2_0_runs_again_after_refresh_code(tmp_path):
 def test_refresh_code_writes_nothing_when_the_refreshed_folder_computes_something_else(tmp_path, monkeypatch):
     from modeling_pkm_bert.hub import refresh as code_refresh
 
-    folder = tmp_path / "mlm"
-    subprocess.run(["cp", "-r", str(FIXTURE_0_1_0 / "mlm"), str(folder)], check=True)
+    folder = release_folders("0.1.0", tmp_path) / "mlm"
     before = {path.name: path.read_bytes() for path in folder.iterdir()}
     shifted = lambda folder, auto_class, inputs: torch.full((*inputs["input_ids"].shape, 64), 1e3)  # noqa: E731
     monkeypatch.setattr(code_refresh, "_remote_outputs", shifted)

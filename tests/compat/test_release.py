@@ -1,7 +1,7 @@
 """Release hygiene: the versions that saved folders and registered ops carry tell the truth.
 
 - `PKM_CODE_VERSION` is recorded in every saved config: a shipped file (REMOTE_CODE_FILES) that differs from the newest
-  release's fixture copy (tests/fixtures/bert_pkm_<version>/) needs a newer PKM_CODE_VERSION, or a folder saved today
+  release's fixture copy (tests/fixtures/bert_pkm_<version>/code/) needs a newer PKM_CODE_VERSION, or a folder saved today
   would claim code it does not hold.
 - `OPS_VERSION` is in the names of the custom ops (`torch.ops.pkm_bert.<name>_v<OPS_VERSION>`), which the first copy
   of product_key_memory_ops.py a process imports registers for every other copy (a model's remote code beside the
@@ -40,7 +40,8 @@ def newest_fixture() -> tuple[str, Path]:
 
 
 def fixture_copies(folder: Path, name: str) -> set[str]:
-    """The texts of the file `name` in the fixture release's model folders (one text: a release ships one code)."""
+    """The texts of the file `name` in the fixture release's code (its code/ folder holds the one copy of each file
+    that every saved folder of the release held: a release ships one code)."""
     return {path.read_text(encoding="utf-8") for path in folder.glob(f"*/{name}")}
 
 
