@@ -44,10 +44,12 @@ convert: setup
 test: setup $(MIN_VENV)/.installed
 	PKM_COMPAT_MIN_PYTHON=$(MIN_VENV)/bin/python $(PY) -m pytest -q tests
 
-# for quick iterations: the suite without the tests marked `multiprocess` (torchrun, spawned process groups, the
-# second environment); the README's `make test` stays the whole suite
+# for quick iterations (about 5 minutes on 2 cores): the suite without the tests marked `multiprocess` (torchrun,
+# spawned process groups, the second environment) and those marked `slow` (torch.compile, transformers' own common
+# tests, end-to-end runs of the scripts, the benchmarks' --quick pipelines and the demo); the README's `make test`
+# stays the whole suite
 test-fast: setup
-	$(PY) -m pytest -q -m "not multiprocess" tests
+	$(PY) -m pytest -q -m "not multiprocess and not slow" tests
 
 # the headless browser of tests/scripts/test_memory_explorer.py (Debian's chromium package), best effort: where it cannot be
 # installed (not root, no apt, offline) this says so and succeeds, and that test skips naming why

@@ -36,6 +36,11 @@ def pytest_configure(config):
         "multiprocess: launches processes (torchrun, spawned process groups) or uses the second environment "
         "(.venv-min); `make test-fast` leaves them out",
     )
+    config.addinivalue_line(
+        "markers",
+        "slow: takes long on 2 cores and is one of torch.compile, transformers' own common tests (their sdist) or an "
+        "end-to-end run of a script, benchmark pipeline (--quick) or the demo; `make test-fast` leaves them out",
+    )
 
 
 @pytest.fixture(scope="session")

@@ -268,6 +268,7 @@ def test_remote_code_load_keeps_the_options(tmp_path):
     torch.testing.assert_close(torch.tensor(out["logits"]), expected)
 
 
+@pytest.mark.slow  # torch.compile of each option (up to 2.4 s a case on 2 loaded cores)
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_torch_compile_each_option(option):
     memory = make_memory(**OPTIONS[option]).train()

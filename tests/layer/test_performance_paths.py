@@ -701,6 +701,7 @@ def _compiler_backends():
     return ["aot_eager", pytest.param("inductor", marks=inductor)]
 
 
+@pytest.mark.slow  # torch.compile (inductor among the backends: 3.8 s on 2 loaded cores)
 @pytest.mark.parametrize("backend", _compiler_backends())
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_compiled_memory_trains_like_eager(backend, sparse):
@@ -739,6 +740,7 @@ def test_compiled_memory_trains_like_eager(backend, sparse):
     torch.testing.assert_close(memory.query_batchnorm.running_mean, eager.query_batchnorm.running_mean)
 
 
+@pytest.mark.slow  # torch.compile (9 s on 2 cores, both cases)
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_compiled_masked_lm_with_padding_trains_like_eager(sparse):
     from helpers import tiny_config

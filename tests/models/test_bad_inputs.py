@@ -357,6 +357,7 @@ def test_checksum_is_verified_through_remote_code(tmp_path):
 
 
 
+@pytest.mark.slow  # torch.compile (5 s on 2 cores)
 def test_compiled_graphs_hold_no_data_dependent_check():
     """`fullgraph=True` fails on any graph break: the id-range and non-finite checks (host syncs) are not traced."""
     lm = model(BertPkmForMaskedLM, train=True)

@@ -520,6 +520,7 @@ def test_memory_parallel_values_on_two_processes_compute_what_one_process_comput
         assert (got["logits"] - expected.logits).abs().max() < 1e-5 and (got["loss"] - expected.loss).abs() < 1e-5
 
 
+@pytest.mark.slow  # end to end: convert_to_pkm.py in a process (18 s on 2 cores)
 def test_cli_converts_a_hub_id_from_the_cache_and_the_card_names_the_base_model(tmp_path):
     """A Hub id resolved offline from the Hub cache (as after `hf download`): converted, the tokenizer copied, the
     card's base_model the Hub id and its license the source card's."""

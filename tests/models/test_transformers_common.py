@@ -41,6 +41,7 @@ from modeling_pkm_bert import (
 
 
 SDIST_CACHE = REPO_ROOT / ".pytest_cache" / "transformers-sdist"
+pytestmark = pytest.mark.slow  # transformers' own common tests: 324 of them (the sdist's), minutes on 2 cores
 PACKAGE = "transformers_common_tests"  # the sdist's tests/ folder, importable (its files import each other relatively)
 # what the common tests' relative imports need but the sdist does not ship: empty stand-ins, their tests not run
 NOT_IN_THE_SDIST = {

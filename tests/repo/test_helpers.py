@@ -4,6 +4,7 @@ process-wide state never leaks from one test into the next."""
 
 import ast
 import os
+import re
 import sys
 import time
 
@@ -192,6 +193,22 @@ def test_alone(): subprocess.run([sys.executable, "-c", "print(1)"])
     found = launching_tests(ast.parse(sample))
     assert found == {"test_through_a_fixture": False, "test_through_a_function": True, "test_second_environment": False}
     assert set(launching_tests(ast.parse("pytestmark = pytest.mark.multiprocess\n" + sample)).values()) == {True}
+
+
+def recipe(target: str) -> str:
+    """The commands of a Makefile target."""
+    makefile = (REPO_ROOT / "Makefile").read_text(encoding="utf-8")
+    match = re.search(rf"^{re.escape(target)}:[^\n]*\n((?:\t[^\n]*\n)+)", makefile, re.MULTILINE)
+    assert match, f"no target {target} in the Makefile"
+    return match.group(1)
+
+
+def test_make_test_fast_leaves_out_the_multiprocess_and_slow_tests_and_make_test_runs_all(request):
+    markers = {line.split(":")[0] for line in request.config.getini("markers")}
+    assert {"multiprocess", "slow", "cuda"} <= markers
+    assert '-m "not multiprocess and not slow" tests' in recipe("test-fast")
+    (pytest_call,) = [line for line in recipe("test").splitlines() if " -m pytest " in line]
+    assert " -m \"" not in pytest_call and " -k " not in pytest_call and pytest_call.endswith(" tests"), pytest_call
 
 
 @pytest.mark.parametrize("path", TESTS, ids=lambda path: path.name)

@@ -435,6 +435,7 @@ class Evil:
         return (Path.touch, (Path(self.marker),))
 
 
+@pytest.mark.slow  # end to end: run_mlm.py in a process, killed, resumed (20 s on 2 cores)
 def test_sigkill_during_a_checkpoint_save_then_resume_latest_is_exact(tiny, straight, tmp_path, capsys):
     """The run is killed while step_4 is being saved (deterministically: the save pauses before publishing its
     folder): step_2 stays complete and loadable, and `--resume_from_checkpoint latest` ends with the weights and

@@ -139,6 +139,7 @@ def test_parameters_are_counted_apart_and_the_wide_arm_matches_resm():
     assert 0.5 < ngram["memory"] / resm["memory"] < 1.5  # a memory of comparable size
 
 
+@pytest.mark.slow  # end to end: the benchmark's --quick pipeline
 @pytest.mark.multiprocess  # trains a dozen tiny models through run_mlm.py subprocesses (~2 minutes on 2 cores)
 def test_quick_pipeline_resumes_and_measures_from_the_saved_folder(tmp_path):
     real_tokenizer()

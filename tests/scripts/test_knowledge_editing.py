@@ -153,6 +153,7 @@ def test_pseudo_perplexity_masks_the_same_tokens_every_call(tmp_path):
     assert first != ke.pseudo_perplexity(model, tokenizer, lines, seed=1)
 
 
+@pytest.mark.slow  # end to end: the benchmark's --quick pipeline
 @pytest.mark.multiprocess  # trains seven tiny models through run_mlm.py and LoRA subprocesses (~3 minutes on 2 cores)
 def test_quick_pipeline_resumes_and_measures_every_checkpoint(tmp_path):
     real_data(tmp_path)

@@ -4,6 +4,7 @@ import collections
 import re
 from pathlib import Path
 
+import pytest
 from transformers import BertConfig, BertForMaskedLM, BertTokenizer
 
 from helpers import REPO_ROOT, load_script
@@ -39,6 +40,7 @@ def tiny_glue(data: Path) -> None:
     (wiki / "wiki.test.raw").write_text((DATA / "pride_and_prejudice_validation.txt").read_text())
 
 
+@pytest.mark.slow  # end to end: the reproduction pipeline (45 s on 2 cores)
 def test_tiny_study_runs_every_stage_and_writes_the_report(tmp_path):
     model, data = tmp_path / "tiny", tmp_path / "data"
     tiny_bert(model)

@@ -209,6 +209,7 @@ def test_config_overrides_and_pkm_flags_build_the_model(tiny, tmp_path, monkeypa
     assert config["is_decoder"] and "eval_memory/layer_3/mu" in results and "eval_moby_dick_trime_loss" not in results
 
 
+@pytest.mark.slow  # end to end: run_clm.py with its metrics log and memory report (6 s on 2 cores)
 def test_metrics_log_and_memory_report(tiny, tmp_path):
     """metrics.jsonl holds every optimizer step's loss and every evaluation (--eval_steps 2, then the final one) with
     the training loss since the previous one; --memory_report writes the final model's report (blocks of

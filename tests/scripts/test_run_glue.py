@@ -254,6 +254,7 @@ def test_seed_sweep_median(tmp_path):
     assert summary["median"]["eval_accuracy"] == pytest.approx(0.3)  # median of 0.1 and 0.5
 
 
+@pytest.mark.slow  # end to end: seed_sweep.py runs run_glue.py (50 s on 2 cores)
 def test_seed_sweep_runs_run_glue(tiny_pkm, data, tmp_path):
     """Two real seeds of a 2-step run_glue: each seed trains its own model and the summary holds their median."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}

@@ -302,6 +302,7 @@ def test_staleness_tracker_records_top1_picks_of_training_forwards_only():
     assert torch.equal(staleness.last_top1_step["layer_1"], last)
 
 
+@pytest.mark.slow  # end to end: run_mlm.py trains the real MiniLM (10 s on 2 cores)
 def test_convert_minilm_on_load_and_train(minilm_path, tmp_path):
     """The real all-MiniLM-L6-v2 (a BertModel without MLM head) converted on load into ResM at [2, 4] (+Init): a few
     steps, the memories in the results, the head and memories saved; the FFN weights came from the checkpoint."""
