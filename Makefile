@@ -40,16 +40,18 @@ convert: setup
 	    --base_model sentence-transformers/all-MiniLM-L6-v2 --output_dir outputs/resm-minilm --overwrite_output_dir \
 	    --pkm_layers 2 4 --pkm_mode resm --pkm_value_init zeros
 
-# the whole suite, with the compatibility suite across the declared range (tests/test_compatibility.py)
+# the whole suite, with the compatibility suite across the declared range (tests/compat/test_compatibility.py)
 test: setup $(MIN_VENV)/.installed
 	PKM_COMPAT_MIN_PYTHON=$(MIN_VENV)/bin/python $(PY) -m pytest -q tests
 
-# for quick iterations: the suite without the tests marked `multiprocess` (torchrun, spawned process groups, the
-# second environment); the README's `make test` stays the whole suite
+# for quick iterations (about 5 minutes on 2 cores): the suite without the tests marked `multiprocess` (torchrun,
+# spawned process groups, the second environment) and those marked `slow` (torch.compile, transformers' own common
+# tests, end-to-end runs of the scripts, the benchmarks' --quick pipelines and the demo); the README's `make test`
+# stays the whole suite
 test-fast: setup
-	$(PY) -m pytest -q -m "not multiprocess" tests
+	$(PY) -m pytest -q -m "not multiprocess and not slow" tests
 
-# the headless browser of tests/test_memory_explorer.py (Debian's chromium package), best effort: where it cannot be
+# the headless browser of tests/scripts/test_memory_explorer.py (Debian's chromium package), best effort: where it cannot be
 # installed (not root, no apt, offline) this says so and succeeds, and that test skips naming why
 browser:
 	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
@@ -58,15 +60,15 @@ browser:
 	    apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1; then \
 	    echo "chromium installed"; \
 	else \
-	    echo "chromium is not installed and could not be (apt-get install chromium, as root): the browser test of tests/test_memory_explorer.py will skip"; \
+	    echo "chromium is not installed and could not be (apt-get install chromium, as root): the browser test of tests/scripts/test_memory_explorer.py will skip"; \
 	fi
 
-# ruff with the repository's configuration (ruff.toml); the suite runs it too (tests/test_layout.py)
+# ruff with the repository's configuration (ruff.toml); the suite runs it too (tests/repo/test_layout.py)
 lint: setup
 	$(PY) -m ruff check .
 
 test-compat: setup $(MIN_VENV)/.installed
-	PKM_COMPAT_MIN_PYTHON=$(MIN_VENV)/bin/python $(PY) -m pytest -q tests/test_compatibility.py
+	PKM_COMPAT_MIN_PYTHON=$(MIN_VENV)/bin/python $(PY) -m pytest -q tests/compat/test_compatibility.py
 
 # the compatibility suite in a fresh environment of the newest releases (no constraints): a break is found here, not
 # by users; when it passes, constraints.txt can move to those versions
@@ -77,7 +79,7 @@ test-latest: $(MIN_VENV)/.installed
 	$(LATEST_VENV)/bin/python -m pip install -q $(TORCH)
 	$(LATEST_VENV)/bin/python -m pip install -q --upgrade -e ".[dev]"
 	$(LATEST_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|huggingface.hub|tokenizers|accelerate|peft) '
-	PKM_COMPAT_MIN_PYTHON=$(MIN_VENV)/bin/python $(LATEST_VENV)/bin/python -m pytest -q tests/test_compatibility.py
+	PKM_COMPAT_MIN_PYTHON=$(MIN_VENV)/bin/python $(LATEST_VENV)/bin/python -m pytest -q tests/compat/test_compatibility.py
 
 benchmark: setup
 	$(PY) benchmarks/run_benchmarks.py

@@ -38,11 +38,11 @@ setup(
             "tqdm>=4.66,<5",
             "matplotlib>=3.8,<4",
             "pytest>=8,<10",
-            "ruff==0.17.6",  # the lint rules of ruff.toml, pinned: a new release may add checks (tests/test_layout.py)
-            "parameterized>=0.9,<1",  # imported by transformers' common tests (tests/test_transformers_common.py)
-            "tensorboard>=2.15,<3",  # the real tracker of tests/test_security.py (no secret reaches it)
+            "ruff==0.17.6",  # the lint rules of ruff.toml, pinned: a new release may add checks (tests/repo/test_layout.py)
+            "parameterized>=0.9,<1",  # imported by transformers' common tests (tests/models/test_transformers_common.py)
+            "tensorboard>=2.15,<3",  # the real tracker of tests/repo/test_security.py (no secret reaches it)
             "product-key-memory==0.3.0",
-            # integrations (modeling_pkm_bert/integrations, tests/test_export.py, tests/test_integrations.py)
+            # integrations (modeling_pkm_bert/integrations, tests/layer/test_export.py, tests/models/test_integrations.py)
             "peft>=0.15,<1",
             "sentence-transformers>=6,<7",
             "onnx>=1.17,<2",

@@ -7,7 +7,7 @@
 #
 # 1. environment: nvidia-smi, versions; the wheels of a `.whl` folder beside the checkout (packages the machine's image
 #    lacks: datasets and its dill/multiprocess, lucidrains' product-key-memory and its chain) go to /tmp/site;
-# 2. tests_cuda: `pytest -m cuda tests/test_devices.py`;
+# 2. tests_cuda: `pytest -m cuda tests/layer/test_devices.py`;
 # 3. mixed_precision: a few steps of run_mlm.py and run_glue.py in fp32, bf16 and fp16 compared
 #    (benchmarks/gpu_mixed_precision.py, $OUT/mixed_precision/mixed_precision.md);
 # 4. layer_compile: the layer eager and compiled, fp32 and bf16, ours (dense, sparse) vs lucidrains
@@ -75,7 +75,7 @@ PARTS=${PARTS:-environment tests_cuda mixed_precision layer_compile train_step b
 wanted() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 ROUNDS=$([ -n "${QUICK:-}" ] && echo 5 || echo 15)
 wanted environment && part environment 60 bash -c environment
-wanted tests_cuda && part tests_cuda 150 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m cuda tests/test_devices.py
+wanted tests_cuda && part tests_cuda 150 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m cuda tests/layer/test_devices.py
 wanted mixed_precision && part mixed_precision 120 "$PYTHON" benchmarks/gpu_mixed_precision.py \
     --output_dir "$OUT/mixed_precision" --steps 20
 wanted layer_compile && part layer_compile 240 "$PYTHON" benchmarks/gpu_layer_compile.py --rounds "$ROUNDS"

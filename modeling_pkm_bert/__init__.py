@@ -6,7 +6,7 @@ Layout: the flat `.py` files beside this one are the Hub remote code, exactly `R
 gathers), `serving` (int8 / 4-bit value tables), `parallel` (FSDP2 and memory-parallel value tables), `methods` (the
 memory optimizers, TRIME, sparse memory finetuning), `hub` (conversion, model cards, upload), `analysis` (memory usage
 and reports), `training` (the scripts' harness and task data), `integrations` (export, PEFT, Trainer). In that order
-they form layers: a subpackage imports only from those before it (tests/test_layout.py checks that no import cycle
+they form layers: a subpackage imports only from those before it (tests/repo/test_layout.py checks that no import cycle
 forms).
 
 The import is lazy: `import modeling_pkm_bert` imports neither torch nor transformers and registers no op. A public

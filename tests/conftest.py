@@ -1,4 +1,13 @@
+"""pytest's configuration of the suite: the markers, the fixtures every folder shares, and the process-wide state
+each test starts from. Test modules import nothing from here: what they share as functions and constants is in
+tests/helpers.py, which this file does not import either (it holds what pytest itself needs).
+
+The tests live in folders by what they test (layer/, models/, scripts/, compat/, repo/); a new test file goes into
+the folder of its subject, under a name no other folder uses (the folders are not packages: pytest imports each test
+file by its basename)."""
+
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,72 +18,34 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import torch  # noqa: E402
 
-from helpers import REPO_ROOT, reset_accelerate_state  # noqa: E402
-from modeling_pkm_bert import BertPkmConfig  # noqa: E402
 
-
+TESTS = Path(__file__).resolve().parent
+# `from helpers import ...` in the test files of every folder (pytest puts only each file's own folder on sys.path)
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
 # the real data sits beside the checkout (CI has it); PKM_SHARED_DATA points elsewhere
-SHARED_DATA = Path(os.environ.get("PKM_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+SHARED_DATA = Path(os.environ.get("PKM_SHARED_DATA", TESTS.parent.parent / "shared" / "data"))
 
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "cuda: runs on a CUDA device, skipped without one (`pytest -m cuda`: the GPU checks, e.g. tests/test_devices.py)"
+        "markers", "cuda: runs on a CUDA device, skipped without one (`pytest -m cuda`: the GPU checks, e.g. tests/layer/test_devices.py)"
     )
     config.addinivalue_line(
         "markers",
         "multiprocess: launches processes (torchrun, spawned process groups) or uses the second environment "
         "(.venv-min); `make test-fast` leaves them out",
     )
-
-
-def tiny_config(**overrides) -> BertPkmConfig:
-    """A BertPkm config small enough for unit tests (3 layers, hidden 32, a memory of 8**2 slots at layer 1)."""
-    kwargs = dict(
-        vocab_size=99,
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        pkm_layers=[1],
-        pkm_n_keys=8,
-        pkm_heads=2,
-        pkm_knn=4,
-        pkm_k_dim=16,
+    config.addinivalue_line(
+        "markers",
+        "slow: takes long on 2 cores and is one of torch.compile, transformers' own common tests (their sdist) or an "
+        "end-to-end run of a script, benchmark pipeline (--quick) or the demo; `make test-fast` leaves them out",
     )
-    kwargs.update(overrides)
-    return BertPkmConfig(**kwargs)
 
 
-def tiny_roberta_config(**overrides):
-    """`tiny_config`'s sizes as a RobertaPkm config (RoBERTa's special ids: <s> 0, <pad> 1, </s> 2; one token type;
-    positions from pad_token_id + 1 = 2, so 64 tokens fit)."""
-    from modeling_pkm_bert import RobertaPkmConfig
-
-    kwargs = dict(
-        vocab_size=99,
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=66,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        pkm_layers=[1],
-        pkm_n_keys=8,
-        pkm_heads=2,
-        pkm_knn=4,
-        pkm_k_dim=16,
-    )
-    return RobertaPkmConfig(**{**kwargs, **overrides})
-
-
-@pytest.fixture
+@pytest.fixture(scope="session")
 def shared_data() -> Path:
-    """The project's real data folder, or a skip naming why it is missing."""
+    """The project's real data folder, or a skip naming why it is missing (session-wide: module fixtures use it)."""
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real data not found at {SHARED_DATA} (set PKM_SHARED_DATA to the shared/data folder)")
     return SHARED_DATA
@@ -97,20 +68,12 @@ def _fresh_accelerate_state():
     """After every test, accelerate's process-wide state is forgotten: the next test's Accelerator (or script run)
     starts as in a fresh process, whatever precision or process count the previous one set."""
     yield
-    reset_accelerate_state()
+    # helpers.reset_accelerate_state, which tests call between two runs inside one test; here without the import
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
 
-
-def remote_code_model(folder, auto_class: str = "AutoModelForMaskedLM"):
-    """The model of `folder` built from the folder's own code (the Hub cache module), as `trust_remote_code=True`
-    loads it where the package is not registered with the Auto classes (another test may have registered it)."""
-    from transformers import AutoConfig
-    from transformers.dynamic_module_utils import get_class_from_dynamic_module
-
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
-    model_class = get_class_from_dynamic_module(config.auto_map[auto_class], folder)
-    model = model_class.from_pretrained(folder)
-    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-    return model
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
 
 
 @pytest.fixture

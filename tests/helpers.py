@@ -1,16 +1,22 @@
-"""What many test files share: loading a script or benchmark as a module, launching one under torchrun, resetting
+"""What many test files share (test modules import it, `from helpers import ...`; tests/conftest.py does not): the
+repository's paths, tiny configs, loading a script or benchmark as a module, launching one under torchrun, resetting
 accelerate's process-wide state (tests/conftest.py resets it after every test; call `reset_accelerate_state` between
-two runs inside one test), and the usage-error form every script gives bad input (`usage_error`)."""
+two runs inside one test), the usage-error form every script gives bad input (`usage_error`), and the release
+fixtures' folders assembled from their parts (`release_folders`)."""
 
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from modeling_pkm_bert import BertPkmConfig
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -132,3 +138,140 @@ def lookup_plans() -> dict:
         "custom_op": Plan("torch", "torch", "op"),  # what a compiled step runs, here eagerly
     }
 
+
+def tiny_config(**overrides) -> BertPkmConfig:
+    """A BertPkm config small enough for unit tests (3 layers, hidden 32, a memory of 8**2 slots at layer 1)."""
+    kwargs = dict(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pkm_layers=[1],
+        pkm_n_keys=8,
+        pkm_heads=2,
+        pkm_knn=4,
+        pkm_k_dim=16,
+    )
+    kwargs.update(overrides)
+    return BertPkmConfig(**kwargs)
+
+
+def tiny_roberta_config(**overrides):
+    """`tiny_config`'s sizes as a RobertaPkm config (RoBERTa's special ids: <s> 0, <pad> 1, </s> 2; one token type;
+    positions from pad_token_id + 1 = 2, so 64 tokens fit)."""
+    from modeling_pkm_bert import RobertaPkmConfig
+
+    kwargs = dict(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=66,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pkm_layers=[1],
+        pkm_n_keys=8,
+        pkm_heads=2,
+        pkm_knn=4,
+        pkm_k_dim=16,
+    )
+    return RobertaPkmConfig(**{**kwargs, **overrides})
+
+
+def remote_code_model(folder, auto_class: str = "AutoModelForMaskedLM"):
+    """The model of `folder` built from the folder's own code (the Hub cache module), as `trust_remote_code=True`
+    loads it where the package is not registered with the Auto classes (another test may have registered it)."""
+    from transformers import AutoConfig
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    model_class = get_class_from_dynamic_module(config.auto_map[auto_class], folder)
+    model = model_class.from_pretrained(folder)
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    return model
+
+
+def batch(batch_size=3, seq_len=9, vocab=99, pad_from=(None, 6, 4)):
+    """(input_ids, attention_mask) of random tokens, row `i` padded (id 0, mask 0) from position `pad_from[i]` (None: no
+    padding)."""
+    input_ids = torch.randint(1, vocab, (batch_size, seq_len))
+    attention_mask = torch.ones_like(input_ids)
+    for row, start in enumerate(pad_from[:batch_size]):
+        if start is not None:
+            input_ids[row, start:] = 0
+            attention_mask[row, start:] = 0
+    return input_ids, attention_mask
+
+
+def make_tiny_folder(folder) -> str:
+    """For run_mlm.py: a tiny BertPkm config (memory at layer 1, dropout on: a resume must restore the RNG) and a word-level tokenizer
+    made from the embedded training text, saved in `folder` (tests/scripts/test_run_mlm.py, tests/layer/test_devices.py)."""
+    import collections
+    import re
+
+    from transformers import BertTokenizer
+
+    text = (REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
+    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
+    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(folder)
+    tiny_config(vocab_size=200, max_position_embeddings=64, hidden_dropout_prob=0.1).save_pretrained(folder)
+    return str(folder)
+
+
+def mlm_args(tiny, output_dir, options=""):
+    """run_mlm.py's arguments for a run of the tiny folder of `make_tiny_folder` (`options`: more flags, one string)."""
+    return [
+        *("--config_name", tiny, "--tokenizer_name", tiny, "--output_dir", str(output_dir)),
+        *"--max_seq_length 32 --per_device_train_batch_size 4 --per_device_eval_batch_size 8 --seed 3".split(),
+        *options.split(),
+    ]
+
+
+# ---- the release fixtures: tests/fixtures/bert_pkm_<version>/ ----
+
+FIXTURES = REPO_ROOT / "tests" / "fixtures"
+# each release's code files are kept once, in code/; each saved folder keeps its own files (config, weights, tokenizer)
+FIXTURE_CODE = "code"
+
+
+def fixture_code_files(release: Path, folder: str) -> list[Path]:
+    """The code files that release fixture `release`'s saved folder `folder` held as the release wrote it: every file
+    of the release's code/, a family's own (`configuration_<type>.py`, `modeling_<type>.py`) only in a folder of that
+    model type, BertPkm's in every folder (the other families build on them), as `save_pretrained` writes them."""
+    model_type = json.loads((release / folder / "config.json").read_text(encoding="utf-8"))["model_type"]
+    code = sorted((release / FIXTURE_CODE).glob("*.py"))
+
+    def family(path: Path) -> str | None:
+        prefix = next((p for p in ("configuration_", "modeling_") if path.name.startswith(p)), None)
+        return path.stem.removeprefix(prefix) if prefix else None
+
+    return [path for path in code if family(path) in (None, "bert_pkm", model_type)]
+
+
+def release_folders(version: str, into: str | Path) -> Path:
+    """tests/fixtures/bert_pkm_<version> (or modernbert_pkm_<version>) assembled as the release wrote it, in `into`: its
+    expected.json and each saved folder, that is the folder's own files with the release's code files beside them.
+    Returns the assembled folder (the layout `write_folders.py` writes and `check_folders.py` reads)."""
+    found = [FIXTURES / f"{family}_{version}" for family in ("bert_pkm", "modernbert_pkm")]
+    found = [path for path in found if path.is_dir()]
+    if len(found) != 1:
+        raise FileNotFoundError(f"no release fixture of {version} (or more than one) in {FIXTURES}")
+    release = found[0]
+    return assemble_fixture(release, Path(into) / release.name)
+
+
+def assemble_fixture(release: Path, out: Path) -> Path:
+    """The folders of fixture `release` (code/, expected.json and each folder's own files) assembled in `out`."""
+    out.mkdir(parents=True)
+    shutil.copy2(release / "expected.json", out / "expected.json")
+    for folder in sorted(path for path in release.iterdir() if path.is_dir() and path.name != FIXTURE_CODE):
+        shutil.copytree(folder, out / folder.name)
+        for path in fixture_code_files(release, folder.name):
+            shutil.copy2(path, out / folder.name / path.name)
+    return out

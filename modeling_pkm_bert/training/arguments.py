@@ -6,7 +6,7 @@ This module imports the standard library only, so that `python run_scripts/<scri
 a fraction of a second: the scripts import it without the package's `__init__` (which loads torch, transformers and
 the native kernels) when `-h`/`--help` is given. It reads the pkm_* fields of `BertPkmConfig` from the source of
 `configuration_bert_pkm.py` rather than importing it (that imports transformers, and so torch);
-`tests/test_script_help.py` checks that both agree.
+`tests/scripts/test_script_help.py` checks that both agree.
 """
 
 import argparse

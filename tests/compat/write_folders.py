@@ -1,13 +1,17 @@
 """Writes tiny BertPkm and RobertaPkm folders of every head (plain and with the Memory+ options; a causal LM) with the
 installed package and transformers, and `expected.json` with their outputs on fixed inputs, greedy generations and
 fill-mask answers: `python write_folders.py OUT_DIR [NAME ...]` (default: all of FOLDERS). `check_folders.py` loads them
-elsewhere through remote code. `tests/fixtures/bert_pkm_0.2.0` was written by `write_folders.py
-tests/fixtures/bert_pkm_0.2.0 mlm causal_memory_plus`, `tests/fixtures/bert_pkm_0.3.0` by `write_folders.py
-tests/fixtures/bert_pkm_0.3.0 mlm causal_memory_plus mlm_ngram causal_ngram roberta_mlm`, `tests/fixtures/bert_pkm_0.4.0`
-by `write_folders.py tests/fixtures/bert_pkm_0.4.0 mlm causal_memory_plus mlm_ngram causal_ngram mlm_ngram_int8
-roberta_mlm`, `tests/fixtures/modernbert_pkm_0.5.0` (the release that introduces ModernBertPkm) by `write_folders.py
-tests/fixtures/modernbert_pkm_0.5.0 modernbert_mlm modernbert_cls_memory_plus modernbert_tok_replace modernbert_choice
-modernbert_mlm_int8`; they are never rewritten: what every later release must still load."""
+elsewhere through remote code.
+
+A release's fixture (`tests/fixtures/bert_pkm_<version>`, what every later release must still load; never rewritten)
+is written with `--fixture`: the same folders, with the code files, equal in every folder, kept once in OUT_DIR/code/
+(`helpers.release_folders` puts them back at test time). `tests/fixtures/bert_pkm_0.2.0` holds what
+`write_folders.py OUT mlm causal_memory_plus` wrote, `tests/fixtures/bert_pkm_0.3.0` what `write_folders.py OUT mlm
+causal_memory_plus mlm_ngram causal_ngram roberta_mlm` wrote, `tests/fixtures/bert_pkm_0.4.0` what `write_folders.py OUT
+mlm causal_memory_plus mlm_ngram causal_ngram mlm_ngram_int8 roberta_mlm` wrote, `tests/fixtures/modernbert_pkm_0.5.0`
+(the release that introduces ModernBertPkm) what `write_folders.py OUT modernbert_mlm modernbert_cls_memory_plus
+modernbert_tok_replace modernbert_choice modernbert_mlm_int8` wrote; a new release's:
+`python tests/compat/write_folders.py --fixture tests/fixtures/bert_pkm_<version> NAME ...`."""
 
 import json
 import sys
@@ -127,8 +131,35 @@ def main(out_dir: str, names: list[str]):
     (out / "expected.json").write_text(json.dumps(expected))
 
 
+CODE = "code"  # a fixture's one copy of the release's code files (helpers.FIXTURE_CODE)
+
+
+def keep_code_once(out: Path):
+    """The fixture layout: every folder's code files moved into `out`/code/, one copy of each (they must be equal)."""
+    (out / CODE).mkdir()
+    for path in sorted(out.glob("*/*.py")):
+        if path.parent.name == CODE:
+            continue
+        kept = out / CODE / path.name
+        if not kept.exists():
+            path.rename(kept)
+        elif kept.read_bytes() == path.read_bytes():
+            path.unlink()
+        else:
+            raise SystemExit(f"{path} differs from the copy in {kept.parent}: a release ships one code")
+
+
 if __name__ == "__main__":
-    unknown = set(sys.argv[2:]) - set(FOLDERS)
+    args = sys.argv[1:]
+    fixture = "--fixture" in args
+    args = [arg for arg in args if arg != "--fixture"]
+    if not args:
+        raise SystemExit("usage: write_folders.py [--fixture] OUT_DIR [NAME ...]")
+    unknown = set(args[1:]) - set(FOLDERS)
     if unknown:
         raise SystemExit(f"unknown folder names {sorted(unknown)}; known: {list(FOLDERS)}")
-    main(sys.argv[1], sys.argv[2:])
+    if fixture and Path(args[0]).exists() and any(Path(args[0]).iterdir()):
+        raise SystemExit(f"{args[0]} is not empty: a release fixture is written once, into a new folder")
+    main(args[0], args[1:])
+    if fixture:
+        keep_code_once(Path(args[0]))

