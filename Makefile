@@ -44,10 +44,10 @@ convert: setup
 test: setup $(MIN_VENV)/.installed
 	PKM_COMPAT_MIN_PYTHON=$(MIN_VENV)/bin/python $(PY) -m pytest -q tests
 
-# for quick iterations (about 5 minutes on 2 cores): the suite without the tests marked `multiprocess` (torchrun,
-# spawned process groups, the second environment) and those marked `slow` (torch.compile, transformers' own common
-# tests, end-to-end runs of the scripts, the benchmarks' --quick pipelines and the demo); the README's `make test`
-# stays the whole suite
+# for quick iterations: the suite without the tests marked `multiprocess` (torchrun, spawned process groups, the
+# second environment) and those marked `slow` (torch.compile, torch.export/ONNX of whole models, transformers' own
+# common tests, end-to-end runs of the scripts, the docs' Python examples, the benchmarks' --quick pipelines and the
+# demo); the README's `make test` stays the whole suite
 test-fast: setup
 	$(PY) -m pytest -q -m "not multiprocess and not slow" tests
 

@@ -9,6 +9,9 @@ from pathlib import Path
 import knowledge_editing as ke
 
 
+LOWER_TARGET = 0.25  # a second matching point: the goal's 90% is reached by few methods in the plan's steps
+
+
 def spread(values: list[float], digits: int = 1) -> str:
     """`mean` alone, or `mean (min-max)` over several seeds."""
     if not values:
@@ -135,6 +138,23 @@ def write_report(args, data: dict) -> None:
             f"{spread([f['b'] for f in finals], 3)} | {spread([f['a_drop'] for f in finals])} |"
         )
     lines += ["", *verdict(rows, target), ""]
+    low = LOWER_TARGET
+    lower = summary(data, low)
+    if lower:
+        lines += [
+            f"## At a lower bar: {low:.0%} recall of B",
+            "",
+            f"The same matching at {low:.0%} of B, which more methods reach: the loss of A per fact learned, each method at "
+            f"its best learning rate for this bar (the seeds run at that rate).",
+            "",
+            "| method | lr | seeds reaching | step | A lost (points) | ppl change % |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for method, row in lower.items():
+            reached = [a for a in row["at"] if a]
+            lines.append(f"| {method} | {row['lr']:g} | {len(reached)}/{len(row['at'])} | {spread([a['step'] for a in reached], 0)} | "
+                         f"{spread([a['a_drop'] for a in reached])} | {spread([a['ppl_change'] for a in reached])} |")  # fmt: skip
+        lines.append("")
     figure_path = Path(args.report).with_name("knowledge_editing.png")
     if rows and figure(rows, figure_path):
         lines += [f"![learning B against forgetting A]({figure_path.name})", ""]

@@ -38,8 +38,9 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
-        "slow: takes long on 2 cores and is one of torch.compile, transformers' own common tests (their sdist) or an "
-        "end-to-end run of a script, benchmark pipeline (--quick) or the demo; `make test-fast` leaves them out",
+        "slow: takes long on 2 cores and is one of torch.compile or torch.export/ONNX of whole models, transformers' "
+        "own common tests (their sdist) or an end-to-end run of a script, a docs example in a fresh interpreter, a "
+        "benchmark pipeline (--quick) or the demo; `make test-fast` leaves them out",
     )
 
 

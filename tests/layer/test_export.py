@@ -16,6 +16,9 @@ from modeling_pkm_bert.methods.optimizers import set_sparse_values
 from modeling_pkm_bert.utils.memories import memory_modules
 
 
+pytestmark = pytest.mark.slow  # torch.export and ONNX of whole models: 7-20 s a test on 2 cores
+
+
 CLASSES = [
     "BertPkmModel",
     "BertPkmForMaskedLM",

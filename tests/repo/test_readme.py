@@ -46,6 +46,7 @@ def test_readme_skips_are_few():
     assert PYTHON_BLOCKS and len(skipped) <= max(1, len(PYTHON_BLOCKS) // 5), skipped
 
 
+@pytest.mark.slow  # each block in a fresh interpreter: 7-13 s apiece on 2 cores
 @pytest.mark.parametrize("line, code, skip", PYTHON_BLOCKS, ids=[line for line, _, _ in PYTHON_BLOCKS])
 def test_python_block_runs_as_written(line, code, skip, tmp_path):
     if skip is not None:
