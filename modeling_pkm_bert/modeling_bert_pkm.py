@@ -407,6 +407,28 @@ def memory_options(config, shared_values: ProductKeyValues | None = None) -> dic
     return options
 
 
+def product_key_memory(config, shared_values: ProductKeyValues | None = None) -> ProductKeyMemory:
+    """The product key memory of a memory layer of `config` (its own quantized table with `pkm_values_quantization`
+    where the values are not shared)."""
+    if shared_values is None and getattr(config, "pkm_values_quantization", None):
+        shared_values = value_table(config)
+    return ProductKeyMemory(
+        config.hidden_size,
+        config.hidden_size,
+        n_keys=config.pkm_n_keys,
+        heads=config.pkm_heads,
+        knn=config.pkm_knn,
+        k_dim=config.pkm_k_dim,
+        query_batchnorm=config.pkm_query_batchnorm,
+        query_bias=config.pkm_query_bias,
+        value_init=config.pkm_value_init,
+        input_dropout=config.pkm_input_dropout,
+        query_dropout=config.pkm_query_dropout,
+        value_dropout=config.pkm_value_dropout,
+        **memory_options(config, shared_values),
+    )
+
+
 def memory_table(config, rows: int, dim: int, sparse: bool = False) -> ProductKeyValues | QuantizedProductKeyValues:
     """A memory table of `rows` x `dim` for `config`: fp32 rows ([`ProductKeyValues`]: its dense backward into a reused
     buffer), or, with `pkm_values_quantization`, empty packed ones (filled by `from_pretrained`): one format for every
@@ -467,27 +489,7 @@ class BertPkmLayer(GradientCheckpointingLayer):
             self.crossattention = BertPkmAttention(config, is_causal=False, layer_idx=layer_idx, is_cross_attention=True)
 
         has_memory = layer_idx in config.pkm_layers
-        if has_memory and shared_values is None and getattr(config, "pkm_values_quantization", None):
-            shared_values = value_table(config)  # a quantized table of its own (not shared)
-        self.memory = (
-            ProductKeyMemory(
-                config.hidden_size,
-                config.hidden_size,
-                n_keys=config.pkm_n_keys,
-                heads=config.pkm_heads,
-                knn=config.pkm_knn,
-                k_dim=config.pkm_k_dim,
-                query_batchnorm=config.pkm_query_batchnorm,
-                query_bias=config.pkm_query_bias,
-                value_init=config.pkm_value_init,
-                input_dropout=config.pkm_input_dropout,
-                query_dropout=config.pkm_query_dropout,
-                value_dropout=config.pkm_value_dropout,
-                **memory_options(config, shared_values),
-            )
-            if has_memory
-            else None
-        )
+        self.memory = product_key_memory(config, shared_values) if has_memory else None
         if has_memory:
             self.memory.layer_name = f"encoder.layer.{layer_idx}.memory"
         self.ngram = ngram_memory(config, layer_idx) if layer_idx in getattr(config, "ngram_layers", ()) else None

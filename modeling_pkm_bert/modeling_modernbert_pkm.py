@@ -47,15 +47,15 @@ from .modeling_bert_pkm import (
     BertPkmPreTrainedModel,
     additive_mask,
     check_attention_mask,
-    memory_options,
     ngram_memory,
+    product_key_memory,
     real_tokens_of_4d_mask,
     refuse_input,
     shared_values_names,
     value_table,
 )
 from .ngram_memory import NgramMemory  # noqa: F401
-from .product_key_memory import ProductKeyMemory, ProductKeyValues
+from .product_key_memory import ProductKeyMemory  # noqa: F401  (a direct import: transformers < 5.24 copies only those)
 from .product_key_memory_ops import is_exporting
 
 
@@ -277,28 +277,6 @@ class ModernBertPkmAttention(nn.Module):
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.out_drop(self.Wo(attn_output))
         return attn_output, attn_weights
-
-
-def product_key_memory(config, shared_values: ProductKeyValues | None = None) -> ProductKeyMemory:
-    """The product key memory of a memory layer of `config` (its own quantized table with `pkm_values_quantization`
-    where the values are not shared)."""
-    if shared_values is None and getattr(config, "pkm_values_quantization", None):
-        shared_values = value_table(config)
-    return ProductKeyMemory(
-        config.hidden_size,
-        config.hidden_size,
-        n_keys=config.pkm_n_keys,
-        heads=config.pkm_heads,
-        knn=config.pkm_knn,
-        k_dim=config.pkm_k_dim,
-        query_batchnorm=config.pkm_query_batchnorm,
-        query_bias=config.pkm_query_bias,
-        value_init=config.pkm_value_init,
-        input_dropout=config.pkm_input_dropout,
-        query_dropout=config.pkm_query_dropout,
-        value_dropout=config.pkm_value_dropout,
-        **memory_options(config, shared_values),
-    )
 
 
 # Adapted from transformers.models.modernbert.modeling_modernbert.ModernBertEncoderLayer: the memories
