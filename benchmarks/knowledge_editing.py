@@ -59,6 +59,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import knowledge_capacity as kc  # noqa: E402
 
+from modeling_pkm_bert.ngram_memory import largest_primes_below  # noqa: E402
 from modeling_pkm_bert.analysis.knowledge import (  # noqa: E402
     apply_edits,
     edit_facts,
@@ -76,6 +77,8 @@ from modeling_pkm_bert.analysis.knowledge import (  # noqa: E402
 TOOL = "knowledge_editing"  # its run folders hold the marker `.knowledge_editing` (utils.output_folders)
 WIKITEXT = Path(os.environ.get("PKM_SHARED_DATA", REPO_ROOT.parent / "shared" / "data")) / "wikitext-2-raw" / "wiki.test.raw"
 SLOTS = kc.MEMORY["pkm_n_keys"] ** 2
+# the n-gram A model's table rows: 2 orders x 2 directions x 4 hash heads, each table of the largest primes <= its size
+NGRAM_ROWS = sum(largest_primes_below(kc.ARMS["ngram"][0]["ngram_table_size"], 2 * 2 * 4))
 LORA_TARGETS = ["query", "key", "value", "dense"]
 METHODS = {  # name -> (A model, how B is learned, learning rates swept: the network's, or the values' for SMF)
     "full": ("resm", dict(kind="full"), [3e-4, 1e-3, 3e-3]),
@@ -87,6 +90,12 @@ METHODS = {  # name -> (A model, how B is learned, learning rates swept: the net
     "smf_kl_t1000": ("resm", dict(kind="smf", ranker="kl", top_t=1000), [1e-2, 3e-2, 1e-1]),
     "plain_full": ("plain", dict(kind="full"), [3e-4, 1e-3, 3e-3]),
     "plain_lora": ("plain", dict(kind="lora"), [1e-3, 3e-3, 1e-2]),
+    # the same on an A model whose memory is keyed by the input's n-grams, hence by the person (the fix the ResM
+    # model's diagnosis calls for): SMF ranks the n-gram memory's table rows
+    "ngram_full": ("ngram", dict(kind="full"), [3e-4, 1e-3, 3e-3]),
+    "ngram_values": ("ngram", dict(kind="smf", ranker="tfidf", top_t=NGRAM_ROWS), [1e-2, 3e-2, 1e-1]),
+    "ngram_smf_tfidf_t1000": ("ngram", dict(kind="smf", ranker="tfidf", top_t=1000), [1e-2, 3e-2, 1e-1]),
+    "ngram_smf_kl_t1000": ("ngram", dict(kind="smf", ranker="kl", top_t=1000), [1e-2, 3e-2, 1e-1]),
 }
 FULL = dict(  # the committed plan
     people=24, edit_share=0.5, new_people=6, per_fact=8, wiki_train=800, wiki_heldout=200, a_steps=3000, a_lr=2e-3,
@@ -99,7 +108,7 @@ QUICK = dict(
     lora_rank=4,
 )
 
-QUICK_METHODS = ["full", "lora", "values", "smf_kl_t100", "plain_lora"]  # every code path once: the suite's minutes
+QUICK_METHODS = ["full", "lora", "values", "smf_kl_t100", "plain_lora", "ngram_smf_tfidf_t1000"]  # every code path once: the suite's minutes
 
 
 def parse_args(argv=None):
@@ -527,7 +536,7 @@ class Benchmark:
             (folder / "config" / "config.json").write_text(json.dumps(config, indent=1))
             seconds = self.train(folder, command)
         metrics = self.measure(self.base_folder(arm))["final"]
-        if arm == "resm":
+        if arm in ("resm", "ngram"):  # the models with a memory SMF ranks
             with LOADING:
                 self.background_statistics(self.base_folder(arm))
         with self.results.locked() as data:

@@ -37,25 +37,28 @@ def summary(data: dict, target: float) -> dict:
 
 
 def verdict(rows: dict, target: float) -> list[str]:
-    """The goal, decided from the table: SMF >= target recall of B with A falling <= 5 points, full finetuning losing
-    >= 5x more of A at the same recall."""
-    smf = {m: r for m, r in rows.items() if m.startswith("smf_") and all(r["at"])}
+    """The goal, decided from the table for each A model with a memory: SMF >= target recall of B with A falling <= 5
+    points, full finetuning of the same model losing >= 5x more of A at the same recall."""
     lines = []
-    if not smf:
-        return [f"- **Not met**: no SMF setting reached {target:.0%} recall of B in every seed."]
-    best = min(smf, key=lambda m: statistics.fmean(a["a_drop"] for a in smf[m]["at"]))
-    drop = statistics.fmean(a["a_drop"] for a in smf[best]["at"])
-    lines.append(f"- Best SMF setting: `{best}` reaches {target:.0%} of B losing {drop:.1f} points of A "
-                 f"({'<=' if drop <= 5 else '>'} 5: {'met' if drop <= 5 else 'not met'}).")  # fmt: skip
-    full = rows.get("full")
-    if full and all(full["at"]):
-        full_drop = statistics.fmean(a["a_drop"] for a in full["at"])
-        ratio = full_drop / drop if drop > 0 else float("inf")
-        lines.append(f"- Full finetuning loses {full_drop:.1f} points at the same recall of B: {ratio:.1f}x SMF's "
-                     f"({'met' if ratio >= 5 else 'not met'}: the goal is >= 5x).")  # fmt: skip
-    else:
-        lines.append(f"- Full finetuning did not reach {target:.0%} of B in every seed: the ratio is not decided.")
-    return lines
+    for prefix, label in (("", "ResM"), ("ngram_", "n-gram")):
+        smf = {m: r for m, r in rows.items() if m.startswith(f"{prefix}smf_") and all(r["at"])}
+        if not smf:
+            if any(m.startswith(f"{prefix}smf_") for m in rows):
+                lines.append(f"- {label} model: **not met**: no SMF setting reached {target:.0%} recall of B in every seed.")
+            continue
+        best = min(smf, key=lambda m: statistics.fmean(a["a_drop"] for a in smf[m]["at"]))
+        drop = statistics.fmean(a["a_drop"] for a in smf[best]["at"])
+        lines.append(f"- {label} model: the best SMF setting, `{best}`, reaches {target:.0%} of B losing {drop:.1f} points "
+                     f"of A ({'<=' if drop <= 5 else '>'} 5: {'met' if drop <= 5 else 'not met'}).")  # fmt: skip
+        full = rows.get(f"{prefix}full")
+        if full and all(full["at"]):
+            full_drop = statistics.fmean(a["a_drop"] for a in full["at"])
+            ratio = full_drop / drop if drop > 0 else float("inf")
+            lines.append(f"  Full finetuning loses {full_drop:.1f} points at the same recall of B: {ratio:.1f}x SMF's "
+                         f"({'met' if ratio >= 5 else 'not met'}: the goal is >= 5x).")  # fmt: skip
+        else:
+            lines.append(f"  Full finetuning did not reach {target:.0%} of B in every seed: the ratio is not decided.")
+    return lines or [f"- **Not met**: no SMF setting reached {target:.0%} recall of B in every seed."]
 
 
 def figure(rows: dict, path: Path) -> bool:

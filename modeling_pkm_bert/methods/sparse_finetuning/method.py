@@ -43,6 +43,13 @@ Recipe:
    restored after its step (a copy of the table is kept across the step), so "only the chosen rows change" holds for
    every optimizer. Adam's moments of the unchosen rows still decay (they are not restored).
 
+Hashed n-gram memories (`ngram_layers`) are memory layers too: their value table is `tables`, the rows of all their
+hash tables, and a read is one (position, hash table) row of the window the memory looks up (the convolution's
+neighbours and the boundary rows at padding and the sequence's ends included; the memory's output at padding is zero,
+so those rows get no gradient from it). Their rows are addressed by the input's own n-grams, so a fact's rows (the
+n-grams of a name and of a name with its template's words) are its own, where a product key memory's query may key
+them by the sentence: see `benchmarks/KNOWLEDGE_EDITING.md`.
+
 Several processes: each runs its share of every background document and the document's reads are summed over the
 processes before it is counted ([`compute_background_statistics`] with `num_processes`), so the statistics equal
 those of one process running the whole documents; a *training* step's counts are likewise summed over processes
@@ -71,7 +78,7 @@ import torch
 from torch import nn
 
 from ...utils.input_errors import InputError
-from ...utils.memories import memory_modules, readable_name, unwrap_model
+from ...utils.memories import is_product_key_memory, memory_modules, ngram_memory_modules, readable_name, unwrap_model
 from .arguments import SMF_RANKERS, STATISTICS_NAME
 from ..optimizers.memory_optimizer import clip_grad_norm_, unscale_once
 
@@ -80,17 +87,25 @@ _FORMAT = "modeling_pkm_bert.smf_background_statistics/1"
 
 
 def memory_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """`{layer name: memory}` for every memory of `model` (`utils.memory_modules`), named as `memory_usage` does
-    (`layer_4` for `bert.encoder.layer.4.memory`; the module paths when those names would be ambiguous)."""
-    found = memory_modules(model)
-    names = [readable_name(path) for path in found]
+    """`{layer name: memory}` for every memory of `model`: the product key memories (`utils.memory_modules`), named as
+    `memory_usage` does (`layer_4` for `bert.encoder.layer.4.memory`), then the hashed n-gram memories
+    (`ngram_layer_1`); the module paths when those names would be ambiguous."""
+    product_keys, ngrams = memory_modules(model), ngram_memory_modules(model)
+    found = {**product_keys, **ngrams}
+    names = [readable_name(path) for path in product_keys] + [f"ngram_{readable_name(path)}" for path in ngrams]
     if len(set(names)) < len(names):
         names = [path or "memory" for path in found]
     return dict(zip(names, found.values()))
 
 
+def value_table(memory: nn.Module) -> nn.Module:
+    """The rows SMF trains: a product key memory's `values`; an n-gram memory's hash `tables` (all its tables' rows
+    in one module), whose rows are addressed by the input's own n-grams rather than by a query."""
+    return memory.values if is_product_key_memory(memory) else memory.tables
+
+
 def _mem_size(memory: nn.Module) -> int:
-    return memory.values.weight.shape[0]
+    return value_table(memory).weight.shape[0]
 
 
 # ---- background statistics ----
@@ -115,7 +130,7 @@ class BackgroundStatistics:
     def for_model(cls, model: nn.Module) -> "BackgroundStatistics":
         layers = memory_layers(model)
         if not layers:
-            raise InputError("the model has no product key memory: sparse memory finetuning needs memory layers")
+            raise InputError("the model has no memory layer (product key or n-gram): sparse memory finetuning needs one")
         return cls({name: _mem_size(memory) for name, memory in layers.items()})
 
     @property
@@ -244,7 +259,7 @@ class ReadCounter:
     def __init__(self, model: nn.Module, training_only: bool = False):
         self.memories = memory_layers(model)
         self.counts = {
-            name: torch.zeros(_mem_size(memory), dtype=torch.long, device=memory.values.weight.device)
+            name: torch.zeros(_mem_size(memory), dtype=torch.long, device=value_table(memory).weight.device)
             for name, memory in self.memories.items()
         }
         self.training_only = training_only
@@ -259,7 +274,7 @@ class ReadCounter:
         for name, memory in self.memories.items():
             self._hooks.append(memory.register_forward_pre_hook(self._enter(name)))
             self._hooks.append(memory.register_forward_hook(self._leave))
-            tables.setdefault(id(memory.values), memory.values)
+            tables.setdefault(id(value_table(memory)), value_table(memory))
         for values in tables.values():  # one hook per (possibly shared) value table
             self._hooks.append(values.register_forward_hook(self._count, with_kwargs=True))
         return self
@@ -415,11 +430,11 @@ def rank_slots(
 def freeze_all_but_values(model: nn.Module) -> int:
     """Keeps every parameter fixed except the memory value tables, and the memories' query BatchNorm running statistics
     too (momentum 0), so that only value rows can change; returns the number of trainable parameters left."""
-    tables = {id(memory.values.weight) for memory in memory_layers(model).values()}
+    tables = {id(value_table(memory).weight) for memory in memory_layers(model).values()}
     for parameter in model.parameters():
         parameter.requires_grad_(id(parameter) in tables)
     for memory in memory_layers(model).values():
-        for batchnorm in memory.query_batchnorms():
+        for batchnorm in memory.query_batchnorms() if is_product_key_memory(memory) else ():
             batchnorm.momentum = 0.0
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -440,7 +455,7 @@ def validate_top_t(top_t: int, model_or_sizes) -> None:
         else {n: _mem_size(m) for n, m in memory_layers(model_or_sizes).items()}
     )
     if not sizes:
-        raise InputError("the model has no product key memory: sparse memory finetuning needs memory layers")
+        raise InputError("the model has no memory layer (product key or n-gram): sparse memory finetuning needs one")
     smallest = min(sizes.values())
     if isinstance(top_t, bool) or not isinstance(top_t, int) or not 1 <= top_t <= smallest:
         raise InputError(f"top_t={top_t!r} must be an integer in [1, {smallest}] (the slots of the smallest memory)")
@@ -476,7 +491,8 @@ class SparseMemoryFinetuning:
         self._model_hooks = []
         self.tables: dict[int, tuple[nn.Parameter, list[str]]] = {}  # id(weight) -> (weight, its layers)
         for name, memory in self.memories.items():
-            self.tables.setdefault(id(memory.values.weight), (memory.values.weight, []))[1].append(name)
+            weight = value_table(memory).weight
+            self.tables.setdefault(id(weight), (weight, []))[1].append(name)
         self.chosen: dict[str, torch.Tensor] = {}
         self.steps = 0
         self._optimizer_hooks = []
@@ -722,6 +738,7 @@ __all__ = [
     "freeze_all_but_values",
     "kl_scores",
     "memory_layers",
+    "value_table",
     "rank_slots",
     "tfidf_scores",
     "validate_top_t",
