@@ -154,14 +154,14 @@ def test_pseudo_perplexity_masks_the_same_tokens_every_call(tmp_path):
 
 
 @pytest.mark.slow  # end to end: the benchmark's --quick pipeline
-@pytest.mark.multiprocess  # trains seven tiny models through run_mlm.py and LoRA subprocesses (~3 minutes on 2 cores)
+@pytest.mark.multiprocess  # trains nine tiny models through run_mlm.py and LoRA subprocesses (~3 minutes on 2 cores)
 def test_quick_pipeline_resumes_and_measures_every_checkpoint(tmp_path):
     real_data(tmp_path)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, str(REPO_ROOT / "benchmarks" / "knowledge_editing.py"), "--quick", "--output_dir", str(tmp_path / "out")]
     subprocess.run(command, check=True, env=env, capture_output=True)
     results = json.loads((tmp_path / "out" / "knowledge_editing.json").read_text())
-    assert set(results["bases"]) == {"resm", "plain"} and results["plan"] == ke.QUICK
+    assert set(results["bases"]) == {"resm", "plain", "ngram"} and results["plan"] == ke.QUICK
     runs = results["runs"]
     assert {r["method"] for r in runs.values()} == set(ke.QUICK_METHODS)
     every = ke.QUICK["b_steps"] // ke.QUICK["checkpoints"]

@@ -26,6 +26,7 @@ from modeling_pkm_bert.methods.sparse_finetuning import (
     kl_scores,
     rank_slots,
     tfidf_scores,
+    validate_top_t,
 )
 
 
@@ -698,3 +699,96 @@ def test_a_skipped_step_does_not_rank_two_steps_reads():
     assert smf.steps == 1
     expected = rank_slots(eval_mode_reads(model, second)["layer_1"], statistics, "layer_1", 3)
     assert torch.equal(smf.chosen["layer_1"], expected)
+
+
+# ---- hashed n-gram memories ----
+
+
+def tiny_ngram_model(**overrides):
+    """Product keys at layer 0 and an n-gram memory at layer 1, its value projection and convolution non-zero (as in
+    a trained model: at initialisation they are zero, so the tables would get no gradient)."""
+    model = tiny_model(pkm_layers=[0], ngram_layers=[1], ngram_table_size=97, ngram_dim=8, **overrides)
+    memory = model.bert.encoder.layer[1].ngram
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        memory.value.weight.copy_(torch.randn(memory.value.weight.shape, generator=generator) * 0.1)
+        memory.conv.weight.copy_(torch.randn(memory.conv.weight.shape, generator=generator) * 0.1)
+    return model
+
+
+def ngram_reads(memory, batch):
+    """The rows an n-gram memory looks up for a batch, computed from its hash alone (padding enters as -1)."""
+    ids = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -1)
+    rows = memory.bucket_indices(memory.context_tokens(ids))
+    return torch.bincount(rows.reshape(-1), minlength=memory.tables.weight.shape[0])
+
+
+def test_ngram_memory_tables_are_counted_as_its_looked_up_rows():
+    model = tiny_ngram_model()
+    data = batches(3, pad=2)
+    statistics = compute_background_statistics(model, data)
+    assert set(statistics.mem_sizes) == {"layer_0", "ngram_layer_1"}
+    memory = model.bert.encoder.layer[1].ngram
+    per_document = [ngram_reads(memory, batch) for batch in data]
+    assert torch.equal(statistics.reads["ngram_layer_1"], sum(per_document))
+    assert torch.equal(statistics.document_frequency["ngram_layer_1"], sum((r > 0).long() for r in per_document))
+    # the product key memory's counts are those of the model without the n-gram memory
+    assert statistics.reads["layer_0"].sum() == 3 * 3 * 8 * model.config.pkm_heads * model.config.pkm_knn
+
+
+@pytest.mark.parametrize("optimizer_name,ranker", [("sgd", "tfidf"), ("sparse_row_adam", "kl"), ("adam", "tfidf")])
+def test_ngram_memory_only_chosen_table_rows_change(optimizer_name, ranker):
+    model = tiny_ngram_model()
+    statistics = compute_background_statistics(model, batches(4, seed=2))
+    trainable = freeze_all_but_values(model)
+    memory = model.bert.encoder.layer[1].ngram
+    assert trainable == memory.tables.weight.numel() + model.bert.encoder.layer[0].memory.values.weight.numel()
+    optimizer = value_optimizer(optimizer_name, model)
+    smf = SparseMemoryFinetuning(model, statistics, top_t=7, ranker=ranker).attach(optimizer)
+    model.train()
+    for batch in batches(3, seed=3, pad=2):
+        before = {name: p.detach().clone() for name, p in model.state_dict().items()}
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        after = model.state_dict()
+        expected = rank_slots(ngram_reads(memory, batch), statistics, "ngram_layer_1", 7, ranker)
+        assert torch.equal(smf.chosen["ngram_layer_1"], expected)
+        name = "bert.encoder.layer.1.ngram.tables.weight"
+        changed = (after[name] != before[name]).any(1).nonzero().squeeze(1)
+        assert changed.numel() > 0 and set(changed.tolist()) <= set(expected.tolist())
+        moved = {n for n in after if not torch.equal(after[n], before[n]) and not n.endswith("num_batches_tracked")}
+        assert moved <= {name, "bert.encoder.layer.0.memory.values.weight"}
+    with pytest.raises(ValueError, match=r"top_t=.* must be an integer in \[1, 64\]"):
+        SparseMemoryFinetuning(model, statistics, top_t=65)  # the smallest memory: layer 0's 64 slots
+
+
+def test_a_model_without_any_memory_is_refused():
+    model = tiny_model(pkm_layers=[])
+    with pytest.raises(ValueError, match="no memory layer"):
+        validate_top_t(4, model)
+
+
+def test_run_mlm_trains_only_the_ngram_tables_rows_of_an_ngram_model(run_mlm, tiny_checkpoint, tmp_path):
+    """A model whose only memory is an n-gram memory: --sparse_memory_finetuning trains its table rows and nothing else."""
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "ngram_model"
+    folder.mkdir()
+    for name in os.listdir(tiny_checkpoint):
+        if "tok" in name or name.startswith(("vocab", "special")):
+            (folder / name).write_bytes((tiny_checkpoint / name).read_bytes())
+    torch.manual_seed(0)
+    model = BertPkmForMaskedLM(tiny_config(vocab_size=200, pkm_layers=[], ngram_layers=[1], ngram_table_size=97, ngram_dim=8))
+    memory = model.bert.encoder.layer[1].ngram
+    with torch.no_grad():
+        memory.value.weight.normal_(std=0.1)
+    model.save_pretrained(folder)
+    output = tmp_path / "trained"
+    run_script(run_mlm, smf_args(folder, output))
+    initial, trained = load_file(folder / "model.safetensors"), load_file(output / "model.safetensors")
+    moved = [n for n in trained if not torch.equal(trained[n], initial[n])]
+    assert moved == ["bert.encoder.layer.1.ngram.tables.weight"]
+    rows = (trained[moved[0]] != initial[moved[0]]).any(1).sum()
+    assert 0 < rows <= 6 * 6  # at most t rows a step
+    assert set(BackgroundStatistics.load(output / STATISTICS_NAME).mem_sizes) == {"ngram_layer_1"}
