@@ -96,7 +96,15 @@ METHODS = {  # name -> (A model, how B is learned, learning rates swept: the net
     "ngram_values": ("ngram", dict(kind="smf", ranker="tfidf", top_t=NGRAM_ROWS), [1e-2, 3e-2, 1e-1]),
     "ngram_smf_tfidf_t1000": ("ngram", dict(kind="smf", ranker="tfidf", top_t=1000), [1e-2, 3e-2, 1e-1]),
     "ngram_smf_kl_t1000": ("ngram", dict(kind="smf", ranker="kl", top_t=1000), [1e-2, 3e-2, 1e-1]),
+    # a probe of the n-gram model's diagnosis (its tables are full: A reads 98% of the rows): 4 tables of 65,521 rows,
+    # room for each of A's 14k bigrams and 20k trigrams in a row of its own; one learning rate each, run apart
+    # (`--methods ngram_large_* --stages base sweep --results <its own file>`)
+    "ngram_large_full": ("ngram_large", dict(kind="full"), [1e-3]),
+    "ngram_large_smf_tfidf_t1000": ("ngram_large", dict(kind="smf", ranker="tfidf", top_t=1000), [3e-2]),
+    "ngram_large_smf_kl_t1000": ("ngram_large", dict(kind="smf", ranker="kl", top_t=1000), [3e-2]),
 }
+EDIT_ARMS = {"ngram_large": {"ngram_layers": [1], "ngram_table_size": 65536, "ngram_heads": 1, "ngram_dim": 32}}
+PROBE_METHODS = [m for m in METHODS if METHODS[m][0] in EDIT_ARMS]
 FULL = dict(  # the committed plan
     people=24, edit_share=0.5, new_people=6, per_fact=8, wiki_train=800, wiki_heldout=200, a_steps=3000, a_lr=2e-3,
     a_memory_lr=1e-2, b_steps=400, checkpoints=16, batch_size=32, seeds=[0, 1, 2], target=0.9, background_documents=200,
@@ -137,7 +145,7 @@ def parse_args(argv=None):
             parser.error(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(plan)}")
         plan[key] = json.loads(value)
     args.plan = plan
-    args.methods = args.methods or (QUICK_METHODS if args.quick else list(METHODS))
+    args.methods = args.methods or (QUICK_METHODS if args.quick else [m for m in METHODS if m not in PROBE_METHODS])
     out = Path(args.output_dir)
     args.results = Path(args.results) if args.results else (out / "knowledge_editing.json" if args.quick else HERE / "knowledge_editing.json")
     args.report = Path(args.report) if args.report else (out / "KNOWLEDGE_EDITING.md" if args.quick else HERE / "KNOWLEDGE_EDITING.md")
@@ -452,6 +460,38 @@ def best_lr(runs: list[dict], bases: dict, target: float) -> float:
     return max(runs, key=score)["lr"]
 
 
+def ngram_row_sharing(model_dir: Path, data: Path) -> dict:
+    """How many of the n-gram memory's table rows B's lines read that A's text reads too: the rows an SMF step on B
+    can only share with A's facts (hash collisions and common n-grams), from the memory's hash alone."""
+    from collections import Counter
+
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    from modeling_pkm_bert import register_auto_classes
+    from modeling_pkm_bert.utils.memories import ngram_memory_modules
+
+    register_auto_classes()
+    tokenizer = AutoTokenizer.from_pretrained(data / "tokenizer")
+    (memory,) = ngram_memory_modules(AutoModelForMaskedLM.from_pretrained(model_dir)).values()
+
+    def rows_of(name: str) -> list[set[int]]:
+        lines = [line for line in (data / name).read_text(encoding="utf-8").splitlines() if line]
+        ids = [torch.tensor([tokenizer(line, truncation=True, max_length=128)["input_ids"]]) for line in lines]
+        return [set(memory.bucket_indices(memory.context_tokens(i)).reshape(-1).tolist()) for i in ids]
+
+    a_lines, b_lines = rows_of("a_train.txt"), rows_of("b_train.txt")
+    readers = Counter(row for rows in a_lines for row in rows)  # A lines reading each row
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    return {
+        "rows": memory.tables.weight.shape[0],
+        "rows_read_by_a": len(readers),
+        "rows_per_b_line": mean([len(rows) for rows in b_lines]),
+        "b_rows_read_by_a": mean([sum(readers[r] > 0 for r in rows) / len(rows) for rows in b_lines]),
+        "b_rows_read_by_10_a_lines": mean([sum(readers[r] >= 10 for r in rows) / len(rows) for rows in b_lines]),
+        "b_rows_a_never_reads": mean([sum(readers[r] == 0 for r in rows) for rows in b_lines]),
+    }
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Runs
 
@@ -528,7 +568,10 @@ class Benchmark:
         plan = self.plan
         command = self.mlm_command(self.base_folder(arm), self.data / "a_train.txt", plan["a_lr"], plan["a_memory_lr"], plan["a_steps"], 0)
         command += ["--config_name", str(folder / "config"), "--tokenizer_name", str(self.data / "tokenizer")]
-        config = kc.arm_config(arm, vocab_size, {})
+        if arm in EDIT_ARMS:
+            config = {"model_type": "bert_pkm", **kc.BASE, **EDIT_ARMS[arm], "vocab_size": vocab_size, "pkm_layers": []}
+        else:
+            config = kc.arm_config(arm, vocab_size, {})
         seconds = self.trained(folder, command) if (folder / "config" / "config.json").exists() else None
         if seconds is None or json.loads((folder / "config" / "config.json").read_text()) != config:
             kc.prepare_own_folder(folder, TOOL)
@@ -536,7 +579,7 @@ class Benchmark:
             (folder / "config" / "config.json").write_text(json.dumps(config, indent=1))
             seconds = self.train(folder, command)
         metrics = self.measure(self.base_folder(arm))["final"]
-        if arm in ("resm", "ngram"):  # the models with a memory SMF ranks
+        if arm in ("resm", "ngram", "ngram_large"):  # the models with a memory SMF ranks
             with LOADING:
                 self.background_statistics(self.base_folder(arm))
         with self.results.locked() as data:
@@ -618,6 +661,13 @@ class Benchmark:
                                    batches=8 if not self.args.quick else 2)  # fmt: skip
         with self.results.locked() as data:
             data["diagnosis"] = result
+        if self.base_folder("ngram").exists():
+            with LOADING:
+                sharing = ngram_row_sharing(self.base_folder("ngram"), self.data)
+            with self.results.locked() as data:
+                data["ngram_rows"] = sharing
+            print(f"n-gram rows: A reads {sharing['rows_read_by_a']:,} of {sharing['rows']:,}; of a B line's rows "
+                  f"{sharing['b_rows_read_by_a']:.1%} are read by A", flush=True)  # fmt: skip
         for choice, entry in result["shares"].items():
             print(f"{choice}: gradient share {entry['all_positions']:.3f} (reads at masked positions only "
                   f"{entry['masked_positions']:.3f}; best rows {entry['best_rows']:.3f})", flush=True)  # fmt: skip

@@ -40,7 +40,7 @@ def verdict(rows: dict, target: float) -> list[str]:
     """The goal, decided from the table for each A model with a memory: SMF >= target recall of B with A falling <= 5
     points, full finetuning of the same model losing >= 5x more of A at the same recall."""
     lines = []
-    for prefix, label in (("", "ResM"), ("ngram_", "n-gram")):
+    for prefix, label in (("", "ResM"), ("ngram_", "n-gram"), ("ngram_large_", "large n-gram")):
         smf = {m: r for m, r in rows.items() if m.startswith(f"{prefix}smf_") and all(r["at"])}
         if not smf:
             if any(m.startswith(f"{prefix}smf_") for m in rows):
@@ -178,6 +178,17 @@ def write_report(args, data: dict) -> None:
         for choice, entry in diagnosis["shares"].items():
             lines.append(f"| {choice} | {entry['all_positions']:.3f} | {entry['masked_positions']:.3f} | {entry['best_rows']:.3f} |")
         lines.append("")
+    sharing = data.get("ngram_rows")
+    if sharing:
+        lines += [
+            "## Whose rows an n-gram memory's SMF step writes",
+            "",
+            f"The n-gram A model's hash tables (`ngram_row_sharing`, from the hash alone): A's training text reads "
+            f"{sharing['rows_read_by_a']:,} of the {sharing['rows']:,} rows. A line of B reads {sharing['rows_per_b_line']:.0f} "
+            f"rows; {sharing['b_rows_read_by_a']:.1%} of them are read by A's text too, {sharing['b_rows_read_by_10_a_lines']:.1%} "
+            f"by 10 or more of A's lines; {sharing['b_rows_a_never_reads']:.1f} rows a line are B's alone.",
+            "",
+        ]
     notes = Path(ke.HERE / "knowledge_editing_notes.md")
     if full_plan and notes.exists():  # the findings, written by hand after a run
         lines += [notes.read_text(encoding="utf-8").strip(), ""]

@@ -175,6 +175,9 @@ def test_quick_pipeline_resumes_and_measures_every_checkpoint(tmp_path):
     for entry in shares.values():  # no choice of t rows holds more of the gradient than the t largest rows
         assert 0.0 <= entry["all_positions"] <= entry["best_rows"] + 1e-9 <= 1.0 + 1e-9
         assert 0.0 <= entry["masked_positions"] <= entry["best_rows"] + 1e-9
+    sharing = results["ngram_rows"]  # the n-gram model's rows: counts within the tables, shares within [0, 1]
+    assert 0 < sharing["rows_read_by_a"] <= sharing["rows"] == ke.NGRAM_ROWS and sharing["rows_per_b_line"] > 0
+    assert 0.0 <= sharing["b_rows_read_by_10_a_lines"] <= sharing["b_rows_read_by_a"] <= 1.0
     report = (tmp_path / "out" / "KNOWLEDGE_EDITING.md").read_text()
     assert "The plan has not been run yet" in report and "| smf_kl_t100 |" in report and "| kl_t1000 |" in report
     # a second call trains nothing again: every run is kept
