@@ -69,13 +69,17 @@ def figure(rows: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method, row in rows.items():
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colours = plt.get_cmap("tab20").colors
+    styles = {"resm": "-", "plain": "--", "ngram": ":", "ngram_large": "-."}  # the A model a method starts from
+    for index, (method, row) in enumerate(rows.items()):
         curve = row["curves"][0]
-        ax.plot([100 * p["b"] for p in curve], [p["a_drop"] for p in curve], marker=".", label=f"{method} (lr {row['lr']:g})")
+        ax.plot([100 * p["b"] for p in curve], [p["a_drop"] for p in curve], marker=".", color=colours[index % 20],
+                linestyle=styles.get(ke.METHODS[method][0], "-"), label=f"{method} (lr {row['lr']:g})")
     ax.set_xlabel("recall of B, training template (%)")
     ax.set_ylabel("A's untouched facts lost (points)")
-    ax.set_title("learning B against forgetting A (best learning rate, first seed)")
+    ax.set_title("learning B against forgetting A (best learning rate, first seed)\n"
+                 "A model: ResM solid, plain dashed, n-gram dotted")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
