@@ -102,6 +102,8 @@ METHODS = {  # name -> (A model, how B is learned, learning rates swept: the net
     "ngram_large_full": ("ngram_large", dict(kind="full"), [1e-3]),
     "ngram_large_smf_tfidf_t1000": ("ngram_large", dict(kind="smf", ranker="tfidf", top_t=1000), [3e-2]),
     "ngram_large_smf_kl_t1000": ("ngram_large", dict(kind="smf", ranker="kl", top_t=1000), [3e-2]),
+    # t = 100: fewer rows than a batch reads (~2,000), so that TF-IDF keeps to the rows A's text never reads
+    "ngram_large_smf_tfidf_t100": ("ngram_large", dict(kind="smf", ranker="tfidf", top_t=100), [3e-2, 1e-1]),
 }
 EDIT_ARMS = {"ngram_large": {"ngram_layers": [1], "ngram_table_size": 65536, "ngram_heads": 1, "ngram_dim": 32}}
 PROBE_METHODS = [m for m in METHODS if METHODS[m][0] in EDIT_ARMS]
