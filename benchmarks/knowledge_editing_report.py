@@ -79,7 +79,7 @@ def figure(rows: dict, path: Path) -> bool:
     ax.set_xlabel("recall of B, training template (%)")
     ax.set_ylabel("A's untouched facts lost (points)")
     ax.set_title("learning B against forgetting A (best learning rate, first seed)\n"
-                 "A model: ResM solid, plain dashed, n-gram dotted")
+                 "A model: ResM solid, plain dashed, n-gram dotted, large n-gram dash-dot")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -162,7 +162,7 @@ def write_report(args, data: dict) -> None:
             lines.append(f"| {method} | {row['lr']:g} | {len(reached)}/{len(row['at'])} | {spread([a['step'] for a in reached], 0)} | "
                          f"{spread([a['a_drop'] for a in reached])} | {spread([a['ppl_change'] for a in reached])} |")  # fmt: skip
         lines.append("")
-    figure_path = Path(args.report).with_name("knowledge_editing.png")
+    figure_path = Path(args.report).with_name(Path(args.report).stem.lower() + ".png")  # a probe does not overwrite the plan's figure
     if rows and figure(rows, figure_path):
         lines += [f"![learning B against forgetting A]({figure_path.name})", ""]
     diagnosis = data.get("diagnosis")

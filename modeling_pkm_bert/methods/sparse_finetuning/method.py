@@ -130,7 +130,9 @@ class BackgroundStatistics:
     def for_model(cls, model: nn.Module) -> "BackgroundStatistics":
         layers = memory_layers(model)
         if not layers:
-            raise InputError("the model has no memory layer (product key or n-gram): sparse memory finetuning needs one")
+            raise InputError(
+                "the model has no memory layer (product key or n-gram): sparse memory finetuning needs one"
+            )
         return cls({name: _mem_size(memory) for name, memory in layers.items()})
 
     @property
