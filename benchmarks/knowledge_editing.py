@@ -42,6 +42,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -498,6 +499,12 @@ def ngram_row_sharing(model_dir: Path, data: Path) -> dict:
 # Runs
 
 
+def portable(command: list[str]) -> list[str]:
+    """A run's command as the JSON keeps it: paths from the checkout on (`benchmarks/...`, `outputs/...`), not this
+    machine's folders."""
+    return [re.sub(r'[^\s"]*?/(?=(?:benchmarks|run_scripts|outputs)/)', "", part) for part in command]
+
+
 def learning_rates(args, method: str) -> list[float]:
     """The learning rates swept for `method`: its own (--quick: the middle one), or --learning_rates."""
     return args.learning_rates or (METHODS[method][2] if not args.quick else METHODS[method][2][1:2])
@@ -585,7 +592,7 @@ class Benchmark:
             with LOADING:
                 self.background_statistics(self.base_folder(arm))
         with self.results.locked() as data:
-            data.setdefault("bases", {})[arm] = {"metrics": metrics, "train_seconds": round(seconds, 1), "command": command[1:],
+            data.setdefault("bases", {})[arm] = {"metrics": metrics, "train_seconds": round(seconds, 1), "command": portable(command[1:]),
                                                  "machine": kc.machine()}  # fmt: skip
         print(f"base {arm}: A recall {metrics['a']:.3f} (held-out {metrics['a_heldout']:.3f}), ppl {metrics['ppl']:.1f} ({seconds:.0f} s)", flush=True)
         return metrics
@@ -640,7 +647,7 @@ class Benchmark:
         for checkpoint in model_dir.glob("step_*"):  # measured: the optimizer states are not needed
             shutil.rmtree(checkpoint)
         result.update(method=method, base=arm, lr=lr, seed=seed, steps=steps, train_seconds=round(seconds, 1),
-                      load=round(os.getloadavg()[0], 2), command=command[1:])  # fmt: skip
+                      load=round(os.getloadavg()[0], 2), command=portable(command[1:]))  # fmt: skip
         with self.results.locked() as data:
             data["runs"][key] = result
         final = result["final"]

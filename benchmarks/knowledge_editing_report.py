@@ -208,7 +208,7 @@ def write_report(args, data: dict) -> None:
         drop = 100 * (bases[run["base"]]["a"] - f["a"]) if run["base"] in bases else float("nan")
         lines.append(f"| {run['method']} | {run['lr']:g} | {run['seed']} | {f['b']:.3f} | {f['b_heldout']:.3f} | {f['edits']:.3f} | "
                      f"{f['new']:.3f} | {f['a']:.3f} | {drop:.1f} | {f['ppl']:.1f} | {run['train_seconds']:.0f} | {run['load']:.1f} |")  # fmt: skip
-    commands = sorted({" ".join(["python", *r["command"]]).replace(f"{ke.REPO_ROOT}/", "") for r in data["runs"].values()})[:3]
+    commands = sorted({" ".join(["python", *ke.portable(r["command"])]) for r in data["runs"].values()})[:3]
     lines += ["", "Example commands of the runs (each run's is in the JSON):", "", *[f"    {c}" for c in commands], ""]
     Path(args.report).parent.mkdir(parents=True, exist_ok=True)
     Path(args.report).write_text("\n".join(lines))

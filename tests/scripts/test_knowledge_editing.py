@@ -189,3 +189,10 @@ def test_quick_pipeline_resumes_and_measures_every_checkpoint(tmp_path):
         check=True, env=env, capture_output=True, text=True,
     )  # fmt: skip
     assert json.loads(measured.stdout.strip().splitlines()[-1])["final"] == runs["values/lr0.03/seed0"]["final"]
+
+
+def test_commands_are_kept_without_this_machines_folders():
+    command = ["/home/me/checkout/run_scripts/run_mlm.py", "--train_file", "/srv/x/outputs/ke/data/b.txt", "--seed", "0",
+               '{"train_file": "/srv/x/outputs/ke/data/b.txt", "lr": 0.01}', "/tmp/elsewhere/file.txt"]  # fmt: skip
+    assert ke.portable(command) == ["run_scripts/run_mlm.py", "--train_file", "outputs/ke/data/b.txt", "--seed", "0",
+                                    '{"train_file": "outputs/ke/data/b.txt", "lr": 0.01}', "/tmp/elsewhere/file.txt"]  # fmt: skip
