@@ -46,9 +46,9 @@ Recipe:
 Hashed n-gram memories (`ngram_layers`) are memory layers too: their value table is `tables`, the rows of all their
 hash tables, and a read is one (position, hash table) row of the window the memory looks up (the convolution's
 neighbours and the boundary rows at padding and the sequence's ends included; the memory's output at padding is zero,
-so those rows get no gradient from it). Their rows are addressed by the input's own n-grams, so a fact's rows (the
-n-grams of a name and of a name with its template's words) are its own, where a product key memory's query may key
-them by the sentence: see `benchmarks/KNOWLEDGE_EDITING.md`.
+so those rows get no gradient from it). Their rows are addressed by the input's own n-grams, not by a query; whether
+a fact gets rows of its own depends on the tables' size and on the words its sentence shares with others (measured in
+`benchmarks/KNOWLEDGE_EDITING.md`: mostly not, on the models there).
 
 Several processes: each runs its share of every background document and the document's reads are summed over the
 processes before it is counted ([`compute_background_statistics`] with `num_processes`), so the statistics equal
