@@ -25,7 +25,8 @@ The stages (each run is kept in `benchmarks/knowledge_capacity.json` as it finis
 6. `quantized`: the ResM runs' values packed int8 and 4-bit after training, recall measured again;
 7. `diagnose`: what the memory's layer reads at a masked value (keyed by the person or by the sentence), and the
    memory's slot usage, of every run whose folder is here;
-8. `minilm`: the real all-MiniLM-L6-v2 converted with +Init, plain against ResM.
+8. `minilm`: the real all-MiniLM-L6-v2 converted with +Init, plain against ResM: a learning-rate sweep at 25 people,
+   then 50 and 100 people at each arm's best, and 3 seeds at 100 (300 steps).
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ FULL = dict(  # the committed run
     sizes=[25, 50, 100, 200], sweep_size=100, seeds=[0, 1, 2], learning_rates=[1e-3, 2e-3, 4e-3],
     steps=1500, batch_size=32, bios_per_person=8, memory_learning_rate=1e-2, checkpoints=4,
 )
+MINILM = dict(sizes=[25, 50, 100], seeds=[0, 1, 2], learning_rates=[1e-4, 2e-4, 4e-4, 1e-3], steps=300)
+MINILM_QUICK = dict(sizes=[8], seeds=[0], learning_rates=[3e-4], steps=12)
 QUICK = dict(
     sizes=[8], sweep_size=8, seeds=[0], learning_rates=[3e-3], steps=12, batch_size=8, bios_per_person=2,
     memory_learning_rate=1e-2, checkpoints=2,
@@ -140,7 +143,7 @@ def parse_args(argv=None):
     )  # fmt: skip
     parser.add_argument("--context", choices=["sentence", "biography"], default=None, help="--measure's probes")
     parser.add_argument("--minilm_steps", type=int, default=None)
-    parser.add_argument("--minilm_size", type=int, default=None)
+    parser.add_argument("--minilm_sizes", type=int, nargs="+", default=None, help="default: 25 50 100 (--quick: 8)")
     args = parser.parse_args(argv)
     args.plan = dict(QUICK if args.quick else FULL, training_text=args.training_text)
     args.context = args.context or ("sentence" if args.training_text == "sentences" else "biography")
@@ -157,6 +160,9 @@ def parse_args(argv=None):
         parser.error("--write_kb needs --people N")
     if args.people is not None and args.people < 1:
         parser.error(f"--people must be at least 1, got {args.people}")
+    largest = max(args.plan["sizes"])
+    if args.minilm_sizes and not all(1 <= n <= largest for n in args.minilm_sizes):
+        parser.error(f"--minilm_sizes must lie in 1..{largest} (the knowledge base's people), got {args.minilm_sizes}")
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
     return args
@@ -325,7 +331,8 @@ class Benchmark:
         self.out.mkdir(parents=True, exist_ok=True)
         self.data.mkdir(parents=True, exist_ok=True)
         self.tokenizer = build_tokenizer(self.kb, self.plan["bios_per_person"], self.data / "tokenizer")
-        for size in sorted({*self.plan["sizes"], self.plan["sweep_size"], *self.sanity_sizes()}):
+        minilm_sizes = self.args.minilm_sizes or (MINILM_QUICK if self.args.quick else MINILM)["sizes"]
+        for size in sorted({*self.plan["sizes"], self.plan["sweep_size"], *self.sanity_sizes(), *minilm_sizes}):
             kb = self.base(size)
             write_knowledge_base(kb, self.data / f"kb_{size}.json")
             lines = training_lines(kb, self.plan["bios_per_person"], self.args.training_text)
@@ -479,9 +486,9 @@ class Benchmark:
             data["speed"] = speed
         return speed
 
-    def best_lr(self, arm: str) -> float:
+    def best_lr(self, arm: str, size: int | None = None) -> float:
         runs = self.results.read()["runs"]
-        size = self.plan["sweep_size"]
+        size = size or self.plan["sweep_size"]
         swept = [r for k, r in runs.items() if r["arm"] == arm and r["size"] == size and r["seed"] == 0 and k.startswith(arm + "/")]
         if not swept:
             return self.plan["learning_rates"][len(self.plan["learning_rates"]) // 2]
@@ -560,17 +567,24 @@ class Benchmark:
 
     def minilm(self):
         """The real all-MiniLM-L6-v2 converted with +Init (memories at layers 2 and 4, values from zero), plain
-        against ResM, at the smallest size (its steps cost ~15x a scratch arm's here)."""
-        size = self.args.minilm_size or min(self.plan["sizes"])
-        steps = self.args.minilm_steps or self.plan["steps"]
+        against ResM: each arm's learning rate swept at the smallest size, then at its best one the other sizes and
+        more seeds at the largest (a MiniLM step costs ~15x a scratch arm's here, hence fewer sizes and steps)."""
+        plan = MINILM_QUICK if self.args.quick else MINILM
+        sizes = self.args.minilm_sizes or plan["sizes"]
+        steps = self.args.minilm_steps or plan["steps"]
         trimmed = self.out / "data" / "minilm_trimmed"
         if not (trimmed / "config.json").exists():
             trim_vocabulary(minilm_path(), self.data / "tokenizer", trimmed)
         memory = ["--pkm_layers", "2", "4", "--pkm_mode", "resm", "--pkm_value_init", "zeros", "--pkm_n_keys", "128"]
-        jobs = []
-        for lr in self.plan["learning_rates"][:2] if not self.args.quick else self.plan["learning_rates"]:
-            for arm, flags in (("minilm_plain", ["--pkm_layers"]), ("minilm_resm", memory)):
-                jobs.append(dict(arm=arm, size=size, seed=0, lr=lr / 10, steps=steps, source=str(trimmed), flags=flags))
+        arms = (("minilm_plain", ["--pkm_layers"]), ("minilm_resm", memory))
+
+        def job(arm, flags, size, seed, lr):
+            return dict(arm=arm, size=size, seed=seed, lr=lr, steps=steps, source=str(trimmed), flags=flags)
+
+        self.run_all([job(arm, flags, min(sizes), 0, lr) for lr in plan["learning_rates"] for arm, flags in arms])
+        best = {arm: self.best_lr(arm, size=min(sizes)) for arm, _ in arms}
+        jobs = [job(arm, flags, n, 0, best[arm]) for n in sorted(sizes)[1:] for arm, flags in arms]
+        jobs += [job(arm, flags, max(sizes), s, best[arm]) for s in plan["seeds"] if s != 0 for arm, flags in arms]
         self.run_all(jobs)
 
 

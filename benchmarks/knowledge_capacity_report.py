@@ -236,11 +236,35 @@ def write_report(args, data: dict) -> None:
 
     minilm = [r for r in data["runs"].values() if r["arm"].startswith("minilm")]
     if minilm:
+        sweep_size = min(r["size"] for r in minilm)
         lines += ["## The real MiniLM, +Init (vocabulary trimmed to the base's pieces)", "",
+                  f"Learning rates swept at {sweep_size} people (seed 0):", "",
                   "| arm | lr | people | recall train / held-out | bits |", "|---|---|---|---|---|"]  # fmt: skip
         for run in sorted(minilm, key=lambda r: (r["arm"], r["lr"])):
-            lines.append(f"| {LABELS[run['arm']]} | {run['lr']:g} | {run['size']} | {run['final']['train']['recall']:.2f} / "
-                         f"{run['final']['heldout']['recall']:.2f} | {run['final']['train']['bits']:,.0f} |")  # fmt: skip
+            if run["size"] == sweep_size and run["seed"] == 0:
+                lines.append(f"| {LABELS[run['arm']]} | {run['lr']:g} | {run['size']} | {run['final']['train']['recall']:.2f} / "
+                             f"{run['final']['heldout']['recall']:.2f} | {run['final']['train']['bits']:,.0f} |")  # fmt: skip
+        lines.append("")
+        best = {}  # each arm at its best learning rate of the sweep, at every size (mean ± standard deviation over seeds)
+        for run in minilm:
+            if run["size"] == sweep_size and run["seed"] == 0:
+                score = (run["final"]["train"]["bits"], run["final"]["heldout"]["bits"])
+                best[run["arm"]] = max(best.get(run["arm"], (score, run["lr"])), (score, run["lr"]))
+        lines += ["Each arm at its best learning rate, by size: stored bits (training template / held-out), "
+                  "mean ± standard deviation over seeds; ResM / plain the ratio of the means:", "",
+                  "| people | facts | (h) MiniLM plain | (h) MiniLM ResM | seeds | ResM / plain |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for size in sorted({r["size"] for r in minilm}):
+            cells, means = [], {}
+            for arm in ("minilm_plain", "minilm_resm"):
+                runs = [r for r in minilm if r["arm"] == arm and r["size"] == size and arm in best and r["lr"] == best[arm][1]]
+                train, held = [r["final"]["train"]["bits"] for r in runs], [r["final"]["heldout"]["bits"] for r in runs]
+                cells.append(f"{_mean_spread(train)} / {_mean_spread(held)}" if runs else "—")
+                means[arm] = (statistics.mean(train), statistics.mean(held), len(runs)) if runs else None
+            plain, resm = means["minilm_plain"], means["minilm_resm"]
+            ratio = (f"{resm[0] / plain[0]:.2f}x / {resm[1] / plain[1]:.2f}x" if plain and resm and plain[0] and plain[1] else "—")
+            seeds = "/".join(str(m[2]) for m in (plain, resm) if m)
+            facts = next(r["final"]["train"]["facts"] for r in minilm if r["size"] == size)
+            lines.append(f"| {size} | {facts} | {cells[0]} | {cells[1]} | {seeds} | {ratio} |")
         lines.append("")
 
     findings = HERE_NOTES.read_text(encoding="utf-8") if HERE_NOTES.exists() else ""
