@@ -18,9 +18,10 @@ def _mean_spread(values: list[float]) -> str:
 
 
 def _runs(data: dict, **where) -> list[dict]:
+    """The scratch arms' runs (not the known-answer checks, not MiniLM's: their own sections) matching `where`."""
     templates = where.pop("templates", None)  # the runs of the `templates` stage only when asked for
     return [r for k, r in sorted(data["runs"].items()) if not k.startswith("sanity") and r.get("templates") == templates
-            and all(r.get(f) == v for f, v in where.items())]  # fmt: skip
+            and not r["arm"].startswith("minilm") and all(r.get(f) == v for f, v in where.items())]  # fmt: skip
 
 
 def best_learning_rates(data: dict, plan: dict) -> dict:
@@ -69,6 +70,34 @@ def write_figures(data: dict, plan: dict, labels: dict, folder: Path) -> list[st
     figure.savefig(folder / name, dpi=110)
     plt.close(figure)
     names.append(name)
+
+    minilm = [r for r in data["runs"].values() if r["arm"].startswith("minilm")]
+    if minilm:  # arm (h): each arm at its best learning rate of the sweep (the smallest size), mean ± sd over seeds
+        sweep_size = min(r["size"] for r in minilm)
+        figure, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        for arm, color in (("minilm_plain", "C0"), ("minilm_resm", "C1")):
+            swept = [r for r in minilm if r["arm"] == arm and r["size"] == sweep_size and r["seed"] == 0]
+            if not swept:
+                continue
+            lr = max(swept, key=lambda r: (r["final"]["train"]["bits"], r["final"]["heldout"]["bits"]))["lr"]
+            sizes = sorted({r["size"] for r in minilm if r["arm"] == arm and r["lr"] == lr})
+            for axis, split in zip(axes, ("train", "heldout")):
+                values = [[r["final"][split]["bits"] for r in minilm if r["arm"] == arm and r["lr"] == lr and r["size"] == n] for n in sizes]
+                means = [statistics.mean(v) for v in values]
+                spreads = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values]
+                axis.errorbar(sizes, means, yerr=spreads, fmt="o-", capsize=3, color=color, label=f"{labels[arm]} (lr {lr:g})")
+        for axis, title in zip(axes, ("training template", "held-out template")):
+            axis.set(xlabel="people in the knowledge base (5 facts each)", ylabel="stored bits", xscale="log",
+                     title=f"MiniLM +Init, {'/'.join(map(str, sorted({r['steps'] for r in minilm})))} steps: {title}")  # fmt: skip
+            axis.set_xticks(sorted({r["size"] for r in minilm}), [str(n) for n in sorted({r["size"] for r in minilm})])
+            axis.minorticks_off()
+            axis.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
+        figure.tight_layout()
+        name = "knowledge_capacity_minilm.png"
+        figure.savefig(folder / name, dpi=110)
+        plt.close(figure)
+        names.append(name)
     return names
 
 
@@ -107,12 +136,14 @@ def write_report(args, data: dict) -> None:
     lines += [f"**Status: {finished} of about {expected} scratch runs finished.**" + (
         " The tables below hold what has run; the claims are decided only on the finished plan." if finished < expected else ""), ""]  # fmt: skip
 
-    sanity = data["runs"].get(f"sanity/seen{data.get('sanity_exposures', 500)}")
+    sanity = sorted((r for k, r in data["runs"].items() if k.startswith("sanity/")),
+                    key=lambda r: (r.get("exposures", data.get("sanity_exposures")), r["lr"]))  # fmt: skip
     if sanity or "sanity_untrained" in data:
         lines += ["## Known answers", "", "| check | recall (training template) | recall (held-out) |", "|---|---|---|"]
-        if sanity:
-            lines.append(f"| {sanity['size'] * 5} facts seen {data.get('sanity_exposures')} times ({sanity['steps']} steps) "
-                         f"| {sanity['final']['train']['recall']:.3f} | {sanity['final']['heldout']['recall']:.3f} |")  # fmt: skip
+        for run in sanity:
+            seen = run.get("exposures", data.get("sanity_exposures"))
+            lines.append(f"| {run['final']['train']['facts']} facts seen {seen} times, value masked ~{0.15 * seen:.0f} ({run['steps']} steps, "
+                         f"lr {run['lr']:g}) | {run['final']['train']['recall']:.3f} | {run['final']['heldout']['recall']:.3f} |")  # fmt: skip
         if "sanity_untrained" in data:
             untrained = data["sanity_untrained"]
             chance = statistics.mean(a["chance"] for a in untrained["train"]["attributes"].values())
