@@ -33,6 +33,24 @@ def best_learning_rates(data: dict, plan: dict) -> dict:
     return {arm: lr for arm, (_, lr) in best.items()}
 
 
+def minilm_best_learning_rates(minilm: list[dict]) -> dict:
+    """Arm (h): each arm's best learning rate of the sweep (the smallest size, seed 0), by the scratch arms' rule."""
+    sweep_size = min(r["size"] for r in minilm)
+    best = {}
+    for run in minilm:
+        if run["size"] == sweep_size and run["seed"] == 0:
+            score = (run["final"]["train"]["bits"], run["final"]["heldout"]["bits"])
+            best[run["arm"]] = max(best.get(run["arm"], (score, run["lr"])), (score, run["lr"]))
+    return {arm: lr for arm, (_, lr) in best.items()}
+
+
+def _save(figure, plt, folder: Path, name: str) -> str:
+    figure.tight_layout()
+    figure.savefig(folder / name, dpi=110)
+    plt.close(figure)
+    return name
+
+
 def write_figures(data: dict, plan: dict, labels: dict, folder: Path) -> list[str]:
     import matplotlib
 
@@ -65,21 +83,16 @@ def write_figures(data: dict, plan: dict, labels: dict, folder: Path) -> list[st
     for axis in axes:
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    figure.tight_layout()
-    name = "knowledge_capacity.png"
-    figure.savefig(folder / name, dpi=110)
-    plt.close(figure)
-    names.append(name)
+    names.append(_save(figure, plt, folder, "knowledge_capacity.png"))
 
     minilm = [r for r in data["runs"].values() if r["arm"].startswith("minilm")]
     if minilm:  # arm (h): each arm at its best learning rate of the sweep (the smallest size), mean ± sd over seeds
-        sweep_size = min(r["size"] for r in minilm)
+        best = minilm_best_learning_rates(minilm)
         figure, axes = plt.subplots(1, 2, figsize=(10, 3.8))
         for arm, color in (("minilm_plain", "C0"), ("minilm_resm", "C1")):
-            swept = [r for r in minilm if r["arm"] == arm and r["size"] == sweep_size and r["seed"] == 0]
-            if not swept:
+            if arm not in best:
                 continue
-            lr = max(swept, key=lambda r: (r["final"]["train"]["bits"], r["final"]["heldout"]["bits"]))["lr"]
+            lr = best[arm]
             sizes = sorted({r["size"] for r in minilm if r["arm"] == arm and r["lr"] == lr})
             for axis, split in zip(axes, ("train", "heldout")):
                 values = [[r["final"][split]["bits"] for r in minilm if r["arm"] == arm and r["lr"] == lr and r["size"] == n] for n in sizes]
@@ -93,11 +106,7 @@ def write_figures(data: dict, plan: dict, labels: dict, folder: Path) -> list[st
             axis.minorticks_off()
             axis.grid(alpha=0.3)
         axes[0].legend(fontsize=8)
-        figure.tight_layout()
-        name = "knowledge_capacity_minilm.png"
-        figure.savefig(folder / name, dpi=110)
-        plt.close(figure)
-        names.append(name)
+        names.append(_save(figure, plt, folder, "knowledge_capacity_minilm.png"))
     return names
 
 
@@ -276,18 +285,14 @@ def write_report(args, data: dict) -> None:
                 lines.append(f"| {LABELS[run['arm']]} | {run['lr']:g} | {run['size']} | {run['final']['train']['recall']:.2f} / "
                              f"{run['final']['heldout']['recall']:.2f} | {run['final']['train']['bits']:,.0f} |")  # fmt: skip
         lines.append("")
-        best = {}  # each arm at its best learning rate of the sweep, at every size (mean ± standard deviation over seeds)
-        for run in minilm:
-            if run["size"] == sweep_size and run["seed"] == 0:
-                score = (run["final"]["train"]["bits"], run["final"]["heldout"]["bits"])
-                best[run["arm"]] = max(best.get(run["arm"], (score, run["lr"])), (score, run["lr"]))
+        best = minilm_best_learning_rates(minilm)  # each arm at it, at every size (mean ± sd over seeds)
         lines += ["Each arm at its best learning rate, by size: stored bits (training template / held-out), "
                   "mean ± standard deviation over seeds; ResM / plain the ratio of the means:", "",
                   "| people | facts | (h) MiniLM plain | (h) MiniLM ResM | seeds | ResM / plain |", "|---|---|---|---|---|---|"]  # fmt: skip
         for size in sorted({r["size"] for r in minilm}):
             cells, means = [], {}
             for arm in ("minilm_plain", "minilm_resm"):
-                runs = [r for r in minilm if r["arm"] == arm and r["size"] == size and arm in best and r["lr"] == best[arm][1]]
+                runs = [r for r in minilm if r["arm"] == arm and r["size"] == size and r["lr"] == best.get(arm)]
                 train, held = [r["final"]["train"]["bits"] for r in runs], [r["final"]["heldout"]["bits"] for r in runs]
                 cells.append(f"{_mean_spread(train)} / {_mean_spread(held)}" if runs else "—")
                 means[arm] = (statistics.mean(train), statistics.mean(held), len(runs)) if runs else None
