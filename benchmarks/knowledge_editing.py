@@ -106,8 +106,26 @@ METHODS = {  # name -> (A model, how B is learned, learning rates swept: the net
     # t = 100: fewer rows than a batch reads (~2,000), so that TF-IDF keeps to the rows A's text never reads
     "ngram_large_smf_tfidf_t100": ("ngram_large", dict(kind="smf", ranker="tfidf", top_t=100), [3e-2, 1e-1]),
 }
+# A models converted from the real all-MiniLM-L6-v2 with +Init (`--minilm`): the knowledge-capacity benchmark's arm
+# (h), whose memory stored 1.9x plain MiniLM's bits; run_mlm.py converts the trimmed folder with these flags
+PRETRAINED_ARMS = {
+    "minilm_resm": ["--pkm_layers", "2", "4", "--pkm_mode", "resm", "--pkm_value_init", "zeros", "--pkm_n_keys", "128"],
+    "minilm_plain": ["--pkm_layers"],
+}
+MINILM_SLOTS = 128**2
+METHODS.update({
+    "minilm_full": ("minilm_resm", dict(kind="full"), [1e-4, 3e-4, 1e-3]),
+    "minilm_lora": ("minilm_resm", dict(kind="lora"), [1e-3, 3e-3, 1e-2]),
+    "minilm_values": ("minilm_resm", dict(kind="smf", ranker="tfidf", top_t=MINILM_SLOTS), [1e-2, 3e-2, 1e-1]),
+    # TF-IDF at t = 100 left out: on the scratch ResM model it held 0.2% of B's gradient and learnt 0.02-0.10 of B
+    **{f"minilm_smf_{ranker}_t{t}": ("minilm_resm", dict(kind="smf", ranker=ranker, top_t=t), [1e-2, 3e-2, 1e-1])
+       for ranker, t in (("tfidf", 1000), ("kl", 100), ("kl", 1000))},
+    "minilm_plain_full": ("minilm_plain", dict(kind="full"), [1e-4, 3e-4, 1e-3]),
+    "minilm_plain_lora": ("minilm_plain", dict(kind="lora"), [1e-3, 3e-3, 1e-2]),
+})  # fmt: skip
 EDIT_ARMS = {"ngram_large": {"ngram_layers": [1], "ngram_table_size": 65536, "ngram_heads": 1, "ngram_dim": 32}}
 PROBE_METHODS = [m for m in METHODS if METHODS[m][0] in EDIT_ARMS]
+MINILM_METHODS = [m for m in METHODS if METHODS[m][0] in PRETRAINED_ARMS]
 FULL = dict(  # the committed plan
     people=24, edit_share=0.5, new_people=6, per_fact=8, wiki_train=800, wiki_heldout=200, a_steps=3000, a_lr=2e-3,
     a_memory_lr=1e-2, b_steps=400, checkpoints=16, batch_size=32, seeds=[0, 1, 2], target=0.9, background_documents=200,
@@ -119,7 +137,12 @@ QUICK = dict(
     lora_rank=4,
 )
 
+# `--minilm`: a pretrained encoder learns A in fewer steps, at the rate its knowledge-capacity sweep found best for both
+MINILM = {**FULL, "a_steps": 500, "a_lr": 1e-3, "b_steps": 200, "checkpoints": 8}
+MINILM_QUICK = {**QUICK, "a_steps": 8, "a_lr": 1e-3, "b_steps": 4, "checkpoints": 2}
+
 QUICK_METHODS = ["full", "lora", "values", "smf_kl_t100", "plain_lora", "ngram_smf_tfidf_t1000"]  # every code path once: the suite's minutes
+MINILM_QUICK_METHODS = ["minilm_smf_kl_t100", "minilm_plain_lora"]
 
 
 def parse_args(argv=None):
@@ -128,6 +151,8 @@ def parse_args(argv=None):
     parser.add_argument("--results", default=None, help="default: benchmarks/knowledge_editing.json (--quick: in --output_dir)")
     parser.add_argument("--report", default=None, help="default: benchmarks/KNOWLEDGE_EDITING.md (--quick: in --output_dir)")
     parser.add_argument("--quick", action="store_true", help="the suite's version: a tiny base, a few steps")
+    parser.add_argument("--minilm", action="store_true",
+                        help="the A models converted from all-MiniLM-L6-v2 (the minilm_* methods; knowledge_editing_minilm.json)")
     parser.add_argument("--stages", nargs="+", default=["base", "sweep", "seeds", "diagnose"],
                         choices=["base", "sweep", "seeds", "diagnose"])
     parser.add_argument("--methods", nargs="+", default=None, choices=list(METHODS), help=f"default: all (--quick: {QUICK_METHODS})")
@@ -141,17 +166,26 @@ def parse_args(argv=None):
     parser.add_argument("--train_lora", default=None, help="LoRA-train the model folder BASE (the `lora` methods)")
     parser.add_argument("--lora_args", default=None, help="the JSON of --train_lora's settings")
     args = parser.parse_args(argv)
-    plan = dict(QUICK if args.quick else FULL)
+    plan = dict((MINILM_QUICK if args.quick else MINILM) if args.minilm else (QUICK if args.quick else FULL))
     for item in args.set:
         key, _, value = item.partition("=")
         if key not in plan or not value:
             parser.error(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(plan)}")
         plan[key] = json.loads(value)
     args.plan = plan
-    args.methods = args.methods or (QUICK_METHODS if args.quick else [m for m in METHODS if m not in PROBE_METHODS])
+    if args.minilm:
+        default_methods = MINILM_QUICK_METHODS if args.quick else MINILM_METHODS
+        if args.methods and set(args.methods) - set(MINILM_METHODS):
+            parser.error(f"--minilm runs the minilm_* methods only, got {sorted(set(args.methods) - set(MINILM_METHODS))}")
+    else:
+        default_methods = QUICK_METHODS if args.quick else [m for m in METHODS if m not in PROBE_METHODS + MINILM_METHODS]
+        if args.methods and set(args.methods) & set(MINILM_METHODS):
+            parser.error("the minilm_* methods run with --minilm (their own plan and results)")
+    args.methods = args.methods or default_methods
     out = Path(args.output_dir)
-    args.results = Path(args.results) if args.results else (out / "knowledge_editing.json" if args.quick else HERE / "knowledge_editing.json")
-    args.report = Path(args.report) if args.report else (out / "KNOWLEDGE_EDITING.md" if args.quick else HERE / "KNOWLEDGE_EDITING.md")
+    stem = "knowledge_editing_minilm" if args.minilm else "knowledge_editing"
+    args.results = Path(args.results) if args.results else (out if args.quick else HERE) / f"{stem}.json"
+    args.report = Path(args.report) if args.report else (out if args.quick else HERE) / f"{stem.upper()}.md"
     if args.measure and not args.data:
         parser.error("--measure needs --data FOLDER (the benchmark's data folder)")
     if args.workers < 1:
@@ -321,8 +355,9 @@ SMF_CHOICES = [(ranker, t) for ranker in ("tfidf", "kl") for t in (100, 1000)]
 
 def smf_diagnosis(model_dir: Path, data: Path, background: Path, batch_size: int, batches: int, seed: int = 0) -> dict:
     """Per (ranker, top-t): the mean over `batches` B training batches of the share of the values' gradient (squared
-    norm) in the rows SMF chooses from the step's reads, of all positions (as SMF counts) and of the masked ones only;
-    and the share of the best `t` rows (largest gradient). Eval mode, as an SMF step runs its forwards."""
+    norm, every memory layer's together) in the rows SMF chooses from the step's reads (`t` a layer), of all positions
+    (as SMF counts) and of the masked ones only; and the share of the best `t` rows a layer (largest gradient). Eval
+    mode, as an SMF step runs its forwards. Row counts are summed over the layers."""
     from transformers import AutoModelForMaskedLM, AutoTokenizer, DataCollatorForLanguageModeling
 
     from modeling_pkm_bert import register_auto_classes
@@ -332,9 +367,10 @@ def smf_diagnosis(model_dir: Path, data: Path, background: Path, batch_size: int
     tokenizer = AutoTokenizer.from_pretrained(data / "tokenizer")
     model = AutoModelForMaskedLM.from_pretrained(model_dir).eval()
     statistics = BackgroundStatistics.load(background)
-    (name, memory), = memory_layers(model).items()
-    reads = []
-    hook = memory.values.register_forward_hook(lambda module, args, output: reads.append(args[0].detach()))
+    memories = memory_layers(model)
+    reads = {}
+    hooks = [memory.values.register_forward_hook(lambda module, args, output, name=name: reads.__setitem__(name, args[0].detach()))
+             for name, memory in memories.items()]  # fmt: skip
     lines = [line for line in (data / "b_train.txt").read_text(encoding="utf-8").splitlines() if line]
     random.Random(seed).shuffle(lines)
     collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
@@ -346,26 +382,29 @@ def smf_diagnosis(model_dir: Path, data: Path, background: Path, batch_size: int
         reads.clear()
         model.zero_grad(set_to_none=True)
         model(**batch).loss.backward()
-        indices = reads[-1]  # (real tokens, heads * knn): padding is not looked up
         labelled = batch["labels"].reshape(-1)[batch["attention_mask"].reshape(-1).bool()] != -100
-        rows = memory.n_keys**2
-        counts = torch.bincount(indices.reshape(-1), minlength=rows)
-        masked_counts = torch.bincount(indices[labelled].reshape(-1), minlength=rows)
-        gradient = memory.values.weight.grad.detach().double().pow(2).sum(1)
-        total = gradient.sum().item()
-        touched["rows_read"].append(int((counts > 0).sum()))
-        touched["rows_read_at_masked"].append(int((masked_counts > 0).sum()))
-        touched["rows_with_gradient"].append(int((gradient > 0).sum()))
+        layers = {}  # name -> (reads at every position, reads at masked positions, each row's squared gradient)
+        for name, memory in memories.items():
+            indices = reads[name]  # (real tokens, heads * knn): padding is not looked up
+            rows = memory.n_keys**2
+            layers[name] = (torch.bincount(indices.reshape(-1), minlength=rows), torch.bincount(indices[labelled].reshape(-1), minlength=rows),
+                            memory.values.weight.grad.detach().double().pow(2).sum(1))  # fmt: skip
+        total = sum(gradient.sum().item() for _, _, gradient in layers.values())
+        for key, count in (("rows_read", lambda c, m, g: c > 0), ("rows_read_at_masked", lambda c, m, g: m > 0),
+                           ("rows_with_gradient", lambda c, m, g: g > 0)):  # fmt: skip
+            touched[key].append(sum(int(count(*entry).sum()) for entry in layers.values()))
         for ranker, t in SMF_CHOICES:
             entry = shares[f"{ranker}_t{t}"]
-            for key, reads_of in (("all_positions", counts), ("masked_positions", masked_counts)):
-                chosen = rank_slots(reads_of, statistics, name, t, ranker)
-                entry[key].append(gradient[chosen].sum().item() / total)
-            entry["best_rows"].append(gradient.topk(t).values.sum().item() / total)
-    hook.remove()
+            for key, which in (("all_positions", 0), ("masked_positions", 1)):
+                chosen = {name: rank_slots(layer[which], statistics, name, t, ranker) for name, layer in layers.items()}
+                entry[key].append(sum(layers[name][2][rows].sum().item() for name, rows in chosen.items()) / total)
+            entry["best_rows"].append(sum(gradient.topk(min(t, len(gradient))).values.sum().item() for _, _, gradient in layers.values()) / total)
+    for hook in hooks:
+        hook.remove()
     mean = lambda values: sum(values) / len(values)  # noqa: E731
     return {
-        "batches": len(touched["rows_read"]), "batch_size": batch_size, "rows": memory.n_keys**2,
+        "batches": len(touched["rows_read"]), "batch_size": batch_size, "layers": len(memories),
+        "rows": sum(memory.n_keys**2 for memory in memories.values()),
         "touched": {key: mean(values) for key, values in touched.items()},
         "shares": {choice: {key: mean(values) for key, values in entry.items()} for choice, entry in shares.items()},
     }
@@ -567,7 +606,7 @@ class Benchmark:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.data / "tokenizer")
-        arms = sorted({METHODS[m][0] for m in self.args.methods})
+        arms = sorted({METHODS[m][0] for m in self.args.methods}, key=lambda arm: arm not in ("resm", "minilm_resm"))  # SMF's first
         jobs = [arm for arm in arms if arm not in self.results.read().get("bases", {})]
         with concurrent.futures.ThreadPoolExecutor(self.args.workers) as pool:
             list(pool.map(lambda arm: self.train_base(arm, len(tokenizer)), jobs))
@@ -576,19 +615,26 @@ class Benchmark:
         folder = self.base_folder(arm).parent
         plan = self.plan
         command = self.mlm_command(self.base_folder(arm), self.data / "a_train.txt", plan["a_lr"], plan["a_memory_lr"], plan["a_steps"], 0)
-        command += ["--config_name", str(folder / "config"), "--tokenizer_name", str(self.data / "tokenizer")]
-        if arm in EDIT_ARMS:
-            config = {"model_type": "bert_pkm", **kc.BASE, **EDIT_ARMS[arm], "vocab_size": vocab_size, "pkm_layers": []}
+        if arm in PRETRAINED_ARMS:
+            command += ["--model_name_or_path", str(self.pretrained_source()), *PRETRAINED_ARMS[arm]]
+            seconds = self.trained(folder, command)
+            if seconds is None:
+                kc.prepare_own_folder(folder, TOOL)
+                seconds = self.train(folder, command)
         else:
-            config = kc.arm_config(arm, vocab_size, {})
-        seconds = self.trained(folder, command) if (folder / "config" / "config.json").exists() else None
-        if seconds is None or json.loads((folder / "config" / "config.json").read_text()) != config:
-            kc.prepare_own_folder(folder, TOOL)
-            (folder / "config").mkdir()
-            (folder / "config" / "config.json").write_text(json.dumps(config, indent=1))
-            seconds = self.train(folder, command)
+            command += ["--config_name", str(folder / "config"), "--tokenizer_name", str(self.data / "tokenizer")]
+            if arm in EDIT_ARMS:
+                config = {"model_type": "bert_pkm", **kc.BASE, **EDIT_ARMS[arm], "vocab_size": vocab_size, "pkm_layers": []}
+            else:
+                config = kc.arm_config(arm, vocab_size, {})
+            seconds = self.trained(folder, command) if (folder / "config" / "config.json").exists() else None
+            if seconds is None or json.loads((folder / "config" / "config.json").read_text()) != config:
+                kc.prepare_own_folder(folder, TOOL)
+                (folder / "config").mkdir()
+                (folder / "config" / "config.json").write_text(json.dumps(config, indent=1))
+                seconds = self.train(folder, command)
         metrics = self.measure(self.base_folder(arm))["final"]
-        if arm in ("resm", "ngram", "ngram_large"):  # the models with a memory SMF ranks
+        if arm in ("resm", "ngram", "ngram_large", "minilm_resm"):  # the models with a memory SMF ranks
             with LOADING:
                 self.background_statistics(self.base_folder(arm))
         with self.results.locked() as data:
@@ -596,6 +642,15 @@ class Benchmark:
                                                  "machine": kc.machine()}  # fmt: skip
         print(f"base {arm}: A recall {metrics['a']:.3f} (held-out {metrics['a_heldout']:.3f}), ppl {metrics['ppl']:.1f} ({seconds:.0f} s)", flush=True)
         return metrics
+
+    def pretrained_source(self) -> Path:
+        """all-MiniLM-L6-v2 with its embedding trimmed to the data's vocabulary (the same ids as its tokenizer), written
+        once (under the lock: two A models start together)."""
+        trimmed = self.data / "minilm_trimmed"
+        with LOADING:
+            if not (trimmed / "config.json").exists():
+                kc.trim_vocabulary(kc.minilm_path(), self.data / "tokenizer", trimmed)
+        return trimmed
 
     def background_statistics(self, model_dir: Path) -> None:
         """SMF's background: A's training text, shuffled, in documents of one training batch of lines (a step ranks one
@@ -664,13 +719,13 @@ class Benchmark:
 
     # stage 4: the diagnosis of SMF's choice
     def diagnose(self):
-        base = self.base_folder("resm")
+        base = self.base_folder("minilm_resm" if self.args.minilm else "resm")
         with LOADING:
             result = smf_diagnosis(base, self.data, base.parent / BACKGROUND, self.plan["batch_size"],
                                    batches=8 if not self.args.quick else 2)  # fmt: skip
         with self.results.locked() as data:
             data["diagnosis"] = result
-        if self.base_folder("ngram").exists():
+        if not self.args.minilm and self.base_folder("ngram").exists():
             with LOADING:
                 sharing = ngram_row_sharing(self.base_folder("ngram"), self.data)
             with self.results.locked() as data:

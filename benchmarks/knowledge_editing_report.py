@@ -40,7 +40,7 @@ def verdict(rows: dict, target: float) -> list[str]:
     """The goal, decided from the table for each A model with a memory: SMF >= target recall of B with A falling <= 5
     points, full finetuning of the same model losing >= 5x more of A at the same recall."""
     lines = []
-    for prefix, label in (("", "ResM"), ("ngram_", "n-gram"), ("ngram_large_", "large n-gram")):
+    for prefix, label in (("", "ResM"), ("ngram_", "n-gram"), ("ngram_large_", "large n-gram"), ("minilm_", "ResM-MiniLM")):
         smf = {m: r for m, r in rows.items() if m.startswith(f"{prefix}smf_") and all(r["at"])}
         if not smf:
             if any(m.startswith(f"{prefix}smf_") for m in rows):
@@ -71,15 +71,18 @@ def figure(rows: dict, path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
     colours = plt.get_cmap("tab20").colors
-    styles = {"resm": "-", "plain": "--", "ngram": ":", "ngram_large": "-."}  # the A model a method starts from
+    styles = {"resm": "-", "plain": "--", "ngram": ":", "ngram_large": "-.", "minilm_resm": "-", "minilm_plain": "--"}  # the A model
     for index, (method, row) in enumerate(rows.items()):
         curve = row["curves"][0]
         ax.plot([100 * p["b"] for p in curve], [p["a_drop"] for p in curve], marker=".", color=colours[index % 20],
                 linestyle=styles.get(ke.METHODS[method][0], "-"), label=f"{method} (lr {row['lr']:g})")
     ax.set_xlabel("recall of B, training template (%)")
     ax.set_ylabel("A's untouched facts lost (points)")
-    ax.set_title("learning B against forgetting A (best learning rate, first seed)\n"
-                 "A model: ResM solid, plain dashed, n-gram dotted, large n-gram dash-dot")
+    arms = {ke.METHODS[method][0] for method in rows}
+    legend = ", ".join(f"{name} {style}" for arm, name, style in (("resm", "ResM", "solid"), ("plain", "plain", "dashed"), ("ngram", "n-gram", "dotted"),
+                       ("ngram_large", "large n-gram", "dash-dot"), ("minilm_resm", "ResM-MiniLM", "solid"), ("minilm_plain", "plain MiniLM", "dashed"))
+                       if arm in arms)  # fmt: skip
+    ax.set_title(f"learning B against forgetting A (best learning rate, first seed)\nA model: {legend}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -92,11 +95,12 @@ def write_report(args, data: dict) -> None:
     plan = data.get("plan", args.plan)
     target = plan["target"]
     rows = summary(data, target)
-    full_plan = plan == ke.FULL
+    reference = ke.MINILM if getattr(args, "minilm", False) else ke.FULL  # the committed plan of this part
+    full_plan = plan == reference
     expected = sum(len(ke.learning_rates(args, m)) + len(plan["seeds"]) - 1 for m in args.methods)
     lines = ["# Teaching a model new facts: sparse memory finetuning against full finetuning and LoRA", ""]
     if not full_plan or len(data["runs"]) < expected:
-        changed = {k: v for k, v in plan.items() if ke.FULL.get(k) != v}
+        changed = {k: v for k, v in plan.items() if reference.get(k) != v}
         lines += [f"**The plan has not been run yet.** This report holds {len(data['runs'])} runs "
                   f"(the plan: {expected}){f' of a probe with the plan entries changed: `{changed}`' if changed else ''}.", ""]  # fmt: skip
     loads = [r["load"] for r in data["runs"].values()]
@@ -106,6 +110,9 @@ def write_report(args, data: dict) -> None:
         f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores shared with other jobs, torch {machine.get('torch', '?')}, "
         f"one thread per run; load average {min(loads, default=0):.1f}-{max(loads, default=0):.1f} at the runs' ends.",
         "",
+        *(["- The A models: all-MiniLM-L6-v2 (6 layers, hidden 384; its embedding trimmed to the data's word pieces) "
+            "converted with +Init, ResM with memories of 128^2 slots at layers 2 and 4 (values from zero), and plain "
+            "(no memory), each trained on A as below."] if getattr(args, "minilm", False) else []),
         f"- A: {plan['people']} people x 5 facts, each fact in {plan['per_fact']} lines (random training templates), "
         f"mixed with {plan['wiki_train']} WikiText-2 sentences; {plan['a_steps']} steps of {plan['batch_size']} lines "
         f"(lr {plan['a_lr']:g}, memory values {plan['a_memory_lr']:g}), seed 0.",
@@ -171,10 +178,14 @@ def write_report(args, data: dict) -> None:
         lines += [
             "## Where SMF's rows lie (`--stages diagnose`)",
             "",
-            f"The ResM A model on {diagnosis['batches']} of B's training batches ({diagnosis['batch_size']} lines, masked as "
-            f"run_mlm.py masks), eval mode as an SMF step: a batch reads {touched['rows_read']:.0f} of the "
-            f"{diagnosis['rows']:,} rows, {touched['rows_with_gradient']:.0f} of them get a gradient (those read at masked "
-            "positions). Share of the values' gradient (squared norm) in the rows chosen, mean over the batches:",
+            f"The {'ResM-MiniLM' if getattr(args, 'minilm', False) else 'ResM'} A model on {diagnosis['batches']} of B's "
+            f"training batches ({diagnosis['batch_size']} lines, masked as run_mlm.py masks), eval mode as an SMF step: a "
+            f"batch reads {touched['rows_read']:.0f} of the {diagnosis['rows']:,} rows"
+            f"{' of its ' + str(diagnosis['layers']) + ' memory layers' if diagnosis.get('layers', 1) > 1 else ''}, "
+            f"{touched['rows_with_gradient']:.0f} of them get a gradient "
+            f"({'those read at masked positions' if diagnosis.get('layers', 1) == 1 else 'layers after a memory attend to every position, so the rows of unmasked ones get some too'}; "
+            f"{touched['rows_read_at_masked']:.0f} rows are read at masked positions). Share of the values' gradient "
+            "(squared norm) in the rows chosen (t a layer), mean over the batches:",
             "",
             "| ranker, top-t | reads of every position (SMF) | reads of masked positions only | the best t rows |",
             "|---|---:|---:|---:|",
@@ -193,7 +204,7 @@ def write_report(args, data: dict) -> None:
             f"by 10 or more of A's lines; {sharing['b_rows_a_never_reads']:.1f} rows a line are B's alone.",
             "",
         ]
-    notes = Path(ke.HERE / "knowledge_editing_notes.md")
+    notes = ke.HERE / ("knowledge_editing_minilm_notes.md" if getattr(args, "minilm", False) else "knowledge_editing_notes.md")
     if full_plan and notes.exists():  # the findings, written by hand after a run
         lines += [notes.read_text(encoding="utf-8").strip(), ""]
     lines += [

@@ -191,6 +191,75 @@ def test_quick_pipeline_resumes_and_measures_every_checkpoint(tmp_path):
     assert json.loads(measured.stdout.strip().splitlines()[-1])["final"] == runs["values/lr0.03/seed0"]["final"]
 
 
+def test_smf_diagnosis_counts_every_memory_layer(tmp_path):
+    """A model with memories of 64 slots in two layers: with t >= a layer's slots SMF's choice is every row read, so it
+    holds all of the gradient (which only rows read get), as the best rows do; with one layer's gradient left out of
+    the sum the shares could not reach 1. The first layer's rows read at unmasked positions get a gradient too (the
+    second layer attends to them), so the reads at masked positions alone hold less."""
+    data, tokenizer = real_data(tmp_path)
+    from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM
+    from modeling_pkm_bert.methods import sparse_finetuning as smf
+
+    torch.manual_seed(0)
+    config = BertPkmConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                           pkm_layers=[0, 1], pkm_n_keys=8, pkm_k_dim=16, pkm_heads=2, pkm_knn=4, pkm_value_init="normal")  # fmt: skip
+    model = BertPkmForMaskedLM(config).eval()
+    model.save_pretrained(tmp_path / "model")
+    lines = (data / "a_train.txt").read_text().splitlines()[:16]
+    documents = [{k: v for k, v in tokenizer(lines[i : i + 8], padding=True, return_tensors="pt").items() if k != "token_type_ids"}
+                 for i in (0, 8)]  # fmt: skip
+    smf.compute_background_statistics(model, documents).save(tmp_path / "background.safetensors")
+    result = ke.smf_diagnosis(tmp_path / "model", data, tmp_path / "background.safetensors", batch_size=8, batches=2)
+    assert result["layers"] == 2 and result["rows"] == 128 and result["batches"] == 2
+    touched = result["touched"]
+    assert 0 < touched["rows_read_at_masked"] < touched["rows_with_gradient"] <= touched["rows_read"] <= 128
+    for choice, entry in result["shares"].items():  # t of 100 and 1000: more than a layer's 64 slots
+        assert entry["all_positions"] == pytest.approx(1.0) and entry["best_rows"] == pytest.approx(1.0), choice
+        assert 0.0 < entry["masked_positions"] < 1.0
+
+
+def test_minilm_preset_keeps_its_own_plan_methods_and_files(tmp_path):
+    args = ke.parse_args(["--minilm"])
+    assert args.plan == ke.MINILM and args.methods == ke.MINILM_METHODS
+    assert args.results.name == "knowledge_editing_minilm.json" and args.report.name == "KNOWLEDGE_EDITING_MINILM.md"
+    assert {ke.METHODS[m][0] for m in ke.MINILM_METHODS} == set(ke.PRETRAINED_ARMS)
+    quick = ke.parse_args(["--minilm", "--quick", "--output_dir", str(tmp_path)])
+    assert quick.plan == ke.MINILM_QUICK and quick.results == tmp_path / "knowledge_editing_minilm.json"
+    scratch = ke.parse_args([])
+    assert scratch.plan == ke.FULL and not set(scratch.methods) & set(ke.MINILM_METHODS)
+    for argv, message in ((["--minilm", "--methods", "full"], "--minilm runs the minilm_* methods only, got ['full']"),
+                          (["--methods", "minilm_full"], "the minilm_* methods run with --minilm")):  # fmt: skip
+        completed = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "knowledge_editing.py"), *argv],
+                                   capture_output=True, text=True)  # fmt: skip
+        last = completed.stderr.strip().splitlines()[-1]
+        assert completed.returncode == 2 and last.startswith("knowledge_editing.py: error: ") and message in last, completed.stderr
+
+
+@pytest.mark.slow  # end to end: the MiniLM A models (run_mlm.py converts the real all-MiniLM-L6-v2) and two methods
+@pytest.mark.multiprocess
+def test_minilm_quick_pipeline_converts_the_real_encoder_and_diagnoses_both_memories(tmp_path):
+    real_data(tmp_path)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "knowledge_editing.py"), "--minilm", "--quick", "--output_dir", str(tmp_path / "out")]
+    subprocess.run(command, check=True, env=env, capture_output=True)
+    results = json.loads((tmp_path / "out" / "knowledge_editing_minilm.json").read_text())
+    assert set(results["bases"]) == set(ke.PRETRAINED_ARMS) and results["plan"] == ke.MINILM_QUICK
+    assert {r["method"] for r in results["runs"].values()} == set(ke.MINILM_QUICK_METHODS)
+    from transformers import AutoConfig
+
+    from modeling_pkm_bert import register_auto_classes
+
+    register_auto_classes()
+    resm = AutoConfig.from_pretrained(tmp_path / "out" / "runs" / "base_minilm_resm" / "model")
+    plain = AutoConfig.from_pretrained(tmp_path / "out" / "runs" / "base_minilm_plain" / "model")
+    assert resm.pkm_layers == [2, 4] and resm.num_hidden_layers == plain.num_hidden_layers == 6 and resm.hidden_size == 384
+    assert not plain.pkm_layers
+    assert results["diagnosis"]["layers"] == 2 and results["diagnosis"]["rows"] == 2 * ke.MINILM_SLOTS
+    assert "ngram_rows" not in results
+    report = (tmp_path / "out" / "KNOWLEDGE_EDITING_MINILM.md").read_text()
+    assert "all-MiniLM-L6-v2" in report and "| minilm_smf_kl_t100 |" in report and "of its 2 memory layers" in report
+
+
 def test_commands_are_kept_without_this_machines_folders():
     command = ["/home/me/checkout/run_scripts/run_mlm.py", "--train_file", "/srv/x/outputs/ke/data/b.txt", "--seed", "0",
                '{"train_file": "/srv/x/outputs/ke/data/b.txt", "lr": 0.01}', "/tmp/elsewhere/file.txt"]  # fmt: skip
