@@ -187,3 +187,14 @@ def test_keying_metrics_tell_a_person_keyed_layer_input_from_a_template_keyed_on
     assert keyed["slots_same_fact"] > 0.8 > keyed["slots_same_template"]  # one person: the same slots in any template
     assert mixed["slots_same_template"] > 0.8 > mixed["slots_same_fact"]
     assert keyed["memory_to_input"] > 0
+
+
+@pytest.mark.parametrize("sizes", [["0"], ["25", "100000"]])
+def test_minilm_sizes_outside_the_knowledge_base_are_a_one_line_error(sizes):
+    completed = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "knowledge_capacity.py"), "--minilm_sizes", *sizes],
+                               capture_output=True, text=True)  # fmt: skip
+    last = completed.stderr.strip().splitlines()[-1]
+    assert completed.returncode == 2 and "Traceback" not in completed.stderr
+    largest = max(kc.parse_args([]).plan["sizes"])
+    assert last == f"knowledge_capacity.py: error: --minilm_sizes must lie in 1..{largest} (the knowledge base's people), got {[int(s) for s in sizes]}"
+    assert kc.parse_args(["--minilm_sizes", "25", str(largest)]).minilm_sizes == [25, largest]
