@@ -119,7 +119,9 @@ def test_shared_table_gradient_is_the_sum_over_memories(sparse, plan):
     refs = [reference(first, x, table.weight), reference(second, x.flip(0), table.weight)]
     got, want = gradients([first, second], x, outs), gradients([first, second], x, refs)
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+        # the softmax memory's key_norm.bias shifts every score of a head alike, so its gradient is zero: rounding
+        # (~1e-6, the CPU's kernels decide) against rounding, measured on the scale of the other gradients (1-160)
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6 if w.abs().max() > 1e-5 else 1e-5)
     # the table's gradient: that of each memory alone, summed
     g_first = torch.autograd.grad(reference(first, x, table.weight).square().sum(), table.weight)[0]
     g_second = torch.autograd.grad(reference(second, x.flip(0), table.weight).square().sum(), table.weight)[0]
