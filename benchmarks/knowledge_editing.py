@@ -71,6 +71,7 @@ from modeling_pkm_bert.analysis.knowledge import (  # noqa: E402
     probe_text,
     read_knowledge_base,
     sentences,
+    tokenize_probes,
     write_knowledge_base,
 )
 
@@ -358,7 +359,11 @@ def smf_diagnosis(model_dir: Path, data: Path, background: Path, batch_size: int
     """Per (ranker, top-t): the mean over `batches` B training batches of the share of the values' gradient (squared
     norm, every memory layer's together) in the rows SMF chooses from the step's reads (`t` a layer), of all positions
     (as SMF counts) and of the masked ones only; and the share of the best `t` rows a layer (largest gradient). Eval
-    mode, as an SMF step runs its forwards. Row counts are summed over the layers."""
+    mode, as an SMF step runs its forwards. Row counts are summed over the layers.
+
+    `a_reads_in_chosen`: the share of what A's untouched facts read (their value masked in a training template, the
+    reads at the value's positions, every layer's heads and knn) that lies in the rows chosen, which an SMF step on B
+    overwrites; against the share of B's own batch rows in the same count (`rows_chosen` / `rows_read`)."""
     from transformers import AutoModelForMaskedLM, AutoTokenizer, DataCollatorForLanguageModeling
 
     from modeling_pkm_bert import register_auto_classes
@@ -372,11 +377,20 @@ def smf_diagnosis(model_dir: Path, data: Path, background: Path, batch_size: int
     reads = {}
     hooks = [memory.values.register_forward_hook(lambda module, args, output, name=name: reads.__setitem__(name, args[0].detach()))
              for name, memory in memories.items()]  # fmt: skip
+    a_reads = {name: torch.zeros(memory.n_keys**2, dtype=torch.float64) for name, memory in memories.items()}
+    with torch.no_grad():  # one probe a forward: no padding, so the reads' rows are the sequence's positions
+        for ids, start, value in tokenize_probes(tokenizer, Probes(data).sets["a", "train"]):
+            masked = ids[:start] + [tokenizer.mask_token_id] * len(value) + ids[start + len(value) :]
+            model(input_ids=torch.tensor([masked]))
+            for name in memories:
+                a_reads[name] += torch.bincount(reads[name][start : start + len(value)].reshape(-1), minlength=len(a_reads[name]))
+    a_total = sum(counts.sum().item() for counts in a_reads.values())
     lines = [line for line in (data / "b_train.txt").read_text(encoding="utf-8").splitlines() if line]
     random.Random(seed).shuffle(lines)
     collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
     torch.manual_seed(seed)
-    shares = {f"{ranker}_t{t}": {"all_positions": [], "masked_positions": [], "best_rows": []} for ranker, t in SMF_CHOICES}
+    shares = {f"{ranker}_t{t}": {"all_positions": [], "masked_positions": [], "best_rows": [], "a_reads_in_chosen": [], "rows_chosen": []}
+              for ranker, t in SMF_CHOICES}  # fmt: skip
     touched = {"rows_read": [], "rows_with_gradient": [], "rows_read_at_masked": []}
     for start in range(0, min(batches * batch_size, len(lines)), batch_size):
         batch = collator([tokenizer(line, truncation=True, max_length=128) for line in lines[start : start + batch_size]])
@@ -399,6 +413,9 @@ def smf_diagnosis(model_dir: Path, data: Path, background: Path, batch_size: int
             for key, which in (("all_positions", 0), ("masked_positions", 1)):
                 chosen = {name: rank_slots(layer[which], statistics, name, t, ranker) for name, layer in layers.items()}
                 entry[key].append(sum(layers[name][2][rows].sum().item() for name, rows in chosen.items()) / total)
+                if key == "all_positions":  # the rows an SMF step writes
+                    entry["a_reads_in_chosen"].append(sum(a_reads[name][rows].sum().item() for name, rows in chosen.items()) / a_total)
+                    entry["rows_chosen"].append(sum(len(rows) for rows in chosen.values()))
             entry["best_rows"].append(sum(gradient.topk(min(t, len(gradient))).values.sum().item() for _, _, gradient in layers.values()) / total)
     for hook in hooks:
         hook.remove()

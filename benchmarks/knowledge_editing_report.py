@@ -187,11 +187,15 @@ def write_report(args, data: dict) -> None:
             f"{touched['rows_read_at_masked']:.0f} rows are read at masked positions). Share of the values' gradient "
             "(squared norm) in the rows chosen (t a layer), mean over the batches:",
             "",
-            "| ranker, top-t | reads of every position (SMF) | reads of masked positions only | the best t rows |",
-            "|---|---:|---:|---:|",
+            "| ranker, top-t | reads of every position (SMF) | reads of masked positions only | the best t rows | rows SMF writes | A's reads in them |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
         for choice, entry in diagnosis["shares"].items():
-            lines.append(f"| {choice} | {entry['all_positions']:.3f} | {entry['masked_positions']:.3f} | {entry['best_rows']:.3f} |")
+            written = (f"{entry['rows_chosen']:.0f} | {entry['a_reads_in_chosen']:.3f}" if "a_reads_in_chosen" in entry else "n/a | n/a")
+            lines.append(f"| {choice} | {entry['all_positions']:.3f} | {entry['masked_positions']:.3f} | {entry['best_rows']:.3f} | {written} |")
+        if any("a_reads_in_chosen" in entry for entry in diagnosis["shares"].values()):
+            lines += ["", "A's reads in them: the share of what A's untouched facts read at their masked values (a training "
+                      "template; every layer, head and knn) that lies in the rows an SMF step on B writes."]  # fmt: skip
         lines.append("")
     sharing = data.get("ngram_rows")
     if sharing:

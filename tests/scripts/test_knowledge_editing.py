@@ -172,8 +172,9 @@ def test_quick_pipeline_resumes_and_measures_every_checkpoint(tmp_path):
     assert not list((tmp_path / "out" / "runs").glob("*/model/step_*"))  # measured, then removed
     shares = results["diagnosis"]["shares"]
     assert set(shares) == {f"{r}_t{t}" for r, t in ke.SMF_CHOICES}
-    for entry in shares.values():  # no choice of t rows holds more of the gradient than the t largest rows
+    for choice, entry in shares.items():  # no choice of t rows holds more of the gradient than the t largest rows
         assert 0.0 <= entry["all_positions"] <= entry["best_rows"] + 1e-9 <= 1.0 + 1e-9
+        assert 0.0 <= entry["a_reads_in_chosen"] <= 1.0 and 0 < entry["rows_chosen"] <= int(choice.rsplit("_t", 1)[1])  # one memory
         assert 0.0 <= entry["masked_positions"] <= entry["best_rows"] + 1e-9
     sharing = results["ngram_rows"]  # the n-gram model's rows: counts within the tables, shares within [0, 1]
     assert 0 < sharing["rows_read_by_a"] <= sharing["rows"] == ke.NGRAM_ROWS and sharing["rows_per_b_line"] > 0
@@ -216,6 +217,8 @@ def test_smf_diagnosis_counts_every_memory_layer(tmp_path):
     for choice, entry in result["shares"].items():  # t of 100 and 1000: more than a layer's 64 slots
         assert entry["all_positions"] == pytest.approx(1.0) and entry["best_rows"] == pytest.approx(1.0), choice
         assert 0.0 < entry["masked_positions"] < 1.0
+        assert entry["rows_chosen"] == pytest.approx(touched["rows_read"])  # every row a batch reads is written
+        assert 0.0 < entry["a_reads_in_chosen"] <= 1.0
 
 
 def test_minilm_preset_keeps_its_own_plan_methods_and_files(tmp_path):
