@@ -9,7 +9,7 @@ from pathlib import Path
 import knowledge_editing as ke
 
 
-LOWER_TARGET = 0.25  # a second matching point: the goal's 90% is reached by few methods in the plan's steps
+LOWER_TARGETS = (0.5, 0.25)  # more matching points: the goal's 90% is reached by few methods in the plan's steps
 
 
 def spread(values: list[float], digits: int = 1) -> str:
@@ -152,9 +152,10 @@ def write_report(args, data: dict) -> None:
             f"{spread([f['b'] for f in finals], 3)} | {spread([f['a_drop'] for f in finals])} |"
         )
     lines += ["", *verdict(rows, target), ""]
-    low = LOWER_TARGET
-    lower = summary(data, low)
-    if lower:
+    for low in LOWER_TARGETS:
+        lower = summary(data, low)
+        if not any(any(row["at"]) for row in lower.values()):
+            continue
         lines += [
             f"## At a lower bar: {low:.0%} recall of B",
             "",
@@ -183,17 +184,22 @@ def write_report(args, data: dict) -> None:
             f"batch reads {touched['rows_read']:.0f} of the {diagnosis['rows']:,} rows"
             f"{' of its ' + str(diagnosis['layers']) + ' memory layers' if diagnosis.get('layers', 1) > 1 else ''}, "
             f"{touched['rows_with_gradient']:.0f} of them get a gradient "
-            f"({'those read at masked positions' if diagnosis.get('layers', 1) == 1 else 'layers after a memory attend to every position, so the rows of unmasked ones get some too'}; "
-            f"{touched['rows_read_at_masked']:.0f} rows are read at masked positions). Share of the values' gradient "
-            "(squared norm) in the rows chosen (t a layer), mean over the batches:",
+            + ("(those read at masked positions)" if diagnosis.get("layers", 1) == 1 else
+               f"(layers after a memory attend to every position, so rows read at unmasked ones get some too; "
+               f"{touched['rows_read_at_masked']:.0f} rows are read at masked positions)")
+            + ". Share of the values' gradient (squared norm) in the rows chosen (t a layer), mean over the batches:",
             "",
-            "| ranker, top-t | reads of every position (SMF) | reads of masked positions only | the best t rows | rows SMF writes | A's reads in them |",
-            "|---|---:|---:|---:|---:|---:|",
+        ]
+        written = all("a_reads_in_chosen" in entry for entry in diagnosis["shares"].values())  # (not in the runs of 2026-12-03)
+        lines += [
+            "| ranker, top-t | reads of every position (SMF) | reads of masked positions only | the best t rows |"
+            + (" rows SMF writes | A's reads in them |" if written else ""),
+            "|---|---:|---:|---:|" + ("---:|---:|" if written else ""),
         ]
         for choice, entry in diagnosis["shares"].items():
-            written = (f"{entry['rows_chosen']:.0f} | {entry['a_reads_in_chosen']:.3f}" if "a_reads_in_chosen" in entry else "n/a | n/a")
-            lines.append(f"| {choice} | {entry['all_positions']:.3f} | {entry['masked_positions']:.3f} | {entry['best_rows']:.3f} | {written} |")
-        if any("a_reads_in_chosen" in entry for entry in diagnosis["shares"].values()):
+            lines.append(f"| {choice} | {entry['all_positions']:.3f} | {entry['masked_positions']:.3f} | {entry['best_rows']:.3f} |"
+                         + (f" {entry['rows_chosen']:.0f} | {entry['a_reads_in_chosen']:.3f} |" if written else ""))  # fmt: skip
+        if written:
             lines += ["", "A's reads in them: the share of what A's untouched facts read at their masked values (a training "
                       "template; every layer, head and knn) that lies in the rows an SMF step on B writes."]  # fmt: skip
         lines.append("")
