@@ -601,7 +601,8 @@ class Benchmark:
 
 
 @torch.no_grad()
-def keying_diagnosis(model, tokenizer, kb: dict, people: int = 100, train_lines: list[str] | None = None) -> dict:
+def keying_diagnosis(model, tokenizer, kb: dict, people: int = 100, train_lines: list[str] | None = None,
+                     layer_index: int | None = None) -> dict:
     """What the memory's layer reads at a masked value, every (person, attribute) in each of its six templates: is it
     keyed by the person (the only key to the fact) or by the sentence around the value?
 
@@ -618,7 +619,10 @@ def keying_diagnosis(model, tokenizer, kb: dict, people: int = 100, train_lines:
 
     model.eval()
     with_memory = [layer for layer in model.bert.encoder.layer if getattr(layer, "memory", None) is not None]
-    layer = with_memory[0] if with_memory else model.bert.encoder.layer[MEMORY["pkm_layers"][0]]
+    if layer_index is not None:  # that layer (`layer_index` of the encoder), else the first with a memory
+        layer = model.bert.encoder.layer[layer_index]
+    else:
+        layer = with_memory[0] if with_memory else model.bert.encoder.layer[MEMORY["pkm_layers"][0]]
     probes = []
     for index, person in enumerate(kb["people"][:people]):
         for attribute, spec in kb["attributes"].items():
@@ -650,7 +654,7 @@ def keying_diagnosis(model, tokenizer, kb: dict, people: int = 100, train_lines:
     inputs = layer_inputs(masked, [[start] for _, start, _ in encoded])  # person-attribute-template order
     n_people, n_attributes = min(people, len(kb["people"])), len(kb["attributes"])
     grid = inputs.view(n_people, n_attributes, len(probes) // (n_people * n_attributes), -1)
-    memory = layer.memory if getattr(layer.memory, "search", None) is not None else None
+    memory = layer.memory if getattr(getattr(layer, "memory", None), "search", None) is not None else None
     result = keying_metrics(grid, n_train, memory)
     if memory is not None and train_lines:
         usage = MemoryUsageAccumulator(memory.mem_size)

@@ -193,15 +193,34 @@ def write_report(args, data: dict) -> None:
         written = all("a_reads_in_chosen" in entry for entry in diagnosis["shares"].values())  # (not in the runs of 2026-12-03)
         lines += [
             "| ranker, top-t | reads of every position (SMF) | reads of masked positions only | the best t rows |"
-            + (" rows SMF writes | A's reads in them |" if written else ""),
-            "|---|---:|---:|---:|" + ("---:|---:|" if written else ""),
+            + (" rows SMF writes | A's reads in them | A's reads in the best rows |" if written else ""),
+            "|---|---:|---:|---:|" + ("---:|---:|---:|" if written else ""),
         ]
         for choice, entry in diagnosis["shares"].items():
             lines.append(f"| {choice} | {entry['all_positions']:.3f} | {entry['masked_positions']:.3f} | {entry['best_rows']:.3f} |"
-                         + (f" {entry['rows_chosen']:.0f} | {entry['a_reads_in_chosen']:.3f} |" if written else ""))  # fmt: skip
+                         + (f" {entry['rows_chosen']:.0f} | {entry['a_reads_in_chosen']:.3f} | {entry['a_reads_in_best']:.3f} |" if written else ""))  # fmt: skip
         if written:
             lines += ["", "A's reads in them: the share of what A's untouched facts read at their masked values (a training "
-                      "template; every layer, head and knn) that lies in the rows an SMF step on B writes."]  # fmt: skip
+                      "template; every layer, head and knn) that lies in the rows an SMF step on B writes; in the best "
+                      "rows: the same for the t rows a layer of largest gradient on B."]  # fmt: skip
+        lines.append("")
+    keying = data.get("keying")
+    if keying:
+        lines += [
+            "## Keyed by the person or by the template? (`knowledge_capacity.keying_diagnosis`)",
+            "",
+            "At each memory layer's input, every (person, attribute) of A masked in each of its six templates: how often the "
+            "nearest neighbour (cosine) among the same attribute's inputs in the other templates is the same person, and "
+            "with a memory the slots read (Jaccard overlap, every head's knn) for one fact in two templates against two "
+            "people in one template.",
+            "",
+            "| model | layer | person nn (chance) | held-out templates | slots: same fact | slots: same template |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for arm, by_layer in keying.items():
+            for layer, k in by_layer.items():
+                slots = f"{k['slots_same_fact']:.2f} | {k['slots_same_template']:.2f}" if "slots_same_fact" in k else "n/a | n/a"
+                lines.append(f"| {arm} | {layer} | {k['person_nn']:.2f} ({k['chance']:.2f}) | {k['person_nn_heldout']:.2f} | {slots} |")
         lines.append("")
     sharing = data.get("ngram_rows")
     if sharing:
@@ -215,7 +234,8 @@ def write_report(args, data: dict) -> None:
             "",
         ]
     notes = ke.HERE / ("knowledge_editing_minilm_notes.md" if getattr(args, "minilm", False) else "knowledge_editing_notes.md")
-    if full_plan and notes.exists():  # the findings, written by hand after a run
+    own_report = Path(args.report).name == ("KNOWLEDGE_EDITING_MINILM.md" if getattr(args, "minilm", False) else "KNOWLEDGE_EDITING.md")
+    if full_plan and own_report and notes.exists():  # the findings, written by hand after a run (not in a probe's report)
         lines += [notes.read_text(encoding="utf-8").strip(), ""]
     lines += [
         "## Every run",

@@ -218,7 +218,7 @@ def test_smf_diagnosis_counts_every_memory_layer(tmp_path):
         assert entry["all_positions"] == pytest.approx(1.0) and entry["best_rows"] == pytest.approx(1.0), choice
         assert 0.0 < entry["masked_positions"] < 1.0
         assert entry["rows_chosen"] == pytest.approx(touched["rows_read"])  # every row a batch reads is written
-        assert 0.0 < entry["a_reads_in_chosen"] <= 1.0
+        assert 0.0 < entry["a_reads_in_chosen"] <= 1.0 and entry["a_reads_in_best"] == pytest.approx(1.0)  # every row
 
 
 def test_minilm_preset_keeps_its_own_plan_methods_and_files(tmp_path):
@@ -259,8 +259,13 @@ def test_minilm_quick_pipeline_converts_the_real_encoder_and_diagnoses_both_memo
     assert not plain.pkm_layers
     assert results["diagnosis"]["layers"] == 2 and results["diagnosis"]["rows"] == 2 * ke.MINILM_SLOTS
     assert "ngram_rows" not in results
+    keying = results["keying"]  # both A models at both memory layers; slots only where there is a memory
+    assert set(keying) == set(ke.PRETRAINED_ARMS) and all(set(k) == {"layer_2", "layer_4"} for k in keying.values())
+    assert all(0.0 <= k["slots_same_fact"] <= 1.0 for k in keying["minilm_resm"].values())
+    assert all("slots_same_fact" not in k and 0.0 <= k["person_nn"] <= 1.0 for k in keying["minilm_plain"].values())
     report = (tmp_path / "out" / "KNOWLEDGE_EDITING_MINILM.md").read_text()
     assert "all-MiniLM-L6-v2" in report and "| minilm_smf_kl_t100 |" in report and "of its 2 memory layers" in report
+    assert "| minilm_resm | layer_4 |" in report
 
 
 def test_commands_are_kept_without_this_machines_folders():
