@@ -109,6 +109,13 @@ FULL = dict(  # the committed run
     steps=1500, batch_size=32, bios_per_person=8, memory_learning_rate=1e-2, checkpoints=4,
 )
 MINILM = dict(sizes=[25, 50, 100], seeds=[0, 1, 2], learning_rates=[1e-4, 2e-4, 4e-4, 1e-3], steps=300)
+# arm (h): run_mlm.py converts MiniLM with these flags (+Init: ResM memories at these layers, values from zero; plain: none)
+MINILM_MEMORY_LAYERS, MINILM_N_KEYS = [2, 4], 128
+MINILM_ARMS = {
+    "minilm_plain": ["--pkm_layers"],
+    "minilm_resm": ["--pkm_layers", *map(str, MINILM_MEMORY_LAYERS), "--pkm_mode", "resm", "--pkm_value_init", "zeros",
+                    "--pkm_n_keys", str(MINILM_N_KEYS)],
+}
 MINILM_QUICK = dict(sizes=[8], seeds=[0], learning_rates=[3e-4], steps=12)
 QUICK = dict(
     sizes=[8], sweep_size=8, seeds=[0], learning_rates=[3e-3], steps=12, batch_size=8, bios_per_person=2,
@@ -585,8 +592,7 @@ class Benchmark:
         trimmed = self.out / "data" / "minilm_trimmed"
         if not (trimmed / "config.json").exists():
             trim_vocabulary(minilm_path(), self.data / "tokenizer", trimmed)
-        memory = ["--pkm_layers", "2", "4", "--pkm_mode", "resm", "--pkm_value_init", "zeros", "--pkm_n_keys", "128"]
-        arms = (("minilm_plain", ["--pkm_layers"]), ("minilm_resm", memory))
+        arms = tuple(MINILM_ARMS.items())
 
         def job(arm, flags, size, seed, lr):
             return dict(arm=arm, size=size, seed=seed, lr=lr, steps=steps, source=str(trimmed), flags=flags)

@@ -108,12 +108,9 @@ METHODS = {  # name -> (A model, how B is learned, learning rates swept: the net
     "ngram_large_smf_tfidf_t100": ("ngram_large", dict(kind="smf", ranker="tfidf", top_t=100), [3e-2, 1e-1]),
 }
 # A models converted from the real all-MiniLM-L6-v2 with +Init (`--minilm`): the knowledge-capacity benchmark's arm
-# (h), whose memory stored 1.9x plain MiniLM's bits; run_mlm.py converts the trimmed folder with these flags
-PRETRAINED_ARMS = {
-    "minilm_resm": ["--pkm_layers", "2", "4", "--pkm_mode", "resm", "--pkm_value_init", "zeros", "--pkm_n_keys", "128"],
-    "minilm_plain": ["--pkm_layers"],
-}
-MINILM_SLOTS = 128**2
+# (h), whose memory stored 1.9x plain MiniLM's bits
+PRETRAINED_ARMS = kc.MINILM_ARMS
+MINILM_SLOTS = kc.MINILM_N_KEYS**2
 METHODS.update({
     "minilm_full": ("minilm_resm", dict(kind="full"), [1e-4, 3e-4, 1e-3]),
     "minilm_lora": ("minilm_resm", dict(kind="lora"), [1e-3, 3e-3, 1e-2]),
@@ -187,7 +184,7 @@ def parse_args(argv=None):
             parser.error("the minilm_* methods run with --minilm (their own plan and results)")
     args.methods = args.methods or default_methods
     out = Path(args.output_dir)
-    stem = "knowledge_editing_minilm" if args.minilm else "knowledge_editing"
+    stem = plan_stem(args.minilm)
     args.results = Path(args.results) if args.results else (out if args.quick else HERE) / f"{stem}.json"
     args.report = Path(args.report) if args.report else (out if args.quick else HERE) / f"{stem.upper()}.md"
     if args.measure and not args.data:
@@ -195,6 +192,11 @@ def parse_args(argv=None):
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
     return args
+
+
+def plan_stem(minilm: bool) -> str:
+    """The name of a plan's files: its JSON, its report (upper case) and its hand-written notes (`_notes.md`)."""
+    return "knowledge_editing_minilm" if minilm else "knowledge_editing"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -639,24 +641,23 @@ class Benchmark:
         folder = self.base_folder(arm).parent
         plan = self.plan
         command = self.mlm_command(self.base_folder(arm), self.data / "a_train.txt", plan["a_lr"], plan["a_memory_lr"], plan["a_steps"], 0)
+        config_file = folder / "config" / "config.json"
         if arm in PRETRAINED_ARMS:
             command += ["--model_name_or_path", str(self.pretrained_source()), *PRETRAINED_ARMS[arm]]
-            seconds = self.trained(folder, command)
-            if seconds is None:
-                kc.prepare_own_folder(folder, TOOL)
-                seconds = self.train(folder, command)
+            config = None
         else:
             command += ["--config_name", str(folder / "config"), "--tokenizer_name", str(self.data / "tokenizer")]
             if arm in EDIT_ARMS:
                 config = {"model_type": "bert_pkm", **kc.BASE, **EDIT_ARMS[arm], "vocab_size": vocab_size, "pkm_layers": []}
             else:
                 config = kc.arm_config(arm, vocab_size, {})
-            seconds = self.trained(folder, command) if (folder / "config" / "config.json").exists() else None
-            if seconds is None or json.loads((folder / "config" / "config.json").read_text()) != config:
-                kc.prepare_own_folder(folder, TOOL)
-                (folder / "config").mkdir()
-                (folder / "config" / "config.json").write_text(json.dumps(config, indent=1))
-                seconds = self.train(folder, command)
+        seconds = self.trained(folder, command)
+        if seconds is None or (config is not None and (not config_file.exists() or json.loads(config_file.read_text()) != config)):
+            kc.prepare_own_folder(folder, TOOL)
+            if config is not None:
+                config_file.parent.mkdir()
+                config_file.write_text(json.dumps(config, indent=1))
+            seconds = self.train(folder, command)
         metrics = self.measure(self.base_folder(arm))["final"]
         if arm in ("resm", "ngram", "ngram_large", "minilm_resm"):  # the models with a memory SMF ranks
             with LOADING:
@@ -776,12 +777,12 @@ class Benchmark:
         register_auto_classes()
         tokenizer = AutoTokenizer.from_pretrained(self.data / "tokenizer")
         kb = read_knowledge_base(self.data / "kb_a.json")
-        layers = [int(flag) for flag in PRETRAINED_ARMS["minilm_resm"][1:3]]  # --pkm_layers 2 4
         found = {}
         for arm in PRETRAINED_ARMS:
             if self.base_folder(arm).exists():
                 model = AutoModelForMaskedLM.from_pretrained(self.base_folder(arm))
-                found[arm] = {f"layer_{i}": kc.keying_diagnosis(model, tokenizer, kb, people=len(kb["people"]), layer_index=i) for i in layers}
+                found[arm] = {f"layer_{i}": kc.keying_diagnosis(model, tokenizer, kb, people=len(kb["people"]), layer_index=i)
+                              for i in kc.MINILM_MEMORY_LAYERS}  # fmt: skip
         return found
 
     def sweep(self):

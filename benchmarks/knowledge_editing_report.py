@@ -6,9 +6,15 @@ import datetime
 import statistics
 from pathlib import Path
 
+import knowledge_capacity as kc
 import knowledge_editing as ke
 
 
+ARM_STYLES = {  # the A model a method starts from: its name in the figure and its line
+    "resm": ("ResM", "-"), "plain": ("plain", "--"), "ngram": ("n-gram", ":"), "ngram_large": ("large n-gram", "-."),
+    "minilm_resm": ("ResM-MiniLM", "-"), "minilm_plain": ("plain MiniLM", "--"),
+}
+LINE_NAMES = {"-": "solid", "--": "dashed", ":": "dotted", "-.": "dash-dot"}
 LOWER_TARGETS = (0.5, 0.25)  # more matching points: the goal's 90% is reached by few methods in the plan's steps
 
 
@@ -71,17 +77,14 @@ def figure(rows: dict, path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
     colours = plt.get_cmap("tab20").colors
-    styles = {"resm": "-", "plain": "--", "ngram": ":", "ngram_large": "-.", "minilm_resm": "-", "minilm_plain": "--"}  # the A model
     for index, (method, row) in enumerate(rows.items()):
         curve = row["curves"][0]
         ax.plot([100 * p["b"] for p in curve], [p["a_drop"] for p in curve], marker=".", color=colours[index % 20],
-                linestyle=styles.get(ke.METHODS[method][0], "-"), label=f"{method} (lr {row['lr']:g})")
+                linestyle=ARM_STYLES[ke.METHODS[method][0]][1], label=f"{method} (lr {row['lr']:g})")
     ax.set_xlabel("recall of B, training template (%)")
     ax.set_ylabel("A's untouched facts lost (points)")
     arms = {ke.METHODS[method][0] for method in rows}
-    legend = ", ".join(f"{name} {style}" for arm, name, style in (("resm", "ResM", "solid"), ("plain", "plain", "dashed"), ("ngram", "n-gram", "dotted"),
-                       ("ngram_large", "large n-gram", "dash-dot"), ("minilm_resm", "ResM-MiniLM", "solid"), ("minilm_plain", "plain MiniLM", "dashed"))
-                       if arm in arms)  # fmt: skip
+    legend = ", ".join(f"{name} {LINE_NAMES[style]}" for arm, (name, style) in ARM_STYLES.items() if arm in arms)
     ax.set_title(f"learning B against forgetting A (best learning rate, first seed)\nA model: {legend}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -95,7 +98,7 @@ def write_report(args, data: dict) -> None:
     plan = data.get("plan", args.plan)
     target = plan["target"]
     rows = summary(data, target)
-    reference = ke.MINILM if getattr(args, "minilm", False) else ke.FULL  # the committed plan of this part
+    reference = ke.MINILM if args.minilm else ke.FULL  # the committed plan of this part
     full_plan = plan == reference
     expected = sum(len(ke.learning_rates(args, m)) + len(plan["seeds"]) - 1 for m in args.methods)
     lines = ["# Teaching a model new facts: sparse memory finetuning against full finetuning and LoRA", ""]
@@ -110,9 +113,10 @@ def write_report(args, data: dict) -> None:
         f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores shared with other jobs, torch {machine.get('torch', '?')}, "
         f"one thread per run; load average {min(loads, default=0):.1f}-{max(loads, default=0):.1f} at the runs' ends.",
         "",
-        *(["- The A models: all-MiniLM-L6-v2 (6 layers, hidden 384; its embedding trimmed to the data's word pieces) "
-            "converted with +Init, ResM with memories of 128^2 slots at layers 2 and 4 (values from zero), and plain "
-            "(no memory), each trained on A as below."] if getattr(args, "minilm", False) else []),
+        *([f"- The A models: all-MiniLM-L6-v2 (6 layers, hidden 384; its embedding trimmed to the data's word pieces) "
+            f"converted with +Init, ResM with memories of {kc.MINILM_N_KEYS}^2 slots at layers "
+            f"{' and '.join(map(str, kc.MINILM_MEMORY_LAYERS))} (values from zero), and plain (no memory), each trained on A "
+            "as below."] if args.minilm else []),
         f"- A: {plan['people']} people x 5 facts, each fact in {plan['per_fact']} lines (random training templates), "
         f"mixed with {plan['wiki_train']} WikiText-2 sentences; {plan['a_steps']} steps of {plan['batch_size']} lines "
         f"(lr {plan['a_lr']:g}, memory values {plan['a_memory_lr']:g}), seed 0.",
@@ -179,7 +183,7 @@ def write_report(args, data: dict) -> None:
         lines += [
             "## Where SMF's rows lie (`--stages diagnose`)",
             "",
-            f"The {'ResM-MiniLM' if getattr(args, 'minilm', False) else 'ResM'} A model on {diagnosis['batches']} of B's "
+            f"The {'ResM-MiniLM' if args.minilm else 'ResM'} A model on {diagnosis['batches']} of B's "
             f"training batches ({diagnosis['batch_size']} lines, masked as run_mlm.py masks), eval mode as an SMF step: a "
             f"batch reads {touched['rows_read']:.0f} of the {diagnosis['rows']:,} rows"
             f"{' of its ' + str(diagnosis['layers']) + ' memory layers' if diagnosis.get('layers', 1) > 1 else ''}, "
@@ -233,8 +237,8 @@ def write_report(args, data: dict) -> None:
             f"by 10 or more of A's lines; {sharing['b_rows_a_never_reads']:.1f} rows a line are B's alone.",
             "",
         ]
-    notes = ke.HERE / ("knowledge_editing_minilm_notes.md" if getattr(args, "minilm", False) else "knowledge_editing_notes.md")
-    own_report = Path(args.report).name == ("KNOWLEDGE_EDITING_MINILM.md" if getattr(args, "minilm", False) else "KNOWLEDGE_EDITING.md")
+    notes = ke.HERE / f"{ke.plan_stem(args.minilm)}_notes.md"
+    own_report = Path(args.report).name == f"{ke.plan_stem(args.minilm).upper()}.md"
     if full_plan and own_report and notes.exists():  # the findings, written by hand after a run (not in a probe's report)
         lines += [notes.read_text(encoding="utf-8").strip(), ""]
     lines += [
