@@ -16,7 +16,8 @@ Follows the transformers `run_mlm_no_trainer.py` example and adds:
   Figure 2), kept in checkpoints and written to `staleness.safetensors`;
 * `--sparse_memory_finetuning` (Lin et al. 2025): only the memory value rows that each step reads much more than
   background text does are trained (`--smf_background_file`, `--smf_top_t`, `--smf_ranker tfidf|kl`, with
-  `--memory_optimizer sgd`), the background statistics kept in checkpoints and beside the trained model;
+  `--memory_optimizer sgd`), the background statistics kept in checkpoints and beside the trained model; or the rows
+  of largest gradient (`--smf_ranker gradient`, no background);
 * exact resume: `--checkpointing_steps` saves the complete state atomically, and a resumed run ends with the weights
   of the uninterrupted one (same `--seed`): the masks of a batch are drawn from (seed, process, epoch, batch), each
   epoch's order from (seed, epoch), evaluation never touches the training random streams;

@@ -74,7 +74,7 @@ def reference(shared: bool, memory_optimizer="adam"):
     return model, logits, loss, grads, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def smf_run(rank, mesh):
+def smf_run(rank, mesh, ranker="tfidf"):
     from torch.distributed.tensor import DTensor
 
     from modeling_pkm_bert.parallel import fully_shard_with_memory_parallel
@@ -89,13 +89,13 @@ def smf_run(rank, mesh):
         torch.manual_seed(0)
         model = BertPkmForMaskedLM(config(False))
         inputs = batch(model.config.vocab_size)
-        statistics = compute_background_statistics(model, [inputs])
+        statistics = compute_background_statistics(model, [inputs]) if ranker != "gradient" else None
         freeze_all_but_values(model)
         if sharded:
             fully_shard_with_memory_parallel(model, mesh)
             inputs = {k: v[2 * rank : 2 * rank + 2] for k, v in inputs.items()}
         optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-        smf = SparseMemoryFinetuning(model, statistics, top_t=5).attach(optimizer)
+        smf = SparseMemoryFinetuning(model, statistics, top_t=5, ranker=ranker).attach(optimizer)
         chosen = []
         for _ in range(2):
             optimizer.zero_grad()
@@ -214,6 +214,8 @@ def _worker(rank, port, out_dir):
     # sparse memory finetuning: the same rows chosen on every process (reads counted on each process's tokens,
     # summed), and the values after 2 steps equal the one-process run
     results["smf"] = smf_run(rank, mesh)
+    # the gradient ranker: each row's norm summed over the column shards, so the same rows everywhere
+    results["smf_gradient"] = smf_run(rank, mesh, "gradient")
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as file:
         json.dump(results, file)
     dist.destroy_process_group()
@@ -257,11 +259,12 @@ def test_sparse_memory_finetuning_chooses_the_same_rows_everywhere(two_processes
     """SMF under memory parallel: every process chooses the same rows (the reads of all processes' tokens, summed), the
     one-process choice, and the values after 2 restricted steps equal the one-process run."""
     ranks = two_processes[1]
-    assert ranks[0]["smf"]["chosen"] == ranks[1]["smf"]["chosen"]
-    assert all(len(rows) == 5 for step in ranks[0]["smf"]["chosen"] for rows in step.values())
-    for results in ranks:
-        assert results["smf"]["chosen_equal"]
-        assert results["smf"]["values_diff"] < 1e-5
+    for key in ("smf", "smf_gradient"):  # the TF-IDF ranker, and the gradient ranker (row norms over the shards)
+        assert ranks[0][key]["chosen"] == ranks[1][key]["chosen"]
+        assert all(len(rows) == 5 for step in ranks[0][key]["chosen"] for rows in step.values())
+        for results in ranks:
+            assert results[key]["chosen_equal"], key
+            assert results[key]["values_diff"] < 1e-5, key
 
 
 @pytest.mark.parametrize("shared", [False, True])

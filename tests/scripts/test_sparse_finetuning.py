@@ -23,8 +23,10 @@ from modeling_pkm_bert.methods.sparse_finetuning import (
     choose_slots,
     compute_background_statistics,
     freeze_all_but_values,
+    gradient_scores,
     kl_scores,
     rank_slots,
+    row_gradient_norms,
     tfidf_scores,
     validate_top_t,
 )
@@ -60,6 +62,60 @@ def test_kl_against_hand_computed_scores():
     statistics = BackgroundStatistics({"layer_0": 4})
     statistics.reads["layer_0"] = background
     assert rank_slots(counts, statistics, "layer_0", 1, "kl").tolist() == [0]
+
+
+def test_gradient_ranker_against_hand_computed_norms():
+    counts = torch.tensor([1, 0, 2, 5, 1])
+    gradient = torch.tensor([4.0, 9.0, 1.0, 0.25, math.nan], dtype=torch.float64)
+    scores = gradient_scores(counts, gradient)
+    # slot 1 has the largest gradient but was not read (a shared table's other layer): never this layer's choice; a
+    # non-finite norm ranks first (the step is skipped or diverges anyway), never dropped
+    assert scores[1] == -math.inf and scores[4] == torch.finfo(torch.float64).max
+    assert choose_slots(scores, 2).tolist() == [0, 4]
+    assert rank_slots(counts, None, "layer_0", 3, "gradient", gradient).tolist() == [0, 2, 4]
+    assert choose_slots(scores, 5).tolist() == [0, 2, 3, 4]
+    with pytest.raises(ValueError, match="needs row_gradient"):
+        rank_slots(counts, None, "layer_0", 3, "gradient")
+
+
+def test_gradient_kl_ranker_is_kl_with_the_gradient_mass_in_place_of_reads():
+    counts = torch.tensor([1, 1, 1, 0])
+    gradient = torch.tensor([6.0, 3.0, 1.0, 50.0], dtype=torch.float64)  # slot 3 unread (another layer's rows)
+    background = torch.tensor([99, 0, 0, 0])
+    statistics = BackgroundStatistics({"layer_0": 4})
+    statistics.reads["layer_0"] = background
+    q = [100 / 103, 1 / 103, 1 / 103]
+    p = [0.6, 0.3, 0.1]
+    expected = [pi * math.log(pi / qi) for pi, qi in zip(p, q)]
+    scores = kl_scores(torch.tensor([6.0, 3.0, 1.0, 0.0]), background)
+    assert scores[:3].tolist() == pytest.approx(expected) and scores[3] == -math.inf
+    # slot 0 has the largest gradient but the background reads it most: the gradient ranker takes it first, this one last
+    assert rank_slots(counts, statistics, "layer_0", 1, "gradient", gradient).tolist() == [0]
+    assert rank_slots(counts, statistics, "layer_0", 2, "gradient_kl", gradient).tolist() == [1, 2]
+    # a read slot without gradient scores 0 (p log(p / q) -> 0): above slot 0's negative score, never dropped
+    no_gradient = torch.tensor([6.0, 3.0, 0.0, 50.0], dtype=torch.float64)
+    assert rank_slots(counts, statistics, "layer_0", 2, "gradient_kl", no_gradient).tolist() == [1, 2]
+    assert rank_slots(counts, statistics, "layer_0", 4, "gradient_kl", no_gradient).tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="the gradient_kl ranker needs background statistics"):
+        SparseMemoryFinetuning(tiny_model(), None, top_t=4, ranker="gradient_kl")
+
+
+def test_row_gradient_norms_of_dense_and_sparse_gradients_agree():
+    norms = {}
+    for sparse in (False, True):
+        model = tiny_model(pkm_layers=[0, 2])
+        freeze_all_but_values(model)
+        set_sparse_values(model, sparse)
+        model.eval()
+        model(**batches(1, seed=3, pad=2)[0]).loss.backward()
+        weight = model.bert.encoder.layer[2].memory.values.weight
+        assert weight.grad.is_sparse == sparse
+        norms[sparse] = row_gradient_norms(weight)
+        if not sparse:
+            assert torch.allclose(norms[sparse], weight.grad.double().pow(2).sum(1))
+    assert norms[False].dtype == torch.float64 and (norms[False] > 0).any()
+    assert torch.allclose(norms[False], norms[True], rtol=1e-6, atol=1e-15)
+    assert torch.equal(row_gradient_norms(torch.nn.Parameter(torch.ones(3, 2))), torch.zeros(3, dtype=torch.float64))
 
 
 def test_ties_are_broken_by_the_lower_slot_index():
@@ -159,6 +215,10 @@ def test_bad_statistics_and_arguments_are_clear_errors(tmp_path):
             SparseMemoryFinetuning(model, statistics, top_t=bad)
     with pytest.raises(ValueError, match="ranker"):
         SparseMemoryFinetuning(model, statistics, top_t=4, ranker="bm25")
+    with pytest.raises(ValueError, match="the kl ranker needs background statistics"):
+        SparseMemoryFinetuning(model, None, top_t=4, ranker="kl")
+    with pytest.raises(ValueError, match=r"top_t=65 must be an integer in \[1, 64\]"):
+        SparseMemoryFinetuning(model, None, top_t=65, ranker="gradient")
     with pytest.raises(ValueError, match="does not exist"):
         BackgroundStatistics.load(tmp_path / "missing.safetensors")
 
@@ -184,11 +244,15 @@ def value_optimizer(name, model):
         ("adam", False, "kl"),  # momentum would move rows chosen earlier: they are put back
         ("sparse_row_adam", False, "tfidf"),
         ("sparse_row_adam", True, "kl"),
+        ("sgd", False, "gradient"),
+        ("adam", False, "gradient"),
+        ("sparse_row_adam", True, "gradient"),
+        ("sgd", True, "gradient_kl"),
     ],
 )
 def test_only_chosen_rows_change_and_nothing_else_when_frozen(optimizer_name, sparse, ranker):
     model = tiny_model(pkm_layers=[0, 2])
-    statistics = compute_background_statistics(model, batches(6, seed=2))
+    statistics = compute_background_statistics(model, batches(6, seed=2)) if ranker != "gradient" else None
     freeze_all_but_values(model)
     set_sparse_values(model, sparse)
     optimizer = value_optimizer(optimizer_name, model)
@@ -198,12 +262,17 @@ def test_only_chosen_rows_change_and_nothing_else_when_frozen(optimizer_name, sp
         before = {name: p.detach().clone() for name, p in model.state_dict().items()}
         with ReadCounter(model, training_only=True) as counter:
             model(**batch).loss.backward()
+        gradients = {layer: row_gradient_norms(memory.values.weight) for layer, memory in smf.memories.items()}
         optimizer.step()
         optimizer.zero_grad()
         after = model.state_dict()
         for layer, memory in smf.memories.items():
-            expected = rank_slots(counter.counts[layer], statistics, layer, 5, ranker)
+            expected = rank_slots(counter.counts[layer], statistics, layer, 5, ranker, gradients[layer])
             assert torch.equal(smf.chosen[layer], expected) and expected.numel() == 5
+            if ranker == "gradient":  # the 5 read rows of largest gradient: none left out has a larger one
+                left_out = torch.ones_like(gradients[layer], dtype=torch.bool)
+                left_out[expected] = False
+                assert gradients[layer][expected].min() >= gradients[layer][left_out].max()
             name = next(n for n, p in model.state_dict(keep_vars=True).items() if p is memory.values.weight)
             changed = (after[name] != before[name]).any(1).nonzero().squeeze(1)
             assert set(changed.tolist()) <= set(expected.tolist()) and changed.numel() > 0, layer
@@ -251,16 +320,17 @@ def test_train_rest_keeps_other_parameters_learning():
     assert smf.chosen["layer_1"].numel() == 2
 
 
-def test_trainer_callback_changes_only_chosen_rows(tmp_path):
+@pytest.mark.parametrize("ranker", ["tfidf", "gradient"])
+def test_trainer_callback_changes_only_chosen_rows(tmp_path, ranker):
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
     model = tiny_model()
-    statistics = compute_background_statistics(model, batches(4))
+    statistics = compute_background_statistics(model, batches(4)) if ranker == "tfidf" else None
     freeze_all_but_values(model)
     data = batches(4, seed=7, batch=1)
     dataset = Dataset.from_list([{k: v[0].tolist() for k, v in b.items()} for b in data])
-    callback = SparseMemoryFinetuningCallback(statistics, top_t=3)
+    callback = SparseMemoryFinetuningCallback(statistics, top_t=3, ranker=ranker)
     table = model.bert.encoder.layer[1].memory.values.weight
     before, state = table.detach().clone(), {n: p.detach().clone() for n, p in model.state_dict().items()}
     chosen = []
@@ -353,6 +423,31 @@ def test_run_mlm_trains_only_value_rows_and_resumes_exactly(run_mlm, tiny_checkp
     run_script(run_mlm, smf_args(tiny_checkpoint, resumed, f"--resume_from_checkpoint {straight / 'step_3'}"))
     expected, got = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert [n for n in expected if not torch.equal(expected[n], got[n])] == []
+
+
+def test_run_mlm_gradient_ranker_needs_no_background_and_resumes_exactly(run_mlm, tiny_checkpoint, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    def gradient_args(output_dir, options=""):
+        argv = smf_args(tiny_checkpoint, output_dir, f"--smf_ranker gradient {options}")
+        at = argv.index("--smf_background_file")
+        return argv[:at] + argv[at + 2 :]
+
+    straight = tmp_path / "straight"
+    run_script(run_mlm, gradient_args(straight, "--checkpointing_steps 3"))
+    initial, trained = load_file(tiny_checkpoint / "model.safetensors"), load_file(straight / "model.safetensors")
+    moved = [n for n in trained if not torch.equal(trained[n], initial[n]) and not n.endswith("num_batches_tracked")]
+    assert moved == ["bert.encoder.layer.1.memory.values.weight"]
+    assert 0 < (trained[moved[0]] != initial[moved[0]]).any(1).sum() <= 6 * 6
+    assert not (straight / STATISTICS_NAME).exists() and not (straight / "step_3" / STATISTICS_NAME).exists()
+    resumed = tmp_path / "resumed"
+    run_script(run_mlm, gradient_args(resumed, f"--resume_from_checkpoint {straight / 'step_3'}"))
+    got = load_file(resumed / "model.safetensors")
+    assert [n for n in trained if not torch.equal(trained[n], got[n])] == []
+    # a background is not read by this ranker: giving one is a mistake, said in one line
+    line = usage_error(capsys, lambda: run_script(run_mlm, smf_args(tiny_checkpoint, tmp_path / "c", "--smf_ranker gradient")))
+    assert "--smf_ranker gradient ranks each step's value gradient and reads no background" in line
+    assert not (tmp_path / "c" / "model.safetensors").exists()
 
 
 @pytest.mark.multiprocess

@@ -9,7 +9,7 @@ from ...utils.lazy_imports import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
-        ".arguments": ("SMF_RANKERS", "STATISTICS_NAME", "add_smf_arguments", "check_smf_arguments"),
+        ".arguments": ("GRADIENT_RANKERS", "SMF_RANKERS", "STATISTICS_NAME", "add_smf_arguments", "check_smf_arguments"),
         ".method": (
             "BackgroundStatistics",
             "ReadCounter",
@@ -19,9 +19,11 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "choose_slots",
             "compute_background_statistics",
             "freeze_all_but_values",
+            "gradient_scores",
             "kl_scores",
             "memory_layers",
             "rank_slots",
+            "row_gradient_norms",
             "tfidf_scores",
             "validate_top_t",
         ),

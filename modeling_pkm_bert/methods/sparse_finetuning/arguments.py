@@ -10,7 +10,8 @@ from ...utils.input_errors import InputError
 
 
 STATISTICS_NAME = "smf_background_statistics.safetensors"
-SMF_RANKERS = ("tfidf", "kl")
+SMF_RANKERS = ("tfidf", "kl", "gradient", "gradient_kl")
+GRADIENT_RANKERS = ("gradient", "gradient_kl")  # rank the step's value gradient
 
 
 def add_smf_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -45,7 +46,13 @@ def add_smf_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "processes), the unit a step's reads are ranked in (the re-implementations: 1000).",
     )
     group.add_argument("--smf_top_t", type=int, default=500, help="Value rows trained per memory layer and step.")
-    group.add_argument("--smf_ranker", choices=SMF_RANKERS, default="tfidf", help="tfidf (Lin et al.) or kl.")
+    group.add_argument(
+        "--smf_ranker",
+        choices=SMF_RANKERS,
+        default="tfidf",
+        help="tfidf (Lin et al.), kl, gradient: the read rows of largest value gradient in the step (no background), "
+        "or gradient_kl: kl with the step's gradient mass in place of its reads.",
+    )
     group.add_argument(
         "--smf_train_rest",
         action="store_true",
@@ -64,6 +71,11 @@ def check_smf_arguments(args: argparse.Namespace) -> None:
         raise InputError(f"--smf_top_t {args.smf_top_t} must be >= 1")
     if args.smf_background_batches < 1:
         raise InputError(f"--smf_background_batches {args.smf_background_batches} must be >= 1")
+    if args.smf_ranker == "gradient" and (args.smf_background_file or args.smf_background_dataset):
+        raise InputError(
+            "--smf_ranker gradient ranks each step's value gradient and reads no background: drop "
+            "--smf_background_file / --smf_background_dataset"
+        )
     if args.smf_background_file and args.smf_background_dataset:
         raise InputError("give --smf_background_file or --smf_background_dataset, not both")
     if args.smf_background_file and not os.path.isfile(args.smf_background_file):
@@ -72,4 +84,4 @@ def check_smf_arguments(args: argparse.Namespace) -> None:
         raise InputError("--sparse_memory_finetuning trains memory values: it cannot be combined with --freeze_memory")
 
 
-__all__ = ["SMF_RANKERS", "STATISTICS_NAME", "add_smf_arguments", "check_smf_arguments"]
+__all__ = ["GRADIENT_RANKERS", "SMF_RANKERS", "STATISTICS_NAME", "add_smf_arguments", "check_smf_arguments"]

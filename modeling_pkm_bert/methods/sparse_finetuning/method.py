@@ -17,7 +17,13 @@ Recipe:
    step's reads of slot `i` (all micro-batches of a gradient accumulation, all processes: one document); the top `t`
    slots by
    - TF-IDF: `(c_i / sum_j c_j) * log((N + 1) / (df_i + 1))`;
-   - KL: `p_i * log(p_i / q_i)`, `p_i = c_i / sum_j c_j`, `q_i = (reads_i + 1) / sum_j (reads_j + 1)`.
+   - KL: `p_i * log(p_i / q_i)`, `p_i = c_i / sum_j c_j`, `q_i = (reads_i + 1) / sum_j (reads_j + 1)`;
+   - gradient ([`gradient_scores`]): `||g_i||^2`, the squared norm of the step's value gradient on slot `i` (all
+     micro-batches and processes, as the optimizer sees it; [`row_gradient_norms`]), no background needed: the rows
+     where this step's loss says most should change. Memories sharing one table rank the table's gradient, each
+     layer among the slots it read;
+   - gradient KL: KL's `p_i * log(p_i / q_i)` with `p_i = ||g_i||^2 / sum_j ||g_j||^2`, the step's gradient mass in
+     place of its reads: rows the step's loss wants changed that the background reads little.
    Slots the step did not read are never chosen (fewer than `t` read: all of them). Ties are broken by the lower slot
    index (a stable descending sort of float64 scores; every process computes the same choice from the same
    all-reduced counts).
@@ -79,7 +85,7 @@ from torch import nn
 
 from ...utils.input_errors import InputError
 from ...utils.memories import is_product_key_memory, memory_modules, ngram_memory_modules, readable_name, unwrap_model
-from .arguments import SMF_RANKERS, STATISTICS_NAME
+from .arguments import GRADIENT_RANKERS, SMF_RANKERS, STATISTICS_NAME
 from ..optimizers.memory_optimizer import clip_grad_norm_, unscale_once
 
 
@@ -413,17 +419,57 @@ def choose_slots(scores: torch.Tensor, top_t: int) -> torch.Tensor:
     return order[: min(top_t, eligible)].sort().values
 
 
+def gradient_scores(counts: torch.Tensor, row_gradient: torch.Tensor) -> torch.Tensor:
+    """The squared norm of each slot's value gradient `||g_i||^2` in float64 (a non-finite one ranks first); `-inf`
+    for unread slots."""
+    largest = torch.finfo(torch.float64).max
+    squared = torch.nan_to_num(row_gradient.to(counts.device).double(), nan=largest, posinf=largest)
+    return torch.where(counts > 0, squared, -math.inf)
+
+
 def rank_slots(
-    counts: torch.Tensor, statistics: BackgroundStatistics, layer: str, top_t: int, ranker: str = "tfidf"
+    counts: torch.Tensor,
+    statistics: "BackgroundStatistics | None",
+    layer: str,
+    top_t: int,
+    ranker: str = "tfidf",
+    row_gradient: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The slots of `layer` that a step with reads `counts` trains (see `choose_slots`)."""
+    """The slots of `layer` that a step with reads `counts` trains (see `choose_slots`); the gradient rankers need
+    `row_gradient` (each slot's squared gradient norm, `row_gradient_norms`), `gradient` no statistics."""
     if ranker == "tfidf":
         scores = tfidf_scores(counts, statistics.document_frequency[layer], statistics.num_batches)
     elif ranker == "kl":
         scores = kl_scores(counts, statistics.reads[layer])
+    elif ranker in GRADIENT_RANKERS:
+        if row_gradient is None:
+            raise ValueError(f"the {ranker} ranker needs row_gradient (each slot's squared gradient norm)")
+        scores = gradient_scores(counts, row_gradient)
+        if ranker == "gradient_kl":  # the KL ranker with the step's gradient mass in place of its read counts
+            mass = torch.where(counts > 0, scores, 0.0)
+            # a read row without gradient scores p log(p / q) -> 0: eligible, as every read row is
+            scores = torch.where(mass > 0, kl_scores(mass, statistics.reads[layer]), scores)
     else:
         raise ValueError(f"ranker={ranker!r}: expected one of {SMF_RANKERS}")
     return choose_slots(scores, top_t)
+
+
+@torch.no_grad()
+def row_gradient_norms(weight: torch.Tensor) -> torch.Tensor:
+    """The squared norm of every row of `weight.grad` in float64 (zeros without a gradient): dense, sparse COO
+    (`set_sparse_values`) or a DTensor (memory parallel's column shards, FSDP2's row shards; summed over the mesh, so
+    every process ranks the same norms)."""
+    grad = weight.grad
+    rows = weight.shape[0]
+    if grad is None:
+        return torch.zeros(rows, dtype=torch.float64)
+    if hasattr(grad, "full_tensor"):  # a DTensor: the rows' sums over every shard
+        return grad.double().pow(2).sum(1).full_tensor().cpu()
+    if grad.is_sparse:
+        grad = grad.coalesce()
+        squared = torch.zeros(rows, dtype=torch.float64, device=grad.device)
+        return squared.index_add_(0, grad.indices()[0], grad.values().double().pow(2).sum(1)).cpu()
+    return grad.double().pow(2).sum(1).cpu()
 
 
 # ---- the update ----
@@ -468,9 +514,10 @@ class SparseMemoryFinetuning:
 
     Args:
         model: The model (the one that runs forwards; a DDP wrapper is fine).
-        statistics: Its `BackgroundStatistics` (checked against the model's memories).
+        statistics: Its `BackgroundStatistics` (checked against the model's memories); None with the `gradient`
+            ranker, which needs none.
         top_t: Slots kept per layer and step, in [1, slots of a layer].
-        ranker: `"tfidf"` or `"kl"`.
+        ranker: `"tfidf"`, `"kl"` or `"gradient"`.
 
     Attributes:
         chosen: `{layer: LongTensor}`, the slots chosen at the last step (ascending).
@@ -479,11 +526,14 @@ class SparseMemoryFinetuning:
             tables is trainable), so that the reads ranked are those the background statistics count.
     """
 
-    def __init__(self, model: nn.Module, statistics: BackgroundStatistics, top_t: int, ranker: str = "tfidf"):
+    def __init__(self, model: nn.Module, statistics: BackgroundStatistics | None, top_t: int, ranker: str = "tfidf"):
         if ranker not in SMF_RANKERS:
             raise ValueError(f"ranker={ranker!r}: expected one of {SMF_RANKERS}")
-        statistics.check_model(model)
-        validate_top_t(top_t, statistics.mem_sizes)
+        if statistics is None and ranker != "gradient":
+            raise InputError(f"the {ranker} ranker needs background statistics (only the gradient ranker needs none)")
+        if statistics is not None:
+            statistics.check_model(model)
+        validate_top_t(top_t, model)
         self.statistics, self.top_t, self.ranker = statistics, top_t, ranker
         self.model = unwrap_model(model)
         self.memories = memory_layers(model)
@@ -566,8 +616,13 @@ class SparseMemoryFinetuning:
             flat = torch.cat([counts[name] for name in names])
             torch.distributed.all_reduce(flat)
             counts = dict(zip(names, flat.split([counts[name].numel() for name in names])))
+        gradients = {}  # the gradient ranker: each table's rows (a shared table's gradient serves all its layers)
+        if self.ranker in GRADIENT_RANKERS:
+            for weight, layers in self.tables.values():
+                gradients.update(dict.fromkeys(layers, row_gradient_norms(weight)))
         self.chosen = {
-            name: rank_slots(counts[name].cpu(), self.statistics, name, self.top_t, self.ranker) for name in counts
+            name: rank_slots(counts[name].cpu(), self.statistics, name, self.top_t, self.ranker, gradients.get(name))
+            for name in counts
         }
         masks = {}
         for key, (weight, layers) in self.tables.items():
@@ -623,11 +678,13 @@ class SparseMemoryFinetuning:
         back on `load_state`, so a resumed run ranks exactly as the uninterrupted one."""
 
         def save(models, weights, output_dir):
-            if accelerator.is_main_process:
+            if accelerator.is_main_process and self.statistics is not None:
                 self.statistics.save(os.path.join(output_dir, STATISTICS_NAME))
 
         def load(models, input_dir):
             path = os.path.join(input_dir, STATISTICS_NAME)
+            if self.statistics is None:  # the gradient ranker keeps no statistics
+                return
             if not os.path.isfile(path):
                 raise InputError(
                     f"{input_dir} holds no {STATISTICS_NAME}: resume it without --sparse_memory_finetuning"
@@ -664,7 +721,7 @@ class SparseMemoryFinetuningCallback(_trainer_callback_base()):
     Adam-family optimizer the unchosen rows are restored after the step.
     """
 
-    def __init__(self, statistics: BackgroundStatistics, top_t: int, ranker: str = "tfidf"):
+    def __init__(self, statistics: BackgroundStatistics | None, top_t: int, ranker: str = "tfidf"):
         self.statistics, self.top_t, self.ranker = statistics, top_t, ranker
         self.smf: SparseMemoryFinetuning | None = None
         self.max_grad_norm: float | None = None
@@ -741,7 +798,9 @@ __all__ = [
     "kl_scores",
     "memory_layers",
     "value_table",
+    "gradient_scores",
     "rank_slots",
+    "row_gradient_norms",
     "tfidf_scores",
     "validate_top_t",
 ]

@@ -87,7 +87,8 @@ def setup_from_args(
     args, accelerator, model, tokenizer, max_seq_length: int, checkpoint: str | None = None, logger=None, causal=False
 ) -> "smf.SparseMemoryFinetuning | None":
     """For the scripts, before the optimizers are made: checks the flags, gets the background statistics (background
-    text in blocks of `max_seq_length` tokens, cut as a causal LM's with `causal=True`), freezes everything but the
+    text in blocks of `max_seq_length` tokens, cut as a causal LM's with `causal=True`; none for the gradient
+    ranker), freezes everything but the
     values (unless `--smf_train_rest`), and returns the `SparseMemoryFinetuning` (call `.attach(memory_optimizer)` and
     `.register_for_checkpointing(accelerator)` after `accelerator.prepare`), or None when `--sparse_memory_finetuning`
     is off."""
@@ -99,6 +100,8 @@ def setup_from_args(
         trainable = smf.freeze_all_but_values(model)
         if logger:
             logger.info(f"SMF: everything but the memory values frozen ({trainable:,} value parameters)")
+    if args.smf_ranker == "gradient":  # ranks the step's own gradient: no background
+        return smf.SparseMemoryFinetuning(model, None, args.smf_top_t, args.smf_ranker)
     statistics = statistics_from_args(args, accelerator, model, tokenizer, max_seq_length, checkpoint, logger, causal)
     if accelerator.is_main_process and args.output_dir:
         os.makedirs(args.output_dir, exist_ok=True)
