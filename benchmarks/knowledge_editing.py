@@ -29,8 +29,9 @@ Stages (each run is kept in `benchmarks/knowledge_editing.json` as it finishes; 
 Methods: `full` (every parameter, the memory values at 5x the network's rate as in training A), `lora` (peft, r 16 on
 the attention and FFN projections; a loop of this script, since run_mlm.py has no LoRA flag: same data, batch, masking
 rate, AdamW and schedule), `values` (the memory values only, every row a step reads: `--sparse_memory_finetuning
---smf_top_t <all slots>`), `smf_<ranker>_t<T>` (Lin et al. 2025's sparse memory finetuning), `plain_full` and
-`plain_lora` (the model without memory).
+--smf_top_t <all slots>`), `smf_<ranker>_t<T>` (Lin et al. 2025's sparse memory finetuning; the rankers `tfidf`, `kl`,
+`gradient` and `gradient_kl`, Adam on the values unless the name ends in `_sgd`), `plain_full` and `plain_lora` (the
+model without memory).
 """
 
 from __future__ import annotations
@@ -109,8 +110,12 @@ METHODS = {  # name -> (A model, how B is learned, learning rates swept: the net
 }
 # A models converted from the real all-MiniLM-L6-v2 with +Init (`--minilm`): the knowledge-capacity benchmark's arm
 # (h), whose memory stored 1.9x plain MiniLM's bits
-PRETRAINED_ARMS = kc.MINILM_ARMS
+PRETRAINED_ARMS = dict(kc.MINILM_ARMS)
 MINILM_SLOTS = kc.MINILM_N_KEYS**2
+# room for B: A's text reads 14k of each 16k-row memory of ResM-MiniLM (88%), so a new fact's rows are old facts' rows;
+# the demo's 512^2 slots a memory (its values step with SparseRowAdam, a step reading a small part of the table)
+LARGE_N_KEYS = 512
+PRETRAINED_ARMS["minilm_resm_large"] = [*kc.MINILM_ARMS["minilm_resm"][:-1], str(LARGE_N_KEYS), "--memory_optimizer", "sparse_row_adam"]
 METHODS.update({
     "minilm_full": ("minilm_resm", dict(kind="full"), [1e-4, 3e-4, 1e-3]),
     "minilm_lora": ("minilm_resm", dict(kind="lora"), [1e-3, 3e-3, 1e-2]),
@@ -120,6 +125,24 @@ METHODS.update({
     # step (the runs at 1e-2 are kept in the JSON; never the best)
     **{f"minilm_smf_{ranker}_t{t}": ("minilm_resm", dict(kind="smf", ranker=ranker, top_t=t), [3e-2, 1e-1, 3e-1])
        for ranker, t in (("tfidf", 1000), ("kl", 100), ("kl", 1000))},
+    # the rows of largest gradient on the step (the diagnosis: the best 100 rows a layer hold 73% of B's gradient and
+    # 4.4% of A's reads), no background
+    **{f"minilm_smf_gradient_t{t}": ("minilm_resm", dict(kind="smf", ranker="gradient", top_t=t), [3e-2, 1e-1, 3e-1])
+       for t in (100, 1000)},
+    # the KL ranker with the step's gradient mass in place of its reads: B's gradient, away from the rows A's text reads
+    # (swept first at 1e-2-1e-1, where it learned nothing below 1e-1: moved up one step as the other rankers' range)
+    **{f"minilm_smf_gradient_kl_t{t}": ("minilm_resm", dict(kind="smf", ranker="gradient_kl", top_t=t), [3e-2, 1e-1, 3e-1])
+       for t in (100, 1000)},
+    # plain SGD (Lin et al.'s optimizer): a row moves with its gradient, where Adam moves every chosen row by about the
+    # learning rate whatever its gradient (B's gradient is 1e-4-1e-3 an element on the top rows, the values 0.18)
+    **{f"minilm_smf_gradient_t{t}_sgd": ("minilm_resm", dict(kind="smf", ranker="gradient", top_t=t, optimizer="sgd"),
+                                         [10.0, 30.0, 100.0]) for t in (100, 1000)},
+    "minilm_values_sgd": ("minilm_resm", dict(kind="smf", ranker="gradient", top_t=MINILM_SLOTS, optimizer="sgd"), [10.0, 30.0, 100.0]),
+    # the same A and B on memories of 512^2 slots (the large arm; every method's values with SparseRowAdam); KL left out:
+    # on the 128^2 memories it forgot as much as full finetuning
+    "minilm_large_full": ("minilm_resm_large", dict(kind="full", optimizer="sparse_row_adam"), [1e-4, 3e-4, 1e-3]),
+    **{f"minilm_large_smf_{ranker}_t{t}": ("minilm_resm_large", dict(kind="smf", ranker=ranker, top_t=t, optimizer="sparse_row_adam"), lrs)
+       for ranker, t, lrs in (("tfidf", 1000, [3e-2, 1e-1, 3e-1]), ("gradient_kl", 1000, [3e-2, 1e-1, 3e-1]))},
     "minilm_plain_full": ("minilm_plain", dict(kind="full"), [1e-4, 3e-4, 1e-3]),
     "minilm_plain_lora": ("minilm_plain", dict(kind="lora"), [1e-3, 3e-3, 1e-2]),
 })  # fmt: skip
@@ -143,7 +166,7 @@ MINILM = {**FULL, "a_steps": 600, "a_lr": 1e-3, "wiki_train": 200, "b_steps": 20
 MINILM_QUICK = {**QUICK, "a_steps": 8, "a_lr": 1e-3, "b_steps": 4, "checkpoints": 2}
 
 QUICK_METHODS = ["full", "lora", "values", "smf_kl_t100", "plain_lora", "ngram_smf_tfidf_t1000"]  # every code path once: the suite's minutes
-MINILM_QUICK_METHODS = ["minilm_smf_kl_t100", "minilm_plain_lora"]
+MINILM_QUICK_METHODS = ["minilm_smf_kl_t100", "minilm_smf_gradient_t100_sgd", "minilm_plain_lora"]
 
 
 def parse_args(argv=None):
@@ -356,7 +379,7 @@ def measure_folder(folder: str, data: str) -> dict:
 # Diagnosis: where SMF's rows lie against the gradient of B
 
 
-SMF_CHOICES = [(ranker, t) for ranker in ("tfidf", "kl") for t in (100, 1000)]
+SMF_CHOICES = [(ranker, t) for ranker in ("tfidf", "kl", "gradient", "gradient_kl") for t in (100, 1000)]
 
 
 def smf_diagnosis(model_dir: Path, data: Path, background: Path, batch_size: int, batches: int, seed: int = 0) -> dict:
@@ -417,7 +440,7 @@ def smf_diagnosis(model_dir: Path, data: Path, background: Path, batch_size: int
         for ranker, t in SMF_CHOICES:
             entry = shares[f"{ranker}_t{t}"]
             for key, which in (("all_positions", 0), ("masked_positions", 1)):
-                chosen = {name: rank_slots(layer[which], statistics, name, t, ranker) for name, layer in layers.items()}
+                chosen = {name: rank_slots(layer[which], statistics, name, t, ranker, layer[2]) for name, layer in layers.items()}
                 entry[key].append(sum(layers[name][2][rows].sum().item() for name, rows in chosen.items()) / total)
                 if key == "all_positions":  # the rows an SMF step writes
                     entry["a_reads_in_chosen"].append(sum(a_reads[name][rows].sum().item() for name, rows in chosen.items()) / a_total)
@@ -560,6 +583,11 @@ def ngram_row_sharing(model_dir: Path, data: Path) -> dict:
     }
 
 
+def rows_read(statistics) -> dict:
+    """`{layer: [rows A's text reads, rows]}` from an A model's background statistics: the room left for B."""
+    return {layer: [int((reads > 0).sum()), reads.numel()] for layer, reads in statistics.reads.items()}
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Runs
 
@@ -632,8 +660,16 @@ class Benchmark:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.data / "tokenizer")
-        arms = sorted({METHODS[m][0] for m in self.args.methods}, key=lambda arm: arm not in ("resm", "minilm_resm"))  # SMF's first
-        jobs = [arm for arm in arms if arm not in self.results.read().get("bases", {})]
+        arms = sorted({METHODS[m][0] for m in self.args.methods}, key=lambda arm: arm not in ("resm", "minilm_resm", "minilm_resm_large"))  # SMF's first
+        bases = self.results.read().get("bases", {})
+        jobs = [arm for arm in arms if arm not in bases]
+        for arm in arms:  # an A model trained before its rows were counted: from its saved background statistics
+            background = self.base_folder(arm).parent / BACKGROUND
+            if arm in bases and "rows_read_by_a" not in bases[arm] and background.exists():
+                from modeling_pkm_bert.methods.sparse_finetuning.method import BackgroundStatistics
+
+                with self.results.locked() as data:
+                    data["bases"][arm]["rows_read_by_a"] = rows_read(BackgroundStatistics.load(background))
         with concurrent.futures.ThreadPoolExecutor(self.args.workers) as pool:
             list(pool.map(lambda arm: self.train_base(arm, len(tokenizer)), jobs))
 
@@ -659,12 +695,14 @@ class Benchmark:
                 config_file.write_text(json.dumps(config, indent=1))
             seconds = self.train(folder, command)
         metrics = self.measure(self.base_folder(arm))["final"]
-        if arm in ("resm", "ngram", "ngram_large", "minilm_resm"):  # the models with a memory SMF ranks
+        entry = {"metrics": metrics, "train_seconds": round(seconds, 1), "command": portable(command[1:]), "machine": kc.machine()}
+        if arm in ("resm", "ngram", "ngram_large", "minilm_resm", "minilm_resm_large"):  # the models with a memory SMF ranks
             with LOADING:
-                self.background_statistics(self.base_folder(arm))
+                statistics = self.background_statistics(self.base_folder(arm))
+            # the room left for B: the rows A's text reads, per memory layer
+            entry["rows_read_by_a"] = rows_read(statistics)
         with self.results.locked() as data:
-            data.setdefault("bases", {})[arm] = {"metrics": metrics, "train_seconds": round(seconds, 1), "command": portable(command[1:]),
-                                                 "machine": kc.machine()}  # fmt: skip
+            data.setdefault("bases", {})[arm] = entry
         print(f"base {arm}: A recall {metrics['a']:.3f} (held-out {metrics['a_heldout']:.3f}), ppl {metrics['ppl']:.1f} ({seconds:.0f} s)", flush=True)
         return metrics
 
@@ -677,7 +715,7 @@ class Benchmark:
                 kc.trim_vocabulary(kc.minilm_path(), self.data / "tokenizer", trimmed)
         return trimmed
 
-    def background_statistics(self, model_dir: Path) -> None:
+    def background_statistics(self, model_dir: Path):
         """SMF's background: A's training text, shuffled, in documents of one training batch of lines (a step ranks one
         such batch), padded (padding is never looked up)."""
         from transformers import AutoModelForMaskedLM, AutoTokenizer
@@ -696,6 +734,7 @@ class Benchmark:
         documents = [{k: d[k] for k in ("input_ids", "attention_mask")} for d in documents]
         statistics = smf.compute_background_statistics(model, documents, max_batches=self.plan["background_documents"])
         statistics.save(model_dir.parent / BACKGROUND)
+        return statistics
 
     # stages 2 and 3: B
     def run(self, method: str, lr: float, seed: int) -> dict:
@@ -717,8 +756,11 @@ class Benchmark:
             command = self.mlm_command(model_dir, self.data / "b_train.txt", lr, memory_lr, steps, seed)
             command += ["--model_name_or_path", str(base_dir), "--checkpointing_steps", str(every)]
             if how["kind"] == "smf":
-                command += ["--sparse_memory_finetuning", "--smf_ranker", how["ranker"], "--smf_top_t", str(how["top_t"]),
-                            "--smf_background_file", str(base_dir.parent / BACKGROUND)]  # fmt: skip
+                command += ["--sparse_memory_finetuning", "--smf_ranker", how["ranker"], "--smf_top_t", str(how["top_t"])]
+                if how["ranker"] != "gradient":  # the one ranker that reads no background
+                    command += ["--smf_background_file", str(base_dir.parent / BACKGROUND)]
+            if "optimizer" in how:
+                command += ["--memory_optimizer", how["optimizer"]]
         seconds = self.trained(folder, command)
         if seconds is None:
             kc.prepare_own_folder(folder, TOOL)

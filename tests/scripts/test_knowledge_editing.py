@@ -246,8 +246,17 @@ def test_minilm_quick_pipeline_converts_the_real_encoder_and_diagnoses_both_memo
     command = [sys.executable, str(REPO_ROOT / "benchmarks" / "knowledge_editing.py"), "--minilm", "--quick", "--output_dir", str(tmp_path / "out")]
     subprocess.run(command, check=True, env=env, capture_output=True)
     results = json.loads((tmp_path / "out" / "knowledge_editing_minilm.json").read_text())
-    assert set(results["bases"]) == set(ke.PRETRAINED_ARMS) and results["plan"] == ke.MINILM_QUICK
+    assert set(results["bases"]) == {"minilm_resm", "minilm_plain"} and results["plan"] == ke.MINILM_QUICK
+    assert [rows for rows in results["bases"]["minilm_resm"]["rows_read_by_a"].values()] and all(
+        0 < read <= rows == ke.MINILM_SLOTS for read, rows in results["bases"]["minilm_resm"]["rows_read_by_a"].values()
+    )
     assert {r["method"] for r in results["runs"].values()} == set(ke.MINILM_QUICK_METHODS)
+    # the gradient ranker's run reads no background and steps the values with plain SGD; the KL ranker's reads one
+    commands = {r["method"]: r["command"] for r in results["runs"].values()}
+    gradient = commands["minilm_smf_gradient_t100_sgd"]
+    assert "--smf_background_file" not in gradient and gradient[gradient.index("--smf_ranker") + 1] == "gradient"
+    assert gradient[gradient.index("--memory_optimizer") + 1] == "sgd"
+    assert "--smf_background_file" in commands["minilm_smf_kl_t100"] and "--memory_optimizer" not in commands["minilm_smf_kl_t100"]
     from transformers import AutoConfig
 
     from modeling_pkm_bert import register_auto_classes
@@ -260,7 +269,7 @@ def test_minilm_quick_pipeline_converts_the_real_encoder_and_diagnoses_both_memo
     assert results["diagnosis"]["layers"] == 2 and results["diagnosis"]["rows"] == 2 * ke.MINILM_SLOTS
     assert "ngram_rows" not in results
     keying = results["keying"]  # both A models at both memory layers; slots only where there is a memory
-    assert set(keying) == set(ke.PRETRAINED_ARMS) and all(set(k) == {"layer_2", "layer_4"} for k in keying.values())
+    assert set(keying) == {"minilm_resm", "minilm_plain"} and all(set(k) == {"layer_2", "layer_4"} for k in keying.values())
     assert all(0.0 <= k["slots_same_fact"] <= 1.0 for k in keying["minilm_resm"].values())
     assert all("slots_same_fact" not in k and 0.0 <= k["person_nn"] <= 1.0 for k in keying["minilm_plain"].values())
     report = (tmp_path / "out" / "KNOWLEDGE_EDITING_MINILM.md").read_text()
