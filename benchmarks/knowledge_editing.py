@@ -181,6 +181,8 @@ def parse_args(argv=None):
                         choices=["base", "sweep", "seeds", "diagnose"])
     parser.add_argument("--methods", nargs="+", default=None, choices=list(METHODS), help=f"default: all (--quick: {QUICK_METHODS})")
     parser.add_argument("--learning_rates", nargs="+", type=float, default=None, help="sweep these instead of each method's")
+    parser.add_argument("--seed_learning_rates", nargs="+", type=float, default=None,
+                        help="the seeds stage runs these rates instead of each method's best (e.g. a lower bar's best)")
     parser.add_argument("--workers", type=int, default=2, help="runs trained side by side, one thread each")
     parser.add_argument("--report_only", action="store_true")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override a plan entry (a probe)")
@@ -838,8 +840,8 @@ class Benchmark:
         for method in self.args.methods:
             swept = [r for r in data["runs"].values() if r["method"] == method and r["seed"] == self.plan["seeds"][0]]
             if swept:
-                lr = best_lr(swept, bases, self.plan["target"])
-                jobs += [(method, lr, seed) for seed in self.plan["seeds"][1:]]
+                rates = self.args.seed_learning_rates or [best_lr(swept, bases, self.plan["target"])]
+                jobs += [(method, lr, seed) for lr in rates for seed in self.plan["seeds"][1:]]
         self.run_all(jobs)
 
 

@@ -75,7 +75,7 @@ def figure(rows: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(11, 5.5))
     colours = plt.get_cmap("tab20").colors
     for index, (method, row) in enumerate(rows.items()):
         curve = row["curves"][0]
@@ -87,7 +87,7 @@ def figure(rows: dict, path: Path) -> bool:
     legend = ", ".join(f"{name} {LINE_NAMES[style]}" for arm, (name, style) in ARM_STYLES.items() if arm in arms)
     ax.set_title(f"learning B against forgetting A (best learning rate, first seed)\nA model: {legend}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the curves, not over them
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -115,8 +115,10 @@ def write_report(args, data: dict) -> None:
         "",
         *([f"- The A models: all-MiniLM-L6-v2 (6 layers, hidden 384; its embedding trimmed to the data's word pieces) "
             f"converted with +Init, ResM with memories of {kc.MINILM_N_KEYS}^2 slots at layers "
-            f"{' and '.join(map(str, kc.MINILM_MEMORY_LAYERS))} (values from zero), and plain (no memory), each trained on A "
-            "as below."] if args.minilm else []),
+            f"{' and '.join(map(str, kc.MINILM_MEMORY_LAYERS))} (values from zero)"
+            + (f"; `minilm_resm_large` the same with {ke.LARGE_N_KEYS}^2 slots (its values step with SparseRowAdam, in A and "
+               "in B)" if "minilm_resm_large" in data.get("bases", {}) else "")
+            + "; and plain (no memory); each trained on A as below."] if args.minilm else []),
         f"- A: {plan['people']} people x 5 facts, each fact in {plan['per_fact']} lines (random training templates), "
         f"mixed with {plan['wiki_train']} WikiText-2 sentences; {plan['a_steps']} steps of {plan['batch_size']} lines "
         f"(lr {plan['a_lr']:g}, memory values {plan['a_memory_lr']:g}), seed 0.",
