@@ -517,7 +517,7 @@ class SparseMemoryFinetuning:
         statistics: Its `BackgroundStatistics` (checked against the model's memories); None with the `gradient`
             ranker, which needs none.
         top_t: Slots kept per layer and step, in [1, slots of a layer].
-        ranker: `"tfidf"`, `"kl"` or `"gradient"`.
+        ranker: `"tfidf"`, `"kl"`, `"gradient"` or `"gradient_kl"` (`SMF_RANKERS`).
 
     Attributes:
         chosen: `{layer: LongTensor}`, the slots chosen at the last step (ascending).
