@@ -647,16 +647,16 @@ def test_unchosen_rows_stay_bit_identical_whatever_their_gradient(optimizer_name
     assert torch.equal(table[unchosen], before[unchosen])
 
 
-def _chosen_update(step, big):
+def _chosen_update(step, big, ranker="tfidf"):
     """The update of the chosen rows after one SMF step of `step(model, smf, optimizer)`, with `big` added to the
-    gradient of every row the step did not read (never a chosen row)."""
+    gradient of every row the step did not read (never a chosen row, for the gradient ranker too)."""
     model = tiny_model()
-    statistics = compute_background_statistics(model, batches(3))
+    statistics = compute_background_statistics(model, batches(3)) if ranker != "gradient" else None
     freeze_all_but_values(model)
     table = model.bert.encoder.layer[1].memory.values.weight
     table.register_hook(lambda grad: grad + big * (grad.abs().sum(1, keepdim=True) == 0))
     optimizer = torch.optim.SGD([table], lr=1.0)
-    smf = SparseMemoryFinetuning(model, statistics, top_t=3).attach(optimizer)
+    smf = SparseMemoryFinetuning(model, statistics, top_t=3, ranker=ranker).attach(optimizer)
     before = table.detach().clone()
     step(model, smf, optimizer)
     chosen = smf.chosen["layer_1"]
@@ -683,10 +683,12 @@ def test_scripts_mask_before_clipping_the_memory_gradient():
     torch.testing.assert_close(update_big, update, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("ranker", ["tfidf", "gradient"])
 @pytest.mark.parametrize("fp16", [False, True])
-def test_trainer_callback_masks_before_clipping(tmp_path, simulate_fp16, fp16):
+def test_trainer_callback_masks_before_clipping(tmp_path, simulate_fp16, fp16, ranker):
     """Also under fp16 loss scaling (simulated: an injected GradScaler), where Trainer has unscaled the gradients for
-    its gradient-norm log before the callback clips: unscaled once, the same update."""
+    its gradient-norm log before the callback clips: unscaled once, the same update. The gradient ranker ranks the
+    scaled gradient: the same rows as without the scaler."""
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
@@ -699,7 +701,7 @@ def test_trainer_callback_masks_before_clipping(tmp_path, simulate_fp16, fp16):
 
     def step(model, smf, optimizer):
         smf.detach()  # the callback makes its own
-        callback = SparseMemoryFinetuningCallback(smf.statistics, top_t=3)
+        callback = SparseMemoryFinetuningCallback(smf.statistics, top_t=3, ranker=smf.ranker)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
         trainer = Trainer(
             model=model, args=arguments, train_dataset=dataset, callbacks=[callback], optimizers=(optimizer, scheduler)
@@ -710,13 +712,13 @@ def test_trainer_callback_masks_before_clipping(tmp_path, simulate_fp16, fp16):
         smf.chosen = callback.smf.chosen
         assert arguments.max_grad_norm == 1e-3  # given back
 
-    chosen, update = _chosen_update(step, 0.0)
-    chosen_big, update_big = _chosen_update(step, 1e3)
+    chosen, update = _chosen_update(step, 0.0, ranker)
+    chosen_big, update_big = _chosen_update(step, 1e3, ranker)
     assert torch.equal(chosen, chosen_big)
     torch.testing.assert_close(update_big, update, rtol=1e-6, atol=0)
     if fp16:  # the scaler-free run's update
         fp16 = False
-        plain_chosen, plain_update = _chosen_update(step, 0.0)
+        plain_chosen, plain_update = _chosen_update(step, 0.0, ranker)
         assert torch.equal(chosen, plain_chosen)
         torch.testing.assert_close(update, plain_update, rtol=1e-5, atol=0)
 
