@@ -147,6 +147,7 @@ METHODS.update({
     "minilm_plain_full": ("minilm_plain", dict(kind="full"), [1e-4, 3e-4, 1e-3]),
     "minilm_plain_lora": ("minilm_plain", dict(kind="lora"), [1e-3, 3e-3, 1e-2]),
 })  # fmt: skip
+MEMORY_ARMS = ("resm", "ngram", "ngram_large", "minilm_resm", "minilm_resm_large")  # the A models with a memory SMF ranks
 EDIT_ARMS = {"ngram_large": {"ngram_layers": [1], "ngram_table_size": 65536, "ngram_heads": 1, "ngram_dim": 32}}
 PROBE_METHODS = [m for m in METHODS if METHODS[m][0] in EDIT_ARMS]
 MINILM_METHODS = [m for m in METHODS if METHODS[m][0] in PRETRAINED_ARMS]
@@ -663,16 +664,8 @@ class Benchmark:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.data / "tokenizer")
-        arms = sorted({METHODS[m][0] for m in self.args.methods}, key=lambda arm: arm not in ("resm", "minilm_resm", "minilm_resm_large"))  # SMF's first
-        bases = self.results.read().get("bases", {})
-        jobs = [arm for arm in arms if arm not in bases]
-        for arm in arms:  # an A model trained before its rows were counted: from its saved background statistics
-            background = self.base_folder(arm).parent / BACKGROUND
-            if arm in bases and "rows_read_by_a" not in bases[arm] and background.exists():
-                from modeling_pkm_bert.methods.sparse_finetuning.method import BackgroundStatistics
-
-                with self.results.locked() as data:
-                    data["bases"][arm]["rows_read_by_a"] = rows_read(BackgroundStatistics.load(background))
+        arms = sorted({METHODS[m][0] for m in self.args.methods}, key=lambda arm: arm not in MEMORY_ARMS)  # SMF's first
+        jobs = [arm for arm in arms if arm not in self.results.read().get("bases", {})]
         with concurrent.futures.ThreadPoolExecutor(self.args.workers) as pool:
             list(pool.map(lambda arm: self.train_base(arm, len(tokenizer)), jobs))
 
@@ -699,7 +692,7 @@ class Benchmark:
             seconds = self.train(folder, command)
         metrics = self.measure(self.base_folder(arm))["final"]
         entry = {"metrics": metrics, "train_seconds": round(seconds, 1), "command": portable(command[1:]), "machine": kc.machine()}
-        if arm in ("resm", "ngram", "ngram_large", "minilm_resm", "minilm_resm_large"):  # the models with a memory SMF ranks
+        if arm in MEMORY_ARMS:
             with LOADING:
                 statistics = self.background_statistics(self.base_folder(arm))
             # the room left for B: the rows A's text reads, per memory layer

@@ -468,6 +468,25 @@ def test_run_mlm_two_processes_merge_the_statistics_exactly(run_mlm, tiny_checkp
     assert BackgroundStatistics.load(tmp_path / "ddp" / STATISTICS_NAME) == expected
 
 
+@pytest.mark.multiprocess
+def test_run_mlm_gradient_ranker_on_two_processes_and_an_odd_example_count(tiny_checkpoint, tmp_path):
+    """2 gloo processes, 13 examples (the last batch uneven), sparse value gradients: no hang, no background read or
+    written, and only the value rows of the memory change, at most t a step."""
+    from safetensors.torch import load_file
+
+    argv = smf_args(tiny_checkpoint, tmp_path / "ddp", "--smf_ranker gradient --max_train_samples 13 --max_train_steps 4 "
+                    "--per_device_train_batch_size 2 --gradient_accumulation_steps 1 --memory_optimizer sparse_row_adam "
+                    "--memory_learning_rate 0.01")  # fmt: skip
+    at = argv.index("--smf_background_file")
+    done = torchrun(SCRIPTS / "run_mlm.py", argv[:at] + argv[at + 2 :])
+    assert "MULTI_CPU" in done.stderr and "sparse gradients" in done.stderr
+    initial, trained = load_file(tiny_checkpoint / "model.safetensors"), load_file(tmp_path / "ddp" / "model.safetensors")
+    moved = [n for n in trained if not torch.equal(trained[n], initial[n]) and not n.endswith("num_batches_tracked")]
+    assert moved == ["bert.encoder.layer.1.memory.values.weight"]
+    assert 0 < (trained[moved[0]] != initial[moved[0]]).any(1).sum() <= 6 * 4
+    assert not (tmp_path / "ddp" / STATISTICS_NAME).exists()
+
+
 @pytest.mark.parametrize(
     "options,message",
     [

@@ -88,8 +88,7 @@ def setup_from_args(
 ) -> "smf.SparseMemoryFinetuning | None":
     """For the scripts, before the optimizers are made: checks the flags, gets the background statistics (background
     text in blocks of `max_seq_length` tokens, cut as a causal LM's with `causal=True`; none for the gradient
-    ranker), freezes everything but the
-    values (unless `--smf_train_rest`), and returns the `SparseMemoryFinetuning` (call `.attach(memory_optimizer)` and
+    ranker), freezes everything but the values (unless `--smf_train_rest`), and returns the `SparseMemoryFinetuning` (call `.attach(memory_optimizer)` and
     `.register_for_checkpointing(accelerator)` after `accelerator.prepare`), or None when `--sparse_memory_finetuning`
     is off."""
     if not args.sparse_memory_finetuning:
