@@ -100,6 +100,67 @@ def test_gradient_kl_ranker_is_kl_with_the_gradient_mass_in_place_of_reads():
         SparseMemoryFinetuning(tiny_model(), None, top_t=4, ranker="gradient_kl")
 
 
+def test_unread_ranker_takes_only_rows_no_background_document_read():
+    counts = torch.tensor([2, 0, 1, 3, 4])
+    df = torch.tensor([0, 0, 0, 1, 9])
+    statistics = BackgroundStatistics({"layer_0": 5})
+    statistics.document_frequency["layer_0"], statistics.num_batches = df, 36
+    # TF-IDF over 36 documents ranks slot 3 (read once in the background) first: 3/10 log(37/2) > 2/10 log(37)
+    assert rank_slots(counts, statistics, "layer_0", 1, "tfidf").tolist() == [3]
+    # unread: the step's most read slots among those the background never read; slots 3 and 4 never, whatever t
+    assert rank_slots(counts, statistics, "layer_0", 1, "unread").tolist() == [0]
+    assert rank_slots(counts, statistics, "layer_0", 5, "unread").tolist() == [0, 2]
+    # a step reading only background rows trains nothing
+    assert rank_slots(torch.tensor([0, 0, 0, 3, 4]), statistics, "layer_0", 5, "unread").tolist() == []
+
+
+@pytest.mark.parametrize("optimizer_name,sparse", [("sgd", False), ("adam", False), ("sparse_row_adam", True)])
+def test_unread_ranker_leaves_the_background_outputs_bit_identical(optimizer_name, sparse):
+    """The unread ranker writes only rows no background document reads, so the model's outputs on the background are
+    exactly what they were, however far the new data moved the values."""
+    model = tiny_model(pkm_layers=[0, 2], pkm_n_keys=16)  # 256 slots: room the background does not read
+    background = batches(2, seed=2)
+    statistics = compute_background_statistics(model, background)
+    model.eval()
+    with torch.no_grad():
+        before = [model(**{k: v for k, v in b.items() if k != "labels"}).logits for b in background]
+    freeze_all_but_values(model)
+    set_sparse_values(model, sparse)
+    optimizer = value_optimizer(optimizer_name, model)
+    smf = SparseMemoryFinetuning(model, statistics, top_t=50, ranker="unread").attach(optimizer)
+    tables = {layer: memory.values.weight.detach().clone() for layer, memory in smf.memories.items()}
+    model.train()
+    for batch in batches(4, seed=3):
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        for layer, rows in smf.chosen.items():
+            assert (statistics.document_frequency[layer][rows] == 0).all()
+    for layer, memory in smf.memories.items():
+        changed = (memory.values.weight != tables[layer]).any(1)
+        assert changed.any() and (statistics.document_frequency[layer][changed] == 0).all(), layer
+    model.eval()
+    with torch.no_grad():
+        after = [model(**{k: v for k, v in b.items() if k != "labels"}).logits for b in background]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+def test_unread_ranker_on_background_text_alone_changes_nothing():
+    model = tiny_model(pkm_layers=[0, 2])
+    data = batches(2, seed=4)
+    statistics = compute_background_statistics(model, data)  # every row the training batches read, the background read
+    freeze_all_but_values(model)
+    optimizer = value_optimizer("sgd", model)
+    smf = SparseMemoryFinetuning(model, statistics, top_t=50, ranker="unread").attach(optimizer)
+    before = {name: p.detach().clone() for name, p in model.state_dict().items()}
+    for batch in data:
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert all(rows.numel() == 0 for rows in smf.chosen.values()) and smf.steps == 2
+    assert all(torch.equal(p, before[name]) for name, p in model.state_dict().items() if not name.endswith("num_batches_tracked"))
+
+
 def test_row_gradient_norms_of_dense_and_sparse_gradients_agree():
     norms = {}
     for sparse in (False, True):
@@ -194,6 +255,33 @@ def test_background_blocks_are_cut_as_the_script_cuts_its_training_text():
     bert = background_batches(_DigitTokenizer(cls_token_id=7, sep_token_id=9), texts, 3, batch_size=2, causal=True)
     assert [b["input_ids"].tolist() for b in bert] == [[[1, 2, 3], [9, 4, 5]]]
     assert all(torch.equal(b["attention_mask"], torch.ones_like(b["input_ids"])) for b in gpt + bert)
+
+
+def test_a_masked_lm_background_is_masked_as_its_training_batches_and_passed_over_again():
+    from transformers import BertTokenizer, DataCollatorForLanguageModeling
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *(f"w{i}" for i in range(40))]
+    tokenizer = BertTokenizer(vocab={w: i for i, w in enumerate(vocab)})
+    texts = [" ".join(f"w{(i * 7 + j) % 40}" for j in range(30)) for i in range(4)]  # 120 tokens: 4 blocks of 30
+    plain = background_batches(tokenizer, texts, 32, batch_size=2)
+    assert len(plain) == 2 and all(b["input_ids"].shape == (2, 32) for b in plain)
+
+    def masked(seed=0):
+        masker = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3)
+        return background_batches(tokenizer, texts, 32, batch_size=2, max_batches=5, masker=masker, seed=seed)
+
+    batches = masked()
+    assert len(batches) == 5  # 2 passes and a half: fresh masks each pass
+    ids = torch.stack([b["input_ids"] for b in batches[:4]]).view(2, 4, 32)
+    original = torch.stack([b["input_ids"] for b in plain]).view(4, 32)
+    changed = ids != original
+    assert changed[:, :, [0, -1]].sum() == 0  # [CLS] and [SEP] are never masked
+    assert (ids == tokenizer.mask_token_id).any() and not torch.equal(changed[0], changed[1])
+    assert 0.15 < changed.float().mean() < 0.35  # ~0.3 * (0.8 + 0.1 random) of the inner tokens
+    # the same seed, the same masks (every process draws them alike); another seed, others
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches, masked()))
+    assert not all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches, masked(seed=1)))
+    assert all(torch.equal(b["attention_mask"], torch.ones(2, 32, dtype=torch.long)) for b in batches[:4])
 
 
 def test_bad_statistics_and_arguments_are_clear_errors(tmp_path):
@@ -417,12 +505,37 @@ def test_run_mlm_trains_only_value_rows_and_resumes_exactly(run_mlm, tiny_checkp
     assert 0 < rows <= 6 * 6  # at most t rows a step
     statistics = BackgroundStatistics.load(straight / STATISTICS_NAME)
     assert statistics.num_batches == 5
+    # the background's blocks masked as the training batches are (--mlm_probability 0.15, from --seed 3), 8 a document
+    from transformers import AutoTokenizer, DataCollatorForLanguageModeling
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    texts = [line for line in BACKGROUND.read_text(encoding="utf-8").splitlines() if line.strip()]
+    masked = background_batches(tokenizer, texts, 32, 8, 5, masker=DataCollatorForLanguageModeling(tokenizer), seed=3)
+    assert statistics == compute_background_statistics(BertPkmForMaskedLM.from_pretrained(tiny_checkpoint), masked)
     assert BackgroundStatistics.load(straight / "step_3" / STATISTICS_NAME) == statistics
     # the resumed run takes the statistics from the checkpoint and ends with the weights of the straight run
     resumed = tmp_path / "resumed"
     run_script(run_mlm, smf_args(tiny_checkpoint, resumed, f"--resume_from_checkpoint {straight / 'step_3'}"))
     expected, got = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert [n for n in expected if not torch.equal(expected[n], got[n])] == []
+
+
+def test_run_mlm_unread_ranker_moves_only_rows_the_background_never_read(run_mlm, tiny_checkpoint, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    roomy = tmp_path / "roomy"  # the tiny checkpoint with 32^2 slots: room a background of 1 document does not read
+    shutil.copytree(tiny_checkpoint, roomy)
+    torch.manual_seed(0)
+    BertPkmForMaskedLM(tiny_config(vocab_size=200, pkm_n_keys=32)).save_pretrained(roomy)
+    run_script(run_mlm, smf_args(roomy, tmp_path / "out", "--smf_ranker unread --smf_background_batches 1"))
+    initial, trained = load_file(roomy / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    moved = [n for n in trained if not torch.equal(trained[n], initial[n]) and not n.endswith("num_batches_tracked")]
+    assert moved == ["bert.encoder.layer.1.memory.values.weight"]
+    rows = (trained[moved[0]] != initial[moved[0]]).any(1)
+    unread = BackgroundStatistics.load(tmp_path / "out" / STATISTICS_NAME).document_frequency["layer_1"] == 0
+    assert 0 < rows.sum() <= 6 * 6 and unread[rows].all() and not unread.all()
 
 
 def test_run_mlm_gradient_ranker_needs_no_background_and_resumes_exactly(run_mlm, tiny_checkpoint, tmp_path, capsys):

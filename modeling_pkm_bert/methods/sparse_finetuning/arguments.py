@@ -10,7 +10,7 @@ from ...utils.input_errors import InputError
 
 
 STATISTICS_NAME = "smf_background_statistics.safetensors"
-SMF_RANKERS = ("tfidf", "kl", "gradient", "gradient_kl")
+SMF_RANKERS = ("tfidf", "kl", "unread", "gradient", "gradient_kl")
 GRADIENT_RANKERS = ("gradient", "gradient_kl")  # rank the step's value gradient
 
 
@@ -43,15 +43,17 @@ def add_smf_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         default=1000,
         help="Number N of background documents, each as many sequences of the training length (--max_seq_length, "
         "run_clm's --block_size) as one optimizer step's batch (per-device batch x gradient accumulation x "
-        "processes), the unit a step's reads are ranked in (the re-implementations: 1000).",
+        "processes), the unit a step's reads are ranked in (the re-implementations: 1000). run_mlm masks them as its "
+        "training batches (--mlm_probability) and passes over the text with fresh masks until N documents.",
     )
     group.add_argument("--smf_top_t", type=int, default=500, help="Value rows trained per memory layer and step.")
     group.add_argument(
         "--smf_ranker",
         choices=SMF_RANKERS,
         default="tfidf",
-        help="tfidf (Lin et al.), kl, gradient: the read rows of largest value gradient in the step (no background), "
-        "or gradient_kl: kl with the step's gradient mass in place of its reads.",
+        help="tfidf (Lin et al.), kl, unread: the step's most read rows among those the background never reads, "
+        "gradient: the read rows of largest value gradient in the step (no background), or gradient_kl: kl with the "
+        "step's gradient mass in place of its reads.",
     )
     group.add_argument(
         "--smf_train_rest",
