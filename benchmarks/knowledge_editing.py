@@ -144,6 +144,16 @@ METHODS.update({
     "minilm_large_full": ("minilm_resm_large", dict(kind="full", optimizer="sparse_row_adam"), [1e-4, 3e-4, 1e-3]),
     **{f"minilm_large_smf_{ranker}_t{t}": ("minilm_resm_large", dict(kind="smf", ranker=ranker, top_t=t, optimizer="sparse_row_adam"), lrs)
        for ranker, t, lrs in (("tfidf", 1000, [3e-2, 1e-1, 3e-1]), ("gradient_kl", 1000, [3e-2, 1e-1, 3e-1]))},
+    # only rows A's text never reads (TF-IDF's IDF over A's 36 documents hardly tells a row read once from a free one):
+    # B's facts read 2% of their rows there, so the values of those rows must grow far (rates up to 1)
+    "minilm_large_smf_unread_t1000": ("minilm_resm_large", dict(kind="smf", ranker="unread", top_t=1000, optimizer="sparse_row_adam"),
+                                      [1e-1, 3e-1, 1.0]),
+    # the same two rankers against A's text masked as its training steps saw it (200 documents, ~5.5 passes): A's facts
+    # are recalled at [MASK] positions, whose rows the unmasked text does not read (the unread ranker at lr 0.3
+    # lost 8.3 points writing rows the unmasked background never read)
+    **{f"minilm_large_smf_{ranker}_t1000_masked": ("minilm_resm_large", dict(kind="smf", ranker=ranker, top_t=1000,
+                                                   optimizer="sparse_row_adam", background="masked"), lrs)
+       for ranker, lrs in (("tfidf", [1e-1, 3e-1, 1.0]), ("unread", [3e-1, 1.0, 3.0]))},
     "minilm_plain_full": ("minilm_plain", dict(kind="full"), [1e-4, 3e-4, 1e-3]),
     "minilm_plain_lora": ("minilm_plain", dict(kind="lora"), [1e-3, 3e-3, 1e-2]),
 })  # fmt: skip
@@ -383,7 +393,7 @@ def measure_folder(folder: str, data: str) -> dict:
 # Diagnosis: where SMF's rows lie against the gradient of B
 
 
-SMF_CHOICES = [(ranker, t) for ranker in ("tfidf", "kl", "gradient", "gradient_kl") for t in (100, 1000)]
+SMF_CHOICES = [(ranker, t) for ranker in ("tfidf", "kl", "unread", "gradient", "gradient_kl") for t in (100, 1000)]
 
 
 def smf_diagnosis(model_dir: Path, data: Path, background: Path, batch_size: int, batches: int, seed: int = 0) -> dict:
@@ -461,6 +471,45 @@ def smf_diagnosis(model_dir: Path, data: Path, background: Path, batch_size: int
         "touched": {key: mean(values) for key, values in touched.items()},
         "shares": {choice: {key: mean(values) for key, values in entry.items()} for choice, entry in shares.items()},
     }
+
+
+def background_coverage(model_dir: Path, data: Path, backgrounds: dict[str, Path]) -> dict:
+    """`{background: {layer: {...}}}`: per background statistics file and memory layer, the rows its documents read and
+    the share of what each probe set reads at its masked values (A's untouched facts, the edits, the new people's
+    facts: the value masked in a training template, every head's knn) that lies in rows no document read. For A that is
+    what the background fails to protect (the unread ranker may write there); for B, the room an update that writes
+    only rows the background never read has."""
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    from modeling_pkm_bert import register_auto_classes
+    from modeling_pkm_bert.methods.sparse_finetuning.method import BackgroundStatistics, memory_layers
+
+    register_auto_classes()
+    tokenizer = AutoTokenizer.from_pretrained(data / "tokenizer")
+    model = AutoModelForMaskedLM.from_pretrained(model_dir).eval()
+    memories, reads = memory_layers(model), {}
+    hooks = [memory.values.register_forward_hook(lambda module, args, output, name=name: reads.__setitem__(name, args[0].detach()))
+             for name, memory in memories.items()]  # fmt: skip
+    probes, counts = Probes(data), {}
+    with torch.no_grad():
+        for group in ("a", "edits", "new"):
+            counts[group] = {name: torch.zeros(memory.n_keys**2, dtype=torch.long) for name, memory in memories.items()}
+            for ids, start, value in tokenize_probes(tokenizer, probes.sets[group, "train"]):
+                model(input_ids=torch.tensor([ids[:start] + [tokenizer.mask_token_id] * len(value) + ids[start + len(value) :]]))
+                for name in memories:
+                    counts[group][name] += torch.bincount(reads[name][start : start + len(value)].reshape(-1), minlength=memories[name].n_keys**2)
+    for hook in hooks:
+        hook.remove()
+    found = {}
+    for background, path in backgrounds.items():
+        statistics = BackgroundStatistics.load(path)
+        found[background] = {"documents": statistics.num_batches}
+        for name in memories:
+            unread = statistics.document_frequency[name] == 0
+            found[background][name] = {"rows_read": int((~unread).sum()), "rows": int(unread.numel()),
+                                       **{f"{group}_outside": counts[group][name][unread].sum().item() / counts[group][name].sum().item()
+                                          for group in counts}}  # fmt: skip
+    return found
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -613,6 +662,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFF
 
 LOADING = threading.Lock()
 BACKGROUND = "smf_background.safetensors"  # beside the A model's folder: the statistics every SMF run ranks with
+# A's text masked as its training steps saw it (the `background="masked"` methods): a masked LM's step reads rows at its
+# [MASK] positions that the unmasked text never reads, and A's facts are recalled at such positions
+BACKGROUND_MASKED = "smf_background_masked.safetensors"
 
 
 class Benchmark:
@@ -711,10 +763,12 @@ class Benchmark:
                 kc.trim_vocabulary(kc.minilm_path(), self.data / "tokenizer", trimmed)
         return trimmed
 
-    def background_statistics(self, model_dir: Path):
+    def background_statistics(self, model_dir: Path, masked: bool = False):
         """SMF's background: A's training text, shuffled, in documents of one training batch of lines (a step ranks one
-        such batch), padded (padding is never looked up)."""
-        from transformers import AutoModelForMaskedLM, AutoTokenizer
+        such batch), padded (padding is never looked up). `masked`: as A's training steps saw it, each document masked
+        as run_mlm.py masks a batch, passes over the text (each shuffled anew, fresh masks) up to
+        `background_documents` documents."""
+        from transformers import AutoModelForMaskedLM, AutoTokenizer, DataCollatorForLanguageModeling
 
         from modeling_pkm_bert import register_auto_classes
         from modeling_pkm_bert.methods import sparse_finetuning as smf  # the module, not a name: where each name lives may move
@@ -725,11 +779,18 @@ class Benchmark:
         model = AutoModelForMaskedLM.from_pretrained(model_dir)
         lines = [line for line in (self.data / "a_train.txt").read_text(encoding="utf-8").splitlines() if line]
         random.Random(0).shuffle(lines)
-        size = self.plan["batch_size"]
-        documents = [tokenizer(lines[i : i + size], padding=True, return_tensors="pt") for i in range(0, len(lines) - size + 1, size)]
+        size, limit = self.plan["batch_size"], self.plan["background_documents"]
+        if not masked:
+            documents = [tokenizer(lines[i : i + size], padding=True, return_tensors="pt") for i in range(0, len(lines) - size + 1, size)]
+        else:
+            collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15, seed=0)
+            documents, order = [], list(lines)
+            while len(documents) < limit:
+                documents += [collator([tokenizer(line) for line in order[i : i + size]]) for i in range(0, len(order) - size + 1, size)]
+                random.Random(len(documents)).shuffle(order)
         documents = [{k: d[k] for k in ("input_ids", "attention_mask")} for d in documents]
-        statistics = smf.compute_background_statistics(model, documents, max_batches=self.plan["background_documents"])
-        statistics.save(model_dir.parent / BACKGROUND)
+        statistics = smf.compute_background_statistics(model, documents, max_batches=limit)
+        statistics.save(model_dir.parent / (BACKGROUND_MASKED if masked else BACKGROUND))
         return statistics
 
     # stages 2 and 3: B
@@ -753,7 +814,12 @@ class Benchmark:
             command += ["--model_name_or_path", str(base_dir), "--checkpointing_steps", str(every)]
             if how["kind"] == "smf":
                 command += ["--sparse_memory_finetuning", "--smf_ranker", how["ranker"], "--smf_top_t", str(how["top_t"])]
-                if how["ranker"] != "gradient":  # the one ranker that reads no background
+                if how.get("background") == "masked":
+                    if not (base_dir.parent / BACKGROUND_MASKED).exists():
+                        with LOADING:
+                            self.background_statistics(base_dir, masked=True)
+                    command += ["--smf_background_file", str(base_dir.parent / BACKGROUND_MASKED)]
+                elif how["ranker"] != "gradient":  # the one ranker that reads no background
                     command += ["--smf_background_file", str(base_dir.parent / BACKGROUND)]
             if "optimizer" in how:
                 command += ["--memory_optimizer", how["optimizer"]]
@@ -783,11 +849,25 @@ class Benchmark:
     # stage 4: the diagnosis of SMF's choice
     def diagnose(self):
         base = self.base_folder("minilm_resm" if self.args.minilm else "resm")
-        with LOADING:
-            result = smf_diagnosis(base, self.data, base.parent / BACKGROUND, self.plan["batch_size"],
-                                   batches=8 if not self.args.quick else 2)  # fmt: skip
-        with self.results.locked() as data:
-            data["diagnosis"] = result
+        result = None
+        if base.exists():  # a probe of the large memory alone has no 128^2 A model
+            with LOADING:
+                result = smf_diagnosis(base, self.data, base.parent / BACKGROUND, self.plan["batch_size"],
+                                       batches=8 if not self.args.quick else 2)  # fmt: skip
+            with self.results.locked() as data:
+                data["diagnosis"] = result
+        # what each background protects: A's reads at its masked values outside the background's rows
+        arms = [arm for arm in dict.fromkeys(METHODS[m][0] for m in self.args.methods)
+                if arm in MEMORY_ARMS and not arm.startswith("ngram") and self.base_folder(arm).exists()]  # product keys: a query's rows
+        for arm in arms:
+            folder = self.base_folder(arm)
+            with LOADING:
+                if not (folder.parent / BACKGROUND_MASKED).exists():
+                    self.background_statistics(folder, masked=True)
+                coverage = background_coverage(folder, self.data, {"unmasked": folder.parent / BACKGROUND, "masked": folder.parent / BACKGROUND_MASKED})
+            with self.results.locked() as data:
+                data.setdefault("background_coverage", {})[arm] = coverage
+            print(f"background coverage {arm}: {coverage}", flush=True)
         if self.args.minilm:  # is the memory keyed by the person or by the template? (the capacity benchmark's measure)
             with LOADING:
                 keying = self.keying()
@@ -801,7 +881,7 @@ class Benchmark:
                 data["ngram_rows"] = sharing
             print(f"n-gram rows: A reads {sharing['rows_read_by_a']:,} of {sharing['rows']:,}; of a B line's rows "
                   f"{sharing['b_rows_read_by_a']:.1%} are read by A", flush=True)  # fmt: skip
-        for choice, entry in result["shares"].items():
+        for choice, entry in (result or {"shares": {}})["shares"].items():
             print(f"{choice}: gradient share {entry['all_positions']:.3f} (reads at masked positions only "
                   f"{entry['masked_positions']:.3f}; best rows {entry['best_rows']:.3f})", flush=True)  # fmt: skip
 

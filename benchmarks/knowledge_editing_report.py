@@ -211,6 +211,26 @@ def write_report(args, data: dict) -> None:
                       "template; every layer, head and knn) that lies in the rows an SMF step on B writes; in the best "
                       "rows: the same for the t rows a layer of largest gradient on B."]  # fmt: skip
         lines.append("")
+    coverage = data.get("background_coverage")
+    if coverage:
+        lines += [
+            "## What the background protects (`background_coverage`)",
+            "",
+            "SMF's background is A's training text in documents of a training batch of lines: unmasked, or masked as A's "
+            "training steps masked it (15%, fresh masks each pass, up to the plan's background documents). Outside: the share of what each set of facts reads at "
+            "its masked value (a training template, every head's knn) that lies in rows no background document read. For "
+            "A it is what an update sparing the background's rows can still damage; for B, the room such an update has.",
+            "",
+            "| A model | background | layer | rows it reads | A's reads outside | edits' | new people's |",
+            "|---|---|---|---:|---:|---:|---:|",
+        ]
+        for arm, by_background in coverage.items():
+            for background, entry in by_background.items():
+                for layer, c in entry.items():
+                    if layer != "documents":
+                        lines.append(f"| {arm} | {background} ({entry['documents']} documents) | {layer} | {c['rows_read']:,} of "
+                                     f"{c['rows']:,} | {c['a_outside']:.2%} | {c['edits_outside']:.2%} | {c['new_outside']:.2%} |")  # fmt: skip
+        lines.append("")
     keying = data.get("keying")
     if keying:
         lines += [

@@ -176,6 +176,9 @@ def test_quick_pipeline_resumes_and_measures_every_checkpoint(tmp_path):
         assert 0.0 <= entry["all_positions"] <= entry["best_rows"] + 1e-9 <= 1.0 + 1e-9
         assert 0.0 <= entry["a_reads_in_chosen"] <= 1.0 and 0 < entry["rows_chosen"] <= int(choice.rsplit("_t", 1)[1])  # one memory
         assert 0.0 <= entry["masked_positions"] <= entry["best_rows"] + 1e-9
+    coverage = results["background_coverage"]  # the product-key A model only, against both backgrounds
+    assert set(coverage) == {"resm"} and set(coverage["resm"]) == {"unmasked", "masked"}
+    assert all(0.0 <= c[f"{g}_outside"] <= 1.0 for b in coverage["resm"].values() for k, c in b.items() if k != "documents" for g in ("a", "edits", "new"))
     sharing = results["ngram_rows"]  # the n-gram model's rows: counts within the tables, shares within [0, 1]
     assert 0 < sharing["rows_read_by_a"] <= sharing["rows"] == ke.NGRAM_ROWS and sharing["rows_per_b_line"] > 0
     assert 0.0 <= sharing["b_rows_read_by_10_a_lines"] <= sharing["b_rows_read_by_a"] <= 1.0
@@ -215,10 +218,41 @@ def test_smf_diagnosis_counts_every_memory_layer(tmp_path):
     touched = result["touched"]
     assert 0 < touched["rows_read_at_masked"] < touched["rows_with_gradient"] <= touched["rows_read"] <= 128
     for choice, entry in result["shares"].items():  # t of 100 and 1000: more than a layer's 64 slots
+        if choice.startswith("unread"):  # only the read rows the background never read: a part of the gradient
+            assert 0.0 <= entry["all_positions"] < 1.0 and entry["best_rows"] == pytest.approx(1.0)
+            assert entry["rows_chosen"] < touched["rows_read"]
+            continue
         assert entry["all_positions"] == pytest.approx(1.0) and entry["best_rows"] == pytest.approx(1.0), choice
         assert 0.0 < entry["masked_positions"] < 1.0
         assert entry["rows_chosen"] == pytest.approx(touched["rows_read"])  # every row a batch reads is written
         assert 0.0 < entry["a_reads_in_chosen"] <= 1.0 and entry["a_reads_in_best"] == pytest.approx(1.0)  # every row
+
+
+def test_background_coverage_is_zero_for_a_background_of_the_probes_themselves(tmp_path):
+    """A background whose documents are A's probes, masked as measured, leaves none of A's reads outside its rows; one
+    document of other text leaves some outside, and the new people's facts, never in the background, read outside it."""
+    data, tokenizer = real_data(tmp_path)
+    from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM
+    from modeling_pkm_bert.analysis.knowledge import tokenize_probes
+    from modeling_pkm_bert.methods import sparse_finetuning as smf
+
+    torch.manual_seed(0)
+    config = BertPkmConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                           pkm_layers=[0, 1], pkm_n_keys=32, pkm_k_dim=16, pkm_heads=2, pkm_knn=4, pkm_value_init="normal")  # fmt: skip
+    model = BertPkmForMaskedLM(config).eval()
+    model.save_pretrained(tmp_path / "model")
+    probes = [ids[:start] + [tokenizer.mask_token_id] * len(value) + ids[start + len(value) :]
+              for ids, start, value in tokenize_probes(tokenizer, ke.Probes(data).sets["a", "train"])]  # fmt: skip
+    own = [{"input_ids": torch.tensor([ids])} for ids in probes]
+    smf.compute_background_statistics(model, own).save(tmp_path / "own.safetensors")
+    other = [{k: v for k, v in tokenizer(["the weather was mild and the river was calm ."], return_tensors="pt").items() if k != "token_type_ids"}]
+    smf.compute_background_statistics(model, other).save(tmp_path / "other.safetensors")
+    found = ke.background_coverage(tmp_path / "model", data, {"own": tmp_path / "own.safetensors", "other": tmp_path / "other.safetensors"})
+    assert found["own"]["documents"] == len(probes) and found["other"]["documents"] == 1
+    for layer in ("layer_0", "layer_1"):
+        assert found["own"][layer]["a_outside"] == 0.0 and found["other"][layer]["a_outside"] > 0.0
+        assert 0 < found["other"][layer]["rows_read"] < found["own"][layer]["rows_read"] <= found["own"][layer]["rows"] == 1024
+        assert 0.0 < found["other"][layer]["new_outside"] <= 1.0
 
 
 def test_minilm_preset_keeps_its_own_plan_methods_and_files(tmp_path):
@@ -274,7 +308,7 @@ def test_minilm_quick_pipeline_converts_the_real_encoder_and_diagnoses_both_memo
     assert all("slots_same_fact" not in k and 0.0 <= k["person_nn"] <= 1.0 for k in keying["minilm_plain"].values())
     report = (tmp_path / "out" / "KNOWLEDGE_EDITING_MINILM.md").read_text()
     assert "all-MiniLM-L6-v2" in report and "| minilm_smf_kl_t100 |" in report and "of its 2 memory layers" in report
-    assert "| minilm_resm | layer_4 |" in report
+    assert "| minilm_resm | layer_4 |" in report and "| minilm_resm | masked (4 documents) | layer_4 |" in report
 
 
 def test_commands_are_kept_without_this_machines_folders():
