@@ -43,8 +43,7 @@ def add_smf_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         default=1000,
         help="Number N of background documents, each as many sequences of the training length (--max_seq_length, "
         "run_clm's --block_size) as one optimizer step's batch (per-device batch x gradient accumulation x "
-        "processes), the unit a step's reads are ranked in (the re-implementations: 1000). run_mlm masks them as its "
-        "training batches (--mlm_probability) and passes over the text with fresh masks until N documents.",
+        "processes), the unit a step's reads are ranked in (the re-implementations: 1000).",
     )
     group.add_argument("--smf_top_t", type=int, default=500, help="Value rows trained per memory layer and step.")
     group.add_argument(

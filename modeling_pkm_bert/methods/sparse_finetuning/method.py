@@ -27,7 +27,9 @@ Recipe:
    - unread: `c_i` among the slots no background document read (`df_i == 0`), the others never: TF-IDF's limit
      for a background that must stay intact (the knowledge a model holds). A small background is such a case, where
      the IDF hardly separates a row read in one document from a row never read (`log(37 / 2)` against `log(37)` at
-     `N = 36`), so TF-IDF writes rows the background reads.
+     `N = 36`), so TF-IDF writes rows the background reads. Outputs on the background itself stay bit-identical;
+     a masked LM's facts are recalled at [MASK] positions, whose rows unmasked text does not read, so they are not
+     protected (`benchmarks/KNOWLEDGE_EDITING_MINILM_UNREAD.md`: it forgot more than TF-IDF).
    Slots the step did not read are never chosen (fewer than `t` read: all of them). Ties are broken by the lower slot
    index (a stable descending sort of float64 scores; every process computes the same choice from the same
    all-reduced counts).
@@ -762,19 +764,11 @@ def background_batches(
     batch_size: int,
     max_batches: int | None = None,
     causal: bool = False,
-    masker=None,
-    seed: int = 0,
 ) -> list[dict[str, torch.Tensor]]:
     """Background batches: the texts tokenized, concatenated and cut into blocks of `max_seq_length` tokens, as the
     script's training blocks are, `batch_size` blocks a batch (the last one may be short). A masked LM's blocks lie
     between [CLS] and [SEP] (`run_mlm.py`); a causal LM's (`causal=True`, `run_clm.py`) have no special token, each
-    text followed by the separator (the tokenizer's end-of-text token, else [SEP]).
-
-    `masker` (a masked LM's `DataCollatorForLanguageModeling`): each batch masked as a training step masks its batch
-    (its `torch_mask_tokens`, a generator seeded from `seed` and the batch's index: every process draws the same masks),
-    and the blocks passed over again, fresh masks each pass, until `max_batches` batches (one pass without it). A masked
-    LM's step reads rows at its [MASK] positions that the unmasked text never reads, and the facts a model holds are
-    recalled at such positions (`benchmarks/KNOWLEDGE_EDITING_MINILM_UNREAD.md`)."""
+    text followed by the separator (the tokenizer's end-of-text token, else [SEP])."""
     if not texts:
         return []
     lines = tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -793,18 +787,11 @@ def background_batches(
             for start in range(0, len(ids) - inner + 1, inner)
         ]
     batches = []
-    while blocks and (not batches or (masker is not None and max_batches is not None)):
-        for start in range(0, len(blocks), batch_size):
-            input_ids = torch.tensor(blocks[start : start + batch_size])
-            attention_mask = torch.ones_like(input_ids)
-            if masker is not None:  # [CLS] and [SEP] are never masked
-                special = torch.zeros_like(input_ids)
-                special[:, 0] = special[:, -1] = 1
-                masker.generator = torch.Generator().manual_seed(seed * 1_000_003 + len(batches))
-                input_ids = masker.torch_mask_tokens(input_ids, special)[0]
-            batches.append({"input_ids": input_ids, "attention_mask": attention_mask})
-            if max_batches is not None and len(batches) >= max_batches:
-                return batches
+    for start in range(0, len(blocks), batch_size):
+        input_ids = torch.tensor(blocks[start : start + batch_size])
+        batches.append({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)})
+        if max_batches is not None and len(batches) >= max_batches:
+            break
     return batches
 
 

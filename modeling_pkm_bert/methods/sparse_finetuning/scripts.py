@@ -38,8 +38,7 @@ def statistics_from_args(
     """The background statistics a script trains with: from the checkpoint being resumed, a statistics file
     (`--smf_background_file x.safetensors`, or the one beside the model), or computed from background text with the
     frozen model (each process its share of the batches, then summed; blocks of a causal LM with `causal=True`, see
-    `background_batches`; a masked LM's, where `args` has `mlm_probability`, masked as its training batches are and
-    passed over until `--smf_background_batches` documents). Checked against the model."""
+    `background_batches`). Checked against the model."""
     unwrapped = accelerator.unwrap_model(model).to(accelerator.device)  # prepare() would move it there anyway
     source = None
     if checkpoint and os.path.isfile(os.path.join(checkpoint, smf.STATISTICS_NAME)):
@@ -63,14 +62,8 @@ def statistics_from_args(
     texts = _background_texts(args)
     # a background document is what one optimizer step ranks: its global batch (module docstring)
     document = args.per_device_train_batch_size * getattr(args, "gradient_accumulation_steps", 1)
-    masker = None
-    if not causal and getattr(args, "mlm_probability", None):  # run_mlm: the background masked as its steps are
-        from transformers import DataCollatorForLanguageModeling
-
-        masker = DataCollatorForLanguageModeling(tokenizer, mlm_probability=args.mlm_probability)
     batches = smf.background_batches(
-        tokenizer, texts, max_seq_length, document * accelerator.num_processes, args.smf_background_batches, causal,
-        masker=masker, seed=args.seed or 0,
+        tokenizer, texts, max_seq_length, document * accelerator.num_processes, args.smf_background_batches, causal
     )
     if not batches:
         raise InputError(
