@@ -30,9 +30,11 @@ Methods: `full` (every parameter, the memory values at 5x the network's rate as 
 the attention and FFN projections; a loop of this script, since run_mlm.py has no LoRA flag: same data, batch, masking
 rate, AdamW and schedule), `values` (the memory values only, every row a step reads: `--sparse_memory_finetuning
 --smf_top_t <all slots>`), `smf_<ranker>_t<T>` (Lin et al. 2025's sparse memory finetuning; the rankers `tfidf`, `kl`,
-`gradient` and `gradient_kl`, Adam on the values unless the name ends in `_sgd`), `plain_full` and `plain_lora` (the
-model without memory). `--minilm` adds `minilm_large_*`: the same A model with 512^2 slots a memory (room for B: the A
-text reads 22-28% of its rows, 82-87% of the 128^2 ones).
+`unread`, `gradient` and `gradient_kl`, Adam on the values unless the name ends in `_sgd`; against A's text masked as
+its training steps saw it where the name ends in `_masked`), `plain_full` and `plain_lora` (the model without memory).
+`--minilm` adds `minilm_large_*`: the same A model with 512^2 slots a memory (room for B: the A text reads 22-28% of its
+rows, 82-87% of the 128^2 ones). The diagnose stage also measures what each background protects
+(`background_coverage`).
 """
 
 from __future__ import annotations
