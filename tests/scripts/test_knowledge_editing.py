@@ -195,20 +195,27 @@ def test_quick_pipeline_resumes_and_measures_every_checkpoint(tmp_path):
     assert json.loads(measured.stdout.strip().splitlines()[-1])["final"] == runs["values/lr0.03/seed0"]["final"]
 
 
+def two_memory_model(tokenizer, folder, n_keys: int):
+    """A tiny masked LM with a memory of `n_keys`^2 slots in each of its two layers, saved to `folder`, in eval mode."""
+    from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertPkmConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                           pkm_layers=[0, 1], pkm_n_keys=n_keys, pkm_k_dim=16, pkm_heads=2, pkm_knn=4, pkm_value_init="normal")  # fmt: skip
+    model = BertPkmForMaskedLM(config).eval()
+    model.save_pretrained(folder)
+    return model
+
+
 def test_smf_diagnosis_counts_every_memory_layer(tmp_path):
     """A model with memories of 64 slots in two layers: with t >= a layer's slots SMF's choice is every row read, so it
     holds all of the gradient (which only rows read get), as the best rows do; with one layer's gradient left out of
     the sum the shares could not reach 1. The first layer's rows read at unmasked positions get a gradient too (the
     second layer attends to them), so the reads at masked positions alone hold less."""
     data, tokenizer = real_data(tmp_path)
-    from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM
     from modeling_pkm_bert.methods import sparse_finetuning as smf
 
-    torch.manual_seed(0)
-    config = BertPkmConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                           pkm_layers=[0, 1], pkm_n_keys=8, pkm_k_dim=16, pkm_heads=2, pkm_knn=4, pkm_value_init="normal")  # fmt: skip
-    model = BertPkmForMaskedLM(config).eval()
-    model.save_pretrained(tmp_path / "model")
+    model = two_memory_model(tokenizer, tmp_path / "model", n_keys=8)
     lines = (data / "a_train.txt").read_text().splitlines()[:16]
     documents = [{k: v for k, v in tokenizer(lines[i : i + 8], padding=True, return_tensors="pt").items() if k != "token_type_ids"}
                  for i in (0, 8)]  # fmt: skip
@@ -232,15 +239,10 @@ def test_background_coverage_is_zero_for_a_background_of_the_probes_themselves(t
     """A background whose documents are A's probes, masked as measured, leaves none of A's reads outside its rows; one
     document of other text leaves some outside, and the new people's facts, never in the background, read outside it."""
     data, tokenizer = real_data(tmp_path)
-    from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM
     from modeling_pkm_bert.analysis.knowledge import tokenize_probes
     from modeling_pkm_bert.methods import sparse_finetuning as smf
 
-    torch.manual_seed(0)
-    config = BertPkmConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                           pkm_layers=[0, 1], pkm_n_keys=32, pkm_k_dim=16, pkm_heads=2, pkm_knn=4, pkm_value_init="normal")  # fmt: skip
-    model = BertPkmForMaskedLM(config).eval()
-    model.save_pretrained(tmp_path / "model")
+    model = two_memory_model(tokenizer, tmp_path / "model", n_keys=32)
     probes = [ids[:start] + [tokenizer.mask_token_id] * len(value) + ids[start + len(value) :]
               for ids, start, value in tokenize_probes(tokenizer, ke.Probes(data).sets["a", "train"])]  # fmt: skip
     own = [{"input_ids": torch.tensor([ids])} for ids in probes]
