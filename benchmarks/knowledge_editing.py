@@ -398,6 +398,27 @@ def measure_folder(folder: str, data: str) -> dict:
 SMF_CHOICES = [(ranker, t) for ranker in ("tfidf", "kl", "unread", "gradient", "gradient_kl") for t in (100, 1000)]
 
 
+def hook_value_lookups(memories: dict) -> tuple[dict, list]:
+    """`(reads, hooks)`: after each forward `reads[layer]` holds the rows the layer's value lookup read (real tokens x
+    heads x knn); remove the hooks when done."""
+    reads = {}
+    hooks = [memory.values.register_forward_hook(lambda module, args, output, name=name: reads.__setitem__(name, args[0].detach()))
+             for name, memory in memories.items()]  # fmt: skip
+    return reads, hooks
+
+
+@torch.no_grad()
+def reads_at_masked_values(model, memories: dict, reads: dict, tokenizer, probes: list[dict]) -> dict:
+    """`{layer: counts}`: how often each row is read at the probes' values, each value masked in its sentence (one
+    probe a forward: no padding, so the reads' rows are the sequence's positions)."""
+    counts = {name: torch.zeros(memory.n_keys**2, dtype=torch.long) for name, memory in memories.items()}
+    for ids, start, value in tokenize_probes(tokenizer, probes):
+        model(input_ids=torch.tensor([ids[:start] + [tokenizer.mask_token_id] * len(value) + ids[start + len(value) :]]))
+        for name in memories:
+            counts[name] += torch.bincount(reads[name][start : start + len(value)].reshape(-1), minlength=len(counts[name]))
+    return counts
+
+
 def smf_diagnosis(model_dir: Path, data: Path, background: Path, batch_size: int, batches: int, seed: int = 0) -> dict:
     """Per (ranker, top-t): the mean over `batches` B training batches of the share of the values' gradient (squared
     norm, every memory layer's together) in the rows SMF chooses from the step's reads (`t` a layer), of all positions
@@ -418,16 +439,8 @@ def smf_diagnosis(model_dir: Path, data: Path, background: Path, batch_size: int
     model = AutoModelForMaskedLM.from_pretrained(model_dir).eval()
     statistics = BackgroundStatistics.load(background)
     memories = memory_layers(model)
-    reads = {}
-    hooks = [memory.values.register_forward_hook(lambda module, args, output, name=name: reads.__setitem__(name, args[0].detach()))
-             for name, memory in memories.items()]  # fmt: skip
-    a_reads = {name: torch.zeros(memory.n_keys**2, dtype=torch.float64) for name, memory in memories.items()}
-    with torch.no_grad():  # one probe a forward: no padding, so the reads' rows are the sequence's positions
-        for ids, start, value in tokenize_probes(tokenizer, Probes(data).sets["a", "train"]):
-            masked = ids[:start] + [tokenizer.mask_token_id] * len(value) + ids[start + len(value) :]
-            model(input_ids=torch.tensor([masked]))
-            for name in memories:
-                a_reads[name] += torch.bincount(reads[name][start : start + len(value)].reshape(-1), minlength=len(a_reads[name]))
+    reads, hooks = hook_value_lookups(memories)
+    a_reads = {name: counts.double() for name, counts in reads_at_masked_values(model, memories, reads, tokenizer, Probes(data).sets["a", "train"]).items()}
     a_total = sum(counts.sum().item() for counts in a_reads.values())
     lines = [line for line in (data / "b_train.txt").read_text(encoding="utf-8").splitlines() if line]
     random.Random(seed).shuffle(lines)
@@ -489,17 +502,10 @@ def background_coverage(model_dir: Path, data: Path, backgrounds: dict[str, Path
     register_auto_classes()
     tokenizer = AutoTokenizer.from_pretrained(data / "tokenizer")
     model = AutoModelForMaskedLM.from_pretrained(model_dir).eval()
-    memories, reads = memory_layers(model), {}
-    hooks = [memory.values.register_forward_hook(lambda module, args, output, name=name: reads.__setitem__(name, args[0].detach()))
-             for name, memory in memories.items()]  # fmt: skip
-    probes, counts = Probes(data), {}
-    with torch.no_grad():
-        for group in ("a", "edits", "new"):
-            counts[group] = {name: torch.zeros(memory.n_keys**2, dtype=torch.long) for name, memory in memories.items()}
-            for ids, start, value in tokenize_probes(tokenizer, probes.sets[group, "train"]):
-                model(input_ids=torch.tensor([ids[:start] + [tokenizer.mask_token_id] * len(value) + ids[start + len(value) :]]))
-                for name in memories:
-                    counts[group][name] += torch.bincount(reads[name][start : start + len(value)].reshape(-1), minlength=memories[name].n_keys**2)
+    memories = memory_layers(model)
+    reads, hooks = hook_value_lookups(memories)
+    probes = Probes(data)
+    counts = {group: reads_at_masked_values(model, memories, reads, tokenizer, probes.sets[group, "train"]) for group in ("a", "edits", "new")}
     for hook in hooks:
         hook.remove()
     found = {}
@@ -795,6 +801,14 @@ class Benchmark:
         statistics.save(model_dir.parent / (BACKGROUND_MASKED if masked else BACKGROUND))
         return statistics
 
+    def masked_background(self, model_dir: Path) -> Path:
+        """The masked background's file beside the A model, computed the first time it is asked for."""
+        path = model_dir.parent / BACKGROUND_MASKED
+        with LOADING:
+            if not path.exists():
+                self.background_statistics(model_dir, masked=True)
+        return path
+
     # stages 2 and 3: B
     def run(self, method: str, lr: float, seed: int) -> dict:
         key = f"{method}/lr{lr:g}/seed{seed}"
@@ -817,10 +831,7 @@ class Benchmark:
             if how["kind"] == "smf":
                 command += ["--sparse_memory_finetuning", "--smf_ranker", how["ranker"], "--smf_top_t", str(how["top_t"])]
                 if how.get("background") == "masked":
-                    if not (base_dir.parent / BACKGROUND_MASKED).exists():
-                        with LOADING:
-                            self.background_statistics(base_dir, masked=True)
-                    command += ["--smf_background_file", str(base_dir.parent / BACKGROUND_MASKED)]
+                    command += ["--smf_background_file", str(self.masked_background(base_dir))]
                 elif how["ranker"] != "gradient":  # the one ranker that reads no background
                     command += ["--smf_background_file", str(base_dir.parent / BACKGROUND)]
             if "optimizer" in how:
@@ -863,10 +874,9 @@ class Benchmark:
                 if arm in MEMORY_ARMS and not arm.startswith("ngram") and self.base_folder(arm).exists()]  # product keys: a query's rows
         for arm in arms:
             folder = self.base_folder(arm)
+            masked = self.masked_background(folder)
             with LOADING:
-                if not (folder.parent / BACKGROUND_MASKED).exists():
-                    self.background_statistics(folder, masked=True)
-                coverage = background_coverage(folder, self.data, {"unmasked": folder.parent / BACKGROUND, "masked": folder.parent / BACKGROUND_MASKED})
+                coverage = background_coverage(folder, self.data, {"unmasked": folder.parent / BACKGROUND, "masked": masked})
             with self.results.locked() as data:
                 data.setdefault("background_coverage", {})[arm] = coverage
             print(f"background coverage {arm}: {coverage}", flush=True)
