@@ -14,9 +14,13 @@ __getattr__, __dir__, __all__ = lazy_exports(
         ".lazy_imports": ("lazy_exports",),
         ".memories": ("is_product_key_memory", "memory_modules", "readable_name", "unwrap_model"),
         ".output_folders": (
+            "COMMAND_PATHS",
+            "CommandPaths",
             "OVERWRITE_FLAG",
             "OutputFolderError",
+            "check_command_paths",
             "check_output_folder",
+            "command_paths_problem",
             "mark_output_folder",
             "model_folder",
             "output_folder_problem",
