@@ -8,7 +8,7 @@ import torch
 
 from ..utils.input_errors import InputError, usage_errors
 from ..utils.memories import memory_modules
-from ..utils.output_folders import check_output_folder, mark_output_folder
+from ..utils.output_folders import check_command_paths, check_output_folder, mark_output_folder
 
 
 # (argument, lowest allowed value, what it means); checked only where the script has the argument and it is given
@@ -77,16 +77,26 @@ def validate_training_arguments(parser: argparse.ArgumentParser, args: argparse.
         problem = output_dir_problem(output_dir)
         if problem:
             parser.error(f"--output_dir {output_dir!r}: {problem}")
-        # the output-folder contract: the script's marker (`.run_mlm`) recognises its own output (a rerun); resuming
-        # from a checkpoint inside the folder says it is the run's (a checkpoint copied or left by an older release)
+        from .checkpoints import CHECKPOINT_NAME, latest_checkpoint
+
+        # a resume of `latest` finds its checkpoint now, before anything is created or marked
+        if resume == "latest" and latest_checkpoint(output_dir) is None:
+            parser.error(f"--resume_from_checkpoint latest: no step_<N>/epoch_<E> folder in --output_dir {output_dir!r}")
+        # the output-folder contract: the script's marker (`.run_mlm`) recognises its own output (a rerun); a resume
+        # counts only where the checkpoint it resumes is a step_<N>/epoch_<E> folder of the output folder (one copied
+        # or left by an older release): asking for a resume is no permission to overwrite a folder
         args.output_tool = os.path.splitext(parser.prog)[0]
-        resumes_here = resume == "latest" or (
-            resume is not None and os.path.realpath(os.path.dirname(os.path.abspath(resume))) == os.path.realpath(output_dir)
+        checkpoint = latest_checkpoint(output_dir) if resume == "latest" else resume
+        resumes_here = (
+            checkpoint is not None
+            and CHECKPOINT_NAME.match(os.path.basename(os.path.normpath(checkpoint))) is not None
+            and os.path.realpath(os.path.dirname(os.path.abspath(checkpoint))) == os.path.realpath(output_dir)
         )
         reads = [(f"--{name}", getattr(args, name, None)) for name in ("model_name_or_path", "config_name", "tokenizer_name")]
         with usage_errors(parser):
             overwrite = getattr(args, "overwrite_output_dir", False) or resumes_here
             check_output_folder(output_dir, args.output_tool, overwrite=overwrite, reads=reads)
+    check_command_paths(parser, args, os.path.splitext(parser.prog)[0])  # no output inside what the run reads
     check_parallel_arguments(parser, args)
 
 
@@ -168,9 +178,8 @@ def output_dir_problem(output_dir: str) -> str | None:
 
 def prepare_output_dir(output_dir: str, tool: str | None = None) -> None:
     """Creates `output_dir` and proves it writable (a probe file written and removed) before any data is loaded or
-    any step is trained: a run never discovers at the end that its model cannot be saved. With `tool` (the script,
-    which `validate_training_arguments` checked the folder for) the folder gets its marker (`.run_mlm`), so a rerun
-    or a resume writes into it without --overwrite_output_dir."""
+    any step is trained: a run never discovers at the end that its model cannot be saved. With `tool` the folder also
+    gets its marker; the training scripts leave that to `mark_run_output`, once every check has passed."""
     import tempfile
 
     try:
@@ -181,6 +190,15 @@ def prepare_output_dir(output_dir: str, tool: str | None = None) -> None:
             mark_output_folder(output_dir, tool)
     except OSError as error:
         raise ValueError(f"--output_dir {output_dir!r} cannot be written: {error.strerror or error}") from error
+
+
+def mark_run_output(args: argparse.Namespace, is_main_process: bool = True) -> None:
+    """Marks `--output_dir` as the script's own (`.run_mlm`: a rerun or a resume writes into it without
+    --overwrite_output_dir), called once every check of the run has passed (its resume included), right before its
+    first training step or its final outputs: a run that fails before marks nothing."""
+    tool = getattr(args, "output_tool", None)
+    if is_main_process and tool is not None and args.output_dir is not None:
+        mark_output_folder(args.output_dir, tool)
 
 
 def check_data_file_contents(path: str, kind: str | None = None) -> str | None:

@@ -30,6 +30,7 @@ from ..analysis.metrics_log import MetricsLog
 from ..methods.optimizers.memory_optimizer import step_optimizers
 from ..methods.optimizers.scripts import clip_memory_gradients, memory_optimizer_summary
 from ..utils.input_errors import InputError
+from .checks import mark_run_output
 from .checkpoints import check_checkpoint, read_loss_state, resolve_checkpoint, resume_position, save_checkpoint
 
 
@@ -150,10 +151,14 @@ class TrainingLoop:
 
     def resume(self) -> None:
         """`--resume_from_checkpoint`: the complete state (models, optimizers, scheduler, random states, sparse
-        memory finetuning's statistics, staleness) and the position in the run, checked against this run's settings."""
+        memory finetuning's statistics, staleness) and the position in the run, checked against this run's settings.
+        Then, every check passed, `--output_dir` is marked as the script's (a run that fails before marks nothing)."""
+        if self.args.resume_from_checkpoint:
+            self._restore()
+        mark_run_output(self.args, self.accelerator.is_main_process)
+
+    def _restore(self) -> None:
         args, accelerator = self.args, self.accelerator
-        if not args.resume_from_checkpoint:
-            return
         from ..analysis.staleness import STALENESS_FILE
 
         checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir, self.steps_per_epoch)
@@ -381,6 +386,7 @@ def finish_run(
                 **card,
             )
 
+    mark_run_output(args, accelerator.is_main_process)  # a run without training steps marks its folder here
     trained = loop.completed_steps > 0
     if trained:
         save_final_outputs(accelerator, args.output_dir, write_final)

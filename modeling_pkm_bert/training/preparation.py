@@ -62,8 +62,8 @@ def start_run(args, logger):
         logger.info(f"No --seed given: using seed {args.seed}")
     set_seed(args.seed)
 
-    if args.output_dir is not None:  # before any data or step: a trained model must be savable; marked as the script's
-        prepare_output_dir(args.output_dir, getattr(args, "output_tool", None) if accelerator.is_main_process else None)
+    if args.output_dir is not None:  # before any data or step: a trained model must be savable (marked as the
+        prepare_output_dir(args.output_dir)  # script's only once every check has passed: checks.mark_run_output)
     accelerator.wait_for_everyone()
     return accelerator
 
