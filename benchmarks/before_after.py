@@ -22,6 +22,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from modeling_pkm_bert.utils.output_folders import check_command_paths  # noqa: E402
+
 
 # run by each checkout's python on its own code: its run_benchmarks.py builds the layers and models; timed with the CPU
 # time of this thread (one torch thread: forward and the CPU backward run on it), so that another process holding the
@@ -74,6 +77,7 @@ def main():
     parser.add_argument("--table1_rounds", type=int, default=7)
     parser.add_argument("--output", type=Path, help="also write the table here (markdown)")
     args = parser.parse_args()
+    check_command_paths(parser, args, "before_after")
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     for name, tree in trees.items():
         if not (tree / "benchmarks" / "run_benchmarks.py").exists():

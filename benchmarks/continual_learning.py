@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from modeling_pkm_bert.utils.output_folders import check_command_paths  # noqa: E402
 from modeling_pkm_bert.methods.optimizers.memory_optimizer import SparseRowAdam, pkm_value_parameters  # noqa: E402
 from modeling_pkm_bert.methods.sparse_finetuning.method import (  # noqa: E402
     SparseMemoryFinetuning,
@@ -90,6 +91,7 @@ def parse_args(argv=None):
         args.n_keys, args.seq_len, args.batch_size, args.heal_steps = 8, 32, 4, 4
         args.background_batches, args.steps, args.eval_every, args.heldout_blocks = 4, 4, 2, 4
         args.sst2_train, args.sst2_dev, args.top_t = 32, 32, [4, 16]
+    check_command_paths(parser, args, "continual_learning")
     return args
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from modeling_pkm_bert.utils.output_folders import check_command_paths  # noqa: E402
 DATA = REPO / "run_scripts" / "data"
 PRECISIONS = ("no", "bf16", "fp16")
 
@@ -33,7 +35,9 @@ def parse_args():
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps of each run")
     parser.add_argument("--tolerance", type=float, default=0.25, help="largest accepted |ratio - 1| of the updates")
-    return parser.parse_args()
+    args = parser.parse_args()
+    check_command_paths(parser, args, "gpu_mixed_precision")
+    return args
 
 
 def build_model(folder: Path):

@@ -54,7 +54,11 @@ REPO_ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO_ROOT))
 
-from modeling_pkm_bert.utils.output_folders import check_output_folder, mark_output_folder  # noqa: E402
+from modeling_pkm_bert.utils.output_folders import (  # noqa: E402
+    check_command_paths,
+    check_output_folder,
+    mark_output_folder,
+)
 from modeling_pkm_bert.analysis.knowledge import (  # noqa: E402
     biographies,
     fact_probes,
@@ -173,6 +177,7 @@ def parse_args(argv=None):
         parser.error(f"--minilm_sizes must lie in 1..{largest} (the knowledge base's people), got {args.minilm_sizes}")
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
+    check_command_paths(parser, args, TOOL)
     return args
 
 

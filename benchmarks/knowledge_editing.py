@@ -65,6 +65,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import knowledge_capacity as kc  # noqa: E402
 
 from modeling_pkm_bert.ngram_memory import largest_primes_below  # noqa: E402
+from modeling_pkm_bert.utils.output_folders import check_command_paths  # noqa: E402
 from modeling_pkm_bert.analysis.knowledge import (  # noqa: E402
     apply_edits,
     edit_facts,
@@ -230,6 +231,7 @@ def parse_args(argv=None):
         parser.error("--measure needs --data FOLDER (the benchmark's data folder)")
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
+    check_command_paths(parser, args, TOOL)
     return args
 
 

@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from modeling_pkm_bert.utils.output_folders import check_command_paths  # noqa: E402
 
 
 def model_config(args):
@@ -151,6 +152,7 @@ def main():
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "MEMORY_PARALLEL.md"))
     parser.add_argument("--from_json", help="rewrite the report from a saved MEMORY_PARALLEL.json (no runs)")
     args = parser.parse_args()
+    check_command_paths(parser, args, "memory_parallel")
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
         for key, value in saved["args"].items():

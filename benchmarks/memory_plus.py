@@ -25,6 +25,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
+sys.path.insert(0, str(REPO_ROOT))
+from modeling_pkm_bert.utils.output_folders import check_command_paths  # noqa: E402
 RUN_MLM = REPO_ROOT / "run_scripts" / "run_mlm.py"
 
 ARMS = {
@@ -55,7 +57,9 @@ def parse_args():
     parser.add_argument("--arms", nargs="+", choices=range(len(ARMS)), type=int, default=list(range(len(ARMS))),
                         help="which arms this process runs (0: ResM, 1: Memory+ options); the report has all that finished")
     parser.add_argument("--report_only", action="store_true", help="only write the report from finished runs")
-    return parser.parse_args()
+    args = parser.parse_args()
+    check_command_paths(parser, args, "memory_plus")
+    return args
 
 
 def run_dir(args, arm: str, seed: int) -> Path:

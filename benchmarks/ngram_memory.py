@@ -37,6 +37,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
+sys.path.insert(0, str(REPO_ROOT))
+from modeling_pkm_bert.utils.output_folders import check_command_paths  # noqa: E402
 DATA = REPO_ROOT / "run_scripts" / "data"
 SHARED_DATA = Path(os.environ.get("PKM_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 
@@ -84,6 +86,7 @@ def parse_args(argv=None):
         args.tasks = ["mlm"]
     if args.results is None:
         args.results = str(Path(args.output_dir) / "results.json" if args.tiny else HERE / "ngram_memory.json")
+    check_command_paths(parser, args, "ngram_memory")
     return args
 
 

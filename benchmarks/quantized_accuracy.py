@@ -30,6 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+from modeling_pkm_bert.utils.output_folders import check_command_paths  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -139,6 +140,7 @@ def main():
     parser.add_argument("--output", default=str(HERE / "QUANTIZED.md"))
     parser.add_argument("--command", default=None, help="how the models were trained (written to the report)")
     args = parser.parse_args()
+    check_command_paths(parser, args, "quantized_accuracy")
     torch.set_num_threads(args.threads)
     from transformers import BertTokenizerFast as AutoTokenizer  # the folders hold a BERT tokenizer (no remote code)
 

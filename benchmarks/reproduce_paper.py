@@ -47,7 +47,11 @@ EMBEDDED = SCRIPTS / "data"
 sys.path.insert(0, str(REPO_ROOT))
 
 from modeling_pkm_bert.utils.input_errors import usage_errors  # noqa: E402 (standard library only)
-from modeling_pkm_bert.utils.output_folders import check_output_folder, mark_output_folder  # noqa: E402
+from modeling_pkm_bert.utils.output_folders import (  # noqa: E402
+    check_command_paths,
+    check_output_folder,
+    mark_output_folder,
+)
 
 
 TOOL = "reproduce_paper"  # its --work_dir and --figures_dir hold the marker `.reproduce_paper`
@@ -149,6 +153,7 @@ def parse_args(argv=None):
         with usage_errors(parser):
             reads = {"--model": args.model, "--data_dir": args.data_dir}
             check_output_folder(folder, TOOL, overwrite=args.overwrite_output_dir, reads=reads, option=option)
+    check_command_paths(parser, args, TOOL)  # the report stage replaces --figures_dir: never one of the runs' folders
     data = Path(args.data_dir)
     needed = [data / "glue" / TASKS[t][0] / f for t in args.tasks for f in ("train.tsv", "dev.tsv")]
     needed.append(data / "wikitext-2-raw" / "wiki.test.raw")

@@ -58,6 +58,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
+from modeling_pkm_bert.utils.output_folders import check_command_paths  # noqa: E402
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
@@ -1636,6 +1637,7 @@ def main():
     parser.add_argument("--kinds", nargs="*", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=8, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    check_command_paths(parser, args, "run_benchmarks")
     torch.set_num_threads(args.threads)
 
     if args.worker == "layer-memory":

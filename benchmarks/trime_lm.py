@@ -33,6 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
+from modeling_pkm_bert.utils.output_folders import check_command_paths  # noqa: E402
 
 DATA = ROOT / "run_scripts" / "data"
 SHARED_DATA = Path(os.environ.get("PKM_SHARED_DATA", ROOT.parent / "shared" / "data"))
@@ -192,6 +193,7 @@ def main(argv=None):
         "touch, stay as they are)",
     )
     args = parser.parse_args(argv)
+    check_command_paths(parser, args, "trime_lm")
     budget = budgets(args.quick)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ from modeling_pkm_bert.training.arguments import (  # noqa: E402
     hub_model_id,
 )
 from modeling_pkm_bert.utils.input_errors import exits_with_usage_errors, usage_errors  # noqa: E402
-from modeling_pkm_bert.utils.output_folders import check_output_folder  # noqa: E402
+from modeling_pkm_bert.utils.output_folders import check_command_paths, check_output_folder  # noqa: E402
 
 
 if not help_requested(__name__):  # `--help` prints at once: the libraries below load only for a run
@@ -130,6 +130,7 @@ def parse_args(argv=None):
         reads = {"--model_name_or_path": args.model_name_or_path}
         check_output_folder(args.output_dir, TOOL, overwrite=args.overwrite_output_dir, reads=reads)
         sentence_transformers_files(args.model_name_or_path)  # malformed sentence-transformers module files
+    check_command_paths(parser, args, TOOL)
     check_target_config(parser, args)
     return args
 

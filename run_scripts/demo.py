@@ -45,7 +45,11 @@ if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source c
     sys.path.insert(0, str(REPO_ROOT))
 
 from modeling_pkm_bert.utils.input_errors import usage_errors  # noqa: E402 (standard library only)
-from modeling_pkm_bert.utils.output_folders import check_output_folder, mark_output_folder  # noqa: E402
+from modeling_pkm_bert.utils.output_folders import (  # noqa: E402
+    check_command_paths,
+    check_output_folder,
+    mark_output_folder,
+)
 
 
 TOOL = "demo"  # its --output_dir holds the marker `.demo`
@@ -138,6 +142,7 @@ def parse_args():
     with usage_errors(parser):
         reads = {"--model_name_or_path": args.model_name_or_path}
         check_output_folder(args.output_dir, TOOL, overwrite=args.overwrite_output_dir, reads=reads)
+    check_command_paths(parser, args, TOOL)
     return args
 
 

@@ -27,7 +27,7 @@ if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source c
 
 from modeling_pkm_bert.training.arguments import help_requested  # noqa: E402 (standard library only)
 from modeling_pkm_bert.utils.input_errors import exits_with_usage_errors, usage_errors  # noqa: E402
-from modeling_pkm_bert.utils.output_folders import check_output_folder  # noqa: E402
+from modeling_pkm_bert.utils.output_folders import check_command_paths, check_output_folder  # noqa: E402
 
 if not help_requested(__name__):  # `--help` prints at once: the libraries below load only for a run
     from modeling_pkm_bert.analysis.report import (
@@ -91,6 +91,7 @@ def parse_args(argv=None):
                                                                    "train_file")]  # fmt: skip
     with usage_errors(parser):
         check_output_folder(args.output_dir, TOOL, overwrite=args.overwrite_output_dir, reads=reads)
+    check_command_paths(parser, args, TOOL)
     return args
 
 

@@ -27,6 +27,7 @@ if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source c
 
 from modeling_pkm_bert.training.arguments import help_requested  # noqa: E402 (standard library only)
 from modeling_pkm_bert.utils.input_errors import InputError, exits_with_usage_errors  # noqa: E402
+from modeling_pkm_bert.utils.output_folders import check_command_paths  # noqa: E402
 
 if not help_requested(__name__):  # `--help` prints at once: the libraries below load only for a run
     from modeling_pkm_bert.hub.model_card import write_model_card
@@ -80,6 +81,7 @@ def parse_args(argv=None):
         parser.error("--quantized_dir needs --quantize_values")
     if args.hub_model_id is None and not args.refresh_code:
         parser.error("--hub_model_id is required (or --refresh_code alone, to refresh the folder's code files)")
+    check_command_paths(parser, args, "push_to_hub")  # --quantized_dir apart from --model_dir
     return args
 
 

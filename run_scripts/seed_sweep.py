@@ -34,7 +34,11 @@ if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source c
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 from modeling_pkm_bert.hub.card_command import redact_argv  # noqa: E402 (the package's import is lazy: no torch)
 from modeling_pkm_bert.utils.input_errors import usage_errors  # noqa: E402 (standard library only)
-from modeling_pkm_bert.utils.output_folders import check_output_folder, mark_output_folder  # noqa: E402
+from modeling_pkm_bert.utils.output_folders import (  # noqa: E402
+    check_command_paths,
+    check_output_folder,
+    mark_output_folder,
+)
 
 
 TOOL = "seed_sweep"
@@ -88,6 +92,7 @@ def parse_args(argv=None):
         parser.error(f"the command's program {args.command[0]!r} is not found (not on PATH, not a file)")
     with usage_errors(parser):
         check_output_folder(args.output_dir, TOOL, overwrite=args.overwrite_output_dir)
+    check_command_paths(parser, args, TOOL)
     return args
 
 
