@@ -369,7 +369,9 @@ def test_reproduce_paper_contract(tmp_path, capsys):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "keep.txt").write_text("mine")
-    base = ["--model", str(tmp_path), "--data_dir", str(data), "--tasks", "sst2", "--report", str(tmp_path / "R.md")]
+    (tmp_path / "model").mkdir()  # a folder of its own: no output may lie inside the model folder it reads
+    base = ["--model", str(tmp_path / "model"), "--data_dir", str(data), "--tasks", "sst2", "--report",
+            str(tmp_path / "R.md")]  # fmt: skip
     line = usage_error(capsys, lambda: script.parse_args([*base, "--work_dir", str(foreign)]))
     assert f"--work_dir '{foreign}' is not empty and reproduce_paper did not write it" in line
     line = usage_error(capsys, lambda: script.parse_args([*base, "--work_dir", str(tmp_path / "w"), "--figures_dir",
