@@ -242,6 +242,7 @@ def command_paths_problem(command: str, args) -> str | None:
             relation == "contains" and (other, name) in declared.inside
         )
 
+    never = f"never written, not even with {OVERWRITE_FLAG}" if hasattr(args, "overwrite_output_dir") else "never written"
     writes = _given(args, declared.writes)
     reads = [(name, value, path) for name, value, path in _given(args, declared.reads) if os.path.lexists(value)]
     for index, (name, value, path) in enumerate(writes):
@@ -256,8 +257,8 @@ def command_paths_problem(command: str, args) -> str | None:
             relation = _relation(path, other_path)
             if relation and not allowed(relation, name, other):
                 return (
-                    f"{label(name)} {value!r} {relation} {label(other)} {other_value!r}, which {command} reads: never "
-                    f"written, not even with {OVERWRITE_FLAG}: give another path"
+                    f"{label(name)} {value!r} {relation} {label(other)} {other_value!r}, which {command} reads: {never}: "
+                    "give another path"
                 )
     return None
 

@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO_ROOT, load_script, reset_accelerate_state, tiny_config, usage_error
-from modeling_pkm_bert import BertPkmForMaskedLM
+from helpers import REPO_ROOT, load_script, make_tiny_folder, reset_accelerate_state, usage_error
+from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM
 from modeling_pkm_bert.utils.output_folders import COMMAND_PATHS, command_paths_problem, output_marker
 
 
@@ -152,12 +152,11 @@ def test_a_hub_id_or_a_missing_read_never_matches(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from test_output_folders import tokenizer_of
-
+    """A tiny BertPkm folder with weights and a word-level tokenizer."""
     folder = tmp_path_factory.mktemp("models") / "pkm"
+    make_tiny_folder(folder)
     torch.manual_seed(0)
-    BertPkmForMaskedLM(tiny_config(vocab_size=200, pkm_layers=[0, 2])).save_pretrained(folder)
-    tokenizer_of(TEXT).save_pretrained(folder)
+    BertPkmForMaskedLM(BertPkmConfig.from_pretrained(folder)).save_pretrained(folder)
     return folder
 
 
