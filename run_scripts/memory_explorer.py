@@ -39,6 +39,7 @@ EMBEDDED_TEXT_FILE = Path(__file__).resolve().parent / "data" / "pride_and_preju
 
 def build_parser():
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog=os.path.basename(__file__), description="A static HTML page that shows what a model's memory slots hold"
     )
     parser.add_argument("--model_name_or_path", required=True, help="A BertPkm folder (any head) or Hub id.")

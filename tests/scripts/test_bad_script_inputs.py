@@ -277,6 +277,12 @@ SCRIPT_CASES = [
      "pkm_knn=100: must be in [1, pkm_n_keys=8]"),
     ("mlm-structural-change", "run_mlm", "--model_name_or_path {d}/pkm --pkm_n_keys 16 --output_dir {o}",
      "is already a PKM model (bert_pkm); its ['pkm_n_keys'] cannot change"),
+    ("mlm-token-without-push", "run_mlm", "--model_name_or_path {d}/pkm --hub_token MySecret_12345 --output_dir {o}",
+     "--hub_token and --hub_private_repo need --push_to_hub (given: --hub_token)"),
+    ("mlm-abbreviated-token", "run_mlm", "--model_name_or_path {d}/pkm --hub_tok MySecret_12345 --push_to_hub "
+     "--output_dir {o}", "unrecognized arguments: --hub_tok MySecret_12345"),
+    ("convert-abbreviated-flag", "convert_to_pkm", "--model_name_or_path {d}/bert --output_dir {o} --pkm_lay 1",
+     "unrecognized arguments: --pkm_lay 1"),
     ("mlm-missing-folder", "run_mlm", "--model_name_or_path {d}/nowhere --output_dir {o}",
      "--model_name_or_path '{d}/nowhere': no such folder"),
     ("clm-config-overrides", "run_clm", "--config_name {d}/bert --tokenizer_name {d}/bert --config_overrides "
