@@ -218,6 +218,9 @@ def folders(tmp_path_factory):
     for name in ("pkm", "nomem", "bert"):
         tokenizer.save_pretrained(root / name)
     shutil.copytree(root / "pkm", root / "notok", ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "special*"))
+    shutil.copytree(root / "pkm", root / "wrongtype")  # a config field of the wrong type (issue 60)
+    config = json.loads((root / "wrongtype" / "config.json").read_text())
+    (root / "wrongtype" / "config.json").write_text(json.dumps({**config, "pkm_knn": "4"}))
     (root / "text.txt").write_text(text, encoding="utf-8")
     words = text.split()  # sentences of 100 words: longer than the model's 64 positions
     rows = "".join(f"{' '.join(words[i * 100:(i + 1) * 100])}\t{i % 2}\n" for i in range(16))
@@ -283,6 +286,10 @@ SCRIPT_CASES = [
      "--output_dir {o}", "unrecognized arguments: --hub_tok MySecret_12345"),
     ("convert-abbreviated-flag", "convert_to_pkm", "--model_name_or_path {d}/bert --output_dir {o} --pkm_lay 1",
      "unrecognized arguments: --pkm_lay 1"),
+    ("mlm-config-field-type", "run_mlm", "--model_name_or_path {d}/wrongtype --output_dir {o}",
+     "--model_name_or_path '{d}/wrongtype': config.json: Field 'pkm_knn' expected int, got str (value: '4')"),
+    ("report-config-field-type", "memory_report", "--model_name_or_path {d}/wrongtype --output_dir {o}",
+     "--model_name_or_path '{d}/wrongtype': config.json: Field 'pkm_knn' expected int, got str (value: '4')"),
     ("mlm-missing-folder", "run_mlm", "--model_name_or_path {d}/nowhere --output_dir {o}",
      "--model_name_or_path '{d}/nowhere': no such folder"),
     ("clm-config-overrides", "run_clm", "--config_name {d}/bert --tokenizer_name {d}/bert --config_overrides "
