@@ -222,6 +222,8 @@ def folders(tmp_path_factory):
     config = json.loads((root / "wrongtype" / "config.json").read_text())
     (root / "wrongtype" / "config.json").write_text(json.dumps({**config, "pkm_knn": "4"}))
     (root / "text.txt").write_text(text, encoding="utf-8")
+    (root / "textdir").mkdir()  # a local dataset folder: its one split is `train`
+    (root / "textdir" / "train.txt").write_text(text, encoding="utf-8")
     words = text.split()  # sentences of 100 words: longer than the model's 64 positions
     rows = "".join(f"{' '.join(words[i * 100:(i + 1) * 100])}\t{i % 2}\n" for i in range(16))
     (root / "sst2.tsv").write_text("sentence\tlabel\n" + rows)
@@ -246,6 +248,8 @@ SCRIPT_CASES = [
      "--output_dir '{d}/text.txt/out' lies under '{d}/text.txt', which is a file"),
     ("explorer-output-under-a-file", "memory_explorer", "--model_name_or_path {d}/pkm --output_dir {d}/text.txt/out",
      "--output_dir '{d}/text.txt/out' lies under '{d}/text.txt', which is a file"),
+    ("explorer-unknown-split", "memory_explorer", "--model_name_or_path {d}/pkm --dataset_name {d}/textdir --output_dir {o}",
+     "--dataset_split 'validation' is not a split of {d}/textdir (its splits: train): give --dataset_split train"),
     ("convert-missing-folder", "convert_to_pkm", "--model_name_or_path {d}/nowhere --output_dir {o}", "no such folder"),
     ("explorer-no-memory", "memory_explorer", "--model_name_or_path {d}/nomem --output_dir {o}",
      "has no memory layer (product key or hashed n-gram)"),
