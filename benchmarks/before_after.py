@@ -69,7 +69,9 @@ def paired(samples: dict, numerator: str, denominator: str) -> float:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--before", type=Path, required=True, help="a checkout of the code before (e.g. a worktree)")
     parser.add_argument("--after", type=Path, default=Path(__file__).resolve().parents[1])
     parser.add_argument("--repeats", type=int, default=3)

@@ -52,7 +52,9 @@ SHARED_DATA = Path(os.environ.get("PKM_SHARED_DATA", ROOT.parent / "shared" / "d
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--quick", action="store_true", help="A tiny random model, a few steps (for the test suite).")
     parser.add_argument("--output_dir", type=Path, default=HERE, help="Where the report and the figure go.")
     parser.add_argument("--seed", type=int, default=0)

@@ -35,7 +35,7 @@ def build(impl: str, size: str, device: str, dtype: torch.dtype):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--size", choices=list(SIZES), default="paper")
     parser.add_argument("--rounds", type=int, default=20)

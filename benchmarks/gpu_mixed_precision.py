@@ -31,7 +31,7 @@ PRECISIONS = ("no", "bf16", "fp16")
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps of each run")
     parser.add_argument("--tolerance", type=float, default=0.25, help="largest accepted |ratio - 1| of the updates")

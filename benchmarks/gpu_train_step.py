@@ -38,7 +38,7 @@ def build(kind: str, size: str):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--size", choices=["base", "tiny"], default="base")
     parser.add_argument("--batch", type=int, default=32)

@@ -128,7 +128,7 @@ QUICK = dict(
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--output_dir", default=str(REPO_ROOT / "outputs" / "knowledge_capacity"))
     parser.add_argument("--results", default=None, help="default: benchmarks/knowledge_capacity.json (--quick: in --output_dir)")
     parser.add_argument("--report", default=None, help="default: benchmarks/KNOWLEDGE_CAPACITY.md (--quick: in --output_dir)")

@@ -185,7 +185,7 @@ MINILM_QUICK_METHODS = ["minilm_smf_kl_t100", "minilm_smf_gradient_t100_sgd", "m
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--output_dir", default=str(REPO_ROOT / "outputs" / "knowledge_editing"))
     parser.add_argument("--results", default=None, help="default: benchmarks/knowledge_editing.json (--quick: in --output_dir)")
     parser.add_argument("--report", default=None, help="default: benchmarks/KNOWLEDGE_EDITING.md (--quick: in --output_dir)")

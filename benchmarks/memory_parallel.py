@@ -142,7 +142,9 @@ def free_port():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--n_keys", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)

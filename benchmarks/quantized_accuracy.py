@@ -129,7 +129,9 @@ def machine():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--mlm_model", required=True, help="a trained BertPkmForMaskedLM folder")
     parser.add_argument("--glue_model", default=None, help="a BertPkmForSequenceClassification fine-tuned on SST-2")
     parser.add_argument("--eval_file", default=str(HERE.parent / "run_scripts" / "data" / "pride_and_prejudice_validation.txt"))

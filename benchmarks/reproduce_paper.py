@@ -96,7 +96,7 @@ GLUE_MAX_LENGTH = 64
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="The quick budget (same as --budget quick).")
     parser.add_argument("--budget", choices=sorted(BUDGETS), default="full", help="Steps, seeds and sizes.")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="Override the budget's fine-tuning seeds.")

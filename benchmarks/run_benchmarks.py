@@ -1621,7 +1621,9 @@ SECTIONS = {
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds (~3-4 min)")
     extra_sections = ("options", "shared", "trainer", "quantized", "modernbert")  # not in the default run
     parser.add_argument("--sections", nargs="*", default=[s for s in SECTIONS if s not in extra_sections],

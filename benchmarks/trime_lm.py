@@ -172,7 +172,7 @@ def row(name: str, results: dict, sets: list[str]) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny budgets: checks the pipeline in a few minutes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work_dir", default=str(ROOT / "outputs" / "trime_lm"), help="model folders and logs")

@@ -57,6 +57,19 @@ PKM_MAX_MEMORY_PARAMETERS = 2**33
 NGRAM_MAX_TABLES = 1024
 # the hash's products stay below 2**62 (ids and multipliers below 2**31): rows beyond it are never read
 NGRAM_MAX_TABLE_SIZE = 2**62
+# The model's own sizes are bounded as its memories are (a folder's config is untrusted), before anything grows with
+# them (ModernBERT's `layer_types` has one entry per layer): (lowest, highest), the highest generous for any real
+# checkpoint (vocabularies of ~2.6e5 tokens, layers ~3e4 wide, ~1e2 deep, contexts of ~1e7 positions).
+MODEL_SIZE_LIMITS = {
+    "vocab_size": (1, 2**24),
+    "hidden_size": (1, 2**17),
+    "intermediate_size": (1, 2**19),
+    "num_hidden_layers": (1, 2**12),
+    "num_attention_heads": (1, 2**12),
+    "max_position_embeddings": (1, 2**24),
+    "type_vocab_size": (0, 2**16),
+    "local_attention": (0, 2**24),
+}
 # defined once, beside the layer that reads them
 PKM_OUTPUT_GATES = OUTPUT_GATES
 PKM_SCORE_ACTIVATIONS = SCORE_ACTIVATIONS
@@ -178,6 +191,7 @@ class BertPkmConfig(BertConfig):
     def __post_init__(self, **kwargs):
         # the loader's limit: a keyword, neither a field nor saved, so that no folder can raise it (from_dict)
         max_memory_parameters = kwargs.pop("max_memory_parameters", PKM_MAX_MEMORY_PARAMETERS)
+        self._check_model_sizes()
         if self.pkm_layers is None:
             n = self.num_hidden_layers
             self.pkm_layers = sorted({n // 3, 2 * n // 3})
@@ -197,6 +211,16 @@ class BertPkmConfig(BertConfig):
         if "max_memory_parameters" in kwargs:
             config_dict["max_memory_parameters"] = kwargs.pop("max_memory_parameters")
         return super().from_dict(config_dict, **kwargs)
+
+    def _check_model_sizes(self):
+        """Every size field of `MODEL_SIZE_LIMITS` the config has, in its range: checked first, before any work."""
+        for field, (lowest, highest) in MODEL_SIZE_LIMITS.items():
+            value = getattr(self, field, None)
+            if value is not None and not lowest <= value <= highest:
+                raise ValueError(
+                    f"{type(self).__name__}.{field}={value!r}: must be in [{lowest}, {highest:,}] (the limit of any "
+                    "real checkpoint; a config asking for more is refused before anything is built)"
+                )
 
     def _check_pkm_fields(self, max_memory_parameters: int):
         def fail(field, problem):

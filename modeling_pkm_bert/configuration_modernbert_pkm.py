@@ -77,6 +77,13 @@ class ModernBertPkmConfig(ModernBertConfig):
     def __post_init__(self, **kwargs):
         # the loader's limit: a keyword, neither a field nor saved, so that no folder can raise it (from_dict)
         max_memory_parameters = kwargs.pop("max_memory_parameters", PKM_MAX_MEMORY_PARAMETERS)
+        self._check_model_sizes()  # before ModernBertConfig makes one layer_types entry per layer
+        every = kwargs.get("global_attn_every_n_layers", 3)  # ModernBertConfig's older form of layer_types
+        if self.layer_types is None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(
+                f"{type(self).__name__}.global_attn_every_n_layers={every!r}: must be an integer >= 1 (every n-th layer"
+                " attends globally), or give layer_types"
+            )
         if self.pkm_layers is None:
             n = self.num_hidden_layers
             self.pkm_layers = sorted({n // 3, 2 * n // 3})
@@ -135,6 +142,7 @@ class ModernBertPkmConfig(ModernBertConfig):
 
     # BertPkmConfig's checks and sizes of the memories, shared (they read only the memory fields and the sizes that
     # both configs have: num_hidden_layers, hidden_size, vocab_size, max_position_embeddings, is_decoder)
+    _check_model_sizes = BertPkmConfig._check_model_sizes
     _check_pkm_fields = BertPkmConfig._check_pkm_fields
     _check_ngram_fields = BertPkmConfig._check_ngram_fields
     _product_key_parts = BertPkmConfig._product_key_parts

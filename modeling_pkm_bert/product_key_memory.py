@@ -405,15 +405,45 @@ def select_product_keys(halves: torch.Tensor, keys: torch.Tensor, knn: int):
     return select_from_scores(subkey_scores(halves, keys), knn)
 
 
+def ranked_topk(values: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`values.topk(knn, dim=-1)` with equal values ranked by position, the lower first (torch.topk leaves their order
+    unspecified, and it differs between devices and the native selection). Each value's bits are made an int32 of the
+    same order (negative floats with their magnitude bits flipped; -0.0 is 0.0), the position packed below it: one
+    int64 topk. fp64 values take a stable sort; an exported graph takes torch.topk itself (no bit casts in ONNX, whose
+    TopK ranks ties so by definition)."""
+    if is_exporting():
+        return values.topk(knn, dim=-1)
+    if values.dtype == torch.float64:
+        ranked, positions = values.sort(dim=-1, descending=True, stable=True)
+        return ranked[..., :knn], positions[..., :knn]
+    bits = (values.float() + 0.0).view(torch.int32)
+    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    lower_first = -1 - torch.arange(values.shape[-1], device=values.device, dtype=torch.int32)  # 2**32 - 1 - position
+    if _LITTLE_ENDIAN:  # the int64 of (low word, high word): one copy, not three int64 operations
+        keys = torch.stack((lower_first.expand_as(bits), bits), dim=-1).view(torch.int64).squeeze(-1)
+    else:
+        keys = bits.to(torch.int64) * 2**32 + (lower_first.to(torch.int64) & 0xFFFFFFFF)
+    _, positions = keys.topk(knn, dim=-1)
+    return values.gather(-1, positions), positions
+
+
+_LITTLE_ENDIAN = torch.ones(1, dtype=torch.int16).view(torch.int8)[0].item() == 1
+
+
 def select_from_scores(scores: torch.Tensor, knn: int):
     """[`select_product_keys`] from the sub-key scores `(heads * 2, tokens, n_keys)`. A product key's score is the sum
     of its two sub-keys' scores, so the best `knn` are among the pairs of each half's top-`knn` (only those of
-    [`candidate_pairs`] can win)."""
+    [`candidate_pairs`] can win).
+
+    Ties have one order on every path (the native selection's): in each half the lower sub-key index first, and among
+    equal product scores the pair of better half ranks (the first half's, then the second's), the order of
+    [`candidate_pairs`]. Every pair a candidate pair beats precedes it in that order, so the search stays exact."""
     groups, tokens, n_keys = scores.shape
-    scores = scores.view(groups // 2, 2, tokens, n_keys).permute(2, 0, 1, 3)  # (tokens, heads, 2, n_keys)
-    half_scores, half_indices = scores.topk(knn, dim=-1)  # (tokens, heads, 2, knn), descending
+    half_scores, half_indices = (  # (tokens, heads, 2, knn), descending; the keys of the search made contiguous
+        half.view(groups // 2, 2, tokens, knn).permute(2, 0, 1, 3) for half in ranked_topk(scores, knn)
+    )
     ranks = _candidate_ranks(knn, scores.device).expand(*half_scores.shape[:2], -1, -1)
-    best_scores, best = half_scores.gather(-1, ranks).sum(2).topk(knn, dim=-1)
+    best_scores, best = ranked_topk(half_scores.gather(-1, ranks).sum(2), knn)
     subkeys = half_indices.gather(-1, ranks.gather(-1, best.unsqueeze(2).expand(-1, -1, 2, -1)))
     return best_scores, subkeys[:, :, 0] * n_keys + subkeys[:, :, 1]
 

@@ -25,6 +25,7 @@ from modeling_pkm_bert.hub.card_command import card_command  # noqa: E402
 from modeling_pkm_bert.training.arguments import (  # noqa: E402
     TARGET_CLASSES,
     add_pkm_arguments,
+    check_push_arguments,
     help_requested,
     hub_model_id,
 )
@@ -54,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 def build_parser():
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog=os.path.basename(__file__),
         description="Convert a BERT/DistilBERT/RoBERTa/XLM-RoBERTa/ModernBERT checkpoint into a BertPkm/RobertaPkm/"
         "ModernBertPkm model.",
@@ -120,8 +122,7 @@ def parse_args(argv=None):
 
     if args.num_labels is not None and args.num_labels < 1:
         parser.error("--num_labels must be >= 1")
-    if (args.hub_model_id or args.private or args.hub_token) and not args.push_to_hub:
-        parser.error("--hub_model_id, --private and --hub_token need --push_to_hub")
+    check_push_arguments(parser, args, ("hub_model_id", "private", "hub_token"))
     try:
         check_source(args.model_name_or_path)
     except ValueError as error:
@@ -151,7 +152,8 @@ def check_target_config(parser, args) -> None:
 @exits_with_usage_errors(build_parser)  # what only the source shows (a Hub id not cached offline): a usage error
 def main(argv=None):
     args = parse_args(argv)
-    command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir)
+    # secrets (by flag name and by parsed destination) and paths removed
+    command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir, parser=build_parser())
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
     hub_model_id = args.hub_model_id or (Path(args.output_dir).absolute().name if args.push_to_hub else None)
     set_seed(args.seed)

@@ -84,6 +84,7 @@ print(json.dumps({"class": type(model).__module__ + "." + type(model).__name__,
 
 def parse_args():
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog=os.path.basename(__file__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(

@@ -26,7 +26,7 @@ if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source c
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 from modeling_pkm_bert.training.arguments import help_requested  # noqa: E402 (standard library only)
-from modeling_pkm_bert.utils.input_errors import exits_with_usage_errors, usage_errors  # noqa: E402
+from modeling_pkm_bert.utils.input_errors import exits_with_usage_errors, one_line, usage_errors  # noqa: E402
 from modeling_pkm_bert.utils.output_folders import check_command_paths, check_output_folder  # noqa: E402
 
 if not help_requested(__name__):  # `--help` prints at once: the libraries below load only for a run
@@ -39,6 +39,7 @@ EMBEDDED_TEXT_FILE = Path(__file__).resolve().parent / "data" / "pride_and_preju
 
 def build_parser():
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog=os.path.basename(__file__), description="A static HTML page that shows what a model's memory slots hold"
     )
     parser.add_argument("--model_name_or_path", required=True, help="A BertPkm folder (any head) or Hub id.")
@@ -108,6 +109,14 @@ def dataset_texts(args) -> list[str]:
         dataset = datasets.load_dataset(args.dataset_name, args.dataset_config_name, split=args.dataset_split)
     except FileNotFoundError as error:  # datasets' DatasetNotFoundError: no such dataset, folder or file
         raise MemoryExplorerError(f"--dataset_name {args.dataset_name!r}: {error}") from None
+    except ValueError as error:  # an unknown split (a local folder has only `train` by default) or config
+        if not str(error).startswith("Unknown split"):
+            raise MemoryExplorerError(f"--dataset_name {args.dataset_name!r}: {one_line(error)}") from None
+        splits = datasets.get_dataset_split_names(args.dataset_name, args.dataset_config_name)
+        raise MemoryExplorerError(
+            f"--dataset_split {args.dataset_split!r} is not a split of {args.dataset_name} (its splits: "
+            f"{', '.join(splits)}): give --dataset_split {splits[0]}"
+        ) from None
     if args.text_column not in dataset.column_names:
         raise MemoryExplorerError(
             f"--text_column {args.text_column!r} is not a column of {args.dataset_name} (columns: {dataset.column_names})"

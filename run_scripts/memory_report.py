@@ -46,6 +46,7 @@ EMBEDDED_VALIDATION_FILE = Path(__file__).resolve().parent / "data" / "pride_and
 
 def build_parser():
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog=os.path.basename(__file__), description="Figures and a markdown report of a model's product key memories"
     )
     parser.add_argument("--model_name_or_path", required=True, help="A BertPkm folder (any head) or Hub id.")

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 def build_parser():
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog=os.path.basename(__file__), description="Upload a BertPkm output folder to the Hugging Face Hub."
     )
     parser.add_argument(

@@ -119,6 +119,7 @@ EMBEDDED_VALIDATION_FILES = {
 
 def build_parser():
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog=os.path.basename(__file__), description="Causal language modeling of BertPkm and other causal models"
     )
     add_language_modeling_arguments(parser)  # data, model, tokenizer
@@ -199,7 +200,8 @@ def evaluate(args, accelerator, model, eval_datasets, collate_fn, measure_memory
 @exits_with_usage_errors(build_parser)  # what only the model or data shows (a block too long): a usage error
 def main(argv=None):
     args = parse_args(argv)
-    command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir)  # secrets, paths removed
+    # secrets (by flag name and by parsed destination) and paths removed
+    command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir, parser=build_parser())
     start_time = time.perf_counter()
 
     # The accelerator, logging, seed (drawn and logged without --seed) and a writable output folder.

@@ -102,6 +102,7 @@ DATA_EXTENSIONS = ("csv", "tsv", "json", "jsonl")
 
 def build_parser():
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog=os.path.basename(__file__),
         description="Fine-tune a BERT or BertPkm model on a GLUE task (text classification)",
     )
@@ -272,7 +273,8 @@ def measure_memory_usage(accelerator, model, label_names: list[str] | None, run)
 @exits_with_usage_errors(build_parser)  # what only the model or data shows (a head that does not fit): a usage error
 def main(argv=None):
     args = parse_args(argv)
-    command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir)  # secrets, paths removed
+    # secrets (by flag name and by parsed destination) and paths removed
+    command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir, parser=build_parser())
     start_time = time.perf_counter()
 
     # Initialize the accelerator (a resumed run sees the batches the uninterrupted one would), the logging, the seed

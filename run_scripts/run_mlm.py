@@ -127,6 +127,7 @@ EVAL_MASK_SEED = 0
 
 def build_parser():
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog=os.path.basename(__file__),
         description="Masked language modeling (continued pretraining) of BERT/BertPkm models",
     )
@@ -222,7 +223,8 @@ def evaluate(args, accelerator, model, eval_datasets, collate_fn, measure_memory
 @exits_with_usage_errors(build_parser)  # what only the model or data shows (a sequence too long): a usage error
 def main(argv=None):
     args = parse_args(argv)
-    command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir)  # secrets, paths removed
+    # secrets (by flag name and by parsed destination) and paths removed
+    command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir, parser=build_parser())
     start_time = time.perf_counter()
 
     # Initialize the accelerator (a resumed run sees the batches the uninterrupted one would), the logging, the seed

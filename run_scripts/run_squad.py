@@ -87,6 +87,7 @@ REQUIRED_COLUMNS = ("id", "question", "context", "answers")
 
 def build_parser():
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog=os.path.basename(__file__), description="Fine-tune a BERT or BertPkm model on SQuAD (extractive QA)"
     )
     parser.add_argument(
@@ -244,7 +245,8 @@ def predict_logits(args, accelerator, model, features, collate_fn) -> tuple[np.n
 @exits_with_usage_errors(build_parser)  # what only the model or data shows (a head of 3 labels): a usage error
 def main(argv=None):
     args = parse_args(argv)
-    command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir)  # secrets, paths removed
+    # secrets (by flag name and by parsed destination) and paths removed
+    command = card_command(__file__, sys.argv[1:] if argv is None else argv, args.output_dir, parser=build_parser())
     start_time = time.perf_counter()
 
     # Initialize the accelerator (a resumed run sees the batches the uninterrupted one would), the logging, the seed

@@ -52,6 +52,7 @@ def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog=os.path.basename(__file__),
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

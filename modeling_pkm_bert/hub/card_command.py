@@ -70,7 +70,27 @@ def _shown_path(value: str, output_dir: Path | None, cwd: Path) -> str:
     return path.name or "<path>"
 
 
-def _card_words(argv: list[str], output_dir: Path | None) -> list[str]:
+def secret_options(parser) -> tuple[str, ...]:
+    """The spellings of every option of an argparse `parser` whose destination holds a secret (`dest` `hub_token`,
+    whatever its flag is called)."""
+    return tuple(
+        option
+        for action in parser._actions  # argparse keeps no public list of its actions
+        if SECRET_NAME.search(action.dest)
+        for option in action.option_strings
+    )
+
+
+def _is_secret(option: str, secrets: tuple[str, ...]) -> bool:
+    """Whether `option` is a secret's flag: by its name, or as a spelling (or an abbreviation, where a parser would
+    take one) of a secret destination's flag in `secrets`."""
+    if is_secret_option(option):
+        return True
+    abbreviation = option.startswith("--") and len(option) > 2
+    return option.startswith("-") and any(s == option or (abbreviation and s.startswith(option)) for s in secrets)
+
+
+def _card_words(argv: list[str], output_dir: Path | None, secrets: tuple[str, ...] = ()) -> list[str]:
     cwd = Path(os.getcwd()).resolve()
     # a local copy of a Hub model (the bundled MiniLM) is shown as the Hub id that --base_model says it holds
     base_model = next((argv[i + 1] for i, word in enumerate(argv[:-1]) if word == "--base_model"), None)
@@ -84,7 +104,7 @@ def _card_words(argv: list[str], output_dir: Path | None) -> list[str]:
             if not word.startswith("-"):
                 continue
         option, equals, value = word.partition("=")
-        if is_secret_option(option) or (equals and not word.startswith("-") and is_secret_option("--" + option)):
+        if _is_secret(option, secrets) or (equals and not word.startswith("-") and is_secret_option("--" + option)):
             skip_value = not equals  # `--hub_token X`, `--hub_token=X`, `HF_TOKEN=X`
             continue
         if equals and value and os.sep not in option:  # --flag=PATH, NAME=PATH (--validation_files)
@@ -95,14 +115,21 @@ def _card_words(argv: list[str], output_dir: Path | None) -> list[str]:
 
 
 def card_command(
-    script: str | os.PathLike, argv: list[str], output_dir: str | os.PathLike | None = None, launcher: str = "python"
+    script: str | os.PathLike,
+    argv: list[str],
+    output_dir: str | os.PathLike | None = None,
+    launcher: str = "python",
+    parser=None,
 ) -> str:
     """The command line behind a result, fit for a public model card: `python run_scripts/<script> ...`, without
     any secret (`--hub_token`, flags or variables naming a token, password or secret: dropped with their value) and
     without this machine's paths (absolute paths under `output_dir` or the working directory become relative, other
-    absolute paths their file or folder name)."""
+    absolute paths their file or folder name). With the script's argparse `parser`, every flag whose parsed
+    destination is a secret is dropped too, however it is spelt (`secret_options`)."""
     output_dir = Path(os.path.normpath(Path(output_dir).absolute())) if output_dir is not None else None
-    return shlex.join([*launcher.split(), f"run_scripts/{Path(script).name}", *_card_words(list(argv), output_dir)])
+    secrets = secret_options(parser) if parser is not None else ()
+    words = _card_words(list(argv), output_dir, secrets)
+    return shlex.join([*launcher.split(), f"run_scripts/{Path(script).name}", *words])
 
 
 def redact_command(command: str, output_dir: str | os.PathLike | None = None) -> str:
@@ -128,4 +155,5 @@ __all__ = [
     "redact_argv",
     "redact_command",
     "redact_secrets",
+    "secret_options",
 ]

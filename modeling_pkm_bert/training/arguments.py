@@ -286,6 +286,16 @@ def add_reliability_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
     return parser
 
 
+def check_push_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, flags: tuple[str, ...]) -> None:
+    """The one rule of every script that uploads: its upload flags (`flags`, destinations such as `hub_token`) are
+    refused without `--push_to_hub` (a token given for nothing is a secret handed out for nothing)."""
+    given = [f"--{name}" for name in flags if getattr(args, name, None)]
+    if given and not getattr(args, "push_to_hub", False):
+        listed = [f"--{name}" for name in flags]
+        names = ", ".join(listed[:-1]) + f" and {listed[-1]}" if len(listed) > 1 else listed[0]
+        parser.error(f"{names} need --push_to_hub (given: {' '.join(given)})")
+
+
 _HUB_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]{1,96}")
 
 
@@ -325,6 +335,7 @@ __all__ = [
     "add_pkm_arguments",
     "add_reliability_arguments",
     "add_training_arguments",
+    "check_push_arguments",
     "help_requested",
     "hub_model_id",
 ]

@@ -158,17 +158,47 @@ RESUME_SETTINGS = (
     "trime",
     "train_data",
 )
+# sparse memory finetuning's, recorded where it is on (so that checkpoints of runs without it compare as before); the
+# background file by its content, not its path (a resume takes the statistics from the checkpoint: another file would
+# be ignored)
+SMF_RESUME_SETTINGS = (
+    "sparse_memory_finetuning",
+    "smf_ranker",
+    "smf_top_t",
+    "smf_train_rest",
+    "smf_background_batches",
+    "smf_background_dataset",
+    "smf_background_file",
+)
+# without the same value here, the checkpoint's state cannot even be loaded (other optimizer parameter groups):
+# refused even with --allow_inexact_resume
+STRUCTURAL_SETTINGS = ("sparse_memory_finetuning",)
 
 
 def run_settings(args: argparse.Namespace, accelerator, train_dataset=None) -> dict:
-    """What an exact resume depends on: the RESUME_SETTINGS of `args` (secrets never included), the number of
-    processes, and the training data (its datasets fingerprint and size)."""
-    settings = {name: getattr(args, name) for name in RESUME_SETTINGS if hasattr(args, name)}
+    """What an exact resume depends on: the RESUME_SETTINGS of `args` (secrets never included), sparse memory
+    finetuning's (SMF_RESUME_SETTINGS, where it is on), the number of processes, and the training data (its datasets
+    fingerprint and size)."""
+    names = RESUME_SETTINGS + (SMF_RESUME_SETTINGS if getattr(args, "sparse_memory_finetuning", False) else ())
+    settings = {name: getattr(args, name) for name in names if hasattr(args, name)}
     settings = {k: getattr(v, "value", v) for k, v in settings.items()}
+    if settings.get("smf_background_file") is not None:
+        settings["smf_background_file"] = file_signature(settings["smf_background_file"])
     settings["num_processes"] = accelerator.num_processes
     if train_dataset is not None:
         settings["train_data"] = dataset_signature(train_dataset)
     return redact_secrets(settings)
+
+
+def file_signature(path: str) -> dict:
+    """A file's identity whatever its path: its size and the SHA-256 of its content."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return {"bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
 
 
 def dataset_signature(dataset, samples: int = 64) -> dict:
@@ -213,7 +243,7 @@ def check_checkpoint(checkpoint: str, settings: dict, allow_inexact: bool, proce
             f"{str(error).splitlines()[0] if str(error) else ''}); a resume from it would not be exact"
         ) from error
     saved_file = os.path.join(checkpoint, RUN_SETTINGS_FILE)
-    differences = []
+    differences, saved = [], None
     if not os.path.isfile(saved_file):
         differences.append(f"{RUN_SETTINGS_FILE} is missing, nothing can be compared")
     else:
@@ -230,6 +260,9 @@ def check_checkpoint(checkpoint: str, settings: dict, allow_inexact: bool, proce
     message = f"{checkpoint} was saved by a run with other settings, so this resume would not be exact: " + "; ".join(
         differences
     )
+    structural = [name for name in STRUCTURAL_SETTINGS if saved is not None and saved.get(name) != settings.get(name)]
+    if structural:
+        raise InputError(f"{message}. Resume with the checkpoint's {', '.join(structural)} (its state needs it)")
     if not allow_inexact:
         raise InputError(message + ". Resume with the checkpoint's settings, or pass --allow_inexact_resume.")
     if logger is not None:

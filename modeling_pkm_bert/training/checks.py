@@ -9,6 +9,7 @@ import torch
 from ..utils.input_errors import InputError, usage_errors
 from ..utils.memories import memory_modules
 from ..utils.output_folders import check_command_paths, check_output_folder, mark_output_folder
+from .arguments import check_push_arguments
 
 
 # (argument, lowest allowed value, what it means); checked only where the script has the argument and it is given
@@ -60,6 +61,7 @@ def validate_training_arguments(parser: argparse.ArgumentParser, args: argparse.
     resume = getattr(args, "resume_from_checkpoint", None)
     if resume is not None and resume != "latest" and not os.path.isdir(resume):
         parser.error(f"--resume_from_checkpoint {resume!r} is not a folder (a step_<N>/epoch_<E> folder, or 'latest')")
+    check_push_arguments(parser, args, ("hub_token", "hub_private_repo"))
     output_dir = getattr(args, "output_dir", None)
     needs_output_dir = [
         flag

@@ -10,7 +10,7 @@ import torch
 from ..configuration_bert_pkm import BertPkmConfig
 from ..configuration_modernbert_pkm import ModernBertPkmConfig
 from ..configuration_roberta_pkm import RobertaPkmConfig
-from ..utils.input_errors import InputError
+from ..utils.input_errors import InputError, one_line
 
 
 # the model types of this package's models: a checkpoint of one is loaded as it is, never converted
@@ -156,11 +156,18 @@ def read_config(model_name_or_path: str, option: str = "--model_name_or_path", t
     register_auto_classes()  # a BertPkm config resolves to this package's class, without trust_remote_code
     if not os.path.exists(model_name_or_path) and hub_id_or_none(str(model_name_or_path)) is None:
         raise InputError(f"{option} {str(model_name_or_path)!r}: no such folder, and not a Hub model id either")
+    from huggingface_hub.errors import StrictDataclassError
+
     try:
         return transformers.AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
     except OSError as error:
         where = "" if os.path.exists(model_name_or_path) else "no such folder, and as a Hub model id: "
         raise InputError(f"{option} {str(model_name_or_path)!r}: {where}{error}") from None
+    except InputError:
+        raise
+    except (StrictDataclassError, ValueError) as error:  # a field of the wrong type, or a value the config refuses
+        problem = one_line(error.__cause__ if isinstance(error, StrictDataclassError) and error.__cause__ else error)
+        raise InputError(f"{option} {str(model_name_or_path)!r}: config.json: {problem}") from None
 
 
 def load_tokenizer(source: str, option: str = "--model_name_or_path", trust_remote_code: bool = False, **kwargs):

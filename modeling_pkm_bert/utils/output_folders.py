@@ -67,6 +67,9 @@ def output_folder_problem(
     path = Path(os.path.realpath(output_dir))
     if os.path.lexists(output_dir) and not path.is_dir():
         return f"{given} is a file, not a folder: {never}"
+    under = next((p for p in Path(os.path.abspath(output_dir)).parents if os.path.lexists(p) and not p.is_dir()), None)
+    if under is not None:  # makedirs would fail with FileExistsError, after the command's work
+        return f"{given} lies under {str(under)!r}, which is a file, not a folder: {never}"
     if path == Path(path.anchor):
         return f"{given} is the root of the file system: {never}"
     home = Path(os.path.realpath(Path.home()))

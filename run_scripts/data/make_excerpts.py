@@ -54,7 +54,9 @@ def paragraphs(text: str) -> list[str]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("books", type=Path, help="folder with the Project Gutenberg files")
     parser.add_argument("--output_dir", type=Path, default=Path(__file__).resolve().parent)
     args = parser.parse_args()

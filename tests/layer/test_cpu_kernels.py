@@ -51,8 +51,8 @@ def product_scores(subkey_scores):
 
 
 def assert_valid_selection(subkey_scores, knn, scores, indices):
-    """Scores equal the torch selection's exactly; the indices are distinct slots with those scores, and where the
-    knn-th score is not tied they are exactly torch's (a tie at the boundary may pick another slot of equal score)."""
+    """Scores equal the torch selection's exactly; the indices are distinct slots with those scores, and exactly torch's,
+    ties included (issue 60: before, a tie at the boundary could pick another slot of equal score)."""
     reference_scores, reference_indices = _torch_selection(subkey_scores, knn)
     full = product_scores(subkey_scores)
     assert torch.equal(scores, reference_scores)
@@ -61,6 +61,7 @@ def assert_valid_selection(subkey_scores, knn, scores, indices):
     boundary_tied = (full == scores[..., -1:]).sum(-1) > (scores == scores[..., -1:]).sum(-1)
     untied = ~boundary_tied & (scores.diff(dim=-1) != 0).all(-1)
     assert torch.equal(indices[untied], reference_indices[untied])
+    assert torch.equal(indices, reference_indices)  # issue 60: ties too have one order on every path
 
 
 @pytest.mark.parametrize("heads,tokens,n_keys,knn", SHAPES)
@@ -142,6 +143,53 @@ def test_the_plan_takes_the_kernel_for_fp32_cpu_queries():
         assert native_calls(lambda: memory(hidden).sum().backward()) == 0
 
 
+def defined_order(subkey_scores, knn):
+    """The top-`knn` slots of each (token, head) by brute force over every slot, in the order ties have on every path:
+    score descending, then the ranks of the two sub-keys in their half (each half ranked by score, then the lower
+    index), a candidate's ranks below `knn` (`candidate_pairs`: the only slots the search considers)."""
+    from modeling_pkm_bert.product_key_memory import candidate_pairs
+
+    groups, tokens, n_keys = subkey_scores.shape
+    indices = torch.empty(tokens, groups // 2, knn, dtype=torch.int64)
+    for t in range(tokens):
+        for h in range(groups // 2):
+            first, second = subkey_scores[2 * h, t].tolist(), subkey_scores[2 * h + 1, t].tolist()
+            order1 = sorted(range(n_keys), key=lambda i: (-first[i], i))
+            order2 = sorted(range(n_keys), key=lambda i: (-second[i], i))
+            pairs = [(order1[a], order2[b], a, b) for a, b in zip(*candidate_pairs(knn))]
+            best = sorted(pairs, key=lambda p: (-(subkey_scores[2 * h, t, p[0]] + subkey_scores[2 * h + 1, t, p[1]]).item(), p[2], p[3]))
+            indices[t, h] = torch.tensor([i1 * n_keys + i2 for i1, i2, _, _ in best[:knn]])
+    return indices
+
+
+def test_every_path_ranks_ties_alike(flags):
+    """Issue 60: with duplicated sub-keys (equal scores) the native selection picked slot 23 where torch.topk picked 47,
+    and the memory outputs of the native and the reference path differed by up to 1.25. Ties have one order now: each
+    path's indices equal the brute-force order exactly, and the outputs agree."""
+    torch.manual_seed(0)
+    subkey_scores = torch.randint(-3, 4, (2 * 3, 11, 24)).float()  # ties everywhere, at every boundary
+    subkey_scores[:, :, 12:] = subkey_scores[:, :, :12]  # every sub-key twice
+    expected = defined_order(subkey_scores, 6)
+    reference_scores, reference_indices = _torch_selection(subkey_scores, 6)
+    assert torch.equal(reference_indices, expected)
+    assert torch.equal(select_product_keys_native(subkey_scores, 6, flags)[1], expected)
+    memory = ProductKeyMemory(32, n_keys=64, heads=4, knn=16, k_dim=16).eval()
+    with torch.no_grad():
+        memory.keys[:, :, 32:] = memory.keys[:, :, :32]
+    hidden = torch.randn(2, 25, 32)
+    with torch.no_grad():
+        flat = hidden.flatten(0, 1)
+        queries = memory.normalized_queries(flat, memory.query_proj(flat)).view(-1, 4, 16)
+    outputs, indices = {}, {}
+    plans = {**PLANS, "native without gradients": plan_lookup(torch.device("cpu"), torch.float32, needs_grad=False)}
+    for name, plan in plans.items():
+        with use_plan(plan), torch.no_grad():
+            outputs[name], indices[name] = memory(hidden), memory.search(queries)[1]
+    for name, output in outputs.items():
+        assert torch.equal(indices[name], indices["reference"]), name
+        torch.testing.assert_close(output, outputs["reference"], rtol=0, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("with_ties", [False, True])
 def test_native_search_with_gradients_equals_the_torch_search(with_ties):
     """Scores, indices, and the query and key gradients of the native search (plan "cpu") vs the reference; with ties,
@@ -172,7 +220,8 @@ def test_native_search_with_gradients_equals_the_torch_search(with_ties):
     assert torch.equal(scores, ref_scores)
     assert keys_grad.abs().sum() > 0
     if with_ties:
-        assert not torch.equal(indices, ref_indices)  # the case this test is for
+        assert (scores.diff(dim=-1) == 0).any()  # the case this test is for: equal scores
+        assert torch.equal(indices, ref_indices)  # issue 60: ranked alike (they differed before)
         memory.keys.grad = None
         q = queries.clone().requires_grad_()
         first, second = memory.keys[:, 0], memory.keys[:, 1]  # (heads, n_keys, half)

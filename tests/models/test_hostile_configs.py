@@ -11,7 +11,7 @@ import torch
 from helpers import tiny_config, tiny_roberta_config
 from transformers import AutoConfig
 
-from modeling_pkm_bert import BertPkmConfig, BertPkmForCausalLM, BertPkmForMaskedLM, RobertaPkmConfig
+from modeling_pkm_bert import BertPkmConfig, BertPkmForCausalLM, BertPkmForMaskedLM, ModernBertPkmConfig, RobertaPkmConfig
 from modeling_pkm_bert.configuration_bert_pkm import PKM_MAX_MEMORY_PARAMETERS
 from modeling_pkm_bert.ngram_memory import NgramMemory, is_prime, largest_primes_below
 from modeling_pkm_bert.product_key_memory import ProductKeyMemory
@@ -35,6 +35,14 @@ HOSTILE = [
     ({"ngram_heads": 10**9}, "ngram_heads"),
     ({"ngram_heads": 10**9, "ngram_layers": [2]}, "ngram_heads"),
     ({"pkm_n_keys": 10**12, "pkm_knn": 4}, "pkm_n_keys"),
+    # the model's own sizes (issue 60)
+    ({"vocab_size": 10**13}, "vocab_size"),
+    ({"intermediate_size": 10**13}, "intermediate_size"),
+    ({"max_position_embeddings": 10**13}, "max_position_embeddings"),
+    ({"num_hidden_layers": 10**9}, "num_hidden_layers"),
+    ({"hidden_size": 10**9, "num_attention_heads": 1}, "hidden_size"),
+    ({"num_attention_heads": 10**9}, "num_attention_heads"),
+    ({"type_vocab_size": 10**13}, "type_vocab_size"),
 ]
 
 
@@ -72,6 +80,27 @@ def test_the_roberta_config_shares_the_bounds(tmp_path, fields, field):
     folder = hostile_folder(tmp_path / "hostile", fields, tiny_roberta_config())
     message, seconds = refusal(lambda: AutoConfig.from_pretrained(folder, trust_remote_code=True))
     assert seconds < ANSWER_SECONDS and message.startswith(f"RobertaPkmConfig.{field}="), message
+
+
+MODERNBERT_HOSTILE = [
+    # ModernBertConfig makes one layer_types entry per layer when a folder has none: 72 s for 3e7 layers before
+    ({"num_hidden_layers": 3 * 10**7}, "num_hidden_layers"),
+    ({"global_attn_every_n_layers": 0}, "global_attn_every_n_layers"),  # was a ZeroDivisionError
+    ({"vocab_size": 10**13}, "vocab_size"),
+    ({"max_position_embeddings": 10**13}, "max_position_embeddings"),
+]
+
+
+@pytest.mark.parametrize("fields, field", MODERNBERT_HOSTILE, ids=[json.dumps(f) for f, _ in MODERNBERT_HOSTILE])
+def test_the_modernbert_config_bounds_its_sizes_first(tmp_path, fields, field):
+    tiny = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48,
+                max_position_embeddings=64, local_attention=4)  # fmt: skip
+    ModernBertPkmConfig(**tiny).save_pretrained(tmp_path)
+    config = {k: v for k, v in json.loads((tmp_path / "config.json").read_text()).items() if k != "layer_types"}
+    (tmp_path / "config.json").write_text(json.dumps({**config, **fields}))
+    message, seconds = refusal(lambda: AutoConfig.from_pretrained(tmp_path, trust_remote_code=True))
+    assert seconds < ANSWER_SECONDS and message.startswith(f"ModernBertPkmConfig.{field}="), message
+    assert "\n" not in message
 
 
 def test_the_limit_counts_every_memory_of_the_model_and_names_the_largest_part():

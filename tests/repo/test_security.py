@@ -89,14 +89,15 @@ def test_redact_secrets_by_name_and_by_value():
                      "nested": {"lr": 1}, "use_slow_tokenizer": True}  # fmt: skip
 
 
-def test_hub_token_reaches_no_tracker_log_or_results(tiny, tmp_path, caplog, capsys):
+def test_hub_token_reaches_no_tracker_log_or_results(tiny, tmp_path, caplog, capsys, monkeypatch):
     """A real tensorboard tracker run (hparams.yml and the event file) with --hub_token: the token is in no file the
     run writes except the model card, whose "Produced by" line is issue 15's, and in no log line."""
     pytest.importorskip("tensorboard", reason="pip install tensorboard (the real tracker this test runs)")
+    monkeypatch.setattr("modeling_pkm_bert.hub.upload.push_folder_to_hub", lambda *a, **k: None)
     output_dir = tmp_path / "out"
     options = f"--max_train_steps 2 --max_train_samples 8 --with_tracking --report_to tensorboard --hub_token {TOKEN}"
     options += " --checkpointing_steps 1"
-    options += " --hub_model_id me/tiny"
+    options += " --hub_model_id me/tiny --push_to_hub"  # a token needs --push_to_hub
     with caplog.at_level("DEBUG"):
         run(mlm_args(tiny, output_dir, options))
     written = [p for p in output_dir.rglob("*") if p.is_file()]
@@ -109,6 +110,41 @@ def test_hub_token_reaches_no_tracker_log_or_results(tiny, tmp_path, caplog, cap
     assert TOKEN not in caplog.text and TOKEN not in "".join(capsys.readouterr())
     settings = json.loads((output_dir / "step_1" / "run_settings.json").read_text())
     assert settings["learning_rate"] == 5e-5 and not any("token" in key for key in settings)
+
+
+def test_every_parser_refuses_abbreviations():
+    """Issue 60: argparse would take `--hub_tok X` for `--hub_token X`, a spelling no redaction by name knows; every
+    parser of the scripts, benchmarks and package is made with allow_abbrev=False."""
+    import ast
+
+    calls = []
+    for folder in ("run_scripts", "benchmarks", "modeling_pkm_bert"):
+        for path in sorted((REPO_ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "ArgumentParser":
+                    refused = any(k.arg == "allow_abbrev" and getattr(k.value, "value", None) is False for k in node.keywords)
+                    calls.append((f"{path.relative_to(REPO_ROOT)}:{node.lineno}", refused))
+    assert len(calls) >= 20 and [where for where, refused in calls if not refused] == []
+    assert run_mlm.build_parser().allow_abbrev is False
+
+
+def test_card_drops_a_secret_by_its_destination():
+    """A flag whose destination holds a secret is dropped from the card whatever its spelling: another name, an
+    abbreviation where a parser takes one, `--flag=value`."""
+    import argparse
+
+    from modeling_pkm_bert.hub.card_command import card_command, secret_options
+
+    parser = argparse.ArgumentParser()  # abbreviations allowed: the worst case
+    parser.add_argument("--hub_token")
+    parser.add_argument("--hf", dest="api_key")
+    parser.add_argument("--seed")
+    assert secret_options(parser) == ("--hub_token", "--hf")
+    for argv in (["--hub_tok", "MySecretToken_12345"], ["--hf", "MySecretToken_12345"], ["--hf=MySecretToken_12345"]):
+        assert vars(parser.parse_args(argv + ["--seed", "1"]))["seed"] == "1"  # argparse takes each spelling
+        command = card_command("run_mlm.py", argv + ["--seed", "1"], parser=parser)
+        assert command == "python run_scripts/run_mlm.py --seed 1", command
+    assert "MySecretToken_12345" in card_command("run_mlm.py", ["--hf", "MySecretToken_12345"])  # what the parser adds
 
 
 def test_redact_command():

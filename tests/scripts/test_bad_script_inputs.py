@@ -218,7 +218,12 @@ def folders(tmp_path_factory):
     for name in ("pkm", "nomem", "bert"):
         tokenizer.save_pretrained(root / name)
     shutil.copytree(root / "pkm", root / "notok", ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "special*"))
+    shutil.copytree(root / "pkm", root / "wrongtype")  # a config field of the wrong type (issue 60)
+    config = json.loads((root / "wrongtype" / "config.json").read_text())
+    (root / "wrongtype" / "config.json").write_text(json.dumps({**config, "pkm_knn": "4"}))
     (root / "text.txt").write_text(text, encoding="utf-8")
+    (root / "textdir").mkdir()  # a local dataset folder: its one split is `train`
+    (root / "textdir" / "train.txt").write_text(text, encoding="utf-8")
     words = text.split()  # sentences of 100 words: longer than the model's 64 positions
     rows = "".join(f"{' '.join(words[i * 100:(i + 1) * 100])}\t{i % 2}\n" for i in range(16))
     (root / "sst2.tsv").write_text("sentence\tlabel\n" + rows)
@@ -239,6 +244,12 @@ SCRIPT_CASES = [
      "pkm_layers=[7] does not fit"),
     ("convert-push-flags", "convert_to_pkm", "--model_name_or_path {d}/bert --output_dir {o} --private",
      "--hub_model_id, --private and --hub_token need --push_to_hub"),
+    ("convert-output-under-a-file", "convert_to_pkm", "--model_name_or_path {d}/bert --output_dir {d}/text.txt/out",
+     "--output_dir '{d}/text.txt/out' lies under '{d}/text.txt', which is a file"),
+    ("explorer-output-under-a-file", "memory_explorer", "--model_name_or_path {d}/pkm --output_dir {d}/text.txt/out",
+     "--output_dir '{d}/text.txt/out' lies under '{d}/text.txt', which is a file"),
+    ("explorer-unknown-split", "memory_explorer", "--model_name_or_path {d}/pkm --dataset_name {d}/textdir --output_dir {o}",
+     "--dataset_split 'validation' is not a split of {d}/textdir (its splits: train): give --dataset_split train"),
     ("convert-missing-folder", "convert_to_pkm", "--model_name_or_path {d}/nowhere --output_dir {o}", "no such folder"),
     ("explorer-no-memory", "memory_explorer", "--model_name_or_path {d}/nomem --output_dir {o}",
      "has no memory layer (product key or hashed n-gram)"),
@@ -277,6 +288,16 @@ SCRIPT_CASES = [
      "pkm_knn=100: must be in [1, pkm_n_keys=8]"),
     ("mlm-structural-change", "run_mlm", "--model_name_or_path {d}/pkm --pkm_n_keys 16 --output_dir {o}",
      "is already a PKM model (bert_pkm); its ['pkm_n_keys'] cannot change"),
+    ("mlm-token-without-push", "run_mlm", "--model_name_or_path {d}/pkm --hub_token MySecret_12345 --output_dir {o}",
+     "--hub_token and --hub_private_repo need --push_to_hub (given: --hub_token)"),
+    ("mlm-abbreviated-token", "run_mlm", "--model_name_or_path {d}/pkm --hub_tok MySecret_12345 --push_to_hub "
+     "--output_dir {o}", "unrecognized arguments: --hub_tok MySecret_12345"),
+    ("convert-abbreviated-flag", "convert_to_pkm", "--model_name_or_path {d}/bert --output_dir {o} --pkm_lay 1",
+     "unrecognized arguments: --pkm_lay 1"),
+    ("mlm-config-field-type", "run_mlm", "--model_name_or_path {d}/wrongtype --output_dir {o}",
+     "--model_name_or_path '{d}/wrongtype': config.json: Field 'pkm_knn' expected int, got str (value: '4')"),
+    ("report-config-field-type", "memory_report", "--model_name_or_path {d}/wrongtype --output_dir {o}",
+     "--model_name_or_path '{d}/wrongtype': config.json: Field 'pkm_knn' expected int, got str (value: '4')"),
     ("mlm-missing-folder", "run_mlm", "--model_name_or_path {d}/nowhere --output_dir {o}",
      "--model_name_or_path '{d}/nowhere': no such folder"),
     ("clm-config-overrides", "run_clm", "--config_name {d}/bert --tokenizer_name {d}/bert --config_overrides "

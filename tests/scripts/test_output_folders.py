@@ -91,7 +91,7 @@ def test_the_rule(tmp_path, monkeypatch):
     assert isinstance(OutputFolderError("x"), ValueError)
 
 
-@pytest.mark.parametrize("case", ["file", "cwd", "parent of cwd", "home", "parent of home", "root", "model",
+@pytest.mark.parametrize("case", ["file", "under a file", "cwd", "parent of cwd", "home", "parent of home", "root", "model",
                                   "parent of model", "model by symlink"])  # fmt: skip
 def test_never_even_with_the_flag(case, tmp_path, monkeypatch):
     home, work = tmp_path / "h" / "home" / "me", tmp_path / "w" / "work"
@@ -103,6 +103,7 @@ def test_never_even_with_the_flag(case, tmp_path, monkeypatch):
     os.symlink(work / "model", work / "link")
     target, message = {
         "file": (work / "a_file", "is a file, not a folder"),
+        "under a file": (work / "a_file" / "out", f"lies under {str(work / 'a_file')!r}, which is a file"),
         "cwd": (".", "is the current directory"),
         "parent of cwd": ("..", "contains the current directory"),
         "home": (str(home), "is the home folder"),

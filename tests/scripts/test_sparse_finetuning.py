@@ -493,6 +493,35 @@ def test_run_mlm_trains_only_value_rows_and_resumes_exactly(run_mlm, tiny_checkp
     assert [n for n in expected if not torch.equal(expected[n], got[n])] == []
 
 
+def test_run_mlm_resume_checks_the_smf_settings(run_mlm, tiny_checkpoint, tmp_path, capsys):
+    """Issue 60: a resume with another ranker, top_t or background file would mix two runs (the statistics come from
+    the checkpoint: the new file was ignored), and one without --sparse_memory_finetuning ended in torch's
+    "different number of parameter groups" traceback: each is the settings refusal, the last even with
+    --allow_inexact_resume."""
+    straight = tmp_path / "straight"
+    run_script(run_mlm, smf_args(tiny_checkpoint, straight, "--max_train_steps 1 --checkpointing_steps 1"))
+    other = tmp_path / "other_background.txt"
+    other.write_text(BACKGROUND.read_text(encoding="utf-8") + "one more line of background\n", encoding="utf-8")
+    resume = f"--max_train_steps 1 --resume_from_checkpoint {straight / 'step_1'}"  # the checkpoint's settings
+    plain = [word for word in smf_args(tiny_checkpoint, tmp_path / "r") if word != "--sparse_memory_finetuning"]
+    for flag in ("--smf_background_file", "--smf_background_batches", "--smf_top_t"):
+        del plain[plain.index(flag) : plain.index(flag) + 2]
+    for options, message in [
+        ("--smf_ranker kl", "smf_ranker: checkpoint 'tfidf', now 'kl'"),
+        ("--smf_top_t 5", "smf_top_t: checkpoint 6, now 5"),
+        (f"--smf_background_file {other}", "smf_background_file: checkpoint {'bytes': "),
+    ]:
+        argv = smf_args(tiny_checkpoint, tmp_path / "r", f"{resume} {options}")
+        line = usage_error(capsys, lambda: run_script(run_mlm, argv))
+        assert "was saved by a run with other settings" in line and message in line, line
+    for extra in ([], ["--allow_inexact_resume"]):
+        argv = [*plain, *resume.split(), *extra]
+        line = usage_error(capsys, lambda: run_script(run_mlm, argv))
+        assert "sparse_memory_finetuning: checkpoint True, now None" in line, line
+    assert "its state needs it" in line
+    assert not (tmp_path / "r" / "model.safetensors").exists()
+
+
 def test_run_mlm_unread_ranker_moves_only_rows_the_background_never_read(run_mlm, tiny_checkpoint, tmp_path):
     import shutil
 
