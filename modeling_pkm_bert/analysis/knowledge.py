@@ -363,35 +363,118 @@ def probe_facts(model, tokenizer, probes: list[dict], batch_tokens: int = 2**22)
     return [(bool(c), float(h)) for _, c, h in results]
 
 
-def knowledge_metrics(kb: dict, probes: list[dict], outcomes: list[tuple[bool, float]]) -> dict:
+# ---------------------------------------------------------------------------------------------------------------------
+# Ranked recall: blind to the value's length (the greedy probe shows the model as many [MASK] as the true value has)
+
+
+RANK_SCORES = ("mean", "sum")
+
+
+@torch.no_grad()
+def rank_facts(
+    model, tokenizer, kb: dict, probes: list[dict], score: str = "mean", batch_tokens: int = 2**22
+) -> list[bool]:
+    """For each probe: does its true value rank first among all the values of its attribute? Every value is scored
+    with its own number of [MASK] at the value's place, by the `score` ("mean" or "sum") of its tokens' log-probabilities
+    read from one forward pass per length (all masks at once: no token of the value is shown), so the number of masks
+    tells nothing. Ranked first means scored above every other value (a tie is not recalled: an untrained model that
+    scores all values alike recalls nothing)."""
+    if score not in RANK_SCORES:
+        raise ValueError(f"score must be one of {RANK_SCORES}, got {score!r}")
+    model.eval()
+    candidates = {}  # attribute -> {length: (value indices, ids (n, length))}
+    for attribute, spec in kb["attributes"].items():
+        by_length = {}
+        for index, value in enumerate(spec["values"]):
+            ids = tokenizer(value, add_special_tokens=False)["input_ids"]
+            by_length.setdefault(len(ids), []).append((index, ids))
+        candidates[attribute] = {
+            length: (torch.tensor([i for i, _ in rows]), torch.tensor([ids for _, ids in rows]))
+            for length, rows in by_length.items()
+        }
+    # one sequence per (probe, length): the probed value replaced by `length` masks, the other values masked as ever
+    sequences = []
+    for number, ((ids, start, value), probe) in enumerate(zip(tokenize_probes(tokenizer, probes), probes)):
+        for length in candidates[probe["attribute"]]:
+            masked = ids[:start] + [tokenizer.mask_token_id] * length + ids[start + len(value) :]
+            sequences.append((number, length, masked, start))
+    scores = [[] for _ in probes]  # per probe: (value indices, scores) of each length
+    vocab = model.get_output_embeddings().weight.shape[0]
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][2]))
+    position = 0
+    while position < len(order):
+        longest = len(sequences[order[min(position + 1, len(order)) - 1]][2])
+        chunk = order[position : position + max(1, min(512, batch_tokens // max(1, longest * vocab)))]
+        position += len(chunk)
+        longest = max(len(sequences[i][2]) for i in chunk)
+        ids = torch.full((len(chunk), longest), tokenizer.pad_token_id)
+        attention = torch.zeros_like(ids)
+        for row, i in enumerate(chunk):
+            ids[row, : len(sequences[i][2])] = torch.tensor(sequences[i][2])
+            attention[row, : len(sequences[i][2])] = 1
+        logits = model(input_ids=ids, attention_mask=attention).logits
+        for row, i in enumerate(chunk):
+            number, length, _, start = sequences[i]
+            log_probs = torch.log_softmax(logits[row, start : start + length].float(), -1)  # (length, vocab)
+            indices, values = candidates[probes[number]["attribute"]][length]
+            token_scores = log_probs.gather(1, values.T)  # (length, n)
+            scores[number].append((indices, token_scores.mean(0) if score == "mean" else token_scores.sum(0)))
+    index_of = {a: {v: i for i, v in enumerate(spec["values"])} for a, spec in kb["attributes"].items()}
+    recalled = []
+    for probe, parts in zip(probes, scores):
+        values = kb["attributes"][probe["attribute"]]["values"]
+        order_scores = torch.full((len(values),), float("-inf"), dtype=torch.float64)
+        for indices, part in parts:
+            order_scores[indices] = part.double()
+        true = index_of[probe["attribute"]][probe["value"]]
+        true_score = order_scores[true].item()
+        order_scores[true] = float("-inf")
+        recalled.append(bool(true_score > order_scores.max().item()))
+    return recalled
+
+
+def knowledge_metrics(
+    kb: dict, probes: list[dict], outcomes: list[tuple[bool, float]], ranked: list[bool] | None = None
+) -> dict:
     """Recall and stored bits of one probe set, per attribute and in all: `recall`, `bits` (log2 |values| summed over
     recalled facts) and `bits_estimator` (Physics of LMs 3.3: per attribute max(0, N log2 |values| - sum of the
-    values' cross-entropy in bits))."""
+    values' cross-entropy in bits)); with `ranked` (`rank_facts`), `ranked_recall` and `ranked_bits` beside them."""
     per_attribute = {}
     for attribute, spec in kb["attributes"].items():
-        rows = [o for p, o in zip(probes, outcomes) if p["attribute"] == attribute]
-        recalled = sum(c for c, _ in rows)
+        rows = [i for i, p in enumerate(probes) if p["attribute"] == attribute]
+        recalled = sum(outcomes[i][0] for i in rows)
         per_attribute[attribute] = {
             "recall": recalled / len(rows) if rows else 0.0,
             "bits": recalled * spec["bits"],
-            "bits_estimator": max(0.0, len(rows) * spec["bits"] - sum(h for _, h in rows)),
+            "bits_estimator": max(0.0, len(rows) * spec["bits"] - sum(outcomes[i][1] for i in rows)),
             "chance": 1 / len(spec["values"]),
         }
+        if ranked is not None:
+            ranked_recalled = sum(ranked[i] for i in rows)
+            per_attribute[attribute]["ranked_recall"] = ranked_recalled / len(rows) if rows else 0.0
+            per_attribute[attribute]["ranked_bits"] = ranked_recalled * spec["bits"]
     facts = len(outcomes)
-    return {
+    metrics = {
         "facts": facts,
         "recall": sum(c for c, _ in outcomes) / facts if facts else 0.0,
         "bits": sum(a["bits"] for a in per_attribute.values()),
         "bits_estimator": sum(a["bits_estimator"] for a in per_attribute.values()),
         "attributes": per_attribute,
     }
+    if ranked is not None:
+        metrics["ranked_recall"] = sum(ranked) / facts if facts else 0.0
+        metrics["ranked_bits"] = sum(a["ranked_bits"] for a in per_attribute.values())
+    return metrics
 
 
-def measure(model, tokenizer, kb: dict, context: str = "sentence") -> dict:
-    """Recall and bits in a training template and in a held-out template, of every fact of `kb`."""
+def measure(model, tokenizer, kb: dict, context: str = "sentence", ranked: bool = True) -> dict:
+    """Recall and bits in a training template and in a held-out template, of every fact of `kb`: the greedy recall
+    (`probe_facts`) and, with `ranked`, the length-blind ranked recall (`rank_facts`, mean log-probability)."""
     metrics = {}
     for split in ("train", "heldout"):
         probes = fact_probes(kb, split, context=context)
-        metrics[split] = knowledge_metrics(kb, probes, probe_facts(model, tokenizer, probes))
+        outcomes = probe_facts(model, tokenizer, probes)
+        ranks = rank_facts(model, tokenizer, kb, probes) if ranked else None
+        metrics[split] = knowledge_metrics(kb, probes, outcomes, ranks)
     metrics["kb_bits"] = person_bits(kb) * len(kb["people"])
     return metrics

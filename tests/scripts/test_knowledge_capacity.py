@@ -114,17 +114,59 @@ def test_recall_and_bits_on_models_with_known_answers(tmp_path):
     probes = kbase.fact_probes(kb, "train")
     encoded = kbase.tokenize_probes(tokenizer, probes)
     total = kbase.person_bits(kb) * 6
-    knows = kbase.knowledge_metrics(kb, probes, kbase.probe_facts(Oracle(encoded, len(tokenizer), tokenizer.mask_token_id), tokenizer, probes))
+    oracle = Oracle(encoded, len(tokenizer), tokenizer.mask_token_id)
+    ranked = {score: kbase.rank_facts(oracle, tokenizer, kb, probes, score=score) for score in kbase.RANK_SCORES}
+    knows = kbase.knowledge_metrics(kb, probes, kbase.probe_facts(oracle, tokenizer, probes), ranked["mean"])
     assert knows["recall"] == 1.0 and knows["bits"] == pytest.approx(total)
     assert knows["bits_estimator"] == pytest.approx(total, rel=1e-6)  # certain of every value: no bit lost
-    wrong = kbase.probe_facts(Oracle(encoded, len(tokenizer), tokenizer.mask_token_id, wrong=True), tokenizer, probes)
-    guesses = kbase.knowledge_metrics(kb, probes, wrong)
+    # ranked against every value of the attribute, each with its own number of masks: the oracle's values come first
+    assert all(ranked["sum"]) and knows["ranked_recall"] == 1.0 and knows["ranked_bits"] == pytest.approx(total)
+    wrong_oracle = Oracle(encoded, len(tokenizer), tokenizer.mask_token_id, wrong=True)
+    wrong = kbase.probe_facts(wrong_oracle, tokenizer, probes)
+    guesses = kbase.knowledge_metrics(kb, probes, wrong, kbase.rank_facts(wrong_oracle, tokenizer, kb, probes))
     assert guesses["recall"] == 0.0 and guesses["bits"] == 0.0 and guesses["bits_estimator"] == 0.0
+    assert guesses["ranked_recall"] == 0.0
     torch.manual_seed(0)
     untrained = kc.build_model(kc.arm_config("plain", len(tokenizer), {}))
     metrics = kbase.measure(untrained, tokenizer, kb)
     chance = max(a["chance"] for a in metrics["train"]["attributes"].values())
     assert metrics["train"]["recall"] <= chance + 1e-9 and metrics["heldout"]["recall"] <= chance + 1e-9
+    # 30 facts, each ranked first by chance with probability 1/|values| (at most 1/4): a few at most
+    assert metrics["train"]["ranked_recall"] <= 0.25 and metrics["heldout"]["ranked_recall"] <= 0.25
+
+
+def test_ranked_recall_is_blind_to_the_number_of_masks():
+    """A model that knows no fact, only lengths (for a run of n masks it names the attribute's first value of n tokens)
+    is credited by the greedy probe, which shows it as many masks as the true value has, whenever the value is its
+    length's first; ranked against every value of every length, the first values of each length tie: nothing."""
+    tokenizer = real_tokenizer()
+    kb = kbase.generate_knowledge_base(60)
+    probes = [p for p in kbase.fact_probes(kb, "train", context="sentence") if p["attribute"] == "major"]
+    first_of_length = {}
+    for value in kb["attributes"]["major"]["values"]:
+        first_of_length.setdefault(len(tokenizer(value, add_special_tokens=False)["input_ids"]), value)
+    lucky = [p for p in probes if p["value"] == first_of_length[1]]  # one token: one greedy step
+    assert lucky and len(first_of_length) > 1
+
+    class LengthCheat(torch.nn.Module):
+        head = torch.nn.Linear(1, len(tokenizer))
+
+        def get_output_embeddings(self):
+            return self.head
+
+        def forward(self, input_ids, attention_mask):
+            logits = torch.zeros(*input_ids.shape, len(tokenizer))
+            for row, sequence in enumerate(input_ids.tolist()):
+                masks = [i for i, token in enumerate(sequence) if token == tokenizer.mask_token_id]
+                value = tokenizer(first_of_length.get(len(masks), ""), add_special_tokens=False)["input_ids"]
+                for position, token in zip(masks, value):
+                    logits[row, position, token] = 30.0
+            return type("Output", (), {"logits": logits})
+
+    cheat = LengthCheat()
+    greedy = [c for c, _ in kbase.probe_facts(cheat, tokenizer, probes)]
+    assert sum(greedy) >= len(lucky)
+    assert sum(kbase.rank_facts(cheat, tokenizer, kb, probes, score=score).count(True) for score in kbase.RANK_SCORES) == 0
 
 
 def test_parameters_are_counted_apart_and_the_wide_arm_matches_resm():
