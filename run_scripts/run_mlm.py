@@ -233,10 +233,9 @@ def check_masking_arguments(parser, args) -> None:
             f"--mask_replace_prob {args.mask_replace_prob} and --random_replace_prob {args.random_replace_prob} add "
             "up to more than 1"
         )
-    if args.span_column and not args.dataset_name:
-        for option, path in [("--train_file", args.train_file), *args.validation_sets.items()]:
-            if path is not None and not str(path).lower().endswith((".json", ".jsonl")):
-                parser.error(f"--span_column needs json/jsonl data files (spans are lists): {option} is {path!r}")
+    train_file = args.train_file if not args.dataset_name else None  # evaluation sets may be plain text (random masks)
+    if args.span_column and train_file is not None and not str(train_file).lower().endswith((".json", ".jsonl")):
+        parser.error(f"--span_column needs a json/jsonl --train_file (spans are lists): --train_file is {train_file!r}")
 
 
 def mask_seed(*numbers: int) -> int:

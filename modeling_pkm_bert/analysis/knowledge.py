@@ -20,9 +20,11 @@ the people after the first n as new people) and the demo use this one generator.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
+import re
 from dataclasses import dataclass
 
 import torch
@@ -196,23 +198,97 @@ def person_bits(kb: dict) -> float:
 def biographies(kb: dict, per_person: int, seed: int = 0) -> list[str]:
     """`per_person` biographies of every person (person-major order; the training script shuffles): the five facts
     in a random order, each in a random training template."""
-    lines = []
+    return [text for text, _ in biographies_with_spans(kb, per_person, seed)]
+
+
+def biographies_with_spans(kb: dict, per_person: int, seed: int = 0) -> list[tuple[str, list[list[int]]]]:
+    """`biographies(...)` with the [start, end) character span of every value in each (salient-span masking:
+    run_mlm.py's `--span_column`)."""
+    rows = []
     for index, person in enumerate(kb["people"]):
         rng = random.Random(f"bio-{seed}-{index}")
         for _ in range(per_person):
             order = list(kb["attributes"])
             rng.shuffle(order)
-            sentences = [
-                rng.choice(kb["attributes"][a]["train_templates"]).format(name=person["name"], value=person[a])
-                for a in order
-            ]
-            lines.append(" ".join(sentences))
-    return lines
+            text, spans = "", []
+            for a in order:
+                template = rng.choice(kb["attributes"][a]["train_templates"])
+                text, spans = _append_fact(text, spans, template, person["name"], person[a])
+            rows.append((text, spans))
+    return rows
+
+
+def _append_fact(text: str, spans: list, template: str, name: str, value: str) -> tuple[str, list]:
+    """`text` with one more sentence (a space between), and the span of its value added to `spans`."""
+    prefix, suffix = template.format(name=name, value="\0").split("\0")
+    start = len(text) + bool(text) + len(prefix)
+    return f"{text} {prefix}{value}{suffix}" if text else f"{prefix}{value}{suffix}", [*spans, [start, start + len(value)]]
 
 
 def sentences(kb: dict, per_person: int, seed: int = 0) -> list[str]:
     """The sentences of `biographies(...)`, one a line: each fact stated alone, the name its only key."""
-    return [sentence + "." for line in biographies(kb, per_person, seed) for sentence in line[:-1].split(". ")]
+    return [text for text, _ in sentences_with_spans(kb, per_person, seed)]
+
+
+def sentences_with_spans(kb: dict, per_person: int, seed: int = 0) -> list[tuple[str, list[list[int]]]]:
+    """`sentences(...)` with the span of each sentence's value."""
+    rows = []
+    for text, spans in biographies_with_spans(kb, per_person, seed):
+        for sentence, span in zip(text[:-1].split(". "), spans):
+            start = text.index(sentence)  # sentences are unique within a biography: each names another attribute
+            rows.append((sentence + ".", [[span[0] - start, span[1] - start]]))
+    return rows
+
+
+def value_spans(kb: dict, text: str) -> list[list[int]]:
+    """The [start, end) character spans of the values in `text`, a line of this generator's sentences (a biography, a
+    fact a line, edited or new people's facts alike): each sentence is matched whole against the templates of `kb`'s
+    attributes, and its value must be one of the attribute's values. A sentence no template matches is a ValueError
+    (the text did not come from this generator)."""
+    patterns = _template_patterns(
+        tuple((a, (*spec["train_templates"], *spec["heldout_templates"])) for a, spec in kb["attributes"].items())
+    )
+    spans, position = [], 0
+    for sentence in re.split(r"(?<=\.) ", text):
+        for attribute, pattern in patterns:
+            match = pattern.fullmatch(sentence)
+            if match and match.group("value") in kb["attributes"][attribute]["values"]:
+                spans.append([position + match.start("value"), position + match.end("value")])
+                break
+        else:
+            raise ValueError(f"no template of the knowledge base matches {sentence!r}")
+        position += len(sentence) + 1
+    return spans
+
+
+def write_value_spans(kb: dict, text_file, jsonl_file, strict: bool = True) -> None:
+    """The lines of `text_file` (this generator's sentences) as JSON lines `{"text": ..., "spans": [[start, end], ...]}`
+    with every value a span: the training data of salient-span (value) masking (run_mlm.py `--span_column spans`).
+    With `strict=False` a line no template matches (other text mixed in) gets no span instead of a ValueError."""
+
+    def spans(line: str) -> list[list[int]]:
+        try:
+            return value_spans(kb, line)
+        except ValueError:
+            if strict:
+                raise
+            return []
+
+    with open(text_file, encoding="utf-8") as source:
+        rows = [json.dumps({"text": line, "spans": spans(line)}) for line in source.read().splitlines() if line]
+    with open(jsonl_file, "w", encoding="utf-8") as target:
+        target.write("\n".join(rows) + "\n")
+
+
+@functools.lru_cache(maxsize=8)
+def _template_patterns(templates: tuple[tuple[str, tuple[str, ...]], ...]) -> list:
+    """(attribute, the compiled pattern of a whole sentence) of every template, its name and value as groups."""
+    patterns = []
+    for attribute, texts in templates:
+        for template in texts:
+            regex = re.escape(template).replace(r"\{name\}", "(?P<name>.+?)").replace(r"\{value\}", "(?P<value>.+?)")
+            patterns.append((attribute, re.compile(regex)))
+    return patterns
 
 
 def edit_facts(kb: dict, share: float, seed: int = 0) -> list[dict]:
@@ -245,13 +321,20 @@ def apply_edits(kb: dict, edits: list[dict]) -> dict:
 def fact_sentences(kb: dict, facts: list[tuple[int, str]], per_fact: int, seed: int = 0) -> list[str]:
     """`per_fact` sentences of each (person index, attribute) fact, each in a random training template (a fact a line,
     as `sentences`): the training text of a few facts, e.g. the edited ones."""
-    lines = []
+    return [text for text, _ in fact_sentences_with_spans(kb, facts, per_fact, seed)]
+
+
+def fact_sentences_with_spans(
+    kb: dict, facts: list[tuple[int, str]], per_fact: int, seed: int = 0
+) -> list[tuple[str, list[list[int]]]]:
+    """`fact_sentences(...)` with the span of each sentence's value."""
+    rows = []
     for index, attribute in facts:
         rng = random.Random(f"fact-{seed}-{index}-{attribute}")
         person = kb["people"][index]
         templates = kb["attributes"][attribute]["train_templates"]
-        lines += [rng.choice(templates).format(name=person["name"], value=person[attribute]) for _ in range(per_fact)]
-    return lines
+        rows += [_append_fact("", [], rng.choice(templates), person["name"], person[attribute]) for _ in range(per_fact)]
+    return rows
 
 
 def fact_probes(kb: dict, split: str, seed: int = 0, context: str = "biography") -> list[dict]:

@@ -240,3 +240,43 @@ def test_minilm_sizes_outside_the_knowledge_base_are_a_one_line_error(sizes):
     largest = max(kc.parse_args([]).plan["sizes"])
     assert last == f"knowledge_capacity.py: error: --minilm_sizes must lie in 1..{largest} (the knowledge base's people), got {[int(s) for s in sizes]}"
     assert kc.parse_args(["--minilm_sizes", "25", str(largest)]).minilm_sizes == [25, largest]
+
+
+def test_every_generated_value_is_a_span_of_its_line(tmp_path):
+    """Salient-span masking's data: the generators' spans cover exactly the values, `value_spans` finds the same in
+    any of their lines, and `value_masking_file` writes them as run_mlm.py's --span_column rows."""
+    kb = kbase.generate_knowledge_base(40)
+    values = {a: set(spec["values"]) for a, spec in kb["attributes"].items()}
+    rows = kbase.biographies_with_spans(kb, 2) + kbase.sentences_with_spans(kb, 2)
+    rows += kbase.fact_sentences_with_spans(kb, [(3, "major"), (7, "birth_city")], 2)
+    assert [t for t, _ in kbase.biographies_with_spans(kb, 2)] == kbase.biographies(kb, 2)
+    for text, spans in rows:
+        assert kbase.value_spans(kb, text) == spans
+        assert all(any(text[a:b] in v for v in values.values()) for a, b in spans) and spans
+    assert sum(len(s) for _, s in kbase.biographies_with_spans(kb, 2)) == 40 * 2 * len(kb["attributes"])
+    lines = tmp_path / "train.txt"
+    lines.write_text("\n".join(kbase.sentences(kb, 1)[:5] + ["the weather was fine."]) + "\n")
+    kb_file = tmp_path / "kb.json"
+    kbase.write_knowledge_base(kb, kb_file)
+    with pytest.raises(ValueError, match="no template of the knowledge base matches 'the weather was fine.'"):
+        kc.value_masking_file(lines, kb_file)
+    written = kc.value_masking_file(lines, kb_file, strict=False)
+    rows = [json.loads(line) for line in written.read_text().splitlines()]
+    assert [r["text"] for r in rows] == lines.read_text().splitlines() and rows[-1]["spans"] == []
+    assert all(r["spans"] == kbase.value_spans(kb, r["text"]) for r in rows[:-1])
+
+
+@pytest.mark.slow  # end to end: --masking values through run_mlm.py
+@pytest.mark.multiprocess
+def test_quick_sweep_with_value_masking(tmp_path):
+    real_tokenizer()
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "knowledge_capacity.py"), "--quick", "--masking", "values",
+               "--output_dir", str(tmp_path / "out"), "--stages", "sweep", "--arms", "plain", "resm"]  # fmt: skip
+    subprocess.run(command, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True)
+    runs = json.loads((tmp_path / "out" / "knowledge_capacity.json").read_text())["runs"]
+    assert {r["arm"] for r in runs.values()} == {"plain", "resm"} and all(r["masking"] == "values" for r in runs.values())
+    log = (tmp_path / "out" / "runs" / "resm_n8_seed0_lr0.003" / "train.log").read_text()
+    assert (tmp_path / "out" / "data" / "train_8.values.jsonl").exists()
+    completed = subprocess.run([*command[:2], "--masking", "values"], capture_output=True, text=True)
+    assert completed.returncode == 2 and "--masking values needs its own --results file" in completed.stderr
+    assert "Traceback" not in log

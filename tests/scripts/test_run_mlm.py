@@ -391,7 +391,7 @@ def test_span_masking_trains_on_the_values_only_and_resumes_exactly(tiny, tmp_pa
 @pytest.mark.parametrize(
     "options, message",
     [
-        ("--span_column spans", r"--span_column needs json/jsonl data files .*--train_file is '.*\.txt'"),
+        ("--span_column spans", r"--span_column needs a json/jsonl --train_file .*--train_file is '.*\.txt'"),
         ("--mlm_probability 0", r"--mlm_probability must be in \(0, 1\), got 0.0"),
         ("--mask_replace_prob 0.95 --random_replace_prob 0.1", r"--mask_replace_prob 0.95 and --random_replace_prob 0.1 add up to more than 1"),
         ("--mask_replace_prob 1.5", r"--mask_replace_prob must be in \[0, 1\], got 1.5"),
