@@ -280,3 +280,34 @@ def test_quick_sweep_with_value_masking(tmp_path):
     completed = subprocess.run([*command[:2], "--masking", "values"], capture_output=True, text=True)
     assert completed.returncode == 2 and "--masking values needs its own --results file" in completed.stderr
     assert "Traceback" not in log
+
+
+@pytest.mark.parametrize(
+    "peak, grids, expected, at_edge",
+    [
+        # lr grows 3x past 3e-4 to 9e-4 and 2.7e-3 (9e-4 is then interior), the values' 1e-2 gets 3e-2 beside it
+        ({"lr": 1e-3, "memory_lr": 1e-2}, {"lr": [1e-4, 3e-4], "memory_lr": [1e-3, 3e-3, 1e-2]}, {"lr": 9e-4, "memory_lr": 1e-2}, []),
+        ({"lr": 3e-4}, {"lr": [1e-4, 3e-4, 1e-3]}, {"lr": 3e-4}, []),
+        ({"lr": 10.0}, {"lr": [1e-4, 1e-3]}, {"lr": 1.0}, ["lr"]),  # three steps of 10x past the edge: still at it
+    ],
+)
+def test_tuning_grows_a_grid_until_its_best_rate_is_interior(tmp_path, monkeypatch, peak, grids, expected, at_edge):
+    """One budget for every arm: each rate's grid grows past the edge its best sits on (the grid's ratio, at most three
+    steps), every combination of the rates runs once, the choice and any rate left at an edge are recorded."""
+    import math
+
+    args = kc.parse_args(["--quick", "--output_dir", str(tmp_path)])
+    bench = kc.Benchmark(args)
+    runs = []
+
+    def run(arm, size, seed, **rates):  # stored bits peak at `peak`, falling with the log-distance from it
+        runs.append(tuple(sorted(rates.items())))
+        bits = -sum(abs(math.log10(rates[name] / value)) for name, value in peak.items())
+        return {"final": {"train": {"bits": bits}, "heldout": {"bits": 0.0}}}
+
+    monkeypatch.setattr(bench, "run", run)
+    tuning = bench.tune("resm", 8, grids, lambda **rates: dict(arm="resm", size=8, seed=0, **rates))
+    assert {k: pytest.approx(v) for k, v in tuning["best"].items()} == expected and tuning["at_edge"] == at_edge
+    assert len(set(runs)) == math.prod(len(g) for g in tuning["grids"].values())  # every combination, each once
+    assert all(len(tuning["grids"][n]) - len(grids[n]) <= 3 for n in grids)
+    assert bench.results.read()["tuning"]["resm/n8"]["best"] == tuning["best"]
