@@ -23,6 +23,7 @@ def start_run(args, logger):
     drawn, the same on every process, logged and written into `args.seed`: the data order derives from it), and the
     output folder created and proven writable before any data is loaded or any step trained. Returns the accelerator."""
     import logging
+    import os
     import random
 
     import datasets
@@ -62,8 +63,12 @@ def start_run(args, logger):
         logger.info(f"No --seed given: using seed {args.seed}")
     set_seed(args.seed)
 
-    if args.output_dir is not None:  # before any data or step: a trained model must be savable (marked as the
-        prepare_output_dir(args.output_dir)  # script's only once every check has passed: checks.mark_run_output)
+    if args.output_dir is not None:  # before any data or step: a trained model must be savable
+        # A new or empty folder is the run's own at once (a failed run may rerun into it); a folder that holds anything
+        # is marked only once every check has passed (checks.mark_run_output): a failed resume marks nothing it found.
+        fresh = not os.path.isdir(args.output_dir) or not any(os.scandir(args.output_dir))
+        tool = getattr(args, "output_tool", None) if fresh and accelerator.is_main_process else None
+        prepare_output_dir(args.output_dir, tool)
     accelerator.wait_for_everyone()
     return accelerator
 
