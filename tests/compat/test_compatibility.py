@@ -1,9 +1,10 @@
 """The declared transformers range, tested (issue: remote code that survives transformers releases).
 
 Folders written under the declared minimum load through remote code under the newest tested release and the other way
-round, with the package not importable; the committed fixture folder (written by 0.2.0) loads under both; importing the
-package and loading a folder print nothing. The minimum's environment is `.venv-min` (`make test` builds it and sets
-PKM_COMPAT_MIN_PYTHON); `make test-latest` sets PKM_COMPAT_NEWEST_PYTHON to a fresh environment of the newest releases.
+round, with the package not importable; the committed release fixtures load under both; importing the package and
+loading a folder print nothing. The minimum's environment is `.venv-min` (`make test` builds it and sets
+PKM_COMPAT_MIN_PYTHON); the newest is the interpreter that runs the suite (PKM_COMPAT_NEWEST_PYTHON overrides it):
+`make test` runs it on constraints.txt's versions, `make test-latest` in a fresh environment of the newest releases.
 """
 
 import ast
