@@ -17,8 +17,6 @@ name is resolved on first use (module `__getattr__`); resolving a model class, `
 from .utils.lazy_imports import lazy_exports
 
 
-__version__ = "0.4.0"
-
 # the public names, each resolved on first use from the module that defines it
 _PUBLIC = {
     ".configuration_bert_pkm": ("AUTO_MAP", "BertPkmConfig", "REMOTE_CODE_FILES"),
@@ -64,6 +62,10 @@ _REGISTERS_KERNELS = {name for module in _RUN_THE_MEMORY for name in _PUBLIC[mod
 _resolve, __dir__, _ = lazy_exports(__name__, _PUBLIC)
 
 def __getattr__(name):
+    if name == "__version__":  # the one version, that of the code every saved folder records
+        from .configuration_bert_pkm import PKM_CODE_VERSION
+
+        return PKM_CODE_VERSION
     if name in _REGISTERS_KERNELS:
         from . import kernels
 
