@@ -1,9 +1,16 @@
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 
+# the one version: the code version every saved folder records (read as text: building imports no torch)
+CONFIGURATION = Path(__file__).parent / "modeling_pkm_bert" / "configuration_bert_pkm.py"
+VERSION = re.search(r'^PKM_CODE_VERSION = "([^"]+)"$', CONFIGURATION.read_text(encoding="utf-8"), re.M).group(1)
+
 setup(
     name="modeling-pkm-bert",
-    version="0.4.0",
+    version=VERSION,
     description="Product key memory (PKM) for BERT in the Hugging Face ecosystem (Kim & Jung 2020, Lample et al. 2019)",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

@@ -1,6 +1,6 @@
 """What the memory is worth: facts stored per parameter and per unit of compute, memory arms against dense ones.
 
-A synthetic knowledge base (`benchmarks/knowledge_base.py`: people with unique names and five attributes of exactly
+A synthetic knowledge base (`modeling_pkm_bert/analysis/knowledge.py`: people with unique names and five attributes of exactly
 known information) is written as biographies; every arm trains on them from scratch with `run_scripts/run_mlm.py`
 (masked LM, the same tokenizer, data order, masks and number of steps), and is then asked each fact: the attribute's
 value is masked in a sentence naming the person and the model must predict every value token (greedy, left to right:

@@ -14,8 +14,9 @@ def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-# warm-up: the same load on the meta device (imports, remote code, no tensors), so that only the tensors are measured
-AutoModelForMaskedLM.from_pretrained(sys.argv[1], trust_remote_code=True, device_map="meta")
+# warm-up: the same load on the meta device (imports, remote code, no tensors), so that only the tensors are measured;
+# without Hub kernels, which are chosen per device (transformers >= 5.25 kernelizes by default and refuses "meta")
+AutoModelForMaskedLM.from_pretrained(sys.argv[1], trust_remote_code=True, device_map="meta", use_kernels=False)
 import gc; gc.collect()
 before, peak, done = rss(), [0], []
 def sample():

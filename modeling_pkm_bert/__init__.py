@@ -2,12 +2,12 @@
 
 Layout: the flat `.py` files beside this one are the Hub remote code, exactly `REMOTE_CODE_FILES`
 (`configuration_bert_pkm.REMOTE_CODE_FILES`); everything else lives in a subpackage named for its job:
-`utils` (small shared helpers: finding a model's memories, the lazy imports), `kernels` (native CPU selection, Triton
-gathers), `serving` (int8 / 4-bit value tables), `parallel` (FSDP2 and memory-parallel value tables), `methods` (the
-memory optimizers, TRIME, sparse memory finetuning), `hub` (conversion, model cards, upload), `analysis` (memory usage
-and reports), `training` (the scripts' harness and task data), `integrations` (export, PEFT, Trainer). In that order
-they form layers: a subpackage imports only from those before it (tests/repo/test_layout.py checks that no import cycle
-forms).
+`utils` (small shared helpers: finding a model's memories, the lazy imports), `kernels` (the native CPU selection;
+GPUs run the reference torch ops), `serving` (int8 / 4-bit value tables), `parallel` (FSDP2 and memory-parallel value
+tables), `methods` (the memory optimizers, TRIME, sparse memory finetuning), `hub` (conversion, model cards, upload),
+`analysis` (memory usage and reports), `training` (the scripts' harness and task data), `integrations` (export, PEFT,
+Trainer). In that order they form layers: a subpackage imports only from those before it (tests/repo/test_layout.py
+checks that no import cycle forms).
 
 The import is lazy: `import modeling_pkm_bert` imports neither torch nor transformers and registers no op. A public
 name is resolved on first use (module `__getattr__`); resolving a model class, `ProductKeyMemory` or
@@ -16,8 +16,6 @@ name is resolved on first use (module `__getattr__`); resolving a model class, `
 
 from .utils.lazy_imports import lazy_exports
 
-
-__version__ = "0.4.0"
 
 # the public names, each resolved on first use from the module that defines it
 _PUBLIC = {
@@ -64,6 +62,10 @@ _REGISTERS_KERNELS = {name for module in _RUN_THE_MEMORY for name in _PUBLIC[mod
 _resolve, __dir__, _ = lazy_exports(__name__, _PUBLIC)
 
 def __getattr__(name):
+    if name == "__version__":  # the one version, that of the code every saved folder records
+        from .configuration_bert_pkm import PKM_CODE_VERSION
+
+        return PKM_CODE_VERSION
     if name in _REGISTERS_KERNELS:
         from . import kernels
 

@@ -12,7 +12,7 @@ from .product_key_memory_ops import OUTPUT_GATES, SCORE_ACTIVATIONS
 
 # The version of these code files, recorded in every saved config (`pkm_code_version`), and the transformers releases
 # they run on (`make test-compat` tests both ends); a folder's code names both when the installed release is outside.
-PKM_CODE_VERSION = "0.5.0"
+PKM_CODE_VERSION = "0.6.0"
 # the files that travel with every saved model (the remote code): they import each other relatively and nothing else
 # of the package
 REMOTE_CODE_FILES = (

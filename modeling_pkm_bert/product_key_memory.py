@@ -53,7 +53,7 @@ class ProductKeyMemory(nn.Module):
     per_sample_weights=weights)`, a [`ProductKeyValues`] (an `nn.EmbeddingBag`).
 
     Options of Memory+ (Berges et al. 2024) and later memory layers, each off by default (written from the papers'
-    descriptions; see the README's "Memory+ and modern options"):
+    descriptions; see docs/memory_plus_smf_trime.md#memory-and-modern-options):
     - `values`: an existing [`ProductKeyValues`] to read instead of a table of its own, e.g. ONE table shared by the
       memories of every layer (Memory+); each memory keeps its own keys, query network and output. The memory does not
       initialise a table it was given.

@@ -290,9 +290,9 @@ class WeightedRowSum(torch.autograd.Function):
 # CPU fp32/fp64 (into a fresh buffer), elsewhere the same sums in plain torch ops.
 # ----------------------------------------------------------------------------------------------------------------------
 
-# in the op names: a changed op (signature or implementation: tests/test_release.py checks tests/custom_ops.json) gets
-# a new name, and another copy of this file (a model's remote code next to the installed package) reuses the ops one
-# of them registered only when they are the same
+# in the op names: a changed op (signature or implementation: tests/compat/test_release.py checks
+# tests/custom_ops.json) gets a new name, and another copy of this file (a model's remote code next to the installed
+# package) reuses the ops one of them registered only when they are the same
 OPS_VERSION = 3
 
 

@@ -24,7 +24,7 @@ uses 32. For ResM-BERT (+Init) from a plain BERT checkpoint (drop the --pkm_* fl
 Data sources:
 * `--task_name` alone: the task from the Hub (`nyu-mll/glue`; needs network access).
 * `--task_name` with `--train_file/--validation_file`: `.tsv` files in GLUE's own layout of that task (CoLA without a
-  header, MRPC with a byte-order mark, ...; see `modeling_pkm_bert/glue_data.py`; MNLI: `--validation_file
+  header, MRPC with a byte-order mark, ...; see `modeling_pkm_bert/training/glue_data.py`; MNLI: `--validation_file
   dev_matched.tsv --validation_mismatched_file dev_mismatched.tsv`), or `.csv`/`.json` files with the Hub's column
   names (`sentence`, `sentence1`/`sentence2`, `question1`/`question2`, `premise`/`hypothesis`, ... and `label`).
 * files without `--task_name`: `.csv`, `.tsv` (tab-separated, header, no quoting) or `.json` (json lines) with a

@@ -233,7 +233,7 @@ def mlm_args(tiny, output_dir, options=""):
     ]
 
 
-# ---- the release fixtures: tests/fixtures/bert_pkm_<version>/ ----
+# ---- the release fixtures: tests/fixtures/<family>_<version>/ ----
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
 # each release's code files are kept once, in code/; each saved folder keeps its own files (config, weights, tokenizer)
@@ -255,11 +255,10 @@ def fixture_code_files(release: Path, folder: str) -> list[Path]:
 
 
 def release_folders(version: str, into: str | Path) -> Path:
-    """tests/fixtures/bert_pkm_<version> (or modernbert_pkm_<version>) assembled as the release wrote it, in `into`: its
-    expected.json and each saved folder, that is the folder's own files with the release's code files beside them.
-    Returns the assembled folder (the layout `write_folders.py` writes and `check_folders.py` reads)."""
-    found = [FIXTURES / f"{family}_{version}" for family in ("bert_pkm", "modernbert_pkm")]
-    found = [path for path in found if path.is_dir()]
+    """tests/fixtures/<family>_<version> (bert_pkm_<version>, modernbert_pkm_<version>, ...) assembled as the release
+    wrote it, in `into`: its expected.json and each saved folder, that is the folder's own files with the release's code
+    files beside them. Returns the assembled folder (the layout `write_folders.py` writes and `check_folders.py` reads)."""
+    found = [path for path in FIXTURES.glob(f"*_{version}") if path.is_dir()]
     if len(found) != 1:
         raise FileNotFoundError(f"no release fixture of {version} (or more than one) in {FIXTURES}")
     release = found[0]

@@ -1,9 +1,10 @@
 """The declared transformers range, tested (issue: remote code that survives transformers releases).
 
 Folders written under the declared minimum load through remote code under the newest tested release and the other way
-round, with the package not importable; the committed fixture folder (written by 0.2.0) loads under both; importing the
-package and loading a folder print nothing. The minimum's environment is `.venv-min` (`make test` builds it and sets
-PKM_COMPAT_MIN_PYTHON); `make test-latest` sets PKM_COMPAT_NEWEST_PYTHON to a fresh environment of the newest releases.
+round, with the package not importable; the committed release fixtures load under both; importing the package and
+loading a folder print nothing. The minimum's environment is `.venv-min` (`make test` builds it and sets
+PKM_COMPAT_MIN_PYTHON); the newest is the interpreter that runs the suite (PKM_COMPAT_NEWEST_PYTHON overrides it):
+`make test` runs it on constraints.txt's versions, `make test-latest` in a fresh environment of the newest releases.
 """
 
 import ast
@@ -23,7 +24,7 @@ from modeling_pkm_bert.configuration_bert_pkm import PKM_CODE_VERSION
 pytestmark = pytest.mark.multiprocess  # the suite runs other interpreters (.venv-min, the newest releases)
 
 COMPAT = REPO_ROOT / "tests" / "compat"
-# the releases whose folders every later one must still load (tests/fixtures/bert_pkm_<version>, assembled by
+# the releases whose folders every later one must still load (tests/fixtures/<family>_<version>, assembled by
 # helpers.release_folders), and what check_folders.py checks in them
 FIXTURES = {
     "0.2.0": ["mlm", "causal_memory_plus", "fill-mask", "train:causal_memory_plus"],
@@ -36,6 +37,8 @@ FIXTURES = {
     # the ModernBertPkm family arrived (tests/fixtures/modernbert_pkm_0.5.0)
     "0.5.0": ["modernbert_mlm", "modernbert_cls_memory_plus", "modernbert_tok_replace", "modernbert_choice",
               "modernbert_mlm_int8", "fill-mask:modernbert_mlm", "train:modernbert_mlm", "train:modernbert_cls_memory_plus"],
+    # a folder of each family, so that the release's fixture holds every shipped file (tests/fixtures/bert_pkm_0.6.0)
+    "0.6.0": ["mlm_ngram_int8", "roberta_mlm", "modernbert_mlm_int8"],
 }
 MIN_PYTHON = os.environ.get("PKM_COMPAT_MIN_PYTHON")
 NEWEST_PYTHON = os.environ.get("PKM_COMPAT_NEWEST_PYTHON", sys.executable)
@@ -120,7 +123,7 @@ def files_of(root) -> dict:
     return {path.relative_to(root).as_posix(): path.read_bytes() for path in sorted(root.rglob("*")) if path.is_file()}
 
 
-@pytest.mark.parametrize("release", sorted(path.name for path in RELEASES.glob("bert_pkm_*")))
+@pytest.mark.parametrize("release", sorted(path.name for path in RELEASES.glob("*_*.*.*")))  # every family's
 def test_a_release_fixture_keeps_each_code_file_once(release):
     """The release's code files in code/ and nowhere else; each saved folder of expected.json holds its own files
     (config, weights, tokenizer), nothing else is there."""

@@ -1,8 +1,10 @@
 """Release hygiene: the versions that saved folders and registered ops carry tell the truth.
 
-- `PKM_CODE_VERSION` is recorded in every saved config: a shipped file (REMOTE_CODE_FILES) that differs from the newest
-  release's fixture copy (tests/fixtures/bert_pkm_<version>/code/) needs a newer PKM_CODE_VERSION, or a folder saved today
-  would claim code it does not hold.
+- `PKM_CODE_VERSION` is recorded in every saved config and is the package's version (setup.py reads it): while it equals
+  the newest release's, the shipped files (REMOTE_CODE_FILES) must be that release's code as its fixtures hold it (every
+  family's: tests/fixtures/<family>_<version>/code/, e.g. bert_pkm_0.4.0, modernbert_pkm_0.5.0), or a folder saved
+  today would claim code it does not hold. A change needs a newer PKM_CODE_VERSION; its release freezes fixtures that
+  hold every shipped file.
 - `OPS_VERSION` is in the names of the custom ops (`torch.ops.pkm_bert.<name>_v<OPS_VERSION>`), which the first copy
   of product_key_memory_ops.py a process imports registers for every other copy (a model's remote code beside the
   package, folders of other releases). Each op's signature and implementation (its functions and everything of the
@@ -17,6 +19,7 @@ import ast
 import copy
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -32,9 +35,20 @@ def version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split("."))
 
 
-def newest_fixture() -> tuple[str, Path]:
-    """(version, folder) of the newest release fixture, tests/fixtures/bert_pkm_<version>."""
-    releases = {folder.name.removeprefix("bert_pkm_"): folder for folder in FIXTURES.glob("bert_pkm_*")}
+def release_fixtures() -> dict[str, list[Path]]:
+    """{version: its fixture folders} over every family: tests/fixtures/<family>_<version> (bert_pkm_0.4.0,
+    modernbert_pkm_0.5.0, ...)."""
+    releases = {}
+    for folder in sorted(FIXTURES.iterdir()):
+        match = re.fullmatch(r"[a-z_]+_(\d+\.\d+\.\d+)", folder.name)
+        if match and folder.is_dir():
+            releases.setdefault(match[1], []).append(folder)
+    return releases
+
+
+def newest_release() -> tuple[str, list[Path]]:
+    """(version, fixture folders) of the newest release, whichever families its fixtures are of."""
+    releases = release_fixtures()
     version = max(releases, key=version_tuple)
     return version, releases[version]
 
@@ -45,20 +59,32 @@ def fixture_copies(folder: Path, name: str) -> set[str]:
     return {path.read_text(encoding="utf-8") for path in folder.glob(f"*/{name}")}
 
 
+def test_the_fixtures_of_every_family_are_read():
+    releases = release_fixtures()
+    assert {"0.1.0", "0.4.0", "0.5.0"} <= releases.keys() and FIXTURES / "modernbert_pkm_0.5.0" in releases["0.5.0"]
+
+
+def test_the_package_has_one_version():
+    import modeling_pkm_bert
+    from modeling_pkm_bert.configuration_bert_pkm import PKM_CODE_VERSION
+
+    assert modeling_pkm_bert.__version__ == PKM_CODE_VERSION  # setup.py's: test_the_wheel_holds_the_package_data
+
+
 def test_a_changed_code_file_comes_with_a_newer_code_version():
     from modeling_pkm_bert.configuration_bert_pkm import PKM_CODE_VERSION, REMOTE_CODE_FILES
 
-    released, folder = newest_fixture()
+    released, folders = newest_release()
     assert version_tuple(PKM_CODE_VERSION) >= version_tuple(released), f"{PKM_CODE_VERSION} is older than {released}"
-    copies = {name: fixture_copies(folder, name) for name in REMOTE_CODE_FILES}
-    # one text per file; none for a file shipped since that release (e.g. the ModernBertPkm files after 0.4.0): new
+    copies = {name: set().union(*(fixture_copies(folder, name) for folder in folders)) for name in REMOTE_CODE_FILES}
     assert all(len(texts) <= 1 for texts in copies.values()), {name: len(texts) for name, texts in copies.items()}
+    if PKM_CODE_VERSION != released:
+        return  # the next release's code, free to change until its fixtures are frozen
     changed = [name for name in REMOTE_CODE_FILES if (PACKAGE / name).read_text(encoding="utf-8") not in copies[name]]
-    if changed:
-        assert version_tuple(PKM_CODE_VERSION) > version_tuple(released), (
-            f"{', '.join(changed)} changed since the {released} fixture ({folder.relative_to(REPO_ROOT)}) but "
-            f"PKM_CODE_VERSION is still {PKM_CODE_VERSION}: bump it"
-        )
+    assert not changed, (
+        f"{', '.join(changed)} changed since (or are not in) the {released} fixtures "
+        f"({', '.join(folder.name for folder in folders)}) but PKM_CODE_VERSION is still {released}: bump it"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- custom ops
@@ -137,7 +163,8 @@ def test_a_released_copy_of_the_ops_with_this_version_holds_the_same_ops():
 
     current = custom_op_definitions(PACKAGE / OPS_FILE)[1]
     record = json.loads(OPS_RECORD.read_text(encoding="utf-8"))
-    for folder in sorted(FIXTURES.glob("bert_pkm_*")):
+    newest = newest_release()[1]
+    for folder in [folder for _, folders in sorted(release_fixtures().items()) for folder in folders]:
         (text,) = fixture_copies(folder, OPS_FILE) or {None}
         if text is None:
             continue  # 0.1.0: no ops file
@@ -145,7 +172,7 @@ def test_a_released_copy_of_the_ops_with_this_version_holds_the_same_ops():
         version, ops = custom_op_definitions(path)
         if version == OPS_VERSION:
             assert ops == current, f"{folder.name} registers OPS_VERSION {version} with other ops: bump OPS_VERSION"
-        if folder == newest_fixture()[1] and str(version) in record:
+        if folder in newest and str(version) in record:
             assert record[str(version)] == ops, f"the record of OPS_VERSION {version} is not {folder.name}'s ops"
 
 
@@ -199,6 +226,9 @@ def test_the_wheel_holds_the_package_data(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(tmp_path / "dist"), str(source)], check=True, capture_output=True)  # fmt: skip
     (wheel,) = (tmp_path / "dist").glob("*.whl")
+    from modeling_pkm_bert.configuration_bert_pkm import PKM_CODE_VERSION
+
+    assert wheel.name.startswith(f"modeling_pkm_bert-{PKM_CODE_VERSION}-"), wheel.name  # setup.py reads the one version
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {f"modeling_pkm_bert/analysis/explorer_page/{name}" for name in PAGE_FILES}
     expected |= {f"modeling_pkm_bert/kernels/csrc/{path.name}" for path in (PACKAGE / "kernels" / "csrc").glob("*.c")}

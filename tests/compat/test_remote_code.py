@@ -13,7 +13,7 @@ import transformers
 from transformers import BertTokenizer
 from transformers.pipelines import SUPPORTED_TASKS
 
-from helpers import REPO_ROOT, bert_pkm_code_files, tiny_config
+from helpers import REPO_ROOT, bert_pkm_code_files, tiny_config, tiny_roberta_config
 from modeling_pkm_bert import (
     AUTO_MAP,
     BertPkmForMaskedLM,
@@ -125,6 +125,61 @@ def test_saved_folders_load_as_remote_code_offline_with_identical_outputs(tmp_pa
     assert isinstance(out["token-classification"], list)
     if "question-answering" in SUPPORTED_TASKS:
         assert out["question-answering"]["answer"] in "the cat sat on the mat in paris"
+
+
+# Loads saved folders with every default (online, Hub kernels as transformers sets them) in a process whose sockets
+# refuse to connect and record each try; a fetch made first shows that the guard catches one.
+NO_NETWORK_SCRIPT = r"""
+import json, socket, sys, urllib.request
+attempts = []
+def refuse(*args, **kwargs):
+    attempts.append(repr(args)[:200])
+    raise OSError("network access refused by the test")
+socket.socket.connect = socket.socket.connect_ex = refuse
+socket.create_connection = socket.getaddrinfo = refuse
+try:
+    urllib.request.urlopen("https://huggingface.co", timeout=5)
+except OSError:
+    pass
+out = {"guard": len(attempts), "folders": {}}
+attempts.clear()
+sys.modules["modeling_pkm_bert"] = None
+import torch, transformers
+from transformers import AutoModelForMaskedLM
+for folder in sys.argv[1:]:
+    model = AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True)
+    with torch.no_grad():
+        model(torch.tensor([[2, 7, 8, 3]]))
+    out["folders"][folder] = {"module": type(model).__module__, "use_kernels": getattr(model, "use_kernels", None)}
+out.update(attempts=attempts, transformers=transformers.__version__)
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_loading_with_the_defaults_never_reaches_the_network(tmp_path):
+    """transformers >= 5.25 kernelizes every load by default (Hub kernels for BERT's activations on GPUs, fetched from
+    the Hub): on CPU, with HF_HUB_OFFLINE unset, a folder of each family loads and runs without opening a connection."""
+    from modeling_pkm_bert import ModernBertPkmConfig, ModernBertPkmForMaskedLM, RobertaPkmForMaskedLM
+
+    modernbert = ModernBertPkmConfig(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                     intermediate_size=37, pkm_layers=[1], pkm_n_keys=8, pkm_heads=2, pkm_knn=4,
+                                     pkm_k_dim=16, pad_token_id=0, bos_token_id=2, cls_token_id=2, eos_token_id=3,
+                                     sep_token_id=3, local_attention=4)  # fmt: skip
+    models = {"mlm": BertPkmForMaskedLM(tiny_config()), "roberta_mlm": RobertaPkmForMaskedLM(tiny_roberta_config()),
+              "modernbert_mlm": ModernBertPkmForMaskedLM(modernbert)}  # fmt: skip
+    for name, model in models.items():
+        model.save_pretrained(tmp_path / name)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_", "USE_HUB_KERNELS"))}
+    env.pop("PYTHONPATH", None)
+    env.update(HF_HOME=str(tmp_path / "hf_home"), TOKENIZERS_PARALLELISM="false")
+    completed = subprocess.run([sys.executable, "-c", NO_NETWORK_SCRIPT, *(str(tmp_path / name) for name in models)],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    out = json.loads(completed.stdout.split("RESULT", 1)[1])
+    assert out["guard"] and out["attempts"] == [], out
+    assert all(folder["module"].startswith("transformers_modules.") for folder in out["folders"].values()), out
+    if tuple(int(part) for part in out["transformers"].split(".")[:2]) >= (5, 25):
+        assert all(folder["use_kernels"] for folder in out["folders"].values()), out  # the defaults did kernelize
 
 
 def test_question_answering_pipeline_where_transformers_has_it(tmp_path):

@@ -10,7 +10,9 @@ is written with `--fixture`: the same folders, with the code files, equal in eve
 causal_memory_plus mlm_ngram causal_ngram roberta_mlm` wrote, `tests/fixtures/bert_pkm_0.4.0` what `write_folders.py OUT
 mlm causal_memory_plus mlm_ngram causal_ngram mlm_ngram_int8 roberta_mlm` wrote, `tests/fixtures/modernbert_pkm_0.5.0`
 (the release that introduces ModernBertPkm) what `write_folders.py OUT modernbert_mlm modernbert_cls_memory_plus
-modernbert_tok_replace modernbert_choice modernbert_mlm_int8` wrote; a new release's:
+modernbert_tok_replace modernbert_choice modernbert_mlm_int8` wrote, `tests/fixtures/bert_pkm_0.6.0` what
+`write_folders.py OUT mlm_ngram_int8 roberta_mlm modernbert_mlm_int8` wrote (a folder of each family: a release's
+fixture holds every shipped file, tests/compat/test_release.py); a new release's:
 `python tests/compat/write_folders.py --fixture tests/fixtures/bert_pkm_<version> NAME ...`."""
 
 import json
