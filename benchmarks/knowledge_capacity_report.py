@@ -33,15 +33,70 @@ def best_learning_rates(data: dict, plan: dict) -> dict:
     return {arm: lr for arm, (_, lr) in best.items()}
 
 
-def minilm_best_learning_rates(minilm: list[dict]) -> dict:
-    """Arm (h): each arm's best learning rate of the sweep (the smallest size, seed 0), by the scratch arms' rule."""
+def minilm_best_rates(data: dict, minilm: list[dict]) -> dict:
+    """Arm (h): each arm's chosen rates ({"lr": ..., "memory_lr": ...}): those `tune` recorded, else (runs before it) the
+    best learning rate of the sweep (the smallest size, seed 0), by the scratch arms' rule."""
+    tuned = {key.split("/")[0]: entry["best"] for key, entry in data.get("tuning", {}).items() if key.startswith("minilm")}
+    if tuned:
+        return tuned
     sweep_size = min(r["size"] for r in minilm)
     best = {}
     for run in minilm:
         if run["size"] == sweep_size and run["seed"] == 0:
             score = (run["final"]["train"]["bits"], run["final"]["heldout"]["bits"])
             best[run["arm"]] = max(best.get(run["arm"], (score, run["lr"])), (score, run["lr"]))
-    return {arm: lr for arm, (_, lr) in best.items()}
+    return {arm: {"lr": lr} for arm, (_, lr) in best.items()}
+
+
+def at_rates(run: dict, rates: dict) -> bool:
+    return all(run.get(name) == value for name, value in rates.items())
+
+
+def rates_label(rates: dict) -> str:
+    return ", ".join(f"{'values lr' if name == 'memory_lr' else name} {value:g}" for name, value in rates.items())
+
+
+def swept_before_tuning(data: dict) -> dict:
+    """The tuning entries of runs made before `tune` recorded them: each arm's learning rates swept at seed 0 at its
+    sweep's size (the most common size at seed 0 with more than one rate), the best by the same rule."""
+    entries = {}
+    for arm in sorted({r["arm"] for k, r in data["runs"].items() if not k.startswith("sanity") and "memory_lr" not in r}):
+        runs = [r for k, r in data["runs"].items() if r["arm"] == arm and r["seed"] == 0 and not k.startswith("sanity")
+                and r.get("templates") is None and "memory_lr" not in r]  # fmt: skip
+        sizes = [n for n in {r["size"] for r in runs} if len({r["lr"] for r in runs if r["size"] == n}) > 1]
+        if not sizes:
+            continue
+        size = max(sizes, key=lambda n: len({r["lr"] for r in runs if r["size"] == n}))
+        swept = [r for r in runs if r["size"] == size]
+        grid = sorted({r["lr"] for r in swept})
+        best = max(swept, key=lambda r: (r["final"]["train"]["bits"], r["final"]["heldout"]["bits"]))["lr"]
+        entries[f"{arm}/n{size}"] = {"best": {"lr": best}, "grids": {"lr": grid}, "at_edge": ["lr"] if best in (grid[0], grid[-1]) else []}
+    return entries
+
+
+def tuning_lines(data: dict, labels: dict) -> list[str]:
+    """The tuning table: each arm's grids (as grown), the rates chosen, and whether one still sits at an edge."""
+    tuning = {**swept_before_tuning(data), **data.get("tuning", {})}
+    if not tuning:
+        return []
+    lines = ["## Tuning", "",
+             "One budget for every arm: each of its learning rates on a grid of the same size, every combination at seed "
+             "0, the best by stored bits; a best rate at a grid's edge grows that grid (up to 3 steps). **bold**: "
+             "chosen; ⚠ still at an edge (runs made before this rule swept a fixed grid of the learning rate alone, the "
+             "values at 1e-2: each shows whether its choice sat at an edge).", "",
+             "| arm | people | lr grid | values lr grid | chosen | at an edge |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for key, entry in sorted(tuning.items()):
+        arm, size = key.split("/")
+
+        def grid(name):
+            values = entry["grids"].get(name)
+            if not values:
+                return "—"
+            return ", ".join(f"**{v:g}**" if v == entry["best"].get(name) else f"{v:g}" for v in values)
+
+        edge = ", ".join(f"⚠ {name}" for name in entry["at_edge"]) or "no"
+        lines.append(f"| {labels.get(arm, arm)} | {size[1:]} | {grid('lr')} | {grid('memory_lr')} | {rates_label(entry['best'])} | {edge} |")
+    return [*lines, ""]
 
 
 def _save(figure, plt, folder: Path, name: str) -> str:
@@ -87,18 +142,18 @@ def write_figures(data: dict, plan: dict, labels: dict, folder: Path) -> list[st
 
     minilm = [r for r in data["runs"].values() if r["arm"].startswith("minilm")]
     if minilm:  # arm (h): each arm at its best learning rate of the sweep (the smallest size), mean ± sd over seeds
-        best = minilm_best_learning_rates(minilm)
+        best = minilm_best_rates(data, minilm)
         figure, axes = plt.subplots(1, 2, figsize=(10, 3.8))
         for arm, color in (("minilm_plain", "C0"), ("minilm_resm", "C1")):
             if arm not in best:
                 continue
-            lr = best[arm]
-            sizes = sorted({r["size"] for r in minilm if r["arm"] == arm and r["lr"] == lr})
+            chosen = [r for r in minilm if r["arm"] == arm and at_rates(r, best[arm])]
+            sizes = sorted({r["size"] for r in chosen})
             for axis, split in zip(axes, ("train", "heldout")):
-                values = [[r["final"][split]["bits"] for r in minilm if r["arm"] == arm and r["lr"] == lr and r["size"] == n] for n in sizes]
+                values = [[r["final"][split]["bits"] for r in chosen if r["size"] == n] for n in sizes]
                 means = [statistics.mean(v) for v in values]
                 spreads = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values]
-                axis.errorbar(sizes, means, yerr=spreads, fmt="o-", capsize=3, color=color, label=f"{labels[arm]} (lr {lr:g})")
+                axis.errorbar(sizes, means, yerr=spreads, fmt="o-", capsize=3, color=color, label=f"{labels[arm]} ({rates_label(best[arm])})")
         for axis, title in zip(axes, ("training template", "held-out template")):
             axis.set(xlabel="people in the knowledge base (5 facts each)", ylabel="stored bits", xscale="log",
                      title=f"MiniLM +Init, {'/'.join(map(str, sorted({r['steps'] for r in minilm})))} steps: {title}")  # fmt: skip
@@ -279,20 +334,21 @@ def write_report(args, data: dict) -> None:
         sweep_size = min(r["size"] for r in minilm)
         lines += ["## The real MiniLM, +Init (vocabulary trimmed to the base's pieces)", "",
                   f"Learning rates swept at {sweep_size} people (seed 0):", "",
-                  "| arm | lr | people | recall train / held-out | bits |", "|---|---|---|---|---|"]  # fmt: skip
-        for run in sorted(minilm, key=lambda r: (r["arm"], r["lr"])):
+                  "| arm | rates | people | recall train / held-out | bits |", "|---|---|---|---|---|"]  # fmt: skip
+        for run in sorted(minilm, key=lambda r: (r["arm"], r["lr"], r.get("memory_lr") or 0)):
             if run["size"] == sweep_size and run["seed"] == 0:
-                lines.append(f"| {LABELS[run['arm']]} | {run['lr']:g} | {run['size']} | {run['final']['train']['recall']:.2f} / "
+                rates = rates_label({"lr": run["lr"], **({"memory_lr": run["memory_lr"]} if run["arm"] == "minilm_resm" and "memory_lr" in run else {})})
+                lines.append(f"| {LABELS[run['arm']]} | {rates} | {run['size']} | {run['final']['train']['recall']:.2f} / "
                              f"{run['final']['heldout']['recall']:.2f} | {run['final']['train']['bits']:,.0f} |")  # fmt: skip
         lines.append("")
-        best = minilm_best_learning_rates(minilm)  # each arm at it, at every size (mean ± sd over seeds)
+        best = minilm_best_rates(data, minilm)  # each arm at it, at every size (mean ± sd over seeds)
         lines += ["Each arm at its best learning rate, by size: stored bits (training template / held-out), "
                   "mean ± standard deviation over seeds; ResM / plain the ratio of the means:", "",
                   "| people | facts | (h) MiniLM plain | (h) MiniLM ResM | seeds | ResM / plain |", "|---|---|---|---|---|---|"]  # fmt: skip
         for size in sorted({r["size"] for r in minilm}):
             cells, means = [], {}
             for arm in ("minilm_plain", "minilm_resm"):
-                runs = [r for r in minilm if r["arm"] == arm and r["size"] == size and r["lr"] == best.get(arm)]
+                runs = [r for r in minilm if r["arm"] == arm and r["size"] == size and arm in best and at_rates(r, best[arm])]
                 train, held = [r["final"]["train"]["bits"] for r in runs], [r["final"]["heldout"]["bits"] for r in runs]
                 cells.append(f"{_mean_spread(train)} / {_mean_spread(held)}" if runs else "—")
                 means[arm] = (statistics.mean(train), statistics.mean(held), len(runs)) if runs else None
@@ -303,6 +359,7 @@ def write_report(args, data: dict) -> None:
             lines.append(f"| {size} | {facts} | {cells[0]} | {cells[1]} | {seeds} | {ratio} |")
         lines.append("")
 
+    lines += tuning_lines(data, LABELS)
     findings = HERE_NOTES.read_text(encoding="utf-8") if HERE_NOTES.exists() else ""
     if findings:
         lines += [findings.strip(), ""]

@@ -195,6 +195,11 @@ def parse_args(argv=None):
     parser.add_argument("--stages", nargs="+", default=["base", "sweep", "seeds", "diagnose"],
                         choices=["base", "sweep", "seeds", "diagnose"])
     parser.add_argument("--methods", nargs="+", default=None, choices=list(METHODS), help=f"default: all (--quick: {QUICK_METHODS})")
+    parser.add_argument(
+        "--masking", choices=["random", "values"], default="random",
+        help="random: 15%% of the tokens (the committed runs); values: every value of a fact's line masked in every "
+        "exposure, the other tokens at 15%% (run_mlm.py --span_column; LoRA's loop alike); needs its own --results",
+    )  # fmt: skip
     parser.add_argument("--learning_rates", nargs="+", type=float, default=None, help="sweep these instead of each method's")
     parser.add_argument("--seed_learning_rates", nargs="+", type=float, default=None,
                         help="the seeds stage runs these rates instead of each method's best (e.g. a lower bar's best)")
@@ -214,6 +219,8 @@ def parse_args(argv=None):
             parser.error(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(plan)}")
         plan[key] = json.loads(value)
     args.plan = plan
+    if args.masking == "values" and args.results is None and not args.quick:
+        parser.error("--masking values needs its own --results file (the default one holds the random-masking runs)")
     if args.minilm:
         default_methods = MINILM_QUICK_METHODS if args.quick else MINILM_METHODS
         if args.methods and set(args.methods) - set(MINILM_METHODS):
@@ -526,6 +533,35 @@ def background_coverage(model_dir: Path, data: Path, backgrounds: dict[str, Path
 # LoRA: run_mlm.py has no LoRA flag, so this loop (the same data, batch, masking rate, AdamW and schedule)
 
 
+class ValueMaskingCollator:
+    """LoRA's batches masked as run_mlm.py masks them with `kc.VALUE_MASKING_FLAGS`: each row's spans (values) in every
+    exposure, the other tokens at 15%, every masked token shown as [MASK] (`training.masking`)."""
+
+    def __init__(self, tokenizer, seed: int):
+        self.tokenizer, self.generator = tokenizer, torch.Generator().manual_seed(seed)
+
+    def encode(self, row: dict) -> dict:
+        from modeling_pkm_bert.training.masking import unit_codes
+
+        encoding = self.tokenizer(
+            row["text"], truncation=True, max_length=128, return_special_tokens_mask=True, return_offsets_mapping=True
+        )
+        units = unit_codes(encoding.pop("offset_mapping"), spans=row["spans"])
+        return {**encoding, "mask_units": units}
+
+    def __call__(self, features: list[dict]) -> dict:
+        from modeling_pkm_bert.training.masking import UNIT, mask_tokens
+
+        batch = self.tokenizer.pad([{k: v for k, v in f.items() if k != "mask_units"} for f in features], return_tensors="pt")
+        length = batch["input_ids"].shape[1]
+        units = torch.tensor([f["mask_units"] + [UNIT] * (length - len(f["mask_units"])) for f in features])
+        batch["input_ids"], batch["labels"] = mask_tokens(
+            batch["input_ids"], batch.pop("special_tokens_mask"), units=units, mask_token_id=self.tokenizer.mask_token_id,
+            vocab_size=len(self.tokenizer), generator=self.generator, mlm_probability=0.15, mask_replace_prob=1.0,
+        )  # fmt: skip
+        return batch
+
+
 def train_lora(base: str, settings: dict) -> None:
     """LoRA on `base` (peft; `pkm_lora_config` where it has a memory, so its query BatchNorms' statistics travel),
     the merged model saved at every `checkpoint_every` steps (step_N/) and at the end, as run_mlm.py's folders."""
@@ -546,9 +582,13 @@ def train_lora(base: str, settings: dict) -> None:
     config = pkm_lora_config(model, LORA_TARGETS, **fields) if memory_modules(model) else LoraConfig(target_modules=LORA_TARGETS, **fields)
     model = get_peft_model(model, config)
     lines = [line for line in Path(settings["train_file"]).read_text(encoding="utf-8").splitlines() if line.strip()]
-    encoded = [tokenizer(line, truncation=True, max_length=128, return_special_tokens_mask=True) for line in lines]
-    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
-    collator.generator = torch.Generator().manual_seed(settings["seed"])
+    if settings.get("masking", "random") == "values":  # as run_mlm.py with kc.VALUE_MASKING_FLAGS
+        collator = ValueMaskingCollator(tokenizer, settings["seed"])
+        encoded = [collator.encode(json.loads(line)) for line in lines]
+    else:
+        encoded = [tokenizer(line, truncation=True, max_length=128, return_special_tokens_mask=True) for line in lines]
+        collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
+        collator.generator = torch.Generator().manual_seed(settings["seed"])
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings["lr"], weight_decay=0.01)
     steps = settings["steps"]
@@ -712,13 +752,16 @@ class Benchmark:
             return json.loads(json.dumps(measure_folder(str(model_dir), str(self.data))))
 
     def mlm_command(self, model_dir: Path, train_file: Path, lr: float, memory_lr: float, steps: int, seed: int) -> list[str]:
+        masking = ()
+        if self.args.masking == "values":  # the facts' lines get their values as spans; WikiText lines get none
+            train_file, masking = kc.value_masking_file(train_file, self.data / "kb_a.json", strict=False), kc.VALUE_MASKING_FLAGS
         return [
             sys.executable, str(kc.RUN_MLM), "--train_file", str(train_file),
             "--validation_file", str(self.data / "validation.txt"), "--max_eval_samples", "32",
             "--line_by_line", "--max_seq_length", "128", "--per_device_train_batch_size", str(self.plan["batch_size"]),
             "--learning_rate", f"{lr:g}", "--memory_learning_rate", f"{memory_lr:g}", "--weight_decay", "0.01",
             "--lr_scheduler_type", "linear", "--num_warmup_steps", str(max(1, steps // 20)), "--max_train_steps", str(steps),
-            "--seed", str(seed), "--output_dir", str(model_dir), "--mixed_precision", "no",
+            "--seed", str(seed), "--output_dir", str(model_dir), "--mixed_precision", "no", *masking,
         ]  # fmt: skip
 
     # stage 1: the A models
@@ -823,8 +866,12 @@ class Benchmark:
         model_dir, steps = folder / "model", plan["b_steps"]
         every = max(1, steps // plan["checkpoints"])
         if how["kind"] == "lora":
-            settings = dict(train_file=str(self.data / "b_train.txt"), lr=lr, steps=steps, seed=seed, batch_size=plan["batch_size"],
-                            checkpoint_every=every, output_dir=str(model_dir), rank=plan["lora_rank"])  # fmt: skip
+            train_file = self.data / "b_train.txt"
+            if self.args.masking == "values":
+                train_file = kc.value_masking_file(train_file, self.data / "kb_a.json", strict=False)
+            settings = dict(train_file=str(train_file), lr=lr, steps=steps, seed=seed, batch_size=plan["batch_size"],
+                            checkpoint_every=every, output_dir=str(model_dir), rank=plan["lora_rank"],
+                            masking=self.args.masking)  # fmt: skip
             command = [sys.executable, __file__, "--train_lora", str(base_dir), "--lora_args", json.dumps(settings)]
         else:
             memory_lr = 5 * lr if how["kind"] == "full" else lr

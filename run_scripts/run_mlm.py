@@ -85,7 +85,6 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
     from transformers import (
         MODEL_MAPPING,
         AutoModelForMaskedLM,
-        DataCollatorForLanguageModeling,
         DataCollatorForTokenClassification,
         DataCollatorWithPadding,
     )
@@ -101,6 +100,9 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
         check_language_modeling_arguments,
         evaluate_language_model,
         load_raw_datasets,
+    )
+    from modeling_pkm_bert.training.masking import (
+        PaddingWithUnits, check_spans, cut_unit_codes, mask_tokens, unit_codes,
     )
     from modeling_pkm_bert.training.loading import config_from_scratch, load_model, load_tokenizer, pkm_kwargs_from_args
     from modeling_pkm_bert.utils.positions import usable_positions
@@ -153,7 +155,39 @@ def build_parser():
         "--mlm_probability",
         type=float,
         default=0.15,
-        help="Ratio of tokens to mask for masked language modeling loss.",
+        help="Ratio of tokens (with --whole_word_masking: of words) to mask for masked language modeling loss; 0 "
+        "with --span_column masks the given spans only.",
+    )
+    parser.add_argument(
+        "--whole_word_masking",
+        action="store_true",
+        help="Mask whole words: all the tokens of a word or none (needs a fast tokenizer).",
+    )
+    parser.add_argument(
+        "--span_column",
+        default=None,
+        help="Salient-span (value) masking: the column of the json/jsonl data files that holds each text's spans to "
+        'mask as [start, end) character offsets, e.g. {"text": "Ada was born in Paris.", "spans": [[16, 21]]}. A '
+        "span is masked whole, with --span_mask_probability; the other tokens with --mlm_probability.",
+    )
+    parser.add_argument(
+        "--span_mask_probability",
+        type=float,
+        default=1.0,
+        help="With --span_column: the probability that a span is masked in an exposure (default 1: every time).",
+    )
+    parser.add_argument(
+        "--mask_replace_prob",
+        type=float,
+        default=0.8,
+        help="Of the masked tokens, the share replaced by [MASK] (BERT: 0.8).",
+    )
+    parser.add_argument(
+        "--random_replace_prob",
+        type=float,
+        default=None,
+        help="Of the masked tokens, the share replaced by a random token (default: BERT's 0.1, at most what "
+        "--mask_replace_prob leaves); the rest stays as it is.",
     )
     add_pkm_arguments(parser)
     add_parallel_arguments(parser)  # --fsdp2, --memory_parallel
@@ -173,8 +207,7 @@ def parse_args(argv=None):
     # Sanity checks, before any work
     validate_training_arguments(parser, args)
     check_language_modeling_arguments(parser, args, EMBEDDED_TRAIN_FILE, EMBEDDED_VALIDATION_FILES, MODEL_TYPES)
-    if not 0 < args.mlm_probability < 1:
-        parser.error(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
+    check_masking_arguments(parser, args)
     try:
         check_smf_arguments(args)
     except ValueError as error:
@@ -183,16 +216,48 @@ def parse_args(argv=None):
     return args
 
 
+def check_masking_arguments(parser, args) -> None:
+    """The masking flags, checked together before any work (`parser.error`)."""
+    if not (0 <= args.mlm_probability < 1 if args.span_column else 0 < args.mlm_probability < 1):
+        allowed = "[0, 1) with --span_column (the spans alone)" if args.span_column else "(0, 1)"
+        parser.error(f"--mlm_probability must be in {allowed}, got {args.mlm_probability}")
+    if not 0 < args.span_mask_probability <= 1:
+        parser.error(f"--span_mask_probability must be in (0, 1], got {args.span_mask_probability}")
+    if args.random_replace_prob is None:
+        args.random_replace_prob = round(min(0.1, 1 - args.mask_replace_prob), 12)
+    for option in ("mask_replace_prob", "random_replace_prob"):
+        if not 0 <= getattr(args, option) <= 1:
+            parser.error(f"--{option} must be in [0, 1], got {getattr(args, option)}")
+    if args.mask_replace_prob + args.random_replace_prob > 1:
+        parser.error(
+            f"--mask_replace_prob {args.mask_replace_prob} and --random_replace_prob {args.random_replace_prob} add "
+            "up to more than 1"
+        )
+    train_file = args.train_file if not args.dataset_name else None  # evaluation sets may be plain text (random masks)
+    if args.span_column and train_file is not None and not str(train_file).lower().endswith((".json", ".jsonl")):
+        parser.error(f"--span_column needs a json/jsonl --train_file (spans are lists): --train_file is {train_file!r}")
+
+
 def mask_seed(*numbers: int) -> int:
     """A 32-bit seed mixed from non-negative integers (seed, process, epoch, batch...) by numpy's SeedSequence."""
     return int(np.random.SeedSequence([int(n) for n in numbers]).generate_state(1)[0])
 
 
-def mask_tokens(masker: DataCollatorForLanguageModeling, input_ids, special_tokens_mask, seed: int):
-    """The official MLM masking (80% [MASK], 10% random, 10% kept, special tokens and padding never masked) of one
-    batch, drawn from its own generator seeded with `seed`: (masked input_ids, labels with -100 elsewhere)."""
-    masker.generator = torch.Generator().manual_seed(seed)
-    return masker.torch_mask_tokens(input_ids.detach().cpu().clone(), special_tokens_mask.detach().cpu())
+def mask_batch(args, tokenizer, input_ids, special_tokens_mask, units, seed: int):
+    """One batch masked as the flags say (`training.masking`), drawn from its own generator seeded with `seed`:
+    (masked input_ids, labels with -100 elsewhere). Random masking alone draws what the official collator draws."""
+    return mask_tokens(
+        input_ids.detach().cpu(),
+        special_tokens_mask.detach().cpu(),
+        units=None if units is None else units.detach().cpu(),
+        mask_token_id=tokenizer.mask_token_id,
+        vocab_size=len(tokenizer),
+        generator=torch.Generator().manual_seed(seed),
+        mlm_probability=args.mlm_probability,
+        mask_replace_prob=args.mask_replace_prob,
+        random_replace_prob=args.random_replace_prob,
+        span_mask_probability=args.span_mask_probability,
+    )
 
 
 def evaluate(args, accelerator, model, eval_datasets, collate_fn, measure_memory_usage=False):
@@ -279,8 +344,24 @@ def main(argv=None):
             )
         max_seq_length = args.max_seq_length
 
+    # Whole-word and span masking need each token's unit (training.masking): from the offsets of a fast tokenizer.
+    with_units = args.whole_word_masking or args.span_column is not None
+    if with_units and not tokenizer.is_fast:
+        raise InputError("--whole_word_masking and --span_column need a fast tokenizer: drop --use_slow_tokenizer")
+
+    def add_units(encoding, examples):
+        units = []
+        for i, text in enumerate(examples["text"]):
+            spans = examples["spans"][i] if "spans" in examples else None
+            spans = check_spans(spans, text, f"the spans of {text[:40]!r}")
+            word_ids = encoding.word_ids(i) if args.whole_word_masking else None
+            units.append(unit_codes(encoding["offset_mapping"][i], word_ids, spans))
+        encoding.pop("offset_mapping")
+        encoding["mask_units"] = units
+        return encoding
+
     def tokenize_line_by_line(examples):
-        return tokenizer(
+        encoding = tokenizer(
             examples["text"],
             padding="max_length" if args.pad_to_max_length else False,
             truncation=True,
@@ -288,47 +369,54 @@ def main(argv=None):
             # We use this option because DataCollatorForLanguageModeling is more efficient when it receives the
             # `special_tokens_mask`.
             return_special_tokens_mask=True,
+            return_offsets_mapping=with_units,
         )
+        return add_units(encoding, examples) if with_units else encoding
 
     def tokenize(examples):
         # Whole lines, often longer than the model takes: group_texts cuts them into blocks of max_seq_length, so the
         # tokenizer's warning "sequence length is longer than the specified maximum ... indexing errors" does not
         # apply here; verbose=False silences that warning only (it is the one this call could give).
-        return tokenizer(examples["text"], return_special_tokens_mask=True, verbose=False)
+        encoding = tokenizer(
+            examples["text"], return_special_tokens_mask=True, return_offsets_mapping=with_units, verbose=False
+        )
+        return add_units(encoding, examples) if with_units else encoding
 
     # Main data processing function that will concatenate all texts from our dataset and generate chunks of
     # max_seq_length (the remainder of each batch of 1000 texts is dropped, as in the official script).
     def group_texts(examples):
         concatenated = {k: list(chain(*examples[k])) for k in examples}
         total_length = (len(concatenated[list(examples.keys())[0]]) // max_seq_length) * max_seq_length
-        return {
+        blocks = {
             k: [t[i : i + max_seq_length] for i in range(0, total_length, max_seq_length)]
             for k, t in concatenated.items()
         }
+        if "mask_units" in blocks:  # a block that begins inside a word or span begins that unit anew
+            blocks["mask_units"] = cut_unit_codes(concatenated["mask_units"], max_seq_length)
+        return blocks
 
     def preprocess(dataset, split):
         kwargs = dict(num_proc=args.preprocessing_num_workers, load_from_cache_file=not args.overwrite_cache)
-        if args.line_by_line:
-            return dataset.map(
-                tokenize_line_by_line,
-                batched=True,
-                remove_columns=["text"],
-                desc=f"Running tokenizer on {split}",
-                **kwargs,
-            )
-        dataset = dataset.map(
-            tokenize, batched=True, remove_columns=["text"], desc=f"Running tokenizer on {split}", **kwargs
+        tokenized = dataset.map(
+            tokenize_line_by_line if args.line_by_line else tokenize,
+            batched=True,
+            remove_columns=dataset.column_names,
+            desc=f"Running tokenizer on {split}",
+            **kwargs,
         )
-        return dataset.map(group_texts, batched=True, desc=f"Grouping {split} in blocks of {max_seq_length}", **kwargs)
+        if args.line_by_line:
+            return tokenized
+        desc = f"Grouping {split} in blocks of {max_seq_length}"
+        return tokenized.map(group_texts, batched=True, desc=desc, **kwargs)
 
     # The validation masks are drawn once, from each example's index: every evaluation scores the same positions.
-    masker = DataCollatorForLanguageModeling(tokenizer=tokenizer, mlm_probability=args.mlm_probability)
-
     def mask_for_evaluation(example, index):
-        input_ids, labels = mask_tokens(
-            masker,
+        input_ids, labels = mask_batch(
+            args,
+            tokenizer,
             torch.tensor([example["input_ids"]]),
             torch.tensor([example["special_tokens_mask"]]),
+            torch.tensor([example["mask_units"]]) if "mask_units" in example else None,
             mask_seed(EVAL_MASK_SEED, index),
         )
         return {"input_ids": input_ids[0].tolist(), "labels": labels[0].tolist()}
@@ -341,7 +429,10 @@ def main(argv=None):
             if args.max_eval_samples is not None:
                 dataset = dataset.select(range(min(args.max_eval_samples, len(dataset))))
             eval_datasets[name] = dataset.map(
-                mask_for_evaluation, with_indices=True, remove_columns=["special_tokens_mask"], desc=f"Masking {name}"
+                mask_for_evaluation,
+                with_indices=True,
+                remove_columns=[c for c in ("special_tokens_mask", "mask_units") if c in dataset.column_names],
+                desc=f"Masking {name}",
             )
     if train_dataset is not None and args.max_train_samples is not None:
         train_dataset = train_dataset.select(range(min(args.max_train_samples, len(train_dataset))))
@@ -363,7 +454,7 @@ def main(argv=None):
     # The collators: the training one only pads (the masks are drawn per batch in the loop below), the evaluation one
     # also pads the fixed labels with -100.
     pad_to_multiple_of = 8 if accelerator.mixed_precision != "no" else None
-    train_collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+    train_collator = PaddingWithUnits(DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of))
     eval_collator = DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
 
     # The training dataloader; the optimizer: the main AdamW with a warm-up + decay schedule, the memory values in
@@ -421,7 +512,8 @@ def main(argv=None):
             for step, batch in loop.batches(epoch):
                 # The masks of this batch depend on (seed, process, epoch, batch) only.
                 seed = mask_seed(args.seed, accelerator.process_index, epoch, step)
-                input_ids, labels = mask_tokens(masker, batch["input_ids"], batch.pop("special_tokens_mask"), seed)
+                special, units = batch.pop("special_tokens_mask"), batch.pop("mask_units", None)
+                input_ids, labels = mask_batch(args, tokenizer, batch["input_ids"], special, units, seed)
                 batch["input_ids"], batch["labels"] = input_ids.to(accelerator.device), labels.to(accelerator.device)
                 with accelerator.accumulate(model):
                     if args.trime:  # TRIME: the other masked positions of the batch are a memory

@@ -20,9 +20,11 @@ the people after the first n as new people) and the demo use this one generator.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
+import re
 from dataclasses import dataclass
 
 import torch
@@ -196,23 +198,97 @@ def person_bits(kb: dict) -> float:
 def biographies(kb: dict, per_person: int, seed: int = 0) -> list[str]:
     """`per_person` biographies of every person (person-major order; the training script shuffles): the five facts
     in a random order, each in a random training template."""
-    lines = []
+    return [text for text, _ in biographies_with_spans(kb, per_person, seed)]
+
+
+def biographies_with_spans(kb: dict, per_person: int, seed: int = 0) -> list[tuple[str, list[list[int]]]]:
+    """`biographies(...)` with the [start, end) character span of every value in each (salient-span masking:
+    run_mlm.py's `--span_column`)."""
+    rows = []
     for index, person in enumerate(kb["people"]):
         rng = random.Random(f"bio-{seed}-{index}")
         for _ in range(per_person):
             order = list(kb["attributes"])
             rng.shuffle(order)
-            sentences = [
-                rng.choice(kb["attributes"][a]["train_templates"]).format(name=person["name"], value=person[a])
-                for a in order
-            ]
-            lines.append(" ".join(sentences))
-    return lines
+            text, spans = "", []
+            for a in order:
+                template = rng.choice(kb["attributes"][a]["train_templates"])
+                text, spans = _append_fact(text, spans, template, person["name"], person[a])
+            rows.append((text, spans))
+    return rows
+
+
+def _append_fact(text: str, spans: list, template: str, name: str, value: str) -> tuple[str, list]:
+    """`text` with one more sentence (a space between), and the span of its value added to `spans`."""
+    prefix, suffix = template.format(name=name, value="\0").split("\0")
+    start = len(text) + bool(text) + len(prefix)
+    return f"{text} {prefix}{value}{suffix}" if text else f"{prefix}{value}{suffix}", [*spans, [start, start + len(value)]]
 
 
 def sentences(kb: dict, per_person: int, seed: int = 0) -> list[str]:
     """The sentences of `biographies(...)`, one a line: each fact stated alone, the name its only key."""
-    return [sentence + "." for line in biographies(kb, per_person, seed) for sentence in line[:-1].split(". ")]
+    return [text for text, _ in sentences_with_spans(kb, per_person, seed)]
+
+
+def sentences_with_spans(kb: dict, per_person: int, seed: int = 0) -> list[tuple[str, list[list[int]]]]:
+    """`sentences(...)` with the span of each sentence's value."""
+    rows = []
+    for text, spans in biographies_with_spans(kb, per_person, seed):
+        for sentence, span in zip(text[:-1].split(". "), spans):
+            start = text.index(sentence)  # sentences are unique within a biography: each names another attribute
+            rows.append((sentence + ".", [[span[0] - start, span[1] - start]]))
+    return rows
+
+
+def value_spans(kb: dict, text: str) -> list[list[int]]:
+    """The [start, end) character spans of the values in `text`, a line of this generator's sentences (a biography, a
+    fact a line, edited or new people's facts alike): each sentence is matched whole against the templates of `kb`'s
+    attributes, and its value must be one of the attribute's values. A sentence no template matches is a ValueError
+    (the text did not come from this generator)."""
+    patterns = _template_patterns(
+        tuple((a, (*spec["train_templates"], *spec["heldout_templates"])) for a, spec in kb["attributes"].items())
+    )
+    spans, position = [], 0
+    for sentence in re.split(r"(?<=\.) ", text):
+        for attribute, pattern in patterns:
+            match = pattern.fullmatch(sentence)
+            if match and match.group("value") in kb["attributes"][attribute]["values"]:
+                spans.append([position + match.start("value"), position + match.end("value")])
+                break
+        else:
+            raise ValueError(f"no template of the knowledge base matches {sentence!r}")
+        position += len(sentence) + 1
+    return spans
+
+
+def write_value_spans(kb: dict, text_file, jsonl_file, strict: bool = True) -> None:
+    """The lines of `text_file` (this generator's sentences) as JSON lines `{"text": ..., "spans": [[start, end], ...]}`
+    with every value a span: the training data of salient-span (value) masking (run_mlm.py `--span_column spans`).
+    With `strict=False` a line no template matches (other text mixed in) gets no span instead of a ValueError."""
+
+    def spans(line: str) -> list[list[int]]:
+        try:
+            return value_spans(kb, line)
+        except ValueError:
+            if strict:
+                raise
+            return []
+
+    with open(text_file, encoding="utf-8") as source:
+        rows = [json.dumps({"text": line, "spans": spans(line)}) for line in source.read().splitlines() if line]
+    with open(jsonl_file, "w", encoding="utf-8") as target:
+        target.write("\n".join(rows) + "\n")
+
+
+@functools.lru_cache(maxsize=8)
+def _template_patterns(templates: tuple[tuple[str, tuple[str, ...]], ...]) -> list:
+    """(attribute, the compiled pattern of a whole sentence) of every template, its name and value as groups."""
+    patterns = []
+    for attribute, texts in templates:
+        for template in texts:
+            regex = re.escape(template).replace(r"\{name\}", "(?P<name>.+?)").replace(r"\{value\}", "(?P<value>.+?)")
+            patterns.append((attribute, re.compile(regex)))
+    return patterns
 
 
 def edit_facts(kb: dict, share: float, seed: int = 0) -> list[dict]:
@@ -245,13 +321,20 @@ def apply_edits(kb: dict, edits: list[dict]) -> dict:
 def fact_sentences(kb: dict, facts: list[tuple[int, str]], per_fact: int, seed: int = 0) -> list[str]:
     """`per_fact` sentences of each (person index, attribute) fact, each in a random training template (a fact a line,
     as `sentences`): the training text of a few facts, e.g. the edited ones."""
-    lines = []
+    return [text for text, _ in fact_sentences_with_spans(kb, facts, per_fact, seed)]
+
+
+def fact_sentences_with_spans(
+    kb: dict, facts: list[tuple[int, str]], per_fact: int, seed: int = 0
+) -> list[tuple[str, list[list[int]]]]:
+    """`fact_sentences(...)` with the span of each sentence's value."""
+    rows = []
     for index, attribute in facts:
         rng = random.Random(f"fact-{seed}-{index}-{attribute}")
         person = kb["people"][index]
         templates = kb["attributes"][attribute]["train_templates"]
-        lines += [rng.choice(templates).format(name=person["name"], value=person[attribute]) for _ in range(per_fact)]
-    return lines
+        rows += [_append_fact("", [], rng.choice(templates), person["name"], person[attribute]) for _ in range(per_fact)]
+    return rows
 
 
 def fact_probes(kb: dict, split: str, seed: int = 0, context: str = "biography") -> list[dict]:
@@ -363,35 +446,118 @@ def probe_facts(model, tokenizer, probes: list[dict], batch_tokens: int = 2**22)
     return [(bool(c), float(h)) for _, c, h in results]
 
 
-def knowledge_metrics(kb: dict, probes: list[dict], outcomes: list[tuple[bool, float]]) -> dict:
+# ---------------------------------------------------------------------------------------------------------------------
+# Ranked recall: blind to the value's length (the greedy probe shows the model as many [MASK] as the true value has)
+
+
+RANK_SCORES = ("mean", "sum")
+
+
+@torch.no_grad()
+def rank_facts(
+    model, tokenizer, kb: dict, probes: list[dict], score: str = "mean", batch_tokens: int = 2**22
+) -> list[bool]:
+    """For each probe: does its true value rank first among all the values of its attribute? Every value is scored
+    with its own number of [MASK] at the value's place, by the `score` ("mean" or "sum") of its tokens' log-probabilities
+    read from one forward pass per length (all masks at once: no token of the value is shown), so the number of masks
+    tells nothing. Ranked first means scored above every other value (a tie is not recalled: an untrained model that
+    scores all values alike recalls nothing)."""
+    if score not in RANK_SCORES:
+        raise ValueError(f"score must be one of {RANK_SCORES}, got {score!r}")
+    model.eval()
+    candidates = {}  # attribute -> {length: (value indices, ids (n, length))}
+    for attribute, spec in kb["attributes"].items():
+        by_length = {}
+        for index, value in enumerate(spec["values"]):
+            ids = tokenizer(value, add_special_tokens=False)["input_ids"]
+            by_length.setdefault(len(ids), []).append((index, ids))
+        candidates[attribute] = {
+            length: (torch.tensor([i for i, _ in rows]), torch.tensor([ids for _, ids in rows]))
+            for length, rows in by_length.items()
+        }
+    # one sequence per (probe, length): the probed value replaced by `length` masks, the other values masked as ever
+    sequences = []
+    for number, ((ids, start, value), probe) in enumerate(zip(tokenize_probes(tokenizer, probes), probes)):
+        for length in candidates[probe["attribute"]]:
+            masked = ids[:start] + [tokenizer.mask_token_id] * length + ids[start + len(value) :]
+            sequences.append((number, length, masked, start))
+    scores = [[] for _ in probes]  # per probe: (value indices, scores) of each length
+    vocab = model.get_output_embeddings().weight.shape[0]
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][2]))
+    position = 0
+    while position < len(order):
+        longest = len(sequences[order[min(position + 1, len(order)) - 1]][2])
+        chunk = order[position : position + max(1, min(512, batch_tokens // max(1, longest * vocab)))]
+        position += len(chunk)
+        longest = max(len(sequences[i][2]) for i in chunk)
+        ids = torch.full((len(chunk), longest), tokenizer.pad_token_id)
+        attention = torch.zeros_like(ids)
+        for row, i in enumerate(chunk):
+            ids[row, : len(sequences[i][2])] = torch.tensor(sequences[i][2])
+            attention[row, : len(sequences[i][2])] = 1
+        logits = model(input_ids=ids, attention_mask=attention).logits
+        for row, i in enumerate(chunk):
+            number, length, _, start = sequences[i]
+            log_probs = torch.log_softmax(logits[row, start : start + length].float(), -1)  # (length, vocab)
+            indices, values = candidates[probes[number]["attribute"]][length]
+            token_scores = log_probs.gather(1, values.T)  # (length, n)
+            scores[number].append((indices, token_scores.mean(0) if score == "mean" else token_scores.sum(0)))
+    index_of = {a: {v: i for i, v in enumerate(spec["values"])} for a, spec in kb["attributes"].items()}
+    recalled = []
+    for probe, parts in zip(probes, scores):
+        values = kb["attributes"][probe["attribute"]]["values"]
+        order_scores = torch.full((len(values),), float("-inf"), dtype=torch.float64)
+        for indices, part in parts:
+            order_scores[indices] = part.double()
+        true = index_of[probe["attribute"]][probe["value"]]
+        true_score = order_scores[true].item()
+        order_scores[true] = float("-inf")
+        recalled.append(bool(true_score > order_scores.max().item()))
+    return recalled
+
+
+def knowledge_metrics(
+    kb: dict, probes: list[dict], outcomes: list[tuple[bool, float]], ranked: list[bool] | None = None
+) -> dict:
     """Recall and stored bits of one probe set, per attribute and in all: `recall`, `bits` (log2 |values| summed over
     recalled facts) and `bits_estimator` (Physics of LMs 3.3: per attribute max(0, N log2 |values| - sum of the
-    values' cross-entropy in bits))."""
+    values' cross-entropy in bits)); with `ranked` (`rank_facts`), `ranked_recall` and `ranked_bits` beside them."""
     per_attribute = {}
     for attribute, spec in kb["attributes"].items():
-        rows = [o for p, o in zip(probes, outcomes) if p["attribute"] == attribute]
-        recalled = sum(c for c, _ in rows)
+        rows = [i for i, p in enumerate(probes) if p["attribute"] == attribute]
+        recalled = sum(outcomes[i][0] for i in rows)
         per_attribute[attribute] = {
             "recall": recalled / len(rows) if rows else 0.0,
             "bits": recalled * spec["bits"],
-            "bits_estimator": max(0.0, len(rows) * spec["bits"] - sum(h for _, h in rows)),
+            "bits_estimator": max(0.0, len(rows) * spec["bits"] - sum(outcomes[i][1] for i in rows)),
             "chance": 1 / len(spec["values"]),
         }
+        if ranked is not None:
+            ranked_recalled = sum(ranked[i] for i in rows)
+            per_attribute[attribute]["ranked_recall"] = ranked_recalled / len(rows) if rows else 0.0
+            per_attribute[attribute]["ranked_bits"] = ranked_recalled * spec["bits"]
     facts = len(outcomes)
-    return {
+    metrics = {
         "facts": facts,
         "recall": sum(c for c, _ in outcomes) / facts if facts else 0.0,
         "bits": sum(a["bits"] for a in per_attribute.values()),
         "bits_estimator": sum(a["bits_estimator"] for a in per_attribute.values()),
         "attributes": per_attribute,
     }
+    if ranked is not None:
+        metrics["ranked_recall"] = sum(ranked) / facts if facts else 0.0
+        metrics["ranked_bits"] = sum(a["ranked_bits"] for a in per_attribute.values())
+    return metrics
 
 
-def measure(model, tokenizer, kb: dict, context: str = "sentence") -> dict:
-    """Recall and bits in a training template and in a held-out template, of every fact of `kb`."""
+def measure(model, tokenizer, kb: dict, context: str = "sentence", ranked: bool = True) -> dict:
+    """Recall and bits in a training template and in a held-out template, of every fact of `kb`: the greedy recall
+    (`probe_facts`) and, with `ranked`, the length-blind ranked recall (`rank_facts`, mean log-probability)."""
     metrics = {}
     for split in ("train", "heldout"):
         probes = fact_probes(kb, split, context=context)
-        metrics[split] = knowledge_metrics(kb, probes, probe_facts(model, tokenizer, probes))
+        outcomes = probe_facts(model, tokenizer, probes)
+        ranks = rank_facts(model, tokenizer, kb, probes) if ranked else None
+        metrics[split] = knowledge_metrics(kb, probes, outcomes, ranks)
     metrics["kb_bits"] = person_bits(kb) * len(kb["people"])
     return metrics

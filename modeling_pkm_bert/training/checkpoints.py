@@ -155,6 +155,11 @@ RESUME_SETTINGS = (
     "max_length",
     "block_size",
     "mlm_probability",
+    "whole_word_masking",
+    "span_column",
+    "span_mask_probability",
+    "mask_replace_prob",
+    "random_replace_prob",
     "trime",
     "train_data",
 )

@@ -78,8 +78,11 @@ def check_data_file(parser, option: str, path: str) -> None:
             parser.error(f"{option} {path!r} is empty")
 
 
-def load_text_file(path: str, split: str, text_column_name: str | None) -> datasets.Dataset:
-    """One data file as a dataset with a single `text` column; empty lines dropped."""
+def load_text_file(
+    path: str, split: str, text_column_name: str | None, span_column: str | None = None
+) -> datasets.Dataset:
+    """One data file as a dataset with a `text` column, and a `spans` column where `span_column` names one the file
+    has (salient-span masking: `training.masking`); empty lines dropped."""
     extension = path.rsplit(".", 1)[-1].lower()
     if extension in TEXT_EXTENSIONS:
         dataset = load_dataset("text", data_files={split: path}, split=split)
@@ -88,7 +91,7 @@ def load_text_file(path: str, split: str, text_column_name: str | None) -> datas
         builder = "json" if extension in ("json", "jsonl") else extension
         dataset = load_dataset(builder, data_files={split: path}, split=split)
         column = text_column(dataset.column_names, text_column_name, path)
-    dataset = dataset.select_columns([column]).rename_columns({column: "text"} if column != "text" else {})
+    dataset = select_text_and_spans(dataset, column, span_column)
     dataset = dataset.filter(
         lambda texts: [bool(t and t.strip()) for t in texts],
         batched=True,
@@ -98,6 +101,15 @@ def load_text_file(path: str, split: str, text_column_name: str | None) -> datas
     if len(dataset) == 0:
         raise InputError(f"{path} holds no text (every line of column {column!r} is empty)")
     return dataset
+
+
+def select_text_and_spans(dataset: datasets.Dataset, column: str, span_column: str | None) -> datasets.Dataset:
+    """`dataset` with its text `column` as `text`, and its `span_column` as `spans` where it has that column."""
+    columns = {column: "text"}
+    if span_column is not None and span_column in dataset.column_names:
+        columns[span_column] = "spans"
+    dataset = dataset.select_columns(list(columns))
+    return dataset.rename_columns({old: new for old, new in columns.items() if old != new})
 
 
 def text_column(column_names: list[str], requested: str | None, where: str) -> str:
@@ -148,13 +160,12 @@ def load_raw_datasets(args) -> tuple[datasets.Dataset | None, dict[str, datasets
                     split=f"train[{cut}%:]",
                     trust_remote_code=args.trust_remote_code,
                 )
-        train = train.select_columns([column]).rename_columns({column: "text"} if column != "text" else {})
+        train = select_text_and_spans(train, column, getattr(args, "span_column", None))
         validation = {
-            name: dataset.select_columns([column]).rename_columns({column: "text"} if column != "text" else {})
-            for name, dataset in validation.items()
+            name: select_text_and_spans(dataset, column, getattr(args, "span_column", None)) for name, dataset in validation.items()
         }
     elif args.train_file is not None:
-        train = load_text_file(args.train_file, "train", args.text_column_name)
+        train = load_text_file(args.train_file, "train", args.text_column_name, getattr(args, "span_column", None))
         if not args.validation_sets:
             cut = len(train) * args.validation_split_percentage // 100
             if cut == 0:
@@ -165,8 +176,25 @@ def load_raw_datasets(args) -> tuple[datasets.Dataset | None, dict[str, datasets
             validation["validation"] = train.select(range(cut))
             train = train.select(range(cut, len(train)))
     for name, path in args.validation_sets.items():
-        validation[name] = load_text_file(path, name, args.text_column_name)
+        validation[name] = load_text_file(path, name, args.text_column_name, getattr(args, "span_column", None))
+    check_spans_loaded(args, train, validation)
     return train, validation
+
+
+def check_spans_loaded(args, train, validation: dict) -> None:
+    """With `--span_column`: the training data holds the spans, and an evaluation set without them has random masks
+    to score (`--mlm_probability` > 0)."""
+    if getattr(args, "span_column", None) is None:
+        return
+    where = args.dataset_name or args.train_file
+    if train is not None and "spans" not in train.column_names:
+        raise InputError(f"{where} has no column {args.span_column!r} (--span_column)")
+    for name, dataset in validation.items():
+        if "spans" not in dataset.column_names and args.mlm_probability == 0:
+            raise InputError(
+                f"the evaluation set {name!r} has no column {args.span_column!r} (--span_column) and "
+                "--mlm_probability is 0: it would have no masked token to score"
+            )
 
 
 def perplexity(loss: float) -> float:

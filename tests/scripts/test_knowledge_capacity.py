@@ -114,17 +114,59 @@ def test_recall_and_bits_on_models_with_known_answers(tmp_path):
     probes = kbase.fact_probes(kb, "train")
     encoded = kbase.tokenize_probes(tokenizer, probes)
     total = kbase.person_bits(kb) * 6
-    knows = kbase.knowledge_metrics(kb, probes, kbase.probe_facts(Oracle(encoded, len(tokenizer), tokenizer.mask_token_id), tokenizer, probes))
+    oracle = Oracle(encoded, len(tokenizer), tokenizer.mask_token_id)
+    ranked = {score: kbase.rank_facts(oracle, tokenizer, kb, probes, score=score) for score in kbase.RANK_SCORES}
+    knows = kbase.knowledge_metrics(kb, probes, kbase.probe_facts(oracle, tokenizer, probes), ranked["mean"])
     assert knows["recall"] == 1.0 and knows["bits"] == pytest.approx(total)
     assert knows["bits_estimator"] == pytest.approx(total, rel=1e-6)  # certain of every value: no bit lost
-    wrong = kbase.probe_facts(Oracle(encoded, len(tokenizer), tokenizer.mask_token_id, wrong=True), tokenizer, probes)
-    guesses = kbase.knowledge_metrics(kb, probes, wrong)
+    # ranked against every value of the attribute, each with its own number of masks: the oracle's values come first
+    assert all(ranked["sum"]) and knows["ranked_recall"] == 1.0 and knows["ranked_bits"] == pytest.approx(total)
+    wrong_oracle = Oracle(encoded, len(tokenizer), tokenizer.mask_token_id, wrong=True)
+    wrong = kbase.probe_facts(wrong_oracle, tokenizer, probes)
+    guesses = kbase.knowledge_metrics(kb, probes, wrong, kbase.rank_facts(wrong_oracle, tokenizer, kb, probes))
     assert guesses["recall"] == 0.0 and guesses["bits"] == 0.0 and guesses["bits_estimator"] == 0.0
+    assert guesses["ranked_recall"] == 0.0
     torch.manual_seed(0)
     untrained = kc.build_model(kc.arm_config("plain", len(tokenizer), {}))
     metrics = kbase.measure(untrained, tokenizer, kb)
     chance = max(a["chance"] for a in metrics["train"]["attributes"].values())
     assert metrics["train"]["recall"] <= chance + 1e-9 and metrics["heldout"]["recall"] <= chance + 1e-9
+    # 30 facts, each ranked first by chance with probability 1/|values| (at most 1/4): a few at most
+    assert metrics["train"]["ranked_recall"] <= 0.25 and metrics["heldout"]["ranked_recall"] <= 0.25
+
+
+def test_ranked_recall_is_blind_to_the_number_of_masks():
+    """A model that knows no fact, only lengths (for a run of n masks it names the attribute's first value of n tokens)
+    is credited by the greedy probe, which shows it as many masks as the true value has, whenever the value is its
+    length's first; ranked against every value of every length, the first values of each length tie: nothing."""
+    tokenizer = real_tokenizer()
+    kb = kbase.generate_knowledge_base(60)
+    probes = [p for p in kbase.fact_probes(kb, "train", context="sentence") if p["attribute"] == "major"]
+    first_of_length = {}
+    for value in kb["attributes"]["major"]["values"]:
+        first_of_length.setdefault(len(tokenizer(value, add_special_tokens=False)["input_ids"]), value)
+    lucky = [p for p in probes if p["value"] == first_of_length[1]]  # one token: one greedy step
+    assert lucky and len(first_of_length) > 1
+
+    class LengthCheat(torch.nn.Module):
+        head = torch.nn.Linear(1, len(tokenizer))
+
+        def get_output_embeddings(self):
+            return self.head
+
+        def forward(self, input_ids, attention_mask):
+            logits = torch.zeros(*input_ids.shape, len(tokenizer))
+            for row, sequence in enumerate(input_ids.tolist()):
+                masks = [i for i, token in enumerate(sequence) if token == tokenizer.mask_token_id]
+                value = tokenizer(first_of_length.get(len(masks), ""), add_special_tokens=False)["input_ids"]
+                for position, token in zip(masks, value):
+                    logits[row, position, token] = 30.0
+            return type("Output", (), {"logits": logits})
+
+    cheat = LengthCheat()
+    greedy = [c for c, _ in kbase.probe_facts(cheat, tokenizer, probes)]
+    assert sum(greedy) >= len(lucky)
+    assert sum(kbase.rank_facts(cheat, tokenizer, kb, probes, score=score).count(True) for score in kbase.RANK_SCORES) == 0
 
 
 def test_parameters_are_counted_apart_and_the_wide_arm_matches_resm():
@@ -198,3 +240,74 @@ def test_minilm_sizes_outside_the_knowledge_base_are_a_one_line_error(sizes):
     largest = max(kc.parse_args([]).plan["sizes"])
     assert last == f"knowledge_capacity.py: error: --minilm_sizes must lie in 1..{largest} (the knowledge base's people), got {[int(s) for s in sizes]}"
     assert kc.parse_args(["--minilm_sizes", "25", str(largest)]).minilm_sizes == [25, largest]
+
+
+def test_every_generated_value_is_a_span_of_its_line(tmp_path):
+    """Salient-span masking's data: the generators' spans cover exactly the values, `value_spans` finds the same in
+    any of their lines, and `value_masking_file` writes them as run_mlm.py's --span_column rows."""
+    kb = kbase.generate_knowledge_base(40)
+    values = {a: set(spec["values"]) for a, spec in kb["attributes"].items()}
+    rows = kbase.biographies_with_spans(kb, 2) + kbase.sentences_with_spans(kb, 2)
+    rows += kbase.fact_sentences_with_spans(kb, [(3, "major"), (7, "birth_city")], 2)
+    assert [t for t, _ in kbase.biographies_with_spans(kb, 2)] == kbase.biographies(kb, 2)
+    for text, spans in rows:
+        assert kbase.value_spans(kb, text) == spans
+        assert all(any(text[a:b] in v for v in values.values()) for a, b in spans) and spans
+    assert sum(len(s) for _, s in kbase.biographies_with_spans(kb, 2)) == 40 * 2 * len(kb["attributes"])
+    lines = tmp_path / "train.txt"
+    lines.write_text("\n".join(kbase.sentences(kb, 1)[:5] + ["the weather was fine."]) + "\n")
+    kb_file = tmp_path / "kb.json"
+    kbase.write_knowledge_base(kb, kb_file)
+    with pytest.raises(ValueError, match="no template of the knowledge base matches 'the weather was fine.'"):
+        kc.value_masking_file(lines, kb_file)
+    written = kc.value_masking_file(lines, kb_file, strict=False)
+    rows = [json.loads(line) for line in written.read_text().splitlines()]
+    assert [r["text"] for r in rows] == lines.read_text().splitlines() and rows[-1]["spans"] == []
+    assert all(r["spans"] == kbase.value_spans(kb, r["text"]) for r in rows[:-1])
+
+
+@pytest.mark.slow  # end to end: --masking values through run_mlm.py
+@pytest.mark.multiprocess
+def test_quick_sweep_with_value_masking(tmp_path):
+    real_tokenizer()
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "knowledge_capacity.py"), "--quick", "--masking", "values",
+               "--output_dir", str(tmp_path / "out"), "--stages", "sweep", "--arms", "plain", "resm"]  # fmt: skip
+    subprocess.run(command, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True)
+    runs = json.loads((tmp_path / "out" / "knowledge_capacity.json").read_text())["runs"]
+    assert {r["arm"] for r in runs.values()} == {"plain", "resm"} and all(r["masking"] == "values" for r in runs.values())
+    log = (tmp_path / "out" / "runs" / "resm_n8_seed0_lr0.003" / "train.log").read_text()
+    assert (tmp_path / "out" / "data" / "train_8.values.jsonl").exists()
+    completed = subprocess.run([*command[:2], "--masking", "values"], capture_output=True, text=True)
+    assert completed.returncode == 2 and "--masking values needs its own --results file" in completed.stderr
+    assert "Traceback" not in log
+
+
+@pytest.mark.parametrize(
+    "peak, grids, expected, at_edge",
+    [
+        # lr grows 3x past 3e-4 to 9e-4 and 2.7e-3 (9e-4 is then interior), the values' 1e-2 gets 3e-2 beside it
+        ({"lr": 1e-3, "memory_lr": 1e-2}, {"lr": [1e-4, 3e-4], "memory_lr": [1e-3, 3e-3, 1e-2]}, {"lr": 9e-4, "memory_lr": 1e-2}, []),
+        ({"lr": 3e-4}, {"lr": [1e-4, 3e-4, 1e-3]}, {"lr": 3e-4}, []),
+        ({"lr": 10.0}, {"lr": [1e-4, 1e-3]}, {"lr": 1.0}, ["lr"]),  # three steps of 10x past the edge: still at it
+    ],
+)
+def test_tuning_grows_a_grid_until_its_best_rate_is_interior(tmp_path, monkeypatch, peak, grids, expected, at_edge):
+    """One budget for every arm: each rate's grid grows past the edge its best sits on (the grid's ratio, at most three
+    steps), every combination of the rates runs once, the choice and any rate left at an edge are recorded."""
+    import math
+
+    args = kc.parse_args(["--quick", "--output_dir", str(tmp_path)])
+    bench = kc.Benchmark(args)
+    runs = []
+
+    def run(arm, size, seed, **rates):  # stored bits peak at `peak`, falling with the log-distance from it
+        runs.append(tuple(sorted(rates.items())))
+        bits = -sum(abs(math.log10(rates[name] / value)) for name, value in peak.items())
+        return {"final": {"train": {"bits": bits}, "heldout": {"bits": 0.0}}}
+
+    monkeypatch.setattr(bench, "run", run)
+    tuning = bench.tune("resm", 8, grids, lambda **rates: dict(arm="resm", size=8, seed=0, **rates))
+    assert {k: pytest.approx(v) for k, v in tuning["best"].items()} == expected and tuning["at_edge"] == at_edge
+    assert len(set(runs)) == math.prod(len(g) for g in tuning["grids"].values())  # every combination, each once
+    assert all(len(tuning["grids"][n]) - len(grids[n]) <= 3 for n in grids)
+    assert bench.results.read()["tuning"]["resm/n8"]["best"] == tuning["best"]

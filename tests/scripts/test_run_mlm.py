@@ -342,3 +342,72 @@ def test_loaded_weights_are_copied_out_of_the_checkpoint_file(tmp_path):
     model = load_model("masked-lm", str(tmp_path))
     assert not any(file_mapped(p) for p in model.parameters())
     assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+
+
+def write_facts(path, people=("elizabeth", "jane", "lydia", "darcy", "bingley", "wickham", "collins", "lucas")):
+    """A json-lines file of facts in the tiny folder's words, each value ("the <place>") a span to mask."""
+    places = ("netherfield", "room", "house", "ball", "family", "evening", "dance", "day")
+    rows = []
+    for i, person in enumerate(people):
+        for template in ("{} is at the {} .", "mr {} was in the {} ."):
+            text = template.format(person, places[i])
+            start = text.index(" the ") + 1
+            rows.append({"text": text, "spans": [[start, start + len(f"the {places[i]}")]]})
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def test_span_masking_trains_on_the_values_only_and_resumes_exactly(tiny, tmp_path, monkeypatch):
+    """--span_column with --mlm_probability 0: every training batch masks exactly its rows' spans (the value, two
+    tokens here), shown as [MASK]; a resumed run ends with the uninterrupted run's weights."""
+    facts = write_facts(tmp_path / "facts.jsonl")
+    options = f"--train_file {facts} --validation_file {facts} --span_column spans --mlm_probability 0"
+    options += " --mask_replace_prob 1 --line_by_line --max_train_steps 4 --checkpointing_steps 2"
+    drawn = []
+    mask_batch = run_mlm.mask_batch
+
+    def recording(args, tokenizer, input_ids, special, units, seed):
+        masked = mask_batch(args, tokenizer, input_ids, special, units, seed)
+        drawn.append((input_ids.clone(), *masked))
+        return masked
+
+    monkeypatch.setattr(run_mlm, "mask_batch", recording)
+    results = run(mlm_args(tiny, tmp_path / "full", options))
+    tokenizer = run_mlm.load_tokenizer(tiny, "--tokenizer_name")
+    values = {tokenizer.convert_tokens_to_ids(w) for w in "the netherfield room house ball family evening dance day".split()}
+    assert len(drawn) > 4  # the evaluation set's masks, then 4 training batches
+    for original, input_ids, labels in drawn:
+        masked = labels != -100
+        assert (masked.sum(dim=1) == 2).all()  # "the <place>", in every row
+        assert set(labels[masked].tolist()) <= values
+        assert (input_ids[masked] == tokenizer.mask_token_id).all() and torch.equal(labels[masked], original[masked])
+        assert torch.equal(input_ids[~masked], original[~masked])
+    assert results["eval_facts_samples"] == 16 and results["eval_facts_loss"] > 0
+    run(mlm_args(tiny, tmp_path / "resumed", f"{options} --resume_from_checkpoint {tmp_path / 'full' / 'step_2'}"))
+    reference, weights = load_file(tmp_path / "full" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
+    assert [name for name in reference if not torch.equal(reference[name], weights[name])] == []
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ("--span_column spans", r"--span_column needs a json/jsonl --train_file .*--train_file is '.*\.txt'"),
+        ("--mlm_probability 0", r"--mlm_probability must be in \(0, 1\), got 0.0"),
+        ("--mask_replace_prob 0.95 --random_replace_prob 0.1", r"--mask_replace_prob 0.95 and --random_replace_prob 0.1 add up to more than 1"),
+        ("--mask_replace_prob 1.5", r"--mask_replace_prob must be in \[0, 1\], got 1.5"),
+        ("--span_column spans --span_mask_probability 0 --train_file {facts}", r"--span_mask_probability must be in"),
+    ],
+)
+def test_bad_masking_flags_are_one_line_errors(tiny, tmp_path, capsys, options, message):
+    facts = write_facts(tmp_path / "facts.jsonl")
+    train = "" if "--train_file" in options else f"--train_file {DATA / 'pride_and_prejudice_train.txt'}"
+    line = usage_error(capsys, lambda: run(mlm_args(tiny, tmp_path / "out", f"{train} {options.format(facts=facts)}")))
+    assert re.search(message, line), line
+
+
+def test_span_column_missing_from_the_training_file_is_a_clear_error(tiny, tmp_path, capsys):
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps({"text": "elizabeth is at the ball ."}) + "\n" for _ in range(8)))
+    options = f"--train_file {plain} --validation_file {write_facts(tmp_path / 'facts.jsonl')} --span_column spans"
+    line = usage_error(capsys, lambda: run(mlm_args(tiny, tmp_path / "out", options)))
+    assert re.search(r"plain.jsonl has no column 'spans' \(--span_column\)", line), line
