@@ -119,7 +119,8 @@ _TRAINING = CommandPaths(
            "smf_background_dataset"),  # fmt: skip
     writes=("output_dir",),
     not_paths=("dataset_config_name", "text_column_name", "model_type", "task_name", "checkpointing_steps", "report_to",
-               "hub_model_id", "hub_token", "config_overrides", "pkm_code_version", "pkm_values_quantization", "license"),  # fmt: skip
+               "hub_model_id", "hub_token", "config_overrides", "pkm_code_version", "pkm_values_quantization", "license",
+               "span_column"),  # fmt: skip
     # a resume from the run's own step_<N> / epoch_<E> folder
     inside=(("resume_from_checkpoint", "output_dir"),),
 )
