@@ -682,28 +682,32 @@ class SparseMemoryFinetuning:
 
     # -- checkpoints --
 
+    def save_state(self, folder: str) -> None:
+        """Writes the background statistics into a checkpoint folder (call it on the main process)."""
+        if self.statistics is not None:
+            self.statistics.save(os.path.join(folder, STATISTICS_NAME))
+
+    def load_state(self, folder: str) -> None:
+        """Reads the background statistics back from a checkpoint folder, checked against the model."""
+        if self.statistics is None:  # the gradient ranker keeps no statistics
+            return
+        path = os.path.join(folder, STATISTICS_NAME)
+        if not os.path.isfile(path):
+            raise InputError(f"{folder} holds no {STATISTICS_NAME}: resume it without --sparse_memory_finetuning")
+        statistics = BackgroundStatistics.load(path)
+        statistics.check_model(self.model, path)
+        self.statistics = statistics
+
     def register_for_checkpointing(self, accelerator) -> None:
         """Saves the background statistics into every `accelerator.save_state` folder (as safetensors) and loads them
         back on `load_state`, so a resumed run ranks exactly as the uninterrupted one."""
 
         def save(models, weights, output_dir):
-            if accelerator.is_main_process and self.statistics is not None:
-                self.statistics.save(os.path.join(output_dir, STATISTICS_NAME))
-
-        def load(models, input_dir):
-            path = os.path.join(input_dir, STATISTICS_NAME)
-            if self.statistics is None:  # the gradient ranker keeps no statistics
-                return
-            if not os.path.isfile(path):
-                raise InputError(
-                    f"{input_dir} holds no {STATISTICS_NAME}: resume it without --sparse_memory_finetuning"
-                )
-            statistics = BackgroundStatistics.load(path)
-            statistics.check_model(accelerator.unwrap_model(models[0]) if models else None, path)
-            self.statistics = statistics
+            if accelerator.is_main_process:
+                self.save_state(output_dir)
 
         accelerator.register_save_state_pre_hook(save)
-        accelerator.register_load_state_pre_hook(load)
+        accelerator.register_load_state_pre_hook(lambda models, input_dir: self.load_state(input_dir))
 
 
 # ---- transformers.Trainer ----
