@@ -6,6 +6,7 @@ import os
 import re
 
 from ..hub.card_command import redact_secrets
+from ..methods.registry import method_resume_settings
 from ..utils.input_errors import InputError
 from .results import atomic_write_json
 
@@ -136,15 +137,13 @@ def resolve_checkpoint(resume_from_checkpoint: str, output_dir: str | None, step
 RUN_SETTINGS_FILE = "run_settings.json"
 
 
-# settings whose change makes a resumed run differ from the uninterrupted one
+# settings whose change makes a resumed run differ from the uninterrupted one (with each training method's own:
+# `TrainingMethod.resume_settings`)
 RESUME_SETTINGS = (
     "per_device_train_batch_size",
     "num_processes",
     "gradient_accumulation_steps",
     "learning_rate",
-    "memory_learning_rate",
-    "memory_optimizer",
-    "memory_max_grad_norm",
     "weight_decay",
     "lr_scheduler_type",
     "num_warmup_steps",
@@ -160,15 +159,15 @@ RESUME_SETTINGS = (
     "span_mask_probability",
     "mask_replace_prob",
     "random_replace_prob",
-    "trime",
     "train_data",
 )
 
 
 def run_settings(args: argparse.Namespace, accelerator, train_dataset=None) -> dict:
-    """What an exact resume depends on: the RESUME_SETTINGS of `args` (secrets never included), the number of
-    processes, and the training data (its datasets fingerprint and size)."""
-    settings = {name: getattr(args, name) for name in RESUME_SETTINGS if hasattr(args, name)}
+    """What an exact resume depends on: the RESUME_SETTINGS of `args` and those of the training methods (secrets never
+    included), the number of processes, and the training data (its datasets fingerprint and size)."""
+    names = (*RESUME_SETTINGS, *method_resume_settings())
+    settings = {name: getattr(args, name) for name in names if hasattr(args, name)}
     settings = {k: getattr(v, "value", v) for k, v in settings.items()}
     settings["num_processes"] = accelerator.num_processes
     if train_dataset is not None:
