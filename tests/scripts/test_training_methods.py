@@ -181,3 +181,19 @@ def test_a_method_the_flags_leave_off_takes_no_part(tmp_path, monkeypatch):
     assert [type(method).__name__ for method in methods] == ["MemoryOptimizerMethod"]
     assert loop.completed_steps == 4 and ToyMethod.events == ["optimizer.step"] * 4
 
+
+def test_both_memory_kinds_expose_their_table_under_one_name():
+    from helpers import tiny_config
+
+    from modeling_pkm_bert import BertPkmForMaskedLM
+    from modeling_pkm_bert.methods.optimizers import memory_optimizer_summary, pkm_value_parameters, set_sparse_values
+    from modeling_pkm_bert.utils.memories import memory_table, memory_tables
+
+    model = BertPkmForMaskedLM(tiny_config(ngram_layers=[0], ngram_table_size=211, ngram_dim=4))
+    tables = memory_tables(model)
+    layers = model.bert.encoder.layer
+    assert tables == {"bert.encoder.layer.1.memory": layers[1].memory.values, "bert.encoder.layer.0.ngram": layers[0].ngram.tables}
+    assert memory_table(layers[0].ngram) is layers[0].ngram.tables and memory_table(layers[1].memory) is layers[1].memory.values
+    assert [p.shape[0] for p in pkm_value_parameters(model)] == [8**2, layers[0].ngram.tables.weight.shape[0]]
+    assert set_sparse_values(model, True) == 2 and all(table.sparse for table in tables.values())
+    assert memory_optimizer_summary(None, model, 1e-3).endswith("sparse gradients")
