@@ -65,7 +65,8 @@ class TrainingMethod:
         """After every method's `after_backward`, before the optimizers step."""
 
     def after_optimizer_step(self) -> None:
-        """After the optimizers stepped (or skipped the step under fp16 loss scaling), before the gradients are zeroed."""
+        """After the optimizers stepped (or skipped the step under fp16 loss scaling), before the gradients are
+        zeroed."""
 
     def save_state(self, folder: str) -> None:
         """Writes the method's state into a checkpoint folder (on every process: write on the main one only)."""

@@ -13,9 +13,9 @@
 
 `TrainingLoop` owns what the scripts share: the exact resume (`--resume_from_checkpoint`: state, staleness, position
 in the epoch, the running loss), gradient accumulation's optimizer steps (the training methods' hooks around them,
-every optimizer stepped, under fp16 loss scaling all or none, and zeroed), the evaluation
-cadence (`--eval_steps`, else at every epoch's end but the last, which the script evaluates itself), atomic checkpoints
-(`--checkpointing_steps N|epoch`), the metrics log and trackers, the progress bar and the step timer.
+every optimizer stepped, under fp16 loss scaling all or none, and zeroed), the evaluation cadence (`--eval_steps`, else
+at every epoch's end but the last, which the script evaluates itself), atomic checkpoints (`--checkpointing_steps
+N|epoch`), the metrics log and trackers, the progress bar and the step timer.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ class TrainingLoop:
     `evaluate(when)` evaluates the model during training and returns its metrics (the script logs them as it likes);
     the loop logs them with the training loss to the metrics log and the trackers. `methods`: the training methods
     the run uses (`methods.setup_methods`, each a `methods.TrainingMethod`), whose hooks run around every optimizer
-    step; `settings` (`run_settings`) go into every checkpoint and are compared on resume. With `--track_staleness` the loop keeps a `StalenessTracker` (`loop.staleness`).
+    step; `settings` (`run_settings`) go into every checkpoint and are compared on resume. With `--track_staleness`
+    the loop keeps a `StalenessTracker` (`loop.staleness`).
     """
 
     def __init__(

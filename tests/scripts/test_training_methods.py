@@ -129,7 +129,8 @@ def toy_run(output_dir, toy_rate=0.5, **overrides):
         seed=0,
     )  # fmt: skip
     vars(args).update(options, **overrides)
-    accelerator = Accelerator(gradient_accumulation_steps=2, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    seedable = DataLoaderConfiguration(use_seedable_sampler=True)
+    accelerator = Accelerator(gradient_accumulation_steps=2, dataloader_config=seedable)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     methods = registry.setup_methods(args, accelerator, model, tokenizer=None, max_seq_length=8)
@@ -192,8 +193,9 @@ def test_both_memory_kinds_expose_their_table_under_one_name():
     model = BertPkmForMaskedLM(tiny_config(ngram_layers=[0], ngram_table_size=211, ngram_dim=4))
     tables = memory_tables(model)
     layers = model.bert.encoder.layer
-    assert tables == {"bert.encoder.layer.1.memory": layers[1].memory.values, "bert.encoder.layer.0.ngram": layers[0].ngram.tables}
-    assert memory_table(layers[0].ngram) is layers[0].ngram.tables and memory_table(layers[1].memory) is layers[1].memory.values
-    assert [p.shape[0] for p in pkm_value_parameters(model)] == [8**2, layers[0].ngram.tables.weight.shape[0]]
+    memory, ngram = layers[1].memory, layers[0].ngram
+    assert tables == {"bert.encoder.layer.1.memory": memory.values, "bert.encoder.layer.0.ngram": ngram.tables}
+    assert memory_table(ngram) is ngram.tables and memory_table(memory) is memory.values
+    assert [p.shape[0] for p in pkm_value_parameters(model)] == [8**2, ngram.tables.weight.shape[0]]
     assert set_sparse_values(model, True) == 2 and all(table.sparse for table in tables.values())
     assert memory_optimizer_summary(None, model, 1e-3).endswith("sparse gradients")

@@ -31,7 +31,8 @@ class MemoryOptimizerMethod(TrainingMethod):
     def before_optimizer_step(self) -> None:
         from . import scripts  # at call time: a test may wrap scripts.clip_memory_gradients
 
-        scripts.clip_memory_gradients(self.accelerator, self.model, self.memory_optimizer, self.args.memory_max_grad_norm)
+        max_norm = self.args.memory_max_grad_norm
+        scripts.clip_memory_gradients(self.accelerator, self.model, self.memory_optimizer, max_norm)
 
 
 __all__ = ["MemoryOptimizerMethod"]
