@@ -53,8 +53,7 @@ if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source c
 
 from modeling_pkm_bert.analysis.arguments import add_memory_report_arguments  # noqa: E402
 from modeling_pkm_bert.hub.card_command import card_command  # noqa: E402
-from modeling_pkm_bert.methods.sparse_finetuning.arguments import add_smf_arguments  # noqa: E402
-from modeling_pkm_bert.methods.trime.arguments import add_trime_arguments  # noqa: E402
+from modeling_pkm_bert.methods.registry import add_method_arguments, check_method_arguments  # noqa: E402
 from modeling_pkm_bert.parallel.arguments import add_parallel_arguments  # noqa: E402
 from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_language_modeling_arguments,
@@ -95,8 +94,6 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
     from modeling_pkm_bert.training.loop import TrainingLoop, create_scheduler, finish_run, plan_training_steps
     from modeling_pkm_bert.training.preparation import prepare_training, start_run
     from modeling_pkm_bert.training.results import tracker_config
-    from modeling_pkm_bert.methods.sparse_finetuning.arguments import check_smf_arguments
-    from modeling_pkm_bert.methods.trime.arguments import resolve_trime_arguments
 
     logger = get_logger(__name__)
 
@@ -141,8 +138,7 @@ def build_parser():
     add_parallel_arguments(parser)  # --fsdp2, --memory_parallel
     add_reliability_arguments(parser)
     add_model_card_arguments(parser)
-    add_trime_arguments(parser, causal=True)
-    add_smf_arguments(parser)
+    add_method_arguments(parser, task="causal-lm")  # TRIME, sparse memory finetuning
     add_memory_report_arguments(parser)
     return parser
 
@@ -150,7 +146,6 @@ def build_parser():
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    resolve_trime_arguments(args)
 
     # Sanity checks, before any work
     validate_training_arguments(parser, args)
@@ -159,10 +154,7 @@ def parse_args(argv=None):
         parser.error("--config_overrides applies to a model trained from scratch, not with --model_name_or_path")
     if args.block_size is not None and args.block_size < 2:
         parser.error(f"--block_size must be at least 2 (a token and its successor), got {args.block_size}")
-    try:
-        check_smf_arguments(args)
-    except ValueError as error:
-        parser.error(str(error))
+    check_method_arguments(args, "causal-lm")  # TRIME's memories resolved, sparse memory finetuning
     check_model_config(parser, args, "causal-lm")  # the config the flags ask for, before any weight or data loads
     return args
 
@@ -344,7 +336,7 @@ def main(argv=None):
     # The training dataloader (a batch is a group of consecutive blocks with TRIME_long), the model sharded with
     # --fsdp2 / --memory_parallel, sparse memory finetuning (background blocks cut as the training blocks are), the
     # optimizers: AdamW with warm-up and decay, the memory values in their own optimizer at a constant rate.
-    model, optimizer, memory_optimizer, train_dataloader, smf = prepare_training(
+    model, optimizer, memory_optimizer, train_dataloader, methods = prepare_training(
         accelerator, args, model, train_dataset if do_train else None, collate_group if consecutive else collate_blocks,
         tokenizer=tokenizer, max_seq_length=block_size, logger=logger,
         batch_size=1 if consecutive else None, causal=True,
@@ -379,7 +371,7 @@ def main(argv=None):
         steps_per_epoch=steps_per_epoch,
         settings=run_settings(args, accelerator, train_dataset) if do_train else None,
         evaluate=(lambda when: evaluate_and_report(when)[0]) if eval_datasets else None,
-        memory_optimizer=memory_optimizer, smf=smf, logger=logger, desc="CLM steps",
+        methods=methods, logger=logger, desc="CLM steps",
     )  # fmt: skip
     results = {}
 

@@ -47,7 +47,7 @@ if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source c
 
 from modeling_pkm_bert.analysis.arguments import add_memory_report_arguments  # noqa: E402
 from modeling_pkm_bert.hub.card_command import card_command  # noqa: E402
-from modeling_pkm_bert.methods.sparse_finetuning.arguments import add_smf_arguments  # noqa: E402
+from modeling_pkm_bert.methods.registry import add_method_arguments, check_method_arguments  # noqa: E402
 from modeling_pkm_bert.parallel.arguments import add_parallel_arguments  # noqa: E402
 from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_model_card_arguments,
@@ -91,7 +91,6 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
     )
     from modeling_pkm_bert.training.preparation import prepare_training, start_run
     from modeling_pkm_bert.training.results import tracker_config
-    from modeling_pkm_bert.methods.sparse_finetuning.arguments import check_smf_arguments
     from modeling_pkm_bert.utils.memories import memory_modules
     from modeling_pkm_bert.utils.positions import sequence_length
 
@@ -165,7 +164,7 @@ def build_parser():
     add_parallel_arguments(parser)  # --fsdp2, --memory_parallel
     add_reliability_arguments(parser)
     add_model_card_arguments(parser)
-    add_smf_arguments(parser)
+    add_method_arguments(parser, task="sequence-classification")  # sparse memory finetuning
     add_memory_report_arguments(parser)
     return parser
 
@@ -196,10 +195,7 @@ def parse_args(argv=None):
         parser.error("--validation_mismatched_file is MNLI's mismatched set: use it with --task_name mnli")
     data_files = ("train_file", "validation_file", "validation_mismatched_file")
     check_data_files(parser, [(f"--{name}", getattr(args, name)) for name in data_files])
-    try:
-        check_smf_arguments(args)
-    except ValueError as error:
-        parser.error(str(error))
+    check_method_arguments(args, "sequence-classification")
     check_model_config(parser, args, "sequence-classification")  # the config the flags ask for, before any loading
     return args
 
@@ -411,7 +407,7 @@ def main(argv=None):
     # The training dataloader; the optimizer: the main AdamW with a warm-up + decay schedule, the memory values in
     # their own optimizer at a constant learning rate without weight decay (XLM and the paper). Prepare everything
     # with our `accelerator` (the model sharded first with --fsdp2 / --memory_parallel; SMF set up with --smf_*).
-    model, optimizer, memory_optimizer, train_dataloader, smf = prepare_training(
+    model, optimizer, memory_optimizer, train_dataloader, methods = prepare_training(
         accelerator, args, model, train_dataset, data_collator,
         tokenizer=tokenizer, max_seq_length=args.max_length, logger=logger,
     )
@@ -459,7 +455,7 @@ def main(argv=None):
         steps_per_epoch=steps_per_epoch,
         settings=run_settings(args, accelerator, train_dataset) if do_train else None,  # what a resume must match
         evaluate=(lambda when: eval_metrics(evaluate_and_report(eval_splits[0], when)[0])) if eval_splits else None,
-        memory_optimizer=memory_optimizer, smf=smf, logger=logger,
+        methods=methods, logger=logger,
     )  # fmt: skip
     results = {}
 

@@ -64,8 +64,7 @@ if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source c
 
 from modeling_pkm_bert.analysis.arguments import add_memory_report_arguments  # noqa: E402
 from modeling_pkm_bert.hub.card_command import card_command  # noqa: E402
-from modeling_pkm_bert.methods.sparse_finetuning.arguments import add_smf_arguments  # noqa: E402
-from modeling_pkm_bert.methods.trime.arguments import add_trime_arguments  # noqa: E402
+from modeling_pkm_bert.methods.registry import add_method_arguments, check_method_arguments  # noqa: E402
 from modeling_pkm_bert.parallel.arguments import add_parallel_arguments  # noqa: E402
 from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_language_modeling_arguments,
@@ -109,8 +108,6 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
     from modeling_pkm_bert.training.loop import TrainingLoop, create_scheduler, finish_run, plan_training_steps
     from modeling_pkm_bert.training.preparation import prepare_training, start_run
     from modeling_pkm_bert.training.results import tracker_config
-    from modeling_pkm_bert.methods.sparse_finetuning.arguments import check_smf_arguments
-    from modeling_pkm_bert.methods.trime.arguments import resolve_trime_arguments
 
     logger = get_logger(__name__)
 
@@ -194,8 +191,7 @@ def build_parser():
     add_parallel_arguments(parser)  # --fsdp2, --memory_parallel
     add_reliability_arguments(parser)
     add_model_card_arguments(parser)
-    add_trime_arguments(parser, causal=False)
-    add_smf_arguments(parser)
+    add_method_arguments(parser, task="masked-lm")  # TRIME, sparse memory finetuning
     add_memory_report_arguments(parser)
     return parser
 
@@ -203,16 +199,12 @@ def build_parser():
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    resolve_trime_arguments(args, causal=False)
 
     # Sanity checks, before any work
     validate_training_arguments(parser, args)
     check_language_modeling_arguments(parser, args, EMBEDDED_TRAIN_FILE, EMBEDDED_VALIDATION_FILES, MODEL_TYPES)
     check_masking_arguments(parser, args)
-    try:
-        check_smf_arguments(args)
-    except ValueError as error:
-        parser.error(str(error))
+    check_method_arguments(args, "masked-lm")  # TRIME's memories resolved, sparse memory finetuning
     check_model_config(parser, args, "masked-lm")  # the config the flags ask for, before any weight or data loads
     return args
 
@@ -463,7 +455,7 @@ def main(argv=None):
     # their own optimizer at a constant learning rate without weight decay (XLM and the paper; --memory_optimizer
     # sparse_row_adam: row-wise updates). Prepare everything with our `accelerator` (the model sharded first with
     # --fsdp2 / --memory_parallel; sparse memory finetuning set up with --smf_*).
-    model, optimizer, memory_optimizer, train_dataloader, smf = prepare_training(
+    model, optimizer, memory_optimizer, train_dataloader, methods = prepare_training(
         accelerator, args, model, train_dataset if do_train else None, train_collator,
         tokenizer=tokenizer, max_seq_length=max_seq_length, logger=logger,
     )
@@ -494,7 +486,7 @@ def main(argv=None):
         steps_per_epoch=steps_per_epoch,
         settings=run_settings(args, accelerator, train_dataset) if do_train else None,  # what a resume must match
         evaluate=(lambda when: evaluate_and_report(when)[0]) if eval_datasets else None,
-        memory_optimizer=memory_optimizer, smf=smf, logger=logger, desc="MLM steps",
+        methods=methods, logger=logger, desc="MLM steps",
     )  # fmt: skip
     results = {}
 

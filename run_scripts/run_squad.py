@@ -28,7 +28,7 @@ if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source c
 
 from modeling_pkm_bert.analysis.arguments import add_memory_report_arguments  # noqa: E402
 from modeling_pkm_bert.hub.card_command import card_command  # noqa: E402
-from modeling_pkm_bert.methods.sparse_finetuning.arguments import add_smf_arguments  # noqa: E402
+from modeling_pkm_bert.methods.registry import add_method_arguments, check_method_arguments  # noqa: E402
 from modeling_pkm_bert.parallel.arguments import add_parallel_arguments  # noqa: E402
 from modeling_pkm_bert.training.arguments import (  # noqa: E402
     add_model_card_arguments,
@@ -69,7 +69,6 @@ if not help_requested(__name__):  # `--help` prints at once: the libraries below
     )
     from modeling_pkm_bert.training.preparation import prepare_training, start_run
     from modeling_pkm_bert.training.results import tracker_config
-    from modeling_pkm_bert.methods.sparse_finetuning.arguments import check_smf_arguments
     from modeling_pkm_bert.training.squad import (
         SquadFormatError,
         check_answers,
@@ -158,7 +157,7 @@ def build_parser():
     add_parallel_arguments(parser)  # --fsdp2, --memory_parallel
     add_reliability_arguments(parser)
     add_model_card_arguments(parser)
-    add_smf_arguments(parser)
+    add_method_arguments(parser, task="question-answering")  # sparse memory finetuning
     add_memory_report_arguments(parser)
     return parser
 
@@ -180,10 +179,7 @@ def parse_args(argv=None):
     if args.doc_stride is not None and args.max_seq_length is not None and args.doc_stride >= args.max_seq_length:
         parser.error(f"--doc_stride ({args.doc_stride}) must be smaller than --max_seq_length ({args.max_seq_length})")
     check_data_files(parser, [(f"--{name}", getattr(args, name)) for name in ("train_file", "validation_file")])
-    try:
-        check_smf_arguments(args)
-    except ValueError as error:
-        parser.error(str(error))
+    check_method_arguments(args, "question-answering")
     check_model_config(parser, args, "question-answering")  # the config the flags ask for, before any loading
     return args
 
@@ -415,7 +411,7 @@ def main(argv=None):
     # The training dataloader; the optimizer: the main AdamW with a warm-up + decay schedule, the memory values in
     # their own optimizer at a constant learning rate without weight decay (XLM and the paper). Prepare everything
     # with our `accelerator` (the model sharded first with --fsdp2 / --memory_parallel; SMF set up with --smf_*).
-    model, optimizer, memory_optimizer, train_dataloader, smf = prepare_training(
+    model, optimizer, memory_optimizer, train_dataloader, methods = prepare_training(
         accelerator, args, model, train_dataset, data_collator,
         tokenizer=tokenizer, max_seq_length=max_seq_length, logger=logger,
     )
@@ -463,7 +459,7 @@ def main(argv=None):
         steps_per_epoch=steps_per_epoch,
         settings=run_settings(args, accelerator, train_dataset) if do_train else None,  # what a resume must match
         evaluate=evaluate if do_eval and args.eval_steps else None,
-        memory_optimizer=memory_optimizer, smf=smf, logger=logger,
+        methods=methods, logger=logger,
     )  # fmt: skip
     results = {}
 

@@ -9,6 +9,10 @@ library only) and, where the scripts need more than the flags, their use in the 
 - `sparse_finetuning/`: sparse memory finetuning (Lin et al. 2025), with a `transformers.Trainer` callback
   (`method.py`); `--sparse_memory_finetuning`, `--smf_*`.
 
+Each folder's `training_method.py` is the method as the training scripts see it, a `base.TrainingMethod` (flags, checks,
+setup, hooks around the optimizer step, checkpoint state); `registry.METHODS` lists them, and the scripts and
+`training.TrainingLoop` go through it (`add_method_arguments`, `check_method_arguments`, `setup_methods`) naming none.
+
 Names resolve on first use:
 
     from modeling_pkm_bert.methods import SparseRowAdam, pkm_value_parameters
@@ -21,6 +25,7 @@ from ..utils.lazy_imports import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
+        ".base": ("TrainingMethod", "register_for_checkpointing"),
         ".optimizers.memory_optimizer": (
             "PKM_VALUES_GROUP",
             "SparseRowAdam",
@@ -33,6 +38,14 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "set_sparse_values",
             "step_optimizers",
             "unscale_once",
+        ),
+        ".registry": (
+            "METHODS",
+            "add_method_arguments",
+            "check_method_arguments",
+            "method_resume_settings",
+            "prepare_methods",
+            "setup_methods",
         ),
         ".sparse_finetuning.method": (
             "BackgroundStatistics",

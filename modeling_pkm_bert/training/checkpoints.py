@@ -6,6 +6,7 @@ import os
 import re
 
 from ..hub.card_command import redact_secrets
+from ..methods.registry import method_resume_settings
 from ..utils.input_errors import InputError
 from .results import atomic_write_json
 
@@ -136,15 +137,13 @@ def resolve_checkpoint(resume_from_checkpoint: str, output_dir: str | None, step
 RUN_SETTINGS_FILE = "run_settings.json"
 
 
-# settings whose change makes a resumed run differ from the uninterrupted one
+# settings whose change makes a resumed run differ from the uninterrupted one (with each training method's own:
+# `TrainingMethod.resume_settings`)
 RESUME_SETTINGS = (
     "per_device_train_batch_size",
     "num_processes",
     "gradient_accumulation_steps",
     "learning_rate",
-    "memory_learning_rate",
-    "memory_optimizer",
-    "memory_max_grad_norm",
     "weight_decay",
     "lr_scheduler_type",
     "num_warmup_steps",
@@ -160,20 +159,7 @@ RESUME_SETTINGS = (
     "span_mask_probability",
     "mask_replace_prob",
     "random_replace_prob",
-    "trime",
     "train_data",
-)
-# sparse memory finetuning's, recorded where it is on (so that checkpoints of runs without it compare as before); the
-# background file by its content, not its path (a resume takes the statistics from the checkpoint: another file would
-# be ignored)
-SMF_RESUME_SETTINGS = (
-    "sparse_memory_finetuning",
-    "smf_ranker",
-    "smf_top_t",
-    "smf_train_rest",
-    "smf_background_batches",
-    "smf_background_dataset",
-    "smf_background_file",
 )
 # without the same value here, the checkpoint's state cannot even be loaded (other optimizer parameter groups):
 # refused even with --allow_inexact_resume
@@ -181,10 +167,10 @@ STRUCTURAL_SETTINGS = ("sparse_memory_finetuning",)
 
 
 def run_settings(args: argparse.Namespace, accelerator, train_dataset=None) -> dict:
-    """What an exact resume depends on: the RESUME_SETTINGS of `args` (secrets never included), sparse memory
-    finetuning's (SMF_RESUME_SETTINGS, where it is on), the number of processes, and the training data (its datasets
-    fingerprint and size)."""
-    names = RESUME_SETTINGS + (SMF_RESUME_SETTINGS if getattr(args, "sparse_memory_finetuning", False) else ())
+    """What an exact resume depends on: the RESUME_SETTINGS of `args` and those of the training methods it uses
+    (secrets never included; a background file by its size and SHA-256), the number of processes, and the training
+    data (its datasets fingerprint and size)."""
+    names = (*RESUME_SETTINGS, *method_resume_settings(args))
     settings = {name: getattr(args, name) for name in names if hasattr(args, name)}
     settings = {k: getattr(v, "value", v) for k, v in settings.items()}
     if settings.get("smf_background_file") is not None:

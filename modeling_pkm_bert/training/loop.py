@@ -6,16 +6,16 @@
         for step, batch in loop.batches(epoch):    # training mode; a resumed epoch skips the batches it trained
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
-                loop.step(loss)                    # backward; at an optimizer step: SMF rows, clipping, optimizers
+                loop.step(loss)                    # backward; at an optimizer step: the methods' hooks, optimizers
             loop.after_batch()                     # after an optimizer step: log, --eval_steps, step checkpoint
         loop.after_epoch(epoch)                    # evaluation (not after the last epoch), then its checkpoint
     results.update(loop.results())
 
 `TrainingLoop` owns what the scripts share: the exact resume (`--resume_from_checkpoint`: state, staleness, position
-in the epoch, the running loss), gradient accumulation's optimizer steps (sparse memory finetuning's rows chosen, the
-memory gradients clipped, every optimizer stepped, under fp16 loss scaling all or none, and zeroed), the evaluation
-cadence (`--eval_steps`, else at every epoch's end but the last, which the script evaluates itself), atomic checkpoints
-(`--checkpointing_steps N|epoch`), the metrics log and trackers, the progress bar and the step timer.
+in the epoch, the running loss), gradient accumulation's optimizer steps (the training methods' hooks around them,
+every optimizer stepped, under fp16 loss scaling all or none, and zeroed), the evaluation cadence (`--eval_steps`, else
+at every epoch's end but the last, which the script evaluates itself), atomic checkpoints (`--checkpointing_steps
+N|epoch`), the metrics log and trackers, the progress bar and the step timer.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import time
 from typing import Callable
 
 from ..analysis.metrics_log import MetricsLog
-from ..methods.optimizers.memory_optimizer import step_optimizers
-from ..methods.optimizers.scripts import clip_memory_gradients, memory_optimizer_summary
+from ..methods import step_optimizers
 from ..utils.input_errors import InputError
 from .checks import mark_run_output
 from .checkpoints import check_checkpoint, read_loss_state, resolve_checkpoint, resume_position, save_checkpoint
@@ -75,9 +74,10 @@ class TrainingLoop:
     """The shared loop of `run_mlm`, `run_clm`, `run_glue` and `run_squad` (see the module docstring).
 
     `evaluate(when)` evaluates the model during training and returns its metrics (the script logs them as it likes);
-    the loop logs them with the training loss to the metrics log and the trackers. `memory_optimizer` and `smf` (a
-    `SparseMemoryFinetuning`) are optional; `settings` (`run_settings`) go into every checkpoint and are compared on
-    resume. With `--track_staleness` the loop keeps a `StalenessTracker` (`loop.staleness`).
+    the loop logs them with the training loss to the metrics log and the trackers. `methods`: the training methods
+    the run uses (`methods.setup_methods`, each a `methods.TrainingMethod`), whose hooks run around every optimizer
+    step; `settings` (`run_settings`) go into every checkpoint and are compared on resume. With `--track_staleness`
+    the loop keeps a `StalenessTracker` (`loop.staleness`).
     """
 
     def __init__(
@@ -93,15 +93,13 @@ class TrainingLoop:
         settings: dict,
         logger,
         evaluate: Callable[[str], dict] | None = None,
-        memory_optimizer=None,
-        smf=None,
+        methods: list | None = None,
         desc: str = "steps",
     ):
         self.accelerator, self.args, self.model = accelerator, args, model
         self.optimizers, self.lr_scheduler, self.train_dataloader = optimizers, lr_scheduler, train_dataloader
         self.steps_per_epoch, self.settings, self.logger = steps_per_epoch, settings, logger
-        self.evaluate, self.memory_optimizer = evaluate, memory_optimizer
-        self.smf, self.desc = smf, desc
+        self.evaluate, self.methods, self.desc = evaluate, list(methods or ()), desc
         # --track_staleness (Figure 2): the last step each memory slot was a top-1 pick, kept in checkpoints
         self.staleness = None
         if args.track_staleness and train_dataloader is not None:
@@ -129,7 +127,7 @@ class TrainingLoop:
 
     def announce(self, examples: str, *extra: str) -> None:
         """The official scripts' "Running training" block; `examples` says what one example is."""
-        args, accelerator = self.args, self.accelerator
+        args = self.args
         log = self.logger.info
         log("***** Running training *****")
         log(f"  Num examples = {examples}")
@@ -138,11 +136,8 @@ class TrainingLoop:
         log(f"  Total train batch size (w. parallel, distributed & accumulation) = {self.total_batch_size}")
         log(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
         log(f"  Total optimization steps = {args.max_train_steps}")
-        for line in extra:
+        for line in [*extra, *(line for method in self.methods for line in method.summary())]:
             log(f"  {line}")
-        if self.memory_optimizer is not None:
-            memory_model = accelerator.unwrap_model(self.model)
-            log("  " + memory_optimizer_summary(self.memory_optimizer, memory_model, args.memory_learning_rate))
 
     @property
     def total_batch_size(self) -> int:
@@ -150,8 +145,8 @@ class TrainingLoop:
         return args.per_device_train_batch_size * self.accelerator.num_processes * args.gradient_accumulation_steps
 
     def resume(self) -> None:
-        """`--resume_from_checkpoint`: the complete state (models, optimizers, scheduler, random states, sparse
-        memory finetuning's statistics, staleness) and the position in the run, checked against this run's settings.
+        """`--resume_from_checkpoint`: the complete state (models, optimizers, scheduler, random states, the
+        methods' state, staleness) and the position in the run, checked against this run's settings.
         Then, every check passed, `--output_dir` is marked as the script's (a run that fails before marks nothing)."""
         if self.args.resume_from_checkpoint:
             self._restore()
@@ -217,9 +212,10 @@ class TrainingLoop:
                 break
 
     def step(self, loss) -> None:
-        """Backward, and at the end of an accumulation: sparse memory finetuning's rows chosen, the memory gradients
-        clipped, every optimizer stepped (under fp16 loss scaling all or none, the scale updated once), the schedule
-        advanced unless the step was skipped, the gradients zeroed. Call it inside `accelerator.accumulate`."""
+        """Backward, and at the end of an accumulation: the methods' `after_backward` then `before_optimizer_step`
+        hooks, every optimizer stepped (under fp16 loss scaling all or none, the scale updated once), the schedule
+        advanced unless the step was skipped, the methods' `after_optimizer_step`, the gradients zeroed. Call it inside
+        `accelerator.accumulate`."""
         accelerator = self.accelerator
         value = loss.detach().float().item()
         self._recent.append(value)
@@ -227,11 +223,17 @@ class TrainingLoop:
         self.loss_sum += value
         self.loss_count += 1
         accelerator.backward(loss)
-        if self.smf is not None and accelerator.sync_gradients:
-            self.smf.mask_gradients()  # before the clipping: its norm counts only the rows the step trains
-        clip_memory_gradients(accelerator, self.model, self.memory_optimizer, self.args.memory_max_grad_norm)
+        optimizer_step = accelerator.sync_gradients  # else the prepared optimizers skip their step
+        if optimizer_step:
+            for method in self.methods:  # the methods that edit the gradients before those that read them
+                method.after_backward()
+            for method in self.methods:
+                method.before_optimizer_step()
         if step_optimizers(accelerator, self.optimizers):
             self.lr_scheduler.step()
+        if optimizer_step:
+            for method in self.methods:
+                method.after_optimizer_step()
         for optimizer in self.optimizers:
             optimizer.zero_grad()
 

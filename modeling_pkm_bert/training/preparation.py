@@ -3,14 +3,14 @@ output folder (`start_run`); the training dataloader, the optimizers and `accele
 
     accelerator = start_run(args, logger)
     ...  # data, model, preprocessing, collator
-    model, optimizer, memory_optimizer, train_dataloader, smf = prepare_training(
+    model, optimizer, memory_optimizer, train_dataloader, methods = prepare_training(
         accelerator, args, model, train_dataset, collator, tokenizer=tokenizer, max_seq_length=128, logger=logger
     )
 
 The main AdamW (weight decay on the weights, not on biases and norms) on the schedule the script creates next; the
 memory values in their own optimizer (`--memory_optimizer`) at a constant `--memory_learning_rate` without weight decay
-(XLM and the paper). Before the optimizers: the model sharded with `--fsdp2` / `--memory_parallel`, and sparse memory
-finetuning's background statistics (`--sparse_memory_finetuning`).
+(XLM and the paper). Before the optimizers: the model sharded with `--fsdp2` / `--memory_parallel`, and the training
+methods the flags turn on set up (`methods.setup_methods`: e.g. sparse memory finetuning's background statistics).
 """
 
 from __future__ import annotations
@@ -78,18 +78,22 @@ def prepare_training(
     batch_size: int | None = None, causal: bool = False,
 ):  # fmt: skip
     """The training dataloader (shuffled from its own generator seeded with `--seed`; `batch_size` examples a batch,
-    default `--per_device_train_batch_size`), the model sharded (`--fsdp2`, `--memory_parallel`), sparse memory
-    finetuning set up (its background text cut in blocks of `max_seq_length` tokens, as a causal LM's with `causal`),
-    the main AdamW and the memory values' optimizer created, and everything prepared by `accelerator`; returns
-    `(model, optimizer, memory_optimizer, train_dataloader, smf)` (None where absent). Without a `train_dataset`
-    (evaluation only) the model is prepared alone with an empty AdamW."""
+    default `--per_device_train_batch_size`), the model sharded (`--fsdp2`, `--memory_parallel`), the training methods
+    set up (`methods.setup_methods`; e.g. sparse memory finetuning's background text cut in blocks of `max_seq_length`
+    tokens, as a causal LM's with `causal`), the main AdamW and the memory values' optimizer created, and everything
+    prepared by `accelerator`; returns `(model, optimizer, memory_optimizer, train_dataloader, methods)` (None where
+    absent; `methods`: the list for `TrainingLoop`). Without a `train_dataset` (evaluation only) the model is prepared
+    alone with an empty AdamW and no method."""
+    import contextlib
+
     import torch
     from torch.utils.data import DataLoader
 
     from ..parallel import prepare_memory_parallel, register_sharded_checkpointing
+    from ..utils.input_errors import InputError
     from .checkpoints import resolve_checkpoint
+    from ..methods import prepare_methods, setup_methods
     from ..methods.optimizers.scripts import create_memory_optimizer, optimizer_param_groups
-    from ..methods.sparse_finetuning.scripts import setup_from_args as setup_sparse_memory_finetuning
 
     training = train_dataset is not None
     train_dataloader = None
@@ -105,16 +109,18 @@ def prepare_training(
         )
     # --fsdp2 / --memory_parallel: the model sharded across the processes (FSDP2; value tables column-wise)
     model = prepare_memory_parallel(accelerator, model, args)
-    # Sparse memory finetuning: background statistics (from the resumed checkpoint, a file, or computed now with the
-    # frozen model), everything but the memory values frozen unless --smf_train_rest.
-    smf = None
-    if training and args.sparse_memory_finetuning:
-        checkpoint = None
+    # The training methods, before the optimizers: they may freeze parameters (sparse memory finetuning: all but the
+    # memory values, its background statistics from the resumed checkpoint, a file, or computed now)
+    methods = []
+    if training:
+        checkpoint = None  # the folder being resumed; none yet with `latest`: TrainingLoop.resume says so
         if args.resume_from_checkpoint:
-            checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
-        smf = setup_sparse_memory_finetuning(
-            args, accelerator, model, tokenizer, max_seq_length, checkpoint, logger, causal=causal
-        )
+            with contextlib.suppress(InputError):
+                checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+        methods = setup_methods(
+            args, accelerator, model,
+            tokenizer=tokenizer, max_seq_length=max_seq_length, causal=causal, checkpoint=checkpoint, logger=logger,
+        )  # fmt: skip
 
     main_groups, memory_groups = optimizer_param_groups(model, args.weight_decay)
     optimizer = torch.optim.AdamW(main_groups or [{"params": []}], lr=args.learning_rate)  # empty: all frozen (SMF)
@@ -128,7 +134,5 @@ def prepare_training(
     train_dataloader = rest.pop(0) if training else None
     optimizers = [o for o in (optimizer, memory_optimizer) if o is not None]
     register_sharded_checkpointing(accelerator, model, optimizers, args)  # --fsdp2: model and optimizers via DCP
-    if smf is not None:  # each value step trains only the chosen rows; the statistics go into every checkpoint
-        smf.attach(memory_optimizer)
-        smf.register_for_checkpointing(accelerator)
-    return model, optimizer, memory_optimizer, train_dataloader, smf
+    prepare_methods(methods, accelerator, model, memory_optimizer)  # their hooks, their state in every checkpoint
+    return model, optimizer, memory_optimizer, train_dataloader, methods

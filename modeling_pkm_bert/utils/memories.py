@@ -69,6 +69,20 @@ def ngram_memory_modules(model: nn.Module) -> dict[str, NgramMemory]:
     return found
 
 
+def memory_table(memory: nn.Module) -> nn.Module:
+    """The table a memory reads its rows from, one name for both kinds: a product key memory's `values`, an n-gram
+    memory's hash `tables` (all its tables' rows in one module); each an embedding-like module with a `weight` of
+    one row per slot. (The shipped modules keep their own attribute names: the saved folders' state-dict keys.)"""
+    return memory.values if is_product_key_memory(memory) else memory.tables
+
+
+def memory_tables(model: nn.Module) -> dict[str, nn.Module]:
+    """`{module path: table}` of every memory of `model` (`memory_table`): the product key memories', then the n-gram
+    memories'. A table shared by several memories (`pkm_shared_values`) is listed under each."""
+    memories = {**memory_modules(model), **ngram_memory_modules(model)}
+    return {path: memory_table(memory) for path, memory in memories.items()}
+
+
 def readable_name(path: str) -> str:
     """`bert.encoder.layer.4.memory` (ModernBertPkm: `model.layers.4.memory`) -> `layer_4`; a path without a layer
     number stays as it is."""
@@ -92,6 +106,8 @@ __all__ = [
     "is_ngram_memory",
     "is_product_key_memory",
     "memory_modules",
+    "memory_table",
+    "memory_tables",
     "ngram_memory_modules",
     "readable_name",
     "unwrap_model",

@@ -389,8 +389,9 @@ def test_flags_for_every_option():
                 "--memory_max_grad_norm nan", "--pkm_qk_norm maybe"):
         with pytest.raises(SystemExit):
             parser.parse_args(bad.split())
-    # the scripts' one clipping call: the training loop's step (training/loop.py)
-    assert (REPO_ROOT / "modeling_pkm_bert" / "training" / "loop.py").read_text().count("clip_memory_gradients(") == 1
+    # the scripts' one clipping call: the memory optimizer's hook, which the training loop's step runs
+    hook = REPO_ROOT / "modeling_pkm_bert" / "methods" / "optimizers" / "training_method.py"
+    assert hook.read_text().count("clip_memory_gradients(") == 1
 
 
 def test_staleness_of_a_shared_table_is_per_memory():
@@ -433,7 +434,8 @@ def test_run_mlm_trains_memory_plus_from_flags_and_clips_the_values(tmp_path, mo
         norms.append((max_norm, norm))
         return norm
 
-    monkeypatch.setattr("modeling_pkm_bert.training.loop.clip_memory_gradients", recording_clip)  # the loop clips
+    # the memory optimizer's hook clips in the loop
+    monkeypatch.setattr("modeling_pkm_bert.methods.optimizers.scripts.clip_memory_gradients", recording_clip)
     flags = (
         "--pkm_layers 0 2 --pkm_n_keys 8 --pkm_knn 4 --pkm_heads 2 --pkm_k_dim 16 --pkm_shared_values true "
         "--pkm_output_gate swilu --pkm_qk_norm true --pkm_score_activation relu --pkm_memory_scale 0.1 "

@@ -287,6 +287,7 @@ def test_fp16_loss_scaling_steps_the_memory_optimizer_as_without_it(tmp_path):
     from accelerate import Accelerator
 
     from modeling_pkm_bert.methods.optimizers.scripts import create_memory_optimizer, optimizer_param_groups
+    from modeling_pkm_bert.methods.optimizers import MemoryOptimizerMethod
     from modeling_pkm_bert.training.loop import TrainingLoop, create_scheduler
 
     def fp16_run(scaler):
@@ -309,7 +310,8 @@ def test_fp16_loss_scaling_steps_the_memory_optimizer_as_without_it(tmp_path):
         model, optimizer, memory = accelerator.prepare(model, optimizer, memory)
         scheduler = create_scheduler(accelerator, args, optimizer, num_warmup_steps=0)
         loop = TrainingLoop(accelerator, args, model, [optimizer, memory], scheduler, None, steps_per_epoch=2,
-                            settings={}, logger=logging.getLogger(__name__), memory_optimizer=memory)  # fmt: skip
+                            settings={}, logger=logging.getLogger(__name__),
+                            methods=[MemoryOptimizerMethod(args, accelerator, model, memory)])  # fmt: skip
         unwrapped = accelerator.unwrap_model(model)
         table, other = unwrapped.model.layers[1].memory.values.weight, unwrapped.model.layers[0].attn.Wqkv.weight
         before = table.detach().clone(), other.detach().clone()

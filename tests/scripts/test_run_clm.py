@@ -187,10 +187,10 @@ def test_local_memory_and_plain_bert_lm_head_model(tiny, tmp_path):
 def test_config_overrides_and_pkm_flags_build_the_model(tiny, tmp_path, monkeypatch):
     """--config_overrides and --pkm_* build the model; --memory_max_grad_norm clips the value table's gradient."""
     from modeling_pkm_bert.methods.optimizers import pkm_value_parameters
-    from modeling_pkm_bert.training import loop
+    from modeling_pkm_bert.methods.optimizers import scripts
 
     norms = []
-    original = loop.clip_memory_gradients  # the training loop clips (TrainingLoop.step)
+    original = scripts.clip_memory_gradients  # the memory optimizer's hook clips (TrainingLoop.step)
 
     def clip_and_measure(accelerator, model, *args):
         before = original(accelerator, model, *args)
@@ -198,7 +198,7 @@ def test_config_overrides_and_pkm_flags_build_the_model(tiny, tmp_path, monkeypa
         grad = values.grad.to_dense() if values.grad.is_sparse else values.grad
         norms.append((before.item(), grad.norm().item()))
 
-    monkeypatch.setattr(loop, "clip_memory_gradients", clip_and_measure)
+    monkeypatch.setattr(scripts, "clip_memory_gradients", clip_and_measure)
     options = "--config_overrides num_hidden_layers=4,intermediate_size=48 --pkm_layers 3 --pkm_n_keys 4"
     options += " --max_train_steps 1 --max_eval_samples 2 --memory_max_grad_norm 1e-4"
     results = run(clm_args(tiny, tmp_path / "out", options))

@@ -130,6 +130,7 @@ def fp16_run(output_dir, memory_optimizer, max_norm, scaler=None, steps=2, poiso
     from helpers import tiny_config
     from helpers import reset_accelerate_state
     from modeling_pkm_bert import BertPkmForMaskedLM
+    from modeling_pkm_bert.methods.optimizers import MemoryOptimizerMethod
     from modeling_pkm_bert.methods.optimizers.scripts import create_memory_optimizer, optimizer_param_groups
 
     reset_accelerate_state()  # each run builds its own Accelerator (and a test compares two runs)
@@ -146,7 +147,7 @@ def fp16_run(output_dir, memory_optimizer, max_norm, scaler=None, steps=2, poiso
     scheduler = create_scheduler(accelerator, args, optimizer, num_warmup_steps=0)
     loop = TrainingLoop(
         accelerator, args, model, [optimizer, memory], scheduler, None, steps_per_epoch=steps, settings={},
-        logger=LOGGER, memory_optimizer=memory,
+        logger=LOGGER, methods=[MemoryOptimizerMethod(args, accelerator, model, memory)],
     )  # fmt: skip
     unwrapped = accelerator.unwrap_model(model)
     table = unwrapped.bert.encoder.layer[1].memory.values.weight

@@ -1,6 +1,7 @@
 """The memory values' own optimizer (XLM; Kim & Jung 2020): `memory_optimizer` (their parameter group, `SparseRowAdam`,
 sparse gradients, clipping, freezing, fp16 loss scaling), `arguments` (its flags, standard library only), `scripts`
-(the optimizer a training script makes from the flags, the clipping, the log line). Names resolve on first use."""
+(the optimizer a training script makes from the flags, the clipping, the log line), `training_method` (the clipping and
+the log line as the scripts' registry sees them). Names resolve on first use."""
 
 from ...utils.lazy_imports import lazy_exports
 
@@ -29,5 +30,6 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "optimizer_param_groups",
             "sparse_gradients_supported",
         ),
+        ".training_method": ("MemoryOptimizerMethod",),
     },
 )

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from ...utils.memories import memory_modules, ngram_memory_modules
+from ...utils.memories import memory_modules, memory_tables, ngram_memory_modules
 
 
 PKM_VALUES_GROUP = "pkm_values"
@@ -43,9 +43,7 @@ def pkm_value_parameters(model: nn.Module) -> list[nn.Parameter]:
     (`tables.weight`) of every `NgramMemory`. Both are embedding tables read a few rows per token: they train in the
     memory's own group (Engram, too, trains its tables apart, with a larger learning rate than the dense weights)."""
     seen, parameters = set(), []
-    tables = [module.values.weight for module in memory_modules(model).values()]
-    tables += [module.tables.weight for module in ngram_memory_modules(model).values()]
-    for table in tables:
+    for table in (table.weight for table in memory_tables(model).values()):
         if id(table) not in seen:
             seen.add(id(table))
             parameters.append(table)
@@ -107,14 +105,10 @@ def set_sparse_values(model: nn.Module, sparse: bool = True) -> int:
     """Switches the value gradient of every memory (and the hash tables' of every n-gram memory) to sparse (rows used by the step) or dense; returns how many
     memories were switched. Call it before wrapping the model in DDP (which reads the flag once): sparse gradients
     need a gloo process group (NCCL has no sparse all-reduce) and no FSDP; dense ones work everywhere."""
-    count = 0
-    for module in memory_modules(model).values():
-        module.sparse_values = sparse
-        count += 1
-    for module in ngram_memory_modules(model).values():
-        module.tables.sparse = bool(sparse)  # nn.Embedding(sparse=True): a sparse gradient over the rows read
-        count += 1
-    return count
+    tables = memory_tables(model)
+    for table in tables.values():
+        table.sparse = bool(sparse)  # as nn.Embedding(sparse=True): a sparse gradient over the rows read
+    return len(tables)
 
 
 def _coalesced(grad: torch.Tensor) -> torch.Tensor:

@@ -72,8 +72,7 @@ def create_memory_optimizer(
 def memory_optimizer_summary(memory_optimizer, model: torch.nn.Module, learning_rate: float) -> str:
     """The log line of the optimizer the memory values train with (the one used, unwrapped from accelerate's)."""
     optimizer = getattr(memory_optimizer, "optimizer", memory_optimizer)
-    sparse = any(memory.sparse_values for memory in memories.memory_modules(model).values())
-    sparse = sparse or any(memory.tables.sparse for memory in memories.ngram_memory_modules(model).values())
+    sparse = any(table.sparse for table in memories.memory_tables(model).values())
     return (
         f"Memory values: {type(optimizer).__name__}, constant lr {learning_rate}, no weight decay, "
         f"{'sparse' if sparse else 'dense'} gradients"

@@ -1,6 +1,7 @@
 """Sparse memory finetuning (Lin et al. 2025): `method` (background statistics, ranking, the masked update, the
 `transformers.Trainer` callback), `arguments` (`--sparse_memory_finetuning`, `--smf_*` and their check, standard
-library only), `scripts` (the statistics and the `SparseMemoryFinetuning` a training script sets up from the flags).
+library only), `scripts` (the statistics and the `SparseMemoryFinetuning` a training script sets up from the flags),
+`training_method` (the method as the scripts' registry sees it).
 Names resolve on first use."""
 
 from ...utils.lazy_imports import lazy_exports
@@ -28,5 +29,6 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "validate_top_t",
         ),
         ".scripts": ("setup_from_args", "statistics_from_args"),
+        ".training_method": ("SparseMemoryFinetuningMethod",),
     },
 )

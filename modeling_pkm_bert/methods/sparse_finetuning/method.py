@@ -90,7 +90,14 @@ import torch
 from torch import nn
 
 from ...utils.input_errors import InputError
-from ...utils.memories import is_product_key_memory, memory_modules, ngram_memory_modules, readable_name, unwrap_model
+from ...utils.memories import (
+    is_product_key_memory,
+    memory_modules,
+    memory_table,
+    ngram_memory_modules,
+    readable_name,
+    unwrap_model,
+)
 from .arguments import GRADIENT_RANKERS, SMF_RANKERS, STATISTICS_NAME
 from ..optimizers.memory_optimizer import clip_grad_norm_, unscale_once
 
@@ -110,14 +117,8 @@ def memory_layers(model: nn.Module) -> dict[str, nn.Module]:
     return dict(zip(names, found.values()))
 
 
-def value_table(memory: nn.Module) -> nn.Module:
-    """The rows SMF trains: a product key memory's `values`; an n-gram memory's hash `tables` (all its tables' rows
-    in one module), whose rows are addressed by the input's own n-grams rather than by a query."""
-    return memory.values if is_product_key_memory(memory) else memory.tables
-
-
 def _mem_size(memory: nn.Module) -> int:
-    return value_table(memory).weight.shape[0]
+    return memory_table(memory).weight.shape[0]
 
 
 # ---- background statistics ----
@@ -273,7 +274,7 @@ class ReadCounter:
     def __init__(self, model: nn.Module, training_only: bool = False):
         self.memories = memory_layers(model)
         self.counts = {
-            name: torch.zeros(_mem_size(memory), dtype=torch.long, device=value_table(memory).weight.device)
+            name: torch.zeros(_mem_size(memory), dtype=torch.long, device=memory_table(memory).weight.device)
             for name, memory in self.memories.items()
         }
         self.training_only = training_only
@@ -288,7 +289,7 @@ class ReadCounter:
         for name, memory in self.memories.items():
             self._hooks.append(memory.register_forward_pre_hook(self._enter(name)))
             self._hooks.append(memory.register_forward_hook(self._leave))
-            tables.setdefault(id(value_table(memory)), value_table(memory))
+            tables.setdefault(id(memory_table(memory)), memory_table(memory))
         for values in tables.values():  # one hook per (possibly shared) value table
             self._hooks.append(values.register_forward_hook(self._count, with_kwargs=True))
         return self
@@ -487,7 +488,7 @@ def row_gradient_norms(weight: torch.Tensor) -> torch.Tensor:
 def freeze_all_but_values(model: nn.Module) -> int:
     """Keeps every parameter fixed except the memory value tables, and the memories' query BatchNorm running statistics
     too (momentum 0), so that only value rows can change; returns the number of trainable parameters left."""
-    tables = {id(value_table(memory).weight) for memory in memory_layers(model).values()}
+    tables = {id(memory_table(memory).weight) for memory in memory_layers(model).values()}
     for parameter in model.parameters():
         parameter.requires_grad_(id(parameter) in tables)
     for memory in memory_layers(model).values():
@@ -552,7 +553,7 @@ class SparseMemoryFinetuning:
         self._model_hooks = []
         self.tables: dict[int, tuple[nn.Parameter, list[str]]] = {}  # id(weight) -> (weight, its layers)
         for name, memory in self.memories.items():
-            weight = value_table(memory).weight
+            weight = memory_table(memory).weight
             self.tables.setdefault(id(weight), (weight, []))[1].append(name)
         self.chosen: dict[str, torch.Tensor] = {}
         self.steps = 0
@@ -682,28 +683,32 @@ class SparseMemoryFinetuning:
 
     # -- checkpoints --
 
+    def save_state(self, folder: str) -> None:
+        """Writes the background statistics into a checkpoint folder (call it on the main process)."""
+        if self.statistics is not None:
+            self.statistics.save(os.path.join(folder, STATISTICS_NAME))
+
+    def load_state(self, folder: str) -> None:
+        """Reads the background statistics back from a checkpoint folder, checked against the model."""
+        if self.statistics is None:  # the gradient ranker keeps no statistics
+            return
+        path = os.path.join(folder, STATISTICS_NAME)
+        if not os.path.isfile(path):
+            raise InputError(f"{folder} holds no {STATISTICS_NAME}: resume it without --sparse_memory_finetuning")
+        statistics = BackgroundStatistics.load(path)
+        statistics.check_model(self.model, path)
+        self.statistics = statistics
+
     def register_for_checkpointing(self, accelerator) -> None:
         """Saves the background statistics into every `accelerator.save_state` folder (as safetensors) and loads them
         back on `load_state`, so a resumed run ranks exactly as the uninterrupted one."""
 
         def save(models, weights, output_dir):
-            if accelerator.is_main_process and self.statistics is not None:
-                self.statistics.save(os.path.join(output_dir, STATISTICS_NAME))
-
-        def load(models, input_dir):
-            path = os.path.join(input_dir, STATISTICS_NAME)
-            if self.statistics is None:  # the gradient ranker keeps no statistics
-                return
-            if not os.path.isfile(path):
-                raise InputError(
-                    f"{input_dir} holds no {STATISTICS_NAME}: resume it without --sparse_memory_finetuning"
-                )
-            statistics = BackgroundStatistics.load(path)
-            statistics.check_model(accelerator.unwrap_model(models[0]) if models else None, path)
-            self.statistics = statistics
+            if accelerator.is_main_process:
+                self.save_state(output_dir)
 
         accelerator.register_save_state_pre_hook(save)
-        accelerator.register_load_state_pre_hook(load)
+        accelerator.register_load_state_pre_hook(lambda models, input_dir: self.load_state(input_dir))
 
 
 # ---- transformers.Trainer ----
@@ -806,7 +811,6 @@ __all__ = [
     "freeze_all_but_values",
     "kl_scores",
     "memory_layers",
-    "value_table",
     "gradient_scores",
     "rank_slots",
     "row_gradient_norms",

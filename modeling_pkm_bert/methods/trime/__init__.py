@@ -1,5 +1,6 @@
 """TRIME (Zhong, Lei & Chen 2022): `objective` (the loss with in-batch memory, for causal and masked LMs), `arguments`
-(`--trime`, `--trime_eval`, `--trime_chunk_size` and their resolution, standard library only). Names resolve on first
+(`--trime`, `--trime_eval`, `--trime_chunk_size` and their resolution, standard library only), `training_method` (the
+method as the scripts' registry sees it). Names resolve on first
 use."""
 
 from ...utils.lazy_imports import lazy_exports
@@ -20,5 +21,6 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "trime_log_probs",
             "trime_loss",
         ),
+        ".training_method": ("LANGUAGE_MODELING_TASKS", "TrimeMethod"),
     },
 )
