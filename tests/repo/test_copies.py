@@ -1,113 +1,33 @@
-"""`# Copied from` markers are checked claims, in the spirit of transformers' `utils/check_copies.py` (our own code):
-each block marked `# Copied from transformers.<module>.<Name> [with A->B, C->D]` in a shipped file equals its source in
-the installed transformers (pinned in constraints.txt), and each block marked `# Copied from
-modeling_pkm_bert.<module>.<Name> [with ...]` equals that block of our own file, after the marker's replacements
-(`re.sub(A, B)` in order, as check_copies does). Both sides are formatted by ruff and the object's own name in the
-first line is ignored; comments and docstrings count. A block changed on purpose is marked `# Adapted from`, which
-claims nothing."""
+"""`# Copied from` markers are checked claims, in the spirit of transformers' `utils/check_copies.py`: each block
+marked `# Copied from transformers.<module>.<Name> [with A->B, C->D]` in a shipped file equals its source in the
+installed transformers (pinned in constraints.txt), and each block marked `# Copied from
+modeling_pkm_bert.<module>.<Name> [with ...]` equals that block of our own file, after the marker's replacements. The
+mechanism (finding the blocks, the expected code, ruff on both sides) and the fixer are tests/repo/check_copies.py
+(`make fix-copies`); these tests check the shipped files with it, and that its fix restores a corrupted block and
+leaves a clean file byte for byte as it is."""
 
-import ast
-import importlib
 import importlib.util
 import inspect
 import re
+import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import transformers
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, load_script
 
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("ruff") is None, reason="ruff formats both sides (it is in the dev extras)"
 )
-PACKAGE = REPO_ROOT / "modeling_pkm_bert"
-MARKER = re.compile(r"^\s*#\s*Copied from\s+(?P<source>(?:transformers|modeling_pkm_bert)\.\S+)(?P<rest>.*)$")
-REPLACEMENT = re.compile(r"^\s*(\S+)->(\S+)\s*$")
-
-
-def pinned_transformers() -> str:
-    (version,) = re.findall(r"^transformers==(\S+)$", (REPO_ROOT / "constraints.txt").read_text(), re.MULTILINE)
-    return version
-
-
-def marked_blocks(path: Path) -> list[tuple[int, str, list[tuple[str, str]], str]]:
-    """(line of the marker, the source's dotted name, its replacements, the marked block's code) of every
-    `# Copied from` in `path`. The block is the definition that follows the marker (its decorators included)."""
-    text = path.read_text(encoding="utf-8")
-    lines = text.splitlines(keepends=True)
-    definitions = {}
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-            definitions[first] = node
-    blocks = []
-    for number, line in enumerate(lines, start=1):
-        match = MARKER.match(line)
-        if match is None:
-            continue
-        node = definitions.get(number + 1)
-        assert node is not None, f"{path.name}:{number}: a `# Copied from` marker must stand right above a def or class"
-        rest = match.group("rest").strip()
-        replacements = []
-        if rest:
-            assert rest.startswith("with "), f"{path.name}:{number}: after the source only `with A->B, ...` may follow"
-            for pair in rest[len("with ") :].split(","):
-                found = REPLACEMENT.match(pair)
-                assert found, f"{path.name}:{number}: {pair.strip()!r} is not a replacement `A->B`"
-                replacements.append(found.groups())
-        blocks.append((number, match.group("source"), replacements, "".join(lines[number : node.end_lineno])))
-    return blocks
-
-
-def source_of(dotted: str) -> str:
-    """The code of `dotted` (module path, then the object's, e.g. `transformers.models.bert.modeling_bert.BertPooler`
-    or `modeling_pkm_bert.modeling_bert_pkm.BertPkmForQuestionAnswering`) from the installed module object."""
-    parts = dotted.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        try:
-            target = importlib.import_module(".".join(parts[:split]))
-        except ImportError:
-            continue
-        for name in parts[split:]:
-            target = getattr(target, name)
-        return inspect.getsource(target)
-    raise AssertionError(f"{dotted}: no module of it imports")
-
-
-def formatted(code: str) -> str:
-    """`code` dedented and formatted by ruff (one style for both sides: line breaks and quotes do not count)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "ruff", "format", "--isolated", "--line-length", "119", "-"],
-        input=textwrap.dedent(code), capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return done.stdout
-
-
-def copy_differences(path: Path) -> list[str]:
-    """One line per marked block of `path` that differs from its source after the replacements: where, and the first
-    differing line of each side."""
-    differences = []
-    for number, dotted, replacements, block in marked_blocks(path):
-        expected = source_of(dotted)
-        for old, new in replacements:
-            expected = re.sub(old, new, expected)
-        ours, theirs = formatted(block).splitlines(), formatted(expected).splitlines()
-        name = re.compile(r"^(\s*(?:class|def)\s+)\w+")  # the copy's own name is expected to differ
-        if ours and theirs:
-            ours[0], theirs[0] = name.sub(r"\1_", ours[0]), name.sub(r"\1_", theirs[0])
-        if ours != theirs:
-            index = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-            mine = ours[index].strip() if index < len(ours) else "<end>"
-            source = theirs[index].strip() if index < len(theirs) else "<end>"
-            differences.append(
-                f"{path.name}:{number} `# Copied from {dotted}` differs at its line {index + 1}: ours {mine!r}, the"
-                f" source's {source!r} (make it equal, or mark it `# Adapted from` if it was changed on purpose)"
-            )
-    return differences
+check_copies = load_script("check_copies", "tests/repo")
+PACKAGE = check_copies.PACKAGE
+pinned_transformers = check_copies.pinned_transformers
+marked_blocks = check_copies.marked_blocks
+formatted = check_copies.formatted
+copy_differences = check_copies.copy_differences
 
 
 MARKED_FILES = sorted(path for path in PACKAGE.rglob("*.py") if "# Copied from" in path.read_text(encoding="utf-8"))
@@ -169,3 +89,48 @@ def test_a_difference_from_transformers_is_found(tmp_path):
 def test_a_difference_from_our_own_block_is_found(tmp_path):
     found = copy_differences(planted(tmp_path, "modeling_roberta_pkm.py", "/ 2", "/ 3"))
     assert len(found) == 1 and "BertPkmForQuestionAnswering" in found[0] and "/ 3" in found[0]
+
+
+@PINNED
+def test_the_fix_restores_corrupted_blocks(tmp_path):
+    """`fix_copies` rewrites each drifted block (a changed line, an added line: the lines below move) with its
+    source after the replacements, and gets the shipped file back byte for byte; the check then passes."""
+    original = (PACKAGE / "modeling_bert_pkm.py").read_text(encoding="utf-8")
+    path = planted(tmp_path, "modeling_bert_pkm.py", "dense(hidden_states)", "dense(2 * hidden_states)")
+    text = path.read_text(encoding="utf-8")
+    block = next(block for _, _, _, block in marked_blocks(path) if "# to the first token." in block)
+    path.write_text(text.replace(block, block.replace("# to the first token.", "# to the first token.\n        x = 1")))
+    assert len(copy_differences(path)) == 2
+    assert len(check_copies.fix_copies(path)) == 2
+    assert path.read_text(encoding="utf-8") == original
+    assert copy_differences(path) == []
+
+
+def test_the_fix_restores_a_block_copied_from_ours(tmp_path):
+    original = (PACKAGE / "modeling_roberta_pkm.py").read_text(encoding="utf-8")
+    path = planted(tmp_path, "modeling_roberta_pkm.py", "/ 2", "/ 3")
+    assert [line for line, _, _, block in marked_blocks(path) if "/ 3" in block] == check_copies.fix_copies(path)
+    assert path.read_text(encoding="utf-8") == original
+
+
+@PINNED
+def test_the_command_checks_and_fixes_and_a_clean_file_is_left_as_it_is(tmp_path):
+    """`python tests/repo/check_copies.py` names a drifted block (exit status 1); `--fix_and_overwrite` rewrites it and
+    leaves the clean files untouched (the shipped files, copied: the command never writes a file without drift)."""
+    corrupted = planted(tmp_path, "modeling_bert_pkm.py", "dense(hidden_states)", "dense(2 * hidden_states)")
+    clean = []
+    for name in ("modeling_roberta_pkm.py", "modeling_modernbert_pkm.py"):
+        clean.append(tmp_path / name)
+        shutil.copy2(PACKAGE / name, clean[-1])
+    stamps = [path.stat().st_mtime_ns for path in clean]
+    command = [sys.executable, str(REPO_ROOT / "tests" / "repo" / "check_copies.py")]
+    done = subprocess.run([*command, str(corrupted)], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert done.returncode == 1 and "modeling_bert_pkm.py:" in done.stdout and "2 * hidden_states" in done.stdout
+    files = [str(corrupted), *map(str, clean)]
+    done = subprocess.run([*command, "--fix_and_overwrite", *files], capture_output=True, text=True, timeout=300,
+                          cwd=REPO_ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "modeling_bert_pkm.py:" in done.stdout and "nothing to fix" in done.stdout
+    for path in (corrupted, *clean):
+        assert path.read_bytes() == (PACKAGE / path.name).read_bytes()
+    assert [path.stat().st_mtime_ns for path in clean] == stamps
