@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo convert test test-fast test-compat test-latest lint browser benchmark clean
+.PHONY: setup demo convert test test-fast test-compat test-latest lint fix-copies browser benchmark clean
 
 setup: $(VENV)/.installed
 
@@ -66,6 +66,12 @@ browser:
 # ruff with the repository's configuration (ruff.toml); the suite runs it too (tests/repo/test_layout.py)
 lint: setup
 	$(PY) -m ruff check .
+
+# rewrites each `# Copied from` block of the shipped files that drifted from its source with the expected code (the
+# marker, the indentation and the block's own name stay; a file without drift is not written); the check alone is
+# `$(PY) tests/repo/check_copies.py` (tests/repo/test_copies.py); a changed shipped file needs a new PKM_CODE_VERSION
+fix-copies: setup
+	$(PY) tests/repo/check_copies.py --fix_and_overwrite
 
 test-compat: setup $(MIN_VENV)/.installed
 	PKM_COMPAT_MIN_PYTHON=$(MIN_VENV)/bin/python $(PY) -m pytest -q tests/compat/test_compatibility.py
