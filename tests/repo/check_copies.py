@@ -41,6 +41,12 @@ def pinned_transformers() -> str:
     return version
 
 
+def installed_transformers() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def _marked(path: Path) -> list[dict]:
     """Every `# Copied from` of `path`: the marker's line (1-based), the source's dotted name, the replacements, the
     block's first and last line (the definition after the marker, decorators included), its name and indentation."""
@@ -177,12 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="*", type=Path, help="the files to check (default: the marked shipped files)")
     parser.add_argument("--fix_and_overwrite", action="store_true", help="rewrite each drifted block in place")
     args = parser.parse_args(argv)
-    import transformers
-
-    if transformers.__version__ != pinned_transformers():
+    if installed_transformers() != pinned_transformers():
         print(
             f"the markers name the code of transformers=={pinned_transformers()} (constraints.txt), this is"
-            f" {transformers.__version__}: install the pinned version first",
+            f" {installed_transformers()}: install the pinned version first",
             file=sys.stderr,
         )
         return 2

@@ -134,3 +134,11 @@ def test_the_command_checks_and_fixes_and_a_clean_file_is_left_as_it_is(tmp_path
     for path in (corrupted, *clean):
         assert path.read_bytes() == (PACKAGE / path.name).read_bytes()
     assert [path.stat().st_mtime_ns for path in clean] == stamps
+
+
+def test_the_command_refuses_another_transformers(monkeypatch, capsys):
+    """The markers name the pinned release's code: under another transformers the fix would write that release's
+    code into the shipped files, so the command stops (exit status 2) and says which version to install."""
+    monkeypatch.setattr(check_copies, "installed_transformers", lambda: "0.0.1")
+    assert check_copies.main(["--fix_and_overwrite"]) == 2
+    assert f"transformers=={pinned_transformers()}" in capsys.readouterr().err
