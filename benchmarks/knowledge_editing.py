@@ -965,14 +965,44 @@ class Benchmark:
         return found
 
     def sweep(self):
-        self.run_all([(m, lr, self.plan["seeds"][0]) for lr_index in range(3) for m in self.args.methods
+        seed = self.plan["seeds"][0]
+        self.run_all([(m, lr, seed) for lr_index in range(3) for m in self.args.methods
                       for lr in self.learning_rates(m)[lr_index : lr_index + 1]])  # fmt: skip
+        # One tuning budget for every method: a best rate at an edge of its grid grows that grid one step (its ratio),
+        # up to kc.MAX_GRID_EXTENSIONS, so no method is compared at a rate its grid cut short.
+        grids = {m: sorted(self.learning_rates(m)) for m in self.args.methods}
+        for _ in range(kc.MAX_GRID_EXTENSIONS):
+            grow = [(m, rate) for m, grid in grids.items() if (rate := self.next_rate(m, grid, seed)) is not None]
+            if not grow:
+                break
+            for method, rate in grow:
+                grids[method] = sorted([*grids[method], rate])
+            self.run_all([(method, rate, seed) for method, rate in grow])
+        with self.results.locked() as data:
+            for method, grid in grids.items():
+                swept = [r for r in data["runs"].values() if r["method"] == method and r["seed"] == seed and r["lr"] in grid]
+                if len(swept) == len(grid):
+                    best = best_lr(swept, {arm: b["metrics"] for arm, b in data["bases"].items()}, self.plan["target"])
+                    edge = len(grid) > 1 and best in (grid[0], grid[-1])
+                    data.setdefault("tuning", {})[method] = {"grid": grid, "best": best, "at_edge": edge}
+
+    def next_rate(self, method: str, grid: list[float], seed: int) -> float | None:
+        """The rate beyond the edge of `grid` where `method`'s best sits, or None (interior, or not all swept)."""
+        data = self.results.read()
+        swept = [r for r in data["runs"].values() if r["method"] == method and r["seed"] == seed and r["lr"] in grid]
+        if len(grid) < 2 or len(swept) < len(grid):
+            return None
+        best = best_lr(swept, {arm: b["metrics"] for arm, b in data["bases"].items()}, self.plan["target"])
+        if best not in (grid[0], grid[-1]):
+            return None
+        ratio = grid[1] / grid[0]
+        return float(f"{grid[0] / ratio if best == grid[0] else grid[-1] * ratio:.3g}")
 
     def seeds(self):
         data = self.results.read()
         bases = {arm: b["metrics"] for arm, b in data.get("bases", {}).items()}
         jobs = []
-        for method in self.args.methods:
+        for method in self.args.methods:  # at the best of every rate swept, the grown grid's included
             swept = [r for r in data["runs"].values() if r["method"] == method and r["seed"] == self.plan["seeds"][0]]
             if swept:
                 rates = self.args.seed_learning_rates or [best_lr(swept, bases, self.plan["target"])]

@@ -94,6 +94,36 @@ def figure(rows: dict, path: Path) -> bool:
     return True
 
 
+def tuning_lines(data: dict, target: float) -> list[str]:
+    """Each method's learning rates swept at the first seed, the one chosen (`ke.best_lr`) and whether it sits at an
+    edge of the grid: recorded by the sweep (which grows a grid past an edge), else read from the runs."""
+    bases = {arm: b["metrics"] for arm, b in data.get("bases", {}).items()}
+    seed = min((r["seed"] for r in data["runs"].values()), default=0)
+    rows = []
+    for method in sorted({r["method"] for r in data["runs"].values()}):
+        entry = data.get("tuning", {}).get(method)
+        if entry is None:
+            swept = [r for r in data["runs"].values() if r["method"] == method and r["seed"] == seed and r["base"] in bases]
+            grid = sorted({r["lr"] for r in swept})
+            if len(grid) < 2:
+                continue
+            best = ke.best_lr(swept, bases, target)
+            entry = {"grid": grid, "best": best, "at_edge": best in (grid[0], grid[-1])}
+        cells = ", ".join(f"**{lr:g}**" if lr == entry["best"] else f"{lr:g}" for lr in entry["grid"])
+        seeded = sorted({r["lr"] for r in data["runs"].values() if r["method"] == method and r["seed"] != seed})
+        edges = [lr for lr in seeded if lr in (entry["grid"][0], entry["grid"][-1])]
+        flag = "⚠ " + ", ".join(f"{lr:g}" for lr in edges) if edges else ("⚠ the best" if entry["at_edge"] else "no")
+        rows.append(f"| {method} | {cells} | {', '.join(f'{lr:g}' for lr in seeded) or '—'} | {flag} |")
+    if not rows:
+        return []
+    return ["## Tuning", "",
+            f"Each method's rates swept at the first seed, **bold** the best at {target:.0%} of B (`best_lr`: the least "
+            "loss of A where B is reached, else the most B), and the rates its other seeds ran (`--seed_learning_rates` "
+            "picks those of a lower bar); ⚠ a rate that sits at an edge of the grid: the method may be under-tuned there. "
+            "The sweep now grows a grid whose best sits at an edge, one step at a time (up to three).", "",
+            "| method | rates swept | seeds ran | at an edge |", "|---|---|---|---|", *rows, ""]  # fmt: skip
+
+
 def write_report(args, data: dict) -> None:
     plan = data.get("plan", args.plan)
     target = plan["target"]
@@ -264,6 +294,7 @@ def write_report(args, data: dict) -> None:
     own_report = Path(args.report).name == f"{ke.plan_stem(args.minilm).upper()}.md"
     if full_plan and own_report and notes.exists():  # the findings, written by hand after a run (not in a probe's report)
         lines += [notes.read_text(encoding="utf-8").strip(), ""]
+    lines += tuning_lines(data, target)
     lines += [
         "## Every run",
         "",

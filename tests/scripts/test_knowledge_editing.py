@@ -345,3 +345,29 @@ def test_lora_value_masking_masks_every_value_as_run_mlm_does():
             else:
                 wiki_masked += int(picked.sum())
     assert 0 < wiki_masked < 20 * 9  # about 15% of its 9 tokens
+
+
+def test_the_sweep_grows_a_grid_whose_best_sits_at_an_edge(tmp_path, monkeypatch):
+    """One tuning budget for every method: full finetuning whose best rate is the grid's lowest gets lower rates (the
+    grid's ratio) until its best is interior; a method whose best is interior runs nothing more; both recorded."""
+    args = ke.parse_args(["--output_dir", str(tmp_path), "--results", str(tmp_path / "r.json"), "--methods", "full", "values"])
+    bench = ke.Benchmark(args)
+    base = {"a": 0.9, "b": 0.0, "ppl": 10.0}
+    with bench.results.locked() as data:
+        data["bases"] = {"resm": {"metrics": base}}
+    best = {"full": 1e-5, "values": 3e-2}  # full's best lies two steps below its grid [3e-4, 1e-3, 3e-3]
+
+    def run(method, lr, seed):  # reaches B everywhere; A is lost the more, the farther lr is from the method's best
+        drop = abs(math.log10(lr / best[method]))
+        point = {"a": base["a"] - drop / 100, "b": 1.0, "ppl": 10.0}
+        with bench.results.locked() as data:
+            data["runs"][f"{method}/lr{lr:g}/seed{seed}"] = dict(method=method, base="resm", lr=lr, seed=seed, steps=10,
+                                                                 curve={"10": point}, final=point)  # fmt: skip
+
+    monkeypatch.setattr(bench, "run", run)
+    bench.sweep()
+    tuning = bench.results.read()["tuning"]
+    # the grid's ratio (1e-3 / 3e-4) below 3e-4: 9e-5, 2.7e-5, 8.1e-6; three steps, and the best is still the lowest
+    assert tuning["full"]["grid"] == pytest.approx([8.1e-6, 2.7e-5, 9e-5, 3e-4, 1e-3, 3e-3], rel=0.01)
+    assert tuning["full"]["best"] == pytest.approx(8.1e-6, rel=0.01) and tuning["full"]["at_edge"]
+    assert tuning["values"] == {"grid": [1e-2, 3e-2, 1e-1], "best": 3e-2, "at_edge": False}
