@@ -139,9 +139,32 @@ def lookup_plans() -> dict:
     }
 
 
-def tiny_config(**overrides) -> BertPkmConfig:
-    """A BertPkm config small enough for unit tests (3 layers, hidden 32, a memory of 8**2 slots at layer 1)."""
-    kwargs = dict(
+# ---- the tiny models: one tester per family, in the manner of transformers' `BertModelTester` ----
+
+# the embedded training and validation texts of run_scripts/data, whose words make the word-level tokenizers
+EMBEDDED_TEXT = REPO_ROOT / "run_scripts" / "data"
+BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def embedded_text_vocab(split: str = "train", size: int = 200) -> list[str]:
+    """BERT's 5 special tokens and the `size - 5` commonest words and punctuation marks of the embedded
+    pride_and_prejudice_<split>.txt, lowercased (ties in the order the text first uses them)."""
+    import collections
+    import re
+
+    text = (EMBEDDED_TEXT / f"pride_and_prejudice_{split}.txt").read_text(encoding="utf-8").lower()
+    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
+    return BERT_SPECIAL_TOKENS + [w for w, _ in words.most_common(size - len(BERT_SPECIAL_TOKENS))]
+
+
+class BertPkmModelTester:
+    """The tiny BertPkm models of the suite: `get_config(**overrides)` (3 layers, hidden 32, a memory of 8**2 slots at
+    layer 1, dropout off), `get_tokenizer(split)` (a word-level BertTokenizer of the embedded text, as many tokens as the
+    config's vocabulary) and `save_folder(folder, model_class=None, split="train")` (both in one folder, the config alone
+    or a random model of `model_class`). `BertPkmModelTester(**overrides)` changes the defaults of all three."""
+
+    config_class = BertPkmConfig
+    defaults = dict(
         vocab_size=99,
         hidden_size=32,
         num_hidden_layers=3,
@@ -156,31 +179,52 @@ def tiny_config(**overrides) -> BertPkmConfig:
         pkm_knn=4,
         pkm_k_dim=16,
     )
-    kwargs.update(overrides)
-    return BertPkmConfig(**kwargs)
+
+    def __init__(self, **overrides):
+        self.config_kwargs = {**self.defaults, **overrides}
+
+    def get_config(self, **overrides):
+        return self.config_class(**{**self.config_kwargs, **overrides})
+
+    def get_tokenizer(self, split: str = "train", vocab_size: int | None = None):
+        """A lowercasing word-level BertTokenizer of `embedded_text_vocab(split, vocab_size)` (default: the config's
+        vocabulary size)."""
+        from transformers import BertTokenizer
+
+        vocab = embedded_text_vocab(split, vocab_size or self.config_kwargs["vocab_size"])
+        return BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
+
+    def save_folder(self, folder, model_class=None, split: str = "train", **overrides) -> str:
+        """The tokenizer and the config (`overrides` on the tester's), or a random `model_class` of that config (the
+        caller seeds torch), saved in `folder`; returns the folder as a string."""
+        config = self.get_config(**overrides)
+        self.get_tokenizer(split, config.vocab_size).save_pretrained(folder)
+        (config if model_class is None else model_class(config)).save_pretrained(folder)
+        return str(folder)
+
+
+class RobertaPkmModelTester(BertPkmModelTester):
+    """BertPkmModelTester's sizes as a RobertaPkm config (RoBERTa's special ids: <s> 0, <pad> 1, </s> 2; one token
+    type; positions from pad_token_id + 1 = 2, so 64 tokens fit)."""
+
+    defaults = {**BertPkmModelTester.defaults, "max_position_embeddings": 66}
+
+    @property
+    def config_class(self):
+        from modeling_pkm_bert import RobertaPkmConfig
+
+        return RobertaPkmConfig
+
+
+def tiny_config(**overrides) -> BertPkmConfig:
+    """`BertPkmModelTester().get_config(**overrides)`: a BertPkm config small enough for unit tests (3 layers, hidden
+    32, a memory of 8**2 slots at layer 1)."""
+    return BertPkmModelTester().get_config(**overrides)
 
 
 def tiny_roberta_config(**overrides):
-    """`tiny_config`'s sizes as a RobertaPkm config (RoBERTa's special ids: <s> 0, <pad> 1, </s> 2; one token type;
-    positions from pad_token_id + 1 = 2, so 64 tokens fit)."""
-    from modeling_pkm_bert import RobertaPkmConfig
-
-    kwargs = dict(
-        vocab_size=99,
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=66,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        pkm_layers=[1],
-        pkm_n_keys=8,
-        pkm_heads=2,
-        pkm_knn=4,
-        pkm_k_dim=16,
-    )
-    return RobertaPkmConfig(**{**kwargs, **overrides})
+    """`RobertaPkmModelTester().get_config(**overrides)`: `tiny_config`'s sizes as a RobertaPkm config."""
+    return RobertaPkmModelTester().get_config(**overrides)
 
 
 def remote_code_model(folder, auto_class: str = "AutoModelForMaskedLM"):
@@ -209,19 +253,9 @@ def batch(batch_size=3, seq_len=9, vocab=99, pad_from=(None, 6, 4)):
 
 
 def make_tiny_folder(folder) -> str:
-    """For run_mlm.py: a tiny BertPkm config (memory at layer 1, dropout on: a resume must restore the RNG) and a word-level tokenizer
-    made from the embedded training text, saved in `folder` (tests/scripts/test_run_mlm.py, tests/layer/test_devices.py)."""
-    import collections
-    import re
-
-    from transformers import BertTokenizer
-
-    text = (REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
-    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
-    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(folder)
-    tiny_config(vocab_size=200, max_position_embeddings=64, hidden_dropout_prob=0.1).save_pretrained(folder)
-    return str(folder)
+    """For run_mlm.py and run_clm.py: a tiny BertPkm config (memory at layer 1, dropout on: a resume must restore the
+    RNG) and a word-level tokenizer of 200 tokens made from the embedded training text, saved in `folder`."""
+    return BertPkmModelTester(vocab_size=200, hidden_dropout_prob=0.1).save_folder(folder)
 
 
 def mlm_args(tiny, output_dir, options=""):
