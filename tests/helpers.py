@@ -216,6 +216,61 @@ class RobertaPkmModelTester(BertPkmModelTester):
         return RobertaPkmConfig
 
 
+class ModernBertPkmModelTester:
+    """The tiny ModernBertPkm models: a ModernBERT body (`base`: 3 layers, global, local, local; a window of 4 tokens
+    that 12-token sequences exceed; two rotary thetas; pad 0, [CLS] 1, [SEP] 2) and a memory of 8**2 slots at layer 1
+    (`memory`). `get_config(**overrides)` is their ModernBertPkmConfig, `get_source_config(**overrides)` transformers'
+    ModernBertConfig of the body, `get_tokenizer()` a word-level tokenizer of `WORDS` with BERT-style special tokens
+    ([CLS] x [SEP], as ModernBERT's) and `save_folder(folder, model_class=None)` the tokenizer and the config (or a
+    random model of `model_class`). `ModernBertPkmModelTester(**overrides)` changes the defaults (pkm_* and ngram_*
+    fields go to `memory`, the others to `base`)."""
+
+    base_defaults = dict(
+        vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48,
+        max_position_embeddings=64, local_attention=4, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+        sep_token_id=2,
+    )  # fmt: skip
+    memory_defaults = dict(pkm_layers=[1], pkm_n_keys=8, pkm_heads=2, pkm_knn=4, pkm_k_dim=16)
+    SPECIAL = ["[PAD]", "[CLS]", "[SEP]", "[MASK]", "[UNK]"]  # ids 0-4, as the base's pad/cls/sep ids
+    WORDS = "the a cat dog sat on mat is was good bad movie film great awful who where what in paris and".split()
+
+    def __init__(self, **overrides):
+        memory = {k: v for k, v in overrides.items() if k.startswith(("pkm_", "ngram_"))}
+        self.base = {**self.base_defaults, **{k: v for k, v in overrides.items() if k not in memory}}
+        self.memory = {**self.memory_defaults, **memory}
+
+    def get_config(self, **overrides):
+        from modeling_pkm_bert import ModernBertPkmConfig
+
+        return ModernBertPkmConfig(**{**self.base, **self.memory, **overrides})
+
+    def get_source_config(self, **overrides):
+        from transformers import ModernBertConfig
+
+        return ModernBertConfig(**{**self.base, **overrides})
+
+    def get_tokenizer(self):
+        from tokenizers import Tokenizer, models, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {token: i for i, token in enumerate(self.SPECIAL + self.WORDS)}
+        tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", 1), ("[SEP]", 2)]
+        )
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer, pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+            unk_token="[UNK]", model_max_length=64, model_input_names=["input_ids", "attention_mask"],
+        )  # fmt: skip
+
+    def save_folder(self, folder, model_class=None, **overrides) -> str:
+        config = self.get_config(**overrides)
+        self.get_tokenizer().save_pretrained(folder)
+        (config if model_class is None else model_class(config)).save_pretrained(folder)
+        return str(folder)
+
+
 def tiny_config(**overrides) -> BertPkmConfig:
     """`BertPkmModelTester().get_config(**overrides)`: a BertPkm config small enough for unit tests (3 layers, hidden
     32, a memory of 8**2 slots at layer 1)."""
