@@ -205,15 +205,34 @@ class BertPkmModelTester:
 
 class RobertaPkmModelTester(BertPkmModelTester):
     """BertPkmModelTester's sizes as a RobertaPkm config (RoBERTa's special ids: <s> 0, <pad> 1, </s> 2; one token
-    type; positions from pad_token_id + 1 = 2, so 64 tokens fit)."""
+    type; positions from pad_token_id + 1 = 2, so 64 tokens fit) and a byte-level BPE tokenizer."""
 
     defaults = {**BertPkmModelTester.defaults, "max_position_embeddings": 66}
+    SPECIAL = ["<s>", "<pad>", "</s>", "<unk>"]  # RoBERTa's ids 0-3; <mask> is the last id
+    WORDS = ["Ġthe", "Ġcat", "Ġsat", "Ġon", "Ġmat", "Ġa", "Ġgood", "Ġmovie"]
 
     @property
     def config_class(self):
         from modeling_pkm_bert import RobertaPkmConfig
 
         return RobertaPkmConfig
+
+    def get_tokenizer(self, *_):
+        """A byte-level BPE tokenizer (RoBERTa's kind): the 4 special tokens, the 256 byte symbols, `WORDS` merged left
+        to right (Ġ t -> Ġt, Ġt h -> Ġth, ...) and <mask>; the same whatever the config's vocabulary size."""
+        from tokenizers.pre_tokenizers import ByteLevel
+        from transformers import RobertaTokenizer
+
+        alphabet = sorted(ByteLevel.alphabet())
+        merges, vocab_words = [], []
+        for word in self.WORDS:
+            for end in range(2, len(word) + 1):
+                merged = word[:end]
+                if merged not in vocab_words:
+                    merges.append((word[: end - 1], word[end - 1]))
+                    vocab_words.append(merged)
+        vocab = {token: i for i, token in enumerate(self.SPECIAL + alphabet + vocab_words + ["<mask>"])}
+        return RobertaTokenizer(vocab=vocab, merges=merges)
 
 
 class ModernBertPkmModelTester:
