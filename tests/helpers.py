@@ -139,9 +139,32 @@ def lookup_plans() -> dict:
     }
 
 
-def tiny_config(**overrides) -> BertPkmConfig:
-    """A BertPkm config small enough for unit tests (3 layers, hidden 32, a memory of 8**2 slots at layer 1)."""
-    kwargs = dict(
+# ---- the tiny models: one tester per family, in the manner of transformers' `BertModelTester` ----
+
+# the embedded training and validation texts of run_scripts/data, whose words make the word-level tokenizers
+EMBEDDED_TEXT = REPO_ROOT / "run_scripts" / "data"
+BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def embedded_text_vocab(split: str = "train", size: int = 200) -> list[str]:
+    """BERT's 5 special tokens and the `size - 5` commonest words and punctuation marks of the embedded
+    pride_and_prejudice_<split>.txt, lowercased (ties in the order the text first uses them)."""
+    import collections
+    import re
+
+    text = (EMBEDDED_TEXT / f"pride_and_prejudice_{split}.txt").read_text(encoding="utf-8").lower()
+    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
+    return BERT_SPECIAL_TOKENS + [w for w, _ in words.most_common(size - len(BERT_SPECIAL_TOKENS))]
+
+
+class BertPkmModelTester:
+    """The tiny BertPkm models of the suite: `get_config(**overrides)` (3 layers, hidden 32, a memory of 8**2 slots at
+    layer 1, dropout off), `get_tokenizer(split)` (a word-level BertTokenizer of the embedded text, as many tokens as the
+    config's vocabulary) and `save_folder(folder, model_class=None, split="train")` (both in one folder, the config alone
+    or a random model of `model_class`). `BertPkmModelTester(**overrides)` changes the defaults of all three."""
+
+    config_class = BertPkmConfig
+    defaults = dict(
         vocab_size=99,
         hidden_size=32,
         num_hidden_layers=3,
@@ -156,31 +179,126 @@ def tiny_config(**overrides) -> BertPkmConfig:
         pkm_knn=4,
         pkm_k_dim=16,
     )
-    kwargs.update(overrides)
-    return BertPkmConfig(**kwargs)
+
+    def __init__(self, **overrides):
+        self.config_kwargs = {**self.defaults, **overrides}
+
+    def get_config(self, **overrides):
+        return self.config_class(**{**self.config_kwargs, **overrides})
+
+    def get_tokenizer(self, split: str = "train", vocab_size: int | None = None):
+        """A lowercasing word-level BertTokenizer of `embedded_text_vocab(split, vocab_size)` (default: the config's
+        vocabulary size)."""
+        from transformers import BertTokenizer
+
+        vocab = embedded_text_vocab(split, vocab_size or self.config_kwargs["vocab_size"])
+        return BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
+
+    def save_folder(self, folder, model_class=None, split: str = "train", **overrides) -> str:
+        """The tokenizer and the config (`overrides` on the tester's), or a random `model_class` of that config (the
+        caller seeds torch), saved in `folder`; returns the folder as a string."""
+        config = self.get_config(**overrides)
+        self.get_tokenizer(split, config.vocab_size).save_pretrained(folder)
+        (config if model_class is None else model_class(config)).save_pretrained(folder)
+        return str(folder)
+
+
+class RobertaPkmModelTester(BertPkmModelTester):
+    """BertPkmModelTester's sizes as a RobertaPkm config (RoBERTa's special ids: <s> 0, <pad> 1, </s> 2; one token
+    type; positions from pad_token_id + 1 = 2, so 64 tokens fit) and a byte-level BPE tokenizer."""
+
+    defaults = {**BertPkmModelTester.defaults, "max_position_embeddings": 66}
+    SPECIAL = ["<s>", "<pad>", "</s>", "<unk>"]  # RoBERTa's ids 0-3; <mask> is the last id
+    WORDS = ["Ġthe", "Ġcat", "Ġsat", "Ġon", "Ġmat", "Ġa", "Ġgood", "Ġmovie"]
+
+    @property
+    def config_class(self):
+        from modeling_pkm_bert import RobertaPkmConfig
+
+        return RobertaPkmConfig
+
+    def get_tokenizer(self, *_):
+        """A byte-level BPE tokenizer (RoBERTa's kind): the 4 special tokens, the 256 byte symbols, `WORDS` merged left
+        to right (Ġ t -> Ġt, Ġt h -> Ġth, ...) and <mask>; the same whatever the config's vocabulary size."""
+        from tokenizers.pre_tokenizers import ByteLevel
+        from transformers import RobertaTokenizer
+
+        alphabet = sorted(ByteLevel.alphabet())
+        merges, vocab_words = [], []
+        for word in self.WORDS:
+            for end in range(2, len(word) + 1):
+                merged = word[:end]
+                if merged not in vocab_words:
+                    merges.append((word[: end - 1], word[end - 1]))
+                    vocab_words.append(merged)
+        vocab = {token: i for i, token in enumerate(self.SPECIAL + alphabet + vocab_words + ["<mask>"])}
+        return RobertaTokenizer(vocab=vocab, merges=merges)
+
+
+class ModernBertPkmModelTester:
+    """The tiny ModernBertPkm models: a ModernBERT body (`base`: 3 layers, global, local, local; a window of 4 tokens
+    that 12-token sequences exceed; two rotary thetas; pad 0, [CLS] 1, [SEP] 2) and a memory of 8**2 slots at layer 1
+    (`memory`). `get_config(**overrides)` is their ModernBertPkmConfig, `get_source_config(**overrides)` transformers'
+    ModernBertConfig of the body, `get_tokenizer()` a word-level tokenizer of `WORDS` with BERT-style special tokens
+    ([CLS] x [SEP], as ModernBERT's) and `save_folder(folder, model_class=None)` the tokenizer and the config (or a
+    random model of `model_class`). `ModernBertPkmModelTester(**overrides)` changes the defaults (pkm_* and ngram_*
+    fields go to `memory`, the others to `base`)."""
+
+    base_defaults = dict(
+        vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48,
+        max_position_embeddings=64, local_attention=4, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+        sep_token_id=2,
+    )  # fmt: skip
+    memory_defaults = dict(pkm_layers=[1], pkm_n_keys=8, pkm_heads=2, pkm_knn=4, pkm_k_dim=16)
+    SPECIAL = ["[PAD]", "[CLS]", "[SEP]", "[MASK]", "[UNK]"]  # ids 0-4, as the base's pad/cls/sep ids
+    WORDS = "the a cat dog sat on mat is was good bad movie film great awful who where what in paris and".split()
+
+    def __init__(self, **overrides):
+        memory = {k: v for k, v in overrides.items() if k.startswith(("pkm_", "ngram_"))}
+        self.base = {**self.base_defaults, **{k: v for k, v in overrides.items() if k not in memory}}
+        self.memory = {**self.memory_defaults, **memory}
+
+    def get_config(self, **overrides):
+        from modeling_pkm_bert import ModernBertPkmConfig
+
+        return ModernBertPkmConfig(**{**self.base, **self.memory, **overrides})
+
+    def get_source_config(self, **overrides):
+        from transformers import ModernBertConfig
+
+        return ModernBertConfig(**{**self.base, **overrides})
+
+    def get_tokenizer(self):
+        from tokenizers import Tokenizer, models, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {token: i for i, token in enumerate(self.SPECIAL + self.WORDS)}
+        tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", 1), ("[SEP]", 2)]
+        )
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer, pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+            unk_token="[UNK]", model_max_length=64, model_input_names=["input_ids", "attention_mask"],
+        )  # fmt: skip
+
+    def save_folder(self, folder, model_class=None, **overrides) -> str:
+        config = self.get_config(**overrides)
+        self.get_tokenizer().save_pretrained(folder)
+        (config if model_class is None else model_class(config)).save_pretrained(folder)
+        return str(folder)
+
+
+def tiny_config(**overrides) -> BertPkmConfig:
+    """`BertPkmModelTester().get_config(**overrides)`: a BertPkm config small enough for unit tests (3 layers, hidden
+    32, a memory of 8**2 slots at layer 1)."""
+    return BertPkmModelTester().get_config(**overrides)
 
 
 def tiny_roberta_config(**overrides):
-    """`tiny_config`'s sizes as a RobertaPkm config (RoBERTa's special ids: <s> 0, <pad> 1, </s> 2; one token type;
-    positions from pad_token_id + 1 = 2, so 64 tokens fit)."""
-    from modeling_pkm_bert import RobertaPkmConfig
-
-    kwargs = dict(
-        vocab_size=99,
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=66,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        pkm_layers=[1],
-        pkm_n_keys=8,
-        pkm_heads=2,
-        pkm_knn=4,
-        pkm_k_dim=16,
-    )
-    return RobertaPkmConfig(**{**kwargs, **overrides})
+    """`RobertaPkmModelTester().get_config(**overrides)`: `tiny_config`'s sizes as a RobertaPkm config."""
+    return RobertaPkmModelTester().get_config(**overrides)
 
 
 def remote_code_model(folder, auto_class: str = "AutoModelForMaskedLM"):
@@ -209,19 +327,9 @@ def batch(batch_size=3, seq_len=9, vocab=99, pad_from=(None, 6, 4)):
 
 
 def make_tiny_folder(folder) -> str:
-    """For run_mlm.py: a tiny BertPkm config (memory at layer 1, dropout on: a resume must restore the RNG) and a word-level tokenizer
-    made from the embedded training text, saved in `folder` (tests/scripts/test_run_mlm.py, tests/layer/test_devices.py)."""
-    import collections
-    import re
-
-    from transformers import BertTokenizer
-
-    text = (REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
-    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
-    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(folder)
-    tiny_config(vocab_size=200, max_position_embeddings=64, hidden_dropout_prob=0.1).save_pretrained(folder)
-    return str(folder)
+    """For run_mlm.py and run_clm.py: a tiny BertPkm config (memory at layer 1, dropout on: a resume must restore the
+    RNG) and a word-level tokenizer of 200 tokens made from the embedded training text, saved in `folder`."""
+    return BertPkmModelTester(vocab_size=200, hidden_dropout_prob=0.1).save_folder(folder)
 
 
 def mlm_args(tiny, output_dir, options=""):

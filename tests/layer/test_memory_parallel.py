@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers import REPO_ROOT, load_script, remote_code_model, tiny_config, torchrun
+from helpers import REPO_ROOT, load_script, make_tiny_folder, remote_code_model, tiny_config, torchrun
 from modeling_pkm_bert import BertPkmForMaskedLM, shard_memory_values
 from modeling_pkm_bert.parallel import ShardedProductKeyValues
 
@@ -435,17 +435,7 @@ def test_shared_table_with_mismatched_shape_is_refused():
 
 def _script_tiny(folder):
     """The word-level tokenizer and tiny config of tests/scripts/test_run_mlm.py (memory at layer 1)."""
-    import collections
-    import re
-
-    from transformers import BertTokenizer
-
-    text = (REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
-    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
-    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(folder)
-    tiny_config(vocab_size=200, max_position_embeddings=64, hidden_dropout_prob=0.1).save_pretrained(folder)
-    return str(folder)
+    return make_tiny_folder(folder)
 
 
 def _launch(script, tiny, output_dir, options, processes=2):

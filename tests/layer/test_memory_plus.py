@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import BertConfig, BertForMaskedLM
 
-from helpers import REPO_ROOT, load_script, lookup_plans, tiny_config
+from helpers import REPO_ROOT, BertPkmModelTester, load_script, lookup_plans, tiny_config
 from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM, BertPkmModel
 from modeling_pkm_bert.hub.conversion import convert_to_pkm
 from modeling_pkm_bert.analysis.memory_usage import track_memory_usage
@@ -415,16 +415,8 @@ def test_staleness_of_a_shared_table_is_per_memory():
 
 
 def test_run_mlm_trains_memory_plus_from_flags_and_clips_the_values(tmp_path, monkeypatch):
-    import collections
-    import re
-
-    from transformers import BertTokenizer
-
     run_mlm = load_script("run_mlm")
-    text = (REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
-    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
-    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(tmp_path / "bert")
+    BertPkmModelTester().get_tokenizer("train", 200).save_pretrained(tmp_path / "bert")
     BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
                max_position_embeddings=64).save_pretrained(tmp_path / "bert")
     norms = []

@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 import transformers
-from transformers import ModernBertConfig
 
+from helpers import ModernBertPkmModelTester
 from modeling_pkm_bert import (
     MODERNBERT_AUTO_MAP,
     ModernBertPkmConfig,
@@ -32,14 +32,10 @@ from modeling_pkm_bert.ngram_memory import NgramMemory
 from modeling_pkm_bert.product_key_memory import ProductKeyMemory
 
 
-# 3 layers: global, local, local (global_attn_every_n_layers=3); a window of 4 tokens (2 each side) that 12-token
-# sequences exceed, so the local layers' mask matters; two rotary thetas
-TINY = dict(
-    vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48,
-    max_position_embeddings=64, local_attention=4, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
-    sep_token_id=2,
-)  # fmt: skip
-SMALL_PKM = dict(pkm_layers=[1], pkm_n_keys=8, pkm_heads=2, pkm_knn=4, pkm_k_dim=16)
+# the tester's ModernBERT body (TINY: 3 layers, global, local, local; a window of 4 tokens that 12-token sequences
+# exceed, so the local layers' mask matters; two rotary thetas) and its memory at layer 1 (SMALL_PKM)
+TESTER = ModernBertPkmModelTester()
+TINY, SMALL_PKM = TESTER.base, TESTER.memory
 NGRAM = dict(ngram_layers=[2], ngram_table_size=211, ngram_dim=4, ngram_heads=2)
 HEADS = ["Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
          "ForMultipleChoice"]  # fmt: skip
@@ -53,14 +49,13 @@ OURS = {
 }
 
 
-def tiny_config(**overrides) -> ModernBertPkmConfig:
-    return ModernBertPkmConfig(**{**TINY, **SMALL_PKM, **overrides})
+tiny_config = TESTER.get_config
 
 
 def source_model(head: str, **overrides):
     """A random transformers ModernBert<head> (its own classes and initialisation)."""
     labels = 2 if head == "ForQuestionAnswering" else 3  # start and end
-    config = ModernBertConfig(**{**TINY, "num_labels": labels, **overrides})
+    config = TESTER.get_source_config(**{"num_labels": labels, **overrides})
     return getattr(transformers, f"ModernBert{head}")(config).eval()
 
 

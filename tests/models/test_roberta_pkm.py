@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tokenizers.pre_tokenizers import ByteLevel
 from transformers import RobertaConfig, RobertaTokenizer, XLMRobertaConfig
 
-from helpers import load_script, reset_accelerate_state, tiny_roberta_config
+from helpers import RobertaPkmModelTester, load_script, reset_accelerate_state, tiny_roberta_config
 from modeling_pkm_bert import (
     ROBERTA_AUTO_MAP,
     BertPkmForMaskedLM,
@@ -33,24 +32,13 @@ from modeling_pkm_bert.ngram_memory import NgramMemory
 
 
 SMALL_PKM = dict(pkm_layers=[1], pkm_n_keys=8, pkm_heads=2, pkm_knn=4, pkm_k_dim=16, pkm_value_init="zeros")
-SPECIAL = ["<s>", "<pad>", "</s>", "<unk>"]  # RoBERTa's ids 0-3; <mask> is the last id
 HEADS = ["Model", "ForMaskedLM", "ForCausalLM", "ForSequenceClassification", "ForMultipleChoice",
          "ForTokenClassification", "ForQuestionAnswering"]  # fmt: skip
 
 
 def tiny_tokenizer(folder=None) -> RobertaTokenizer:
-    """A byte-level BPE tokenizer (RoBERTa's kind): the 256 byte symbols and a few merged words."""
-    alphabet = sorted(ByteLevel.alphabet())
-    words = ["Ġthe", "Ġcat", "Ġsat", "Ġon", "Ġmat", "Ġa", "Ġgood", "Ġmovie"]
-    merges, vocab_words = [], []
-    for word in words:  # left-to-right merges: Ġ t -> Ġt, Ġt h -> Ġth, ...
-        for end in range(2, len(word) + 1):
-            merged = word[:end]
-            if merged not in vocab_words:
-                merges.append((word[: end - 1], word[end - 1]))
-                vocab_words.append(merged)
-    vocab = {token: i for i, token in enumerate(SPECIAL + alphabet + vocab_words + ["<mask>"])}
-    tokenizer = RobertaTokenizer(vocab=vocab, merges=merges)
+    """RobertaPkmModelTester's byte-level BPE tokenizer, saved in `folder` if given."""
+    tokenizer = RobertaPkmModelTester().get_tokenizer()
     if folder is not None:
         tokenizer.save_pretrained(folder)
     return tokenizer

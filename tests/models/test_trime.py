@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import REPO_ROOT, load_script, reset_accelerate_state, tiny_config
+from helpers import REPO_ROOT, BertPkmModelTester, load_script, reset_accelerate_state, tiny_config
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from modeling_pkm_bert import BertPkmForCausalLM, BertPkmForMaskedLM
@@ -249,18 +249,8 @@ def test_log_probs_without_memory_are_the_log_softmax():
 def tiny_mlm_folder(tmp_path_factory):
     """A tiny BertPkm config and word-level tokenizer in a folder of their own (a run's output may not lie in a folder
     it reads)."""
-    import collections
-    import re
-
-    from transformers import BertTokenizer
-
     folder = tmp_path_factory.mktemp("tiny_mlm")
-
-    text = (REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
-    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
-    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(folder)
-    tiny_config(vocab_size=200, max_position_embeddings=64).save_pretrained(folder)
+    BertPkmModelTester(vocab_size=200).save_folder(folder)
     return folder
 
 

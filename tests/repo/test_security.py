@@ -3,7 +3,6 @@ allow-list (symlinks refused, a dry run changes nothing); the native kernel load
 hashed; resume state is never unpickled, unreadable random states and changed settings stop a resume; a run killed
 during a checkpoint save resumes exactly."""
 
-import collections
 import hashlib
 import json
 import os
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO_ROOT, bert_pkm_code_files, load_script, reset_accelerate_state, tiny_config, usage_error
+from helpers import REPO_ROOT, bert_pkm_code_files, load_script, make_tiny_folder, reset_accelerate_state, tiny_config, usage_error
 from safetensors.torch import load_file
 from transformers import BertTokenizer
 
@@ -47,13 +46,7 @@ def run(args):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny BertPkm config (dropout on: an exact resume must restore the RNG) and a word-level tokenizer."""
-    folder = tmp_path_factory.mktemp("tiny")
-    text = (SCRIPTS / "data" / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
-    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
-    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(folder)
-    tiny_config(vocab_size=200, max_position_embeddings=64, hidden_dropout_prob=0.1).save_pretrained(folder)
-    return str(folder)
+    return make_tiny_folder(tmp_path_factory.mktemp("tiny"))
 
 
 def mlm_args(tiny, output_dir, options=""):

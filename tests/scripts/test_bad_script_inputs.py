@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO_ROOT, load_script, reset_accelerate_state, tiny_config, usage_error
+from helpers import REPO_ROOT, BertPkmModelTester, load_script, reset_accelerate_state, tiny_config, usage_error
 
 
 run_mlm, run_glue, run_squad = load_script("run_mlm"), load_script("run_glue"), load_script("run_squad")
@@ -197,19 +197,15 @@ def test_convert_to_pkm_of_a_missing_or_converted_source_names_it(tmp_path, caps
 def folders(tmp_path_factory):
     """Tiny model folders with 64 positions and their inputs: `pkm` (memories at layers 0 and 2), `nomem` (a BertPkm
     without memories), `bert` (a plain BERT), `notok` (a BertPkm without a tokenizer), text and data files."""
-    import collections
-    import re
     import shutil
 
-    from transformers import BertConfig, BertForMaskedLM, BertTokenizer
+    from transformers import BertConfig, BertForMaskedLM
 
     from modeling_pkm_bert import BertPkmForMaskedLM
 
     root = tmp_path_factory.mktemp("folders")
     text = (REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_validation.txt").read_text(encoding="utf-8")
-    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text.lower()))
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
-    tokenizer = BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
+    tokenizer = BertPkmModelTester().get_tokenizer("validation", 200)
     torch.manual_seed(0)
     BertPkmForMaskedLM(tiny_config(vocab_size=200, pkm_layers=[0, 2])).save_pretrained(root / "pkm")
     BertPkmForMaskedLM(tiny_config(vocab_size=200, pkm_layers=[])).save_pretrained(root / "nomem")

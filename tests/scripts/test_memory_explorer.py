@@ -11,7 +11,7 @@ import torch
 from transformers import BertTokenizer
 
 from browser import Browser, chromium_or_skip
-from helpers import REPO_ROOT, load_script, tiny_config, usage_error
+from helpers import REPO_ROOT, BertPkmModelTester, load_script, tiny_config, usage_error
 from modeling_pkm_bert import BertPkmForMaskedLM, BertPkmModel
 from modeling_pkm_bert.analysis import explorer as explorer_module
 from modeling_pkm_bert.analysis import report as report_module
@@ -34,10 +34,8 @@ LENGTH, SEQUENCES = 32, 10  # 320 tokens
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    words = collections.Counter(re.findall(r"\w+|[^\w\s]", TEXT.lower()))
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
     folder = tmp_path_factory.mktemp("tokenizer")
-    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(folder)
+    BertPkmModelTester().get_tokenizer("validation", 200).save_pretrained(folder)
     return BertTokenizer.from_pretrained(folder)
 
 

@@ -1,6 +1,5 @@
 """The memory report: figures, numbers equal to memory_usage's, clear errors and no half-written report."""
 
-import collections
 import json
 import re
 
@@ -9,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import BertTokenizer
 
-from helpers import REPO_ROOT, load_script, reset_accelerate_state, tiny_config, usage_error
+from helpers import REPO_ROOT, BertPkmModelTester, load_script, reset_accelerate_state, tiny_config, usage_error
 from modeling_pkm_bert import BertPkmForMaskedLM, BertPkmModel
 from modeling_pkm_bert.analysis import MemoryReportError, MetricsLog, write_memory_report
 from modeling_pkm_bert.training.glue_data import class_data_from_files
@@ -25,10 +24,8 @@ TEXT = (DATA / "pride_and_prejudice_validation.txt").read_text(encoding="utf-8")
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    words = collections.Counter(re.findall(r"\w+|[^\w\s]", TEXT.lower()))
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
     folder = tmp_path_factory.mktemp("tokenizer")
-    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(folder)
+    BertPkmModelTester().get_tokenizer("validation", 200).save_pretrained(folder)
     return BertTokenizer.from_pretrained(folder)
 
 

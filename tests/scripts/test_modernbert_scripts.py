@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import ModernBertConfig, PreTrainedTokenizerFast
+from transformers import ModernBertConfig
 
-from helpers import load_script, reset_accelerate_state, torchrun
+from helpers import ModernBertPkmModelTester, load_script, reset_accelerate_state, torchrun
 from modeling_pkm_bert import (
     MODERNBERT_AUTO_MAP,
     ModernBertPkmConfig,
@@ -30,14 +29,9 @@ from modeling_pkm_bert import (
 from modeling_pkm_bert.hub.conversion import convert_to_pkm
 
 
-SPECIAL = ["[PAD]", "[CLS]", "[SEP]", "[MASK]", "[UNK]"]  # ids 0-4, as TINY's pad/cls/sep ids
-WORDS = "the a cat dog sat on mat is was good bad movie film great awful who where what in paris and".split()
-TINY = dict(
-    vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48,
-    max_position_embeddings=64, local_attention=4, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
-    sep_token_id=2,
-)  # fmt: skip
-PKM = dict(pkm_layers=[1], pkm_n_keys=8, pkm_heads=2, pkm_knn=4, pkm_k_dim=16, pkm_value_init="zeros")
+# the tester's ModernBERT body with a vocabulary of 64 (TINY) and its memory at layer 1, zero values (PKM)
+TESTER = ModernBertPkmModelTester(vocab_size=64, pkm_value_init="zeros")
+TINY, PKM = TESTER.base, TESTER.memory
 PKM_FLAGS = "--pkm_layers 1 --pkm_n_keys 8 --pkm_heads 2 --pkm_knn 4 --pkm_k_dim 16".split()
 HEADS = {
     "Model": ModernBertPkmModel,
@@ -51,26 +45,9 @@ SENTENCES = ["a good movie", "the cat sat on the mat", "a bad film", "the movie 
              "good good good", "the mat is bad", "a great cat"]  # fmt: skip
 
 
-def tiny_tokenizer(folder=None) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer with BERT-style special tokens ([CLS] x [SEP], as ModernBERT's)."""
-    vocab = {token: i for i, token in enumerate(SPECIAL + WORDS)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", 1), ("[SEP]", 2)]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
-        unk_token="[UNK]", model_max_length=64, model_input_names=["input_ids", "attention_mask"],
-    )  # fmt: skip
-    if folder is not None:
-        fast.save_pretrained(folder)
-    return fast
-
-
 def source_model(head: str, **overrides):
     labels = 2 if head == "ForQuestionAnswering" else 3
-    config = ModernBertConfig(**{**TINY, "num_labels": labels, **overrides})
+    config = TESTER.get_source_config(**{"num_labels": labels, **overrides})
     return getattr(transformers, f"ModernBert{head}")(config).eval()
 
 
@@ -132,7 +109,7 @@ def test_cli_converts_a_hub_id_from_the_cache_and_the_card_names_the_base_model(
     snapshot = repo / "snapshots" / ("a" * 40)
     source = source_model("ForMaskedLM")
     source.save_pretrained(snapshot)
-    tiny_tokenizer(snapshot)
+    TESTER.get_tokenizer().save_pretrained(snapshot)
     (snapshot / "README.md").write_text("---\nlicense: mit\n---\n# tiny ModernBERT\n")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("a" * 40)
@@ -174,7 +151,7 @@ def test_a_modernbert_pkm_folder_is_not_converted_again(tmp_path):
 def modernbert_folder(tmp_path):
     folder = tmp_path / "modernbert"
     source_model("ForMaskedLM", num_labels=2).save_pretrained(folder)  # a pre-trained encoder's config: 2 labels
-    tiny_tokenizer(folder)
+    TESTER.get_tokenizer().save_pretrained(folder)
     return folder
 
 
@@ -257,7 +234,7 @@ def modernbert_pkm_folder(tmp_path):
     config = ModernBertPkmConfig(**TINY, **{**PKM, "pkm_value_init": "normal"}, ngram_layers=[2], ngram_table_size=211,
                                  ngram_dim=4)  # fmt: skip
     ModernBertPkmForMaskedLM(config).save_pretrained(folder)
-    tiny_tokenizer(folder)
+    TESTER.get_tokenizer().save_pretrained(folder)
     return folder
 
 

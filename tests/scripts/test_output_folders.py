@@ -4,17 +4,15 @@ other folder; never, not even with the flag, the model folder it reads or a fold
 directory or a parent of it, the home folder, `/`, nor a file. Each refusal is one usage-error line naming the folder
 and the flag, and leaves everything as it was."""
 
-import collections
 import json
 import os
-import re
 import sys
 
 import pytest
 import torch
 from transformers import BertConfig, BertForMaskedLM, BertTokenizer
 
-from helpers import REPO_ROOT, load_script, tiny_config, usage_error
+from helpers import REPO_ROOT, BertPkmModelTester, load_script, tiny_config, usage_error
 from modeling_pkm_bert import BertPkmForMaskedLM
 from modeling_pkm_bert.utils.output_folders import (
     OutputFolderError,
@@ -29,17 +27,11 @@ TEXT = (REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_validation.txt
 SHORT = ["--max_seq_length", "32"]
 
 
-def tokenizer_of(text: str) -> BertTokenizer:
-    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text.lower()))
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
-    return BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A tiny BertPkm folder and a tiny BERT folder, each with a tokenizer."""
     root = tmp_path_factory.mktemp("models")
-    tokenizer = tokenizer_of(TEXT)
+    tokenizer = BertPkmModelTester().get_tokenizer("validation", 200)  # of TEXT's words
     torch.manual_seed(0)
     BertPkmForMaskedLM(tiny_config(vocab_size=200, pkm_layers=[0, 2])).save_pretrained(root / "pkm")
     bert = BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,

@@ -1,13 +1,12 @@
 """The reproduction study's whole pipeline (stage 0, Table 2 rows, fine-tuning, ablation, report) on a tiny BERT."""
 
-import collections
 import re
 from pathlib import Path
 
 import pytest
-from transformers import BertConfig, BertForMaskedLM, BertTokenizer
+from transformers import BertConfig, BertForMaskedLM
 
-from helpers import REPO_ROOT, load_script
+from helpers import REPO_ROOT, BertPkmModelTester, load_script
 
 
 DATA = REPO_ROOT / "run_scripts" / "data"
@@ -15,10 +14,7 @@ DATA = REPO_ROOT / "run_scripts" / "data"
 
 def tiny_bert(folder: Path) -> None:
     """A 6-layer BERT masked LM (memories go to layers 2 and 4) with a word-level tokenizer of the embedded text."""
-    text = (DATA / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
-    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
-    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(folder)
+    BertPkmModelTester().get_tokenizer("train", 200).save_pretrained(folder)
     config = BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=6, num_attention_heads=4,
                         intermediate_size=37, max_position_embeddings=130)
     BertForMaskedLM(config).save_pretrained(folder)

@@ -2,14 +2,12 @@
 consecutive blocks for TRIME_long, exact resume, 2 CPU processes, a plain BertLMHeadModel, the metrics log and
 `--memory_report`, sparse memory finetuning, clear errors on bad input."""
 
-import collections
 import json
 import os
-import re
 
 import pytest
 import torch
-from helpers import REPO_ROOT, load_script, metrics_records, reset_accelerate_state, tiny_config, torchrun, usage_error
+from helpers import REPO_ROOT, load_script, make_tiny_folder, metrics_records, reset_accelerate_state, tiny_config, torchrun, usage_error
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, BertTokenizer
 
@@ -29,13 +27,7 @@ run_clm = load_script("run_clm")
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny BertPkm config (not yet a decoder: the script makes it one; dropout on) and a word-level tokenizer."""
-    folder = tmp_path_factory.mktemp("tiny")
-    text = (DATA / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
-    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
-    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(folder)
-    tiny_config(vocab_size=200, max_position_embeddings=64, hidden_dropout_prob=0.1).save_pretrained(folder)
-    return str(folder)
+    return make_tiny_folder(tmp_path_factory.mktemp("tiny"))
 
 
 def clm_args(tiny, output_dir, options=""):

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from helpers import REPO_ROOT, load_script, reset_accelerate_state, tiny_config, torchrun, usage_error
+from helpers import REPO_ROOT, BertPkmModelTester, load_script, reset_accelerate_state, tiny_config, torchrun, usage_error
 
 from modeling_pkm_bert import BertPkmForMaskedLM
 from modeling_pkm_bert.methods.sparse_finetuning.arguments import STATISTICS_NAME
@@ -440,18 +440,9 @@ def run_script(module, argv):
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """A tiny BertPkm masked LM (dropout on) with a word-level tokenizer of the embedded text, saved in one folder."""
-    import collections
-    import re
-
-    from transformers import BertTokenizer
-
     folder = tmp_path_factory.mktemp("smf_tiny")
-    text = (SCRIPTS / "data" / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
-    words = collections.Counter(re.findall(r"\w+|[^\w\s]", text))
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in words.most_common(195)]
-    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(folder)
     torch.manual_seed(0)
-    BertPkmForMaskedLM(tiny_config(vocab_size=200, hidden_dropout_prob=0.1)).save_pretrained(folder)
+    BertPkmModelTester(vocab_size=200, hidden_dropout_prob=0.1).save_folder(folder, BertPkmForMaskedLM)
     return folder
 
 
