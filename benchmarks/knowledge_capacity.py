@@ -207,6 +207,15 @@ def people_needed(args) -> int:
     return max(*args.plan["sizes"], *(args.minilm_sizes or minilm_plan(args)["sizes"]))
 
 
+def rate_past_edge(grid: list[float], best: float) -> float | None:
+    """The next rate beyond the edge of the sorted `grid` that `best` sits on (the grid's own ratio, 3 digits), or None
+    where `best` is interior (or the grid a single point)."""
+    if len(grid) < 2 or best not in (grid[0], grid[-1]):
+        return None
+    ratio = grid[1] / grid[0]
+    return float(f"{grid[0] / ratio if best == grid[0] else grid[-1] * ratio:.3g}")
+
+
 def minilm_plan(args) -> dict:
     if args.masking == "values":
         return MINILM_VALUES_QUICK if args.quick else MINILM_VALUES
@@ -502,8 +511,7 @@ class Benchmark:
             if not grow:
                 break
             for name in grow:
-                grid, ratio = grids[name], grids[name][1] / grids[name][0]
-                grids[name] = sorted([*grid, float(f"{grid[0] / ratio:.3g}") if best[name] == grid[0] else float(f"{grid[-1] * ratio:.3g}")])
+                grids[name] = sorted([*grids[name], rate_past_edge(grids[name], best[name])])
                 extensions[name] += 1
         tuning = {"best": best, "grids": grids, "at_edge": edges, "runs": len(points)}
         with self.results.locked() as data:

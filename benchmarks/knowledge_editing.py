@@ -538,7 +538,12 @@ class ValueMaskingCollator:
     exposure, the other tokens at 15%, every masked token shown as [MASK] (`training.masking`)."""
 
     def __init__(self, tokenizer, seed: int):
+        from transformers import DataCollatorWithPadding
+
+        from modeling_pkm_bert.training.masking import PaddingWithUnits
+
         self.tokenizer, self.generator = tokenizer, torch.Generator().manual_seed(seed)
+        self.pad = PaddingWithUnits(DataCollatorWithPadding(tokenizer))  # run_mlm.py's training collator
 
     def encode(self, row: dict) -> dict:
         from modeling_pkm_bert.training.masking import unit_codes
@@ -550,13 +555,12 @@ class ValueMaskingCollator:
         return {**encoding, "mask_units": units}
 
     def __call__(self, features: list[dict]) -> dict:
-        from modeling_pkm_bert.training.masking import UNIT, mask_tokens
+        from modeling_pkm_bert.training.masking import mask_tokens
 
-        batch = self.tokenizer.pad([{k: v for k, v in f.items() if k != "mask_units"} for f in features], return_tensors="pt")
-        length = batch["input_ids"].shape[1]
-        units = torch.tensor([f["mask_units"] + [UNIT] * (length - len(f["mask_units"])) for f in features])
+        batch = self.pad(features)
         batch["input_ids"], batch["labels"] = mask_tokens(
-            batch["input_ids"], batch.pop("special_tokens_mask"), units=units, mask_token_id=self.tokenizer.mask_token_id,
+            batch["input_ids"], batch.pop("special_tokens_mask"), units=batch.pop("mask_units"),
+            mask_token_id=self.tokenizer.mask_token_id,
             vocab_size=len(self.tokenizer), generator=self.generator, mlm_probability=0.15, mask_replace_prob=1.0,
         )  # fmt: skip
         return batch
@@ -993,10 +997,7 @@ class Benchmark:
         if len(grid) < 2 or len(swept) < len(grid):
             return None
         best = best_lr(swept, {arm: b["metrics"] for arm, b in data["bases"].items()}, self.plan["target"])
-        if best not in (grid[0], grid[-1]):
-            return None
-        ratio = grid[1] / grid[0]
-        return float(f"{grid[0] / ratio if best == grid[0] else grid[-1] * ratio:.3g}")
+        return kc.rate_past_edge(grid, best)
 
     def seeds(self):
         data = self.results.read()
