@@ -403,6 +403,22 @@ def tokenize_probes(tokenizer, probes: list[dict]) -> list[tuple[list[int], int,
     return encoded
 
 
+def padded_batches(rows: list[list[int]], pad_id: int, vocab: int, batch_tokens: int):
+    """(indices, ids, attention mask) of `rows` (token ids) in padded batches of similar lengths (less padding), each
+    of at most `batch_tokens` logits (and 512 rows)."""
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    position = 0
+    while position < len(order):
+        chunk = order[position : position + max(1, min(512, batch_tokens // max(1, len(rows[order[position]]) * vocab)))]
+        position += len(chunk)
+        ids = torch.full((len(chunk), max(len(rows[i]) for i in chunk)), pad_id)
+        attention = torch.zeros_like(ids)
+        for row, i in enumerate(chunk):
+            ids[row, : len(rows[i])] = torch.tensor(rows[i])
+            attention[row, : len(rows[i])] = 1
+        yield chunk, ids, attention
+
+
 @torch.no_grad()
 def probe_facts(model, tokenizer, probes: list[dict], batch_tokens: int = 2**22) -> list[tuple[bool, float]]:
     """For each probe: (recalled, cross-entropy of its value in bits). The value's positions are all masked; the value
@@ -412,19 +428,8 @@ def probe_facts(model, tokenizer, probes: list[dict], batch_tokens: int = 2**22)
     encoded = tokenize_probes(tokenizer, probes)
     vocab = model.get_output_embeddings().weight.shape[0]
     results = []
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))  # similar lengths together: less padding
-    position = 0
-    while position < len(order):
-        length = len(encoded[order[min(position + 1, len(order)) - 1]][0])
-        batch_size = max(1, min(512, batch_tokens // max(1, length * vocab)))
-        chunk = order[position : position + batch_size]
-        position += len(chunk)
-        longest = max(len(encoded[i][0]) for i in chunk)
-        ids = torch.full((len(chunk), longest), tokenizer.pad_token_id)
-        attention = torch.zeros_like(ids)
-        for row, i in enumerate(chunk):
-            ids[row, : len(encoded[i][0])] = torch.tensor(encoded[i][0])
-            attention[row, : len(encoded[i][0])] = 1
+    for chunk, ids, attention in padded_batches([e[0] for e in encoded], tokenizer.pad_token_id, vocab, batch_tokens):
+        longest = ids.shape[1]
         starts = torch.tensor([encoded[i][1] for i in chunk])
         lengths = torch.tensor([len(encoded[i][2]) for i in chunk])
         offsets = torch.arange(longest) - starts[:, None]  # position relative to the value's start
@@ -483,18 +488,7 @@ def rank_facts(
             sequences.append((number, length, masked, start))
     scores = [[] for _ in probes]  # per probe: (value indices, scores) of each length
     vocab = model.get_output_embeddings().weight.shape[0]
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][2]))
-    position = 0
-    while position < len(order):
-        longest = len(sequences[order[min(position + 1, len(order)) - 1]][2])
-        chunk = order[position : position + max(1, min(512, batch_tokens // max(1, longest * vocab)))]
-        position += len(chunk)
-        longest = max(len(sequences[i][2]) for i in chunk)
-        ids = torch.full((len(chunk), longest), tokenizer.pad_token_id)
-        attention = torch.zeros_like(ids)
-        for row, i in enumerate(chunk):
-            ids[row, : len(sequences[i][2])] = torch.tensor(sequences[i][2])
-            attention[row, : len(sequences[i][2])] = 1
+    for chunk, ids, attention in padded_batches([s[2] for s in sequences], tokenizer.pad_token_id, vocab, batch_tokens):
         logits = model(input_ids=ids, attention_mask=attention).logits
         for row, i in enumerate(chunk):
             number, length, _, start = sequences[i]
