@@ -407,27 +407,13 @@ def select_product_keys(halves: torch.Tensor, keys: torch.Tensor, knn: int):
 
 def ranked_topk(values: torch.Tensor, knn: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`values.topk(knn, dim=-1)` with equal values ranked by position, the lower first (torch.topk leaves their order
-    unspecified, and it differs between devices and the native selection). Each value's bits are made an int32 of the
-    same order (negative floats with their magnitude bits flipped; -0.0 is 0.0), the position packed below it: one
-    int64 topk. fp64 values take a stable sort; an exported graph takes torch.topk itself (no bit casts in ONNX, whose
-    TopK ranks ties so by definition)."""
+    unspecified, and it differs between devices and the native selection): a stable descending sort, one op where a
+    packed-key topk dispatched about ten. An exported graph takes torch.topk itself (ONNX's TopK ranks ties so by
+    definition)."""
     if is_exporting():
         return values.topk(knn, dim=-1)
-    if values.dtype == torch.float64:
-        ranked, positions = values.sort(dim=-1, descending=True, stable=True)
-        return ranked[..., :knn], positions[..., :knn]
-    bits = (values.float() + 0.0).view(torch.int32)
-    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    lower_first = -1 - torch.arange(values.shape[-1], device=values.device, dtype=torch.int32)  # 2**32 - 1 - position
-    if _LITTLE_ENDIAN:  # the int64 of (low word, high word): one copy, not three int64 operations
-        keys = torch.stack((lower_first.expand_as(bits), bits), dim=-1).view(torch.int64).squeeze(-1)
-    else:
-        keys = bits.to(torch.int64) * 2**32 + (lower_first.to(torch.int64) & 0xFFFFFFFF)
-    _, positions = keys.topk(knn, dim=-1)
-    return values.gather(-1, positions), positions
-
-
-_LITTLE_ENDIAN = torch.ones(1, dtype=torch.int16).view(torch.int8)[0].item() == 1
+    ranked, positions = values.sort(dim=-1, descending=True, stable=True)
+    return ranked[..., :knn], positions[..., :knn]
 
 
 def select_from_scores(scores: torch.Tensor, knn: int):
