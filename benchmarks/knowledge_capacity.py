@@ -148,8 +148,9 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="the suite's version: a tiny base, a few steps")
     parser.add_argument(
         "--stages", nargs="+", default=["sanity", "speed", "sweep", "sizes", "seeds", "templates", "placement", "quantized", "diagnose",
-                 "minilm"],
-        choices=["sanity", "speed", "sweep", "sizes", "seeds", "templates", "placement", "quantized", "diagnose", "minilm"],
+                 "minilm", "minilm_speed"],
+        choices=["sanity", "speed", "sweep", "sizes", "seeds", "templates", "placement", "quantized", "diagnose", "minilm",
+                 "minilm_speed"],
     )  # fmt: skip
     parser.add_argument(
         "--masking", choices=["random", "values"], default="random",
@@ -325,9 +326,17 @@ def time_training_steps(configs: dict, batch, rounds: int = 5, steps: int = 6) -
     models = {}
     for name, config in configs.items():
         torch.manual_seed(0)
-        model = build_model(config).train()
-        models[name] = (model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], 1e-3))
-    times = {name: [] for name in configs}
+        models[name] = build_model(config)
+    return time_models(models, batch, rounds, steps)
+
+
+def time_models(models: dict, batch, rounds: int = 5, steps: int = 6, spread: bool = False) -> dict:
+    """`time_training_steps` of built models: {name: median seconds} (with `spread`: {name: {"q1", "median", "q3",
+    "steps"}})."""
+    torch.set_num_threads(1)
+    models = {name: (model.train(), torch.optim.Adam([p for p in model.parameters() if p.requires_grad], 1e-3))
+              for name, model in models.items()}  # fmt: skip
+    times = {name: [] for name in models}
     for _ in range(rounds):
         for name, (model, optimizer) in models.items():
             for index in range(steps + 1):
@@ -337,6 +346,8 @@ def time_training_steps(configs: dict, batch, rounds: int = 5, steps: int = 6) -
                 optimizer.zero_grad(set_to_none=True)
                 if index:  # the first step of a round warms the caches
                     times[name].append(time.perf_counter() - start)
+    if spread:
+        return {name: dict(zip(("q1", "median", "q3"), statistics.quantiles(t, n=4)), steps=len(t)) for name, t in times.items()}
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -722,6 +733,36 @@ class Benchmark:
         jobs += [job(arm, n, s, **best[arm]) for n in sorted({sweep_size, max(sizes)}, reverse=True)
                  for s in plan["seeds"] if s != 0 for arm in arms]  # fmt: skip
         self.run_all(jobs)
+
+    def minilm_speed(self):
+        """The MiniLM arms' training step (forward, backward, Adam; a batch of the plan's size from the training lines),
+        interleaved round by round in one process on one thread, as the runs train: the step-time ratio of ResM to
+        plain. Kept under "minilm_speed" with the machine's load; earlier timings stay under "earlier"."""
+        from modeling_pkm_bert.hub.conversion import convert_to_pkm
+
+        trimmed = self.out / "data" / "minilm_trimmed"
+        if not (trimmed / "config.json").exists():
+            trim_vocabulary(minilm_path(), self.data / "tokenizer", trimmed)
+        fields = {"minilm_plain": {"pkm_layers": []},
+                  "minilm_resm": {"pkm_layers": MINILM_MEMORY_LAYERS, "pkm_mode": "resm", "pkm_value_init": "zeros",
+                                  "pkm_n_keys": MINILM_N_KEYS}}  # fmt: skip
+        models = {}
+        for arm, pkm in fields.items():
+            torch.manual_seed(0)
+            models[arm] = convert_to_pkm(str(trimmed), "BertPkmForMaskedLM", **pkm)[0]
+        size = min(self.args.minilm_sizes or minilm_plan(self.args)["sizes"])
+        batch = timing_batch(self.tokenizer, self.base(size), self.plan["batch_size"], self.args.training_text)
+        before = os.getloadavg()[0]
+        quick = self.args.quick
+        times = time_models(models, batch, rounds=1 if quick else 7, steps=4 if quick else 8, spread=True)
+        speed = {"seconds": times, "ratio": times["minilm_resm"]["median"] / times["minilm_plain"]["median"],
+                 "machine": machine() | {"load_before": round(before, 2)}, "batch": list(batch["input_ids"].shape)}  # fmt: skip
+        with self.results.locked() as data:
+            earlier = [*data["minilm_speed"].pop("earlier", []), data["minilm_speed"]] if "minilm_speed" in data else []
+            data["minilm_speed"] = speed | ({"earlier": earlier} if earlier else {})
+        print(f"minilm step: plain {times['minilm_plain']['median'] * 1e3:.0f} ms, ResM {times['minilm_resm']['median'] * 1e3:.0f} "
+              f"ms ({speed['ratio']:.2f}x)", flush=True)  # fmt: skip
+        return speed
 
 
 @torch.no_grad()

