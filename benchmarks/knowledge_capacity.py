@@ -916,6 +916,7 @@ def measure_folder(folder: str, kb_path: str, checkpoints: bool, context: str = 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForMaskedLM.from_pretrained(folder)
     result = {"final": measure(model, tokenizer, kb, context), "params": parameter_counts(model), "curve": {}}
+    final_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     if checkpoints:
         for checkpoint in sorted(Path(folder).glob("step_*"), key=lambda p: int(p.name.split("_")[1])):
             state = load_file(checkpoint / "model.safetensors")
@@ -923,7 +924,8 @@ def measure_folder(folder: str, kb_path: str, checkpoints: bool, context: str = 
             if unexpected or any("decoder" not in name and "num_batches" not in name for name in missing):
                 raise RuntimeError(f"{checkpoint}: missing {missing}, unexpected {unexpected}")
             model.tie_weights()
-            metrics = measure(model, tokenizer, kb, context)
+            same = all(torch.equal(tensor, final_state[name]) for name, tensor in model.state_dict().items())
+            metrics = result["final"] if same else measure(model, tokenizer, kb, context)  # the last step is the final model
             result["curve"][checkpoint.name.split("_")[1]] = {s: metrics[s]["bits"] for s in ("train", "heldout")} | {
                 f"{s}_recall": metrics[s]["recall"] for s in ("train", "heldout")
             }

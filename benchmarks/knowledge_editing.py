@@ -161,18 +161,23 @@ METHODS.update({
     "minilm_plain_lora": ("minilm_plain", dict(kind="lora"), [1e-3, 3e-3, 1e-2]),
 })  # fmt: skip
 MEMORY_ARMS = ("resm", "ngram", "ngram_large", "minilm_resm", "minilm_resm_large")  # the A models with a memory SMF ranks
+# One tuning budget: full finetuning of a model with a memory sweeps the values' rate on a grid of its own, as large as
+# its learning rate's, centred on the earlier rule (the values at 5x the network's rate) and grown past an edge alike
+for _method, (_arm, _how, _grid) in METHODS.items():
+    if _how["kind"] == "full" and _arm in MEMORY_ARMS:
+        _how["memory_lrs"] = [float(f"{5 * lr:.3g}") for lr in _grid]
 EDIT_ARMS = {"ngram_large": {"ngram_layers": [1], "ngram_table_size": 65536, "ngram_heads": 1, "ngram_dim": 32}}
 PROBE_METHODS = [m for m in METHODS if METHODS[m][0] in EDIT_ARMS]
 MINILM_METHODS = [m for m in METHODS if METHODS[m][0] in PRETRAINED_ARMS]
 FULL = dict(  # the committed plan
     people=24, edit_share=0.5, new_people=6, per_fact=8, wiki_train=800, wiki_heldout=200, a_steps=3000, a_lr=2e-3,
     a_memory_lr=1e-2, b_steps=400, checkpoints=16, batch_size=32, seeds=[0, 1, 2], target=0.9, background_documents=200,
-    lora_rank=16,
+    lora_rank=16, a_rates={},  # a_rates: an A model's own rates ({arm: {"lr", "memory_lr"}}), e.g. a capacity sweep's choice
 )
 QUICK = dict(
     people=6, edit_share=0.5, new_people=2, per_fact=2, wiki_train=24, wiki_heldout=16, a_steps=16, a_lr=3e-3,
     a_memory_lr=1e-2, b_steps=6, checkpoints=3, batch_size=8, seeds=[0], target=0.9, background_documents=4,
-    lora_rank=4,
+    lora_rank=4, a_rates={},
 )
 
 # `--minilm`: a pretrained encoder learns A in fewer steps, at the rate its knowledge-capacity sweep found best for both;
@@ -648,14 +653,24 @@ def curve_of(run: dict, base: dict) -> list[dict]:
     return [{**p, "a_drop": 100 * (base["a"] - p["a"]), "ppl_change": 100 * (p["ppl"] / base["ppl"] - 1)} for p in points]
 
 
-def best_lr(runs: list[dict], bases: dict, target: float) -> float:
-    """The learning rate that reaches `target` with the least loss of A (if none reaches it: the most B)."""
+def best_run(runs: list[dict], bases: dict, target: float) -> dict:
+    """The run that reaches `target` with the least loss of A (if none reaches it: the most B)."""
 
     def score(run):
         at = matched(curve_of(run, bases[run["base"]]), target)
         return (1, -at["a_drop"]) if at else (0, run["final"]["b"])
 
-    return max(runs, key=score)["lr"]
+    return max(runs, key=score)
+
+
+def best_lr(runs: list[dict], bases: dict, target: float) -> float:
+    """The learning rate of `best_run`."""
+    return best_run(runs, bases, target)["lr"]
+
+
+def run_rates(run: dict) -> dict:
+    """A run's swept rates: {"lr"} and, where the values had a rate of their own, {"memory_lr"}."""
+    return {"lr": run["lr"], **({"memory_lr": run["memory_lr"]} if "memory_lr" in run else {})}
 
 
 def ngram_row_sharing(model_dir: Path, data: Path) -> dict:
@@ -781,7 +796,8 @@ class Benchmark:
     def train_base(self, arm: str, vocab_size: int) -> dict:
         folder = self.base_folder(arm).parent
         plan = self.plan
-        command = self.mlm_command(self.base_folder(arm), self.data / "a_train.txt", plan["a_lr"], plan["a_memory_lr"], plan["a_steps"], 0)
+        rates = {"lr": plan["a_lr"], "memory_lr": plan["a_memory_lr"], **plan.get("a_rates", {}).get(arm, {})}
+        command = self.mlm_command(self.base_folder(arm), self.data / "a_train.txt", rates["lr"], rates["memory_lr"], plan["a_steps"], 0)
         config_file = folder / "config" / "config.json"
         if arm in PRETRAINED_ARMS:
             command += ["--model_name_or_path", str(self.pretrained_source()), *PRETRAINED_ARMS[arm]]
@@ -859,8 +875,9 @@ class Benchmark:
         return path
 
     # stages 2 and 3: B
-    def run(self, method: str, lr: float, seed: int) -> dict:
-        key = f"{method}/lr{lr:g}/seed{seed}"
+    def run(self, method: str, lr: float, seed: int, memory_lr: float | None = None) -> dict:
+        """One B run; `memory_lr`: the values' own rate (else full finetuning's earlier rule, 5x `lr`)."""
+        key = f"{method}/lr{lr:g}" + (f"/mlr{memory_lr:g}" if memory_lr is not None else "") + f"/seed{seed}"
         done = self.results.read()["runs"].get(key)
         if done is not None:
             return done
@@ -878,8 +895,8 @@ class Benchmark:
                             masking=self.args.masking)  # fmt: skip
             command = [sys.executable, __file__, "--train_lora", str(base_dir), "--lora_args", json.dumps(settings)]
         else:
-            memory_lr = 5 * lr if how["kind"] == "full" else lr
-            command = self.mlm_command(model_dir, self.data / "b_train.txt", lr, memory_lr, steps, seed)
+            values_lr = memory_lr if memory_lr is not None else 5 * lr if how["kind"] == "full" else lr
+            command = self.mlm_command(model_dir, self.data / "b_train.txt", lr, values_lr, steps, seed)
             command += ["--model_name_or_path", str(base_dir), "--checkpointing_steps", str(every)]
             if how["kind"] == "smf":
                 command += ["--sparse_memory_finetuning", "--smf_ranker", how["ranker"], "--smf_top_t", str(how["top_t"])]
@@ -898,6 +915,8 @@ class Benchmark:
             shutil.rmtree(checkpoint)
         result.update(method=method, base=arm, lr=lr, seed=seed, steps=steps, train_seconds=round(seconds, 1),
                       load=round(os.getloadavg()[0], 2), command=portable(command[1:]))  # fmt: skip
+        if memory_lr is not None:
+            result["memory_lr"] = memory_lr
         with self.results.locked() as data:
             data["runs"][key] = result
         final = result["final"]
@@ -905,7 +924,7 @@ class Benchmark:
               f"({seconds:.0f} s)", flush=True)  # fmt: skip
         return result
 
-    def run_all(self, jobs: list[tuple[str, float, int]]) -> None:
+    def run_all(self, jobs: list[tuple]) -> None:
         with concurrent.futures.ThreadPoolExecutor(self.args.workers) as pool:
             list(pool.map(lambda job: self.run(*job), jobs))
 
@@ -968,46 +987,84 @@ class Benchmark:
                               for i in kc.MINILM_MEMORY_LAYERS}  # fmt: skip
         return found
 
-    def sweep(self):
-        seed = self.plan["seeds"][0]
-        self.run_all([(m, lr, seed) for lr_index in range(3) for m in self.args.methods
-                      for lr in self.learning_rates(m)[lr_index : lr_index + 1]])  # fmt: skip
-        # One tuning budget for every method: a best rate at an edge of its grid grows that grid one step (its ratio),
-        # up to kc.MAX_GRID_EXTENSIONS, so no method is compared at a rate its grid cut short.
-        grids = {m: sorted(self.learning_rates(m)) for m in self.args.methods}
-        for _ in range(kc.MAX_GRID_EXTENSIONS):
-            grow = [(m, rate) for m, grid in grids.items() if (rate := self.next_rate(m, grid, seed)) is not None]
-            if not grow:
-                break
-            for method, rate in grow:
-                grids[method] = sorted([*grids[method], rate])
-            self.run_all([(method, rate, seed) for method, rate in grow])
-        with self.results.locked() as data:
-            for method, grid in grids.items():
-                swept = [r for r in data["runs"].values() if r["method"] == method and r["seed"] == seed and r["lr"] in grid]
-                if len(swept) == len(grid):
-                    best = best_lr(swept, {arm: b["metrics"] for arm, b in data["bases"].items()}, self.plan["target"])
-                    edge = len(grid) > 1 and best in (grid[0], grid[-1])
-                    data.setdefault("tuning", {})[method] = {"grid": grid, "best": best, "at_edge": edge}
+    def grids(self, method: str) -> dict[str, list[float]]:
+        """The rates `method` sweeps: its learning rate's grid, and the values' own where it has one (not with
+        --learning_rates, which sets the one grid swept)."""
+        how = METHODS[method][1]
+        grids = {"lr": sorted(self.learning_rates(method))}
+        if "memory_lrs" in how and not self.args.learning_rates:
+            grids["memory_lr"] = sorted(how["memory_lrs"] if not self.args.quick else how["memory_lrs"][1:2])
+        return grids
 
-    def next_rate(self, method: str, grid: list[float], seed: int) -> float | None:
-        """The rate beyond the edge of `grid` where `method`'s best sits, or None (interior, or not all swept)."""
-        data = self.results.read()
-        swept = [r for r in data["runs"].values() if r["method"] == method and r["seed"] == seed and r["lr"] in grid]
-        if len(grid) < 2 or len(swept) < len(grid):
-            return None
-        best = best_lr(swept, {arm: b["metrics"] for arm, b in data["bases"].items()}, self.plan["target"])
-        return kc.rate_past_edge(grid, best)
+    def sweep(self):
+        """One tuning budget for every method: each of its rates swept on its grid at the first seed, one rate at a
+        time (the others at their best so far; first, their grid's middle), the methods side by side; a best rate at
+        an edge of its grid grows that grid one step (its ratio), up to kc.MAX_GRID_EXTENSIONS, so no method is
+        compared at a rate its grid cut short. The choice (`best_run`) is recorded under "tuning"."""
+        seed = self.plan["seeds"][0]
+        state = {}
+        for method in self.args.methods:
+            grids = self.grids(method)
+            state[method] = dict(grids=grids, names=list(grids), coordinate=0, extensions=dict.fromkeys(grids, 0),
+                                 best={name: grid[len(grid) // 2] for name, grid in grids.items()})  # fmt: skip
+
+        def points(entry):
+            name = entry["names"][entry["coordinate"]]
+            return [{**entry["best"], name: rate} for rate in entry["grids"][name]]
+
+        def job(method, point):
+            memory_lr = point.get("memory_lr")
+            return (method, point["lr"], seed) + ((memory_lr,) if memory_lr is not None else ())
+
+        while active := [m for m, entry in state.items() if entry["coordinate"] < len(entry["names"])]:
+            round_jobs = {m: [job(m, point) for point in points(state[m])] for m in active}
+            self.run_all([j for m in active for j in round_jobs[m]])
+            data = self.results.read()
+            bases = {arm: b["metrics"] for arm, b in data["bases"].items()}
+            for method in active:
+                entry = state[method]
+                name = entry["names"][entry["coordinate"]]
+                swept = [self.swept_run(data, *j) for j in round_jobs[method]]
+                if not all(swept):  # a run missing from the results: no choice is recorded for this method
+                    entry["coordinate"], entry["missing"] = len(entry["names"]), True
+                    continue
+                entry["best"] = run_rates(best_run(swept, bases, self.plan["target"]))
+                grid, rate = entry["grids"][name], kc.rate_past_edge(entry["grids"][name], entry["best"][name])
+                if rate is not None and entry["extensions"][name] < kc.MAX_GRID_EXTENSIONS:
+                    entry["grids"][name] = sorted([*grid, rate])
+                    entry["extensions"][name] += 1
+                else:
+                    entry["coordinate"] += 1
+        with self.results.locked() as data:
+            for method, entry in state.items():
+                if entry.get("missing"):
+                    continue
+                grids, best = entry["grids"], entry["best"]
+                edge = {name: len(grid) > 1 and best[name] in (grid[0], grid[-1]) for name, grid in grids.items()}
+                tuning = {"grid": grids["lr"], "best": best["lr"], "at_edge": edge["lr"]}
+                if "memory_lr" in grids:
+                    tuning |= {"memory_grid": grids["memory_lr"], "memory_best": best["memory_lr"], "memory_at_edge": edge["memory_lr"]}
+                data.setdefault("tuning", {})[method] = tuning
+
+    @staticmethod
+    def swept_run(data: dict, method: str, lr: float, seed: int, memory_lr: float | None = None) -> dict | None:
+        key = f"{method}/lr{lr:g}" + (f"/mlr{memory_lr:g}" if memory_lr is not None else "") + f"/seed{seed}"
+        return data["runs"].get(key)
 
     def seeds(self):
         data = self.results.read()
         bases = {arm: b["metrics"] for arm, b in data.get("bases", {}).items()}
         jobs = []
-        for method in self.args.methods:  # at the best of every rate swept, the grown grid's included
+        for method in self.args.methods:  # at the best rates swept (the grown grids' included)
             swept = [r for r in data["runs"].values() if r["method"] == method and r["seed"] == self.plan["seeds"][0]]
-            if swept:
-                rates = self.args.seed_learning_rates or [best_lr(swept, bases, self.plan["target"])]
-                jobs += [(method, lr, seed) for lr in rates for seed in self.plan["seeds"][1:]]
+            if not swept:
+                continue
+            if self.args.seed_learning_rates:
+                points = [{"lr": lr} for lr in self.args.seed_learning_rates]
+            else:
+                points = [run_rates(best_run(swept, bases, self.plan["target"]))]
+            jobs += [(method, point["lr"], seed, *([point["memory_lr"]] if "memory_lr" in point else []))
+                     for point in points for seed in self.plan["seeds"][1:]]  # fmt: skip
         self.run_all(jobs)
 
 

@@ -35,10 +35,11 @@ def summary(data: dict, target: float) -> dict:
         if not runs:
             continue
         first_seed = min(r["seed"] for r in runs)
-        lr = ke.best_lr([r for r in runs if r["seed"] == first_seed], bases, target)
-        chosen = sorted((r for r in runs if r["lr"] == lr), key=lambda r: r["seed"])
+        rates = ke.run_rates(ke.best_run([r for r in runs if r["seed"] == first_seed], bases, target))
+        chosen = sorted((r for r in runs if ke.run_rates(r) == rates), key=lambda r: r["seed"])
         curves = [ke.curve_of(r, bases[r["base"]]) for r in chosen]
-        rows[method] = {"lr": lr, "runs": chosen, "curves": curves, "at": [ke.matched(c, target) for c in curves]}
+        rows[method] = {"lr": rates["lr"], "rates": rates, "runs": chosen, "curves": curves,
+                        "at": [ke.matched(c, target) for c in curves]}  # fmt: skip
     return rows
 
 
@@ -110,18 +111,22 @@ def tuning_lines(data: dict, target: float) -> list[str]:
             best = ke.best_lr(swept, bases, target)
             entry = {"grid": grid, "best": best, "at_edge": best in (grid[0], grid[-1])}
         cells = ", ".join(f"**{lr:g}**" if lr == entry["best"] else f"{lr:g}" for lr in entry["grid"])
+        values = ", ".join(f"**{lr:g}**" if lr == entry["memory_best"] else f"{lr:g}" for lr in entry["memory_grid"]) if "memory_grid" in entry else "—"
         seeded = sorted({r["lr"] for r in data["runs"].values() if r["method"] == method and r["seed"] != seed})
         edges = [lr for lr in seeded if lr in (entry["grid"][0], entry["grid"][-1])]
         flag = "⚠ " + ", ".join(f"{lr:g}" for lr in edges) if edges else ("⚠ the best" if entry["at_edge"] else "no")
-        rows.append(f"| {method} | {cells} | {', '.join(f'{lr:g}' for lr in seeded) or '—'} | {flag} |")
+        if entry.get("memory_at_edge"):
+            flag = ("" if flag == "no" else flag + "; ") + "⚠ the values' best"
+        rows.append(f"| {method} | {cells} | {values} | {', '.join(f'{lr:g}' for lr in seeded) or '—'} | {flag} |")
     if not rows:
         return []
     return ["## Tuning", "",
             f"Each method's rates swept at the first seed, **bold** the best at {target:.0%} of B (`best_lr`: the least "
             "loss of A where B is reached, else the most B), and the rates its other seeds ran (`--seed_learning_rates` "
             "picks those of a lower bar); ⚠ a rate that sits at an edge of the grid: the method may be under-tuned there. "
-            "The sweep now grows a grid whose best sits at an edge, one step at a time (up to three).", "",
-            "| method | rates swept | seeds ran | at an edge |", "|---|---|---|---|", *rows, ""]  # fmt: skip
+            "The sweep now grows a grid whose best sits at an edge, one step at a time (up to three); full finetuning of "
+            "a model with a memory sweeps the values' rate on a grid of its own (earlier runs: 5x the network's rate).", "",
+            "| method | rates swept | values' rates swept | seeds ran | at an edge |", "|---|---|---|---|---|", *rows, ""]  # fmt: skip
 
 
 def write_report(args, data: dict) -> None:

@@ -352,3 +352,33 @@ def test_minilm_speed_times_both_arms_interleaved_and_keeps_earlier_timings(tmp_
     bench.minilm_speed()
     kept = bench.results.read()["minilm_speed"]
     assert kept["earlier"] == [first]  # a second timing keeps the first
+
+
+def test_a_checkpoint_equal_to_the_final_model_is_not_measured_twice(tmp_path, monkeypatch):
+    """The last step's checkpoint is the final model: its curve point is the final measure, not a second pass; an
+    earlier checkpoint (other weights) is measured."""
+    from safetensors.torch import save_file
+
+    from helpers import BertPkmModelTester
+    from modeling_pkm_bert import BertPkmForMaskedLM
+
+    torch.manual_seed(0)
+    folder = Path(BertPkmModelTester().save_folder(tmp_path / "model", BertPkmForMaskedLM))
+    model = BertPkmForMaskedLM.from_pretrained(folder)
+    final = {k: v.contiguous() for k, v in model.state_dict().items() if "decoder" not in k}
+    for step, state in (("8", final), ("4", {k: v + 0.01 for k, v in final.items()})):
+        (folder / f"step_{step}").mkdir()
+        save_file(state, str(folder / f"step_{step}" / "model.safetensors"))
+    kb_file = tmp_path / "kb.json"
+    kbase.write_knowledge_base(kbase.generate_knowledge_base(2, 0), kb_file)
+    measured = []
+
+    def measure(model, tokenizer, kb, context):
+        measured.append(model.bert.embeddings.word_embeddings.weight[0, 0].item())
+        return {s: {"bits": float(len(measured)), "recall": 0.0} for s in ("train", "heldout")}
+
+    monkeypatch.setattr(kc, "measure", measure)
+    monkeypatch.setattr(kc, "parameter_counts", lambda model: {})
+    result = kc.measure_folder(str(folder), str(kb_file), checkpoints=True)
+    assert len(measured) == 2 and measured[1] == pytest.approx(measured[0] + 0.01)  # the final, then step 4 alone
+    assert result["curve"]["8"]["train"] == result["final"]["train"]["bits"] == 1.0 and result["curve"]["4"]["train"] == 2.0

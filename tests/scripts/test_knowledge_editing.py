@@ -357,12 +357,14 @@ def test_the_sweep_grows_a_grid_whose_best_sits_at_an_edge(tmp_path, monkeypatch
         data["bases"] = {"resm": {"metrics": base}}
     best = {"full": 1e-5, "values": 3e-2}  # full's best lies two steps below its grid [3e-4, 1e-3, 3e-3]
 
-    def run(method, lr, seed):  # reaches B everywhere; A is lost the more, the farther lr is from the method's best
+    def run(method, lr, seed, memory_lr=None):  # reaches B everywhere; A is lost the more, the farther lr is from the best
         drop = abs(math.log10(lr / best[method]))
         point = {"a": base["a"] - drop / 100, "b": 1.0, "ppl": 10.0}
+        rates = {"memory_lr": memory_lr} if memory_lr is not None else {}
+        key = f"{method}/lr{lr:g}" + (f"/mlr{memory_lr:g}" if memory_lr is not None else "") + f"/seed{seed}"
         with bench.results.locked() as data:
-            data["runs"][f"{method}/lr{lr:g}/seed{seed}"] = dict(method=method, base="resm", lr=lr, seed=seed, steps=10,
-                                                                 curve={"10": point}, final=point)  # fmt: skip
+            data["runs"][key] = dict(method=method, base="resm", lr=lr, seed=seed, steps=10, curve={"10": point},
+                                     final=point, **rates)  # fmt: skip
 
     monkeypatch.setattr(bench, "run", run)
     bench.sweep()
@@ -371,3 +373,34 @@ def test_the_sweep_grows_a_grid_whose_best_sits_at_an_edge(tmp_path, monkeypatch
     assert tuning["full"]["grid"] == pytest.approx([8.1e-6, 2.7e-5, 9e-5, 3e-4, 1e-3, 3e-3], rel=0.01)
     assert tuning["full"]["best"] == pytest.approx(8.1e-6, rel=0.01) and tuning["full"]["at_edge"]
     assert tuning["values"] == {"grid": [1e-2, 3e-2, 1e-1], "best": 3e-2, "at_edge": False}
+
+
+def test_full_finetuning_sweeps_the_values_rate_on_its_own_grid(tmp_path, monkeypatch):
+    """Full finetuning of a model with a memory: the network's rate, then the values' own rate at the best of it (a grid
+    of the same size, centred on the earlier 5x rule), each grown past an edge; the seeds run at both chosen rates."""
+    args = ke.parse_args(["--output_dir", str(tmp_path), "--results", str(tmp_path / "r.json"), "--methods", "full"])
+    bench = ke.Benchmark(args)
+    assert bench.grids("full") == {"lr": [3e-4, 1e-3, 3e-3], "memory_lr": [1.5e-3, 5e-3, 1.5e-2]}
+    base = {"a": 0.9, "b": 0.0, "ppl": 10.0}
+    with bench.results.locked() as data:
+        data["bases"] = {"resm": {"metrics": base}}
+    ran = []
+
+    def run(method, lr, seed, memory_lr=None):  # the least A lost at lr 1e-3 and the values at 5e-2
+        ran.append((lr, memory_lr, seed))
+        drop = abs(math.log10(lr / 1e-3)) + abs(math.log10(memory_lr / 5e-2))
+        point = {"a": base["a"] - drop / 100, "b": 1.0, "ppl": 10.0}
+        with bench.results.locked() as data:
+            data["runs"][f"{method}/lr{lr:g}/mlr{memory_lr:g}/seed{seed}"] = dict(
+                method=method, base="resm", lr=lr, memory_lr=memory_lr, seed=seed, steps=10, curve={"10": point}, final=point)
+
+    monkeypatch.setattr(bench, "run", run)
+    bench.sweep()
+    tuning = bench.results.read()["tuning"]["full"]
+    assert tuning["best"] == 1e-3 and not tuning["at_edge"]
+    assert tuning["memory_grid"] == pytest.approx([1.5e-3, 5e-3, 1.5e-2, 5e-2, 0.167]) and not tuning["memory_at_edge"]
+    assert tuning["memory_best"] == pytest.approx(5e-2)
+    assert ran[:3] == [(lr, 5e-3, 0) for lr in (3e-4, 1e-3, 3e-3)]  # the values at their grid's middle first
+    ran.clear()
+    bench.seeds()
+    assert sorted(ran) == [(1e-3, pytest.approx(5e-2), seed) for seed in (1, 2)]
