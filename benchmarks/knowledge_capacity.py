@@ -728,10 +728,12 @@ class Benchmark:
 
         with concurrent.futures.ThreadPoolExecutor(len(arms)) as pool:  # the arms side by side, `self.slots` at once
             best = dict(zip(arms, pool.map(tune, arms)))
-        jobs = [job(arm, n, 0, **best[arm]) for n in sorted(sizes) if n != sweep_size for arm in arms]
-        # more seeds at the sweep's size and at the largest
-        jobs += [job(arm, n, s, **best[arm]) for n in sorted({sweep_size, max(sizes)}, reverse=True)
-                 for s in plan["seeds"] if s != 0 for arm in arms]  # fmt: skip
+        # more seeds at the sweep's size first (a stopped plan has its spread there), then the other sizes, then more
+        # seeds at the largest
+        jobs = [job(arm, sweep_size, s, **best[arm]) for s in plan["seeds"] if s != 0 for arm in arms]
+        jobs += [job(arm, n, 0, **best[arm]) for n in sorted(sizes) if n != sweep_size for arm in arms]
+        jobs += [job(arm, max(sizes), s, **best[arm]) for s in plan["seeds"] if s != 0 and max(sizes) != sweep_size
+                 for arm in arms]  # fmt: skip
         self.run_all(jobs)
 
     def minilm_speed(self):
