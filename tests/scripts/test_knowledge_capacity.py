@@ -382,3 +382,24 @@ def test_a_checkpoint_equal_to_the_final_model_is_not_measured_twice(tmp_path, m
     result = kc.measure_folder(str(folder), str(kb_file), checkpoints=True)
     assert len(measured) == 2 and measured[1] == pytest.approx(measured[0] + 0.01)  # the final, then step 4 alone
     assert result["curve"]["8"]["train"] == result["final"]["train"]["bits"] == 1.0 and result["curve"]["4"]["train"] == 2.0
+
+
+def test_measure_people_measures_a_fixed_sample_of_the_base(tmp_path, monkeypatch):
+    """`--measure_people N`: every measure of the folder reads the first N people's facts (the same sample for every run
+    and checkpoint); a sample of 0 is a one-line error."""
+    from helpers import BertPkmModelTester
+    from modeling_pkm_bert import BertPkmForMaskedLM
+
+    torch.manual_seed(0)
+    folder = BertPkmModelTester().save_folder(tmp_path / "model", BertPkmForMaskedLM)
+    kb_file = tmp_path / "kb.json"
+    kb = kbase.generate_knowledge_base(5, 0)
+    kbase.write_knowledge_base(kb, kb_file)
+    seen = []
+    monkeypatch.setattr(kc, "measure", lambda model, tokenizer, kb, context: seen.append(kb["people"]) or {})
+    monkeypatch.setattr(kc, "parameter_counts", lambda model: {})
+    kc.measure_folder(folder, str(kb_file), checkpoints=False, people=2)
+    assert seen == [kb["people"][:2]]
+    completed = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "knowledge_capacity.py"), "--measure", folder,
+                                "--kb", str(kb_file), "--measure_people", "0"], capture_output=True, text=True)  # fmt: skip
+    assert completed.returncode == 2 and "--measure_people must be at least 1" in completed.stderr
