@@ -7,6 +7,7 @@ from pathlib import Path
 
 
 HERE_NOTES = Path(__file__).resolve().parent / "knowledge_capacity_notes.md"  # the findings, written by hand
+VALUES_RESULTS = Path(__file__).resolve().parent / "knowledge_capacity_values.json"  # `--masking values`'s committed runs
 
 
 def _mean_spread(values: list[float]) -> str:
@@ -171,6 +172,18 @@ def write_report(args, data: dict) -> None:
     plan = args.plan
     report = Path(args.report)
     lines = ["# Knowledge capacity: what the memory is worth", ""]
+    if getattr(args, "masking", "random") == "values":  # a value-masking plan's own report: its section alone
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text("\n".join(lines + values_lines(data, LABELS, report.parent)), encoding="utf-8")
+        print(f"wrote {report}")
+        return
+    if VALUES_RESULTS.exists():  # the current regime first; the random-masking runs below are its history
+        import json
+
+        lines += values_lines(json.loads(VALUES_RESULTS.read_text(encoding="utf-8")), LABELS, report.parent)
+        lines += ["## History: the earlier runs, 15% random masking", "",
+                  "A fact's value was supervised in about one exposure of seven: the rows below measure little storage "
+                  "(see the value-masking section above for the regime that decides).", ""]  # fmt: skip
     lines += [
         "Facts stored per parameter and per unit of compute (`benchmarks/knowledge_capacity.py`): a synthetic knowledge "
         "base of people with five attributes of exactly known information (40.3 bits a person), written as "
@@ -372,3 +385,179 @@ def write_report(args, data: dict) -> None:
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text("\n".join(lines), encoding="utf-8")
     print(f"wrote {report}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Value masking, the pretrained regime (`--masking values --stages minilm minilm_speed`): its own JSON, its own section
+
+VALUES_ARMS = ("minilm_plain", "minilm_resm")
+
+
+def _paired_ratio(resm: dict, plain: dict, key) -> str:
+    """ResM / plain of `key(run)`, seed by seed (the same data order and masks): mean (min-max)."""
+    ratios = [key(resm[s]) / key(plain[s]) for s in sorted(set(resm) & set(plain)) if key(plain[s])]
+    if not ratios:
+        return "—"
+    mean = statistics.fmean(ratios)
+    return f"{mean:.2f}x" if len(ratios) == 1 else f"{mean:.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def _cell(runs: list[dict], key, digits: int = 2) -> str:
+    values = [key(r) for r in runs]
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return f"{values[0]:,.{digits}f}"
+    return f"{statistics.fmean(values):,.{digits}f} ± {statistics.stdev(values):,.{digits}f}"
+
+
+def values_chosen(data: dict) -> dict:
+    """{arm: {size: {seed: run}}} of the value-masking MiniLM runs at each arm's tuned rates."""
+    best = minilm_best_rates(data, [r for r in data["runs"].values() if r["arm"] in VALUES_ARMS])
+    chosen = {arm: {} for arm in VALUES_ARMS}
+    for run in data["runs"].values():
+        if run["arm"] in VALUES_ARMS and run["arm"] in best and at_rates(run, best[run["arm"]]):
+            chosen[run["arm"]].setdefault(run["size"], {})[run["seed"]] = run
+    return chosen
+
+
+def values_verdict(data: dict) -> list[str]:
+    """The goal, decided per size: ResM >= 2x plain's bits at equal steps (training template, every seed's pair), step
+    time <= 1.3x (the interleaved timing), where plain recalls under half, >= 500 people, held-out no worse, 3 seeds."""
+    chosen, speed = values_chosen(data), data.get("minilm_speed")
+    lines = []
+    for size in sorted(set(chosen["minilm_plain"]) & set(chosen["minilm_resm"])):
+        plain, resm = chosen["minilm_plain"][size], chosen["minilm_resm"][size]
+        seeds = sorted(set(plain) & set(resm))
+        bits = lambda r, s="train": r["final"][s]["bits"]  # noqa: E731
+        ratios = [bits(resm[s]) / bits(plain[s]) for s in seeds if bits(plain[s])]
+        plain_recall = statistics.fmean(plain[s]["final"]["train"]["recall"] for s in seeds)
+        held = [bits(resm[s], "heldout") >= bits(plain[s], "heldout") for s in seeds]
+        checks = {
+            ">= 500 people": size >= 500,
+            "3 seeds": len(seeds) >= 3,
+            f"plain recalls under half ({plain_recall:.2f})": plain_recall < 0.5,
+            f"ResM >= 2x plain's bits in every seed ({', '.join(f'{r:.2f}x' for r in ratios)})": bool(ratios) and min(ratios) >= 2,
+            f"step time <= 1.3x ({speed['ratio']:.2f}x)" if speed else "step time <= 1.3x (not timed)": bool(speed) and speed["ratio"] <= 1.3,
+            "held-out no worse in every seed": bool(held) and all(held),
+        }  # fmt: skip
+        met = all(checks.values())
+        lines.append(f"- {size} people: **{'met' if met else 'not met'}**: "
+                     + "; ".join(f"{'✓' if ok else '✗'} {name}" for name, ok in checks.items()) + ".")  # fmt: skip
+    return lines
+
+
+def values_lines(data: dict, labels: dict, folder: Path | None = None) -> list[str]:
+    """The section of the value-masking pretrained regime: setup, tuning, results by size, curves, step time, verdict."""
+    runs = [r for r in data["runs"].values() if r["arm"] in VALUES_ARMS and r.get("masking") == "values"]
+    if not runs:
+        return []
+    steps = sorted({r["steps"] for r in runs})
+    sizes = sorted({r["size"] for r in runs})
+    batch = data.get("minilm_speed", {}).get("batch", [32])[0]
+    sample = sorted({r.get("measured_people") for r in runs} - {None})
+    exposures = ", ".join(f"{s * batch / (n * 5):.1f} times at {n:,} people" for n in sizes for s in steps[-1:])
+    lines = [
+        "## Value masking: the pretrained regime (all-MiniLM-L6-v2 +Init, plain against ResM)", "",
+        "Every value is masked (shown as [MASK]) in every exposure, the other tokens at 15% (`run_mlm.py --span_column`), "
+        f"a fact a line: {'/'.join(map(str, steps))} steps of {batch} lines supervise each fact about {exposures}. "
+        "ResM: memories at layers 2 and 4 (128² slots, values from zero, their own Adam). Recall: greedy (every value "
+        "token predicted) and ranked (the true value scores first among all the attribute's values, each with its own "
+        "number of masks: blind to the answer's length); bits = log2 |values| summed over recalled facts (greedy). "
+        + (f"Measured on the first {', '.join(map(str, sample))} people of every base (the same facts for every run and "
+           "checkpoint)." if sample else ""), "",
+        "```",
+        "python benchmarks/knowledge_capacity.py --masking values --stages minilm minilm_speed "
+        "--results benchmarks/knowledge_capacity_values.json",
+        "```", "",
+    ]  # fmt: skip
+    lines += tuning_lines({"runs": {k: r for k, r in data["runs"].items() if r["arm"] in VALUES_ARMS},
+                           "tuning": data.get("tuning", {})}, labels)[2:]  # fmt: skip
+    chosen = values_chosen(data)
+    lines += ["Each arm at its tuned rates; mean ± standard deviation over seeds; ResM / plain seed by seed, mean (min-max):", "",
+              "| people | arm | seeds | recall train / held-out | ranked recall train / held-out | bits train (sample) | bits held-out (sample) |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for size in sizes:
+        for arm in VALUES_ARMS:
+            found = list(chosen[arm].get(size, {}).values())
+            if not found:
+                continue
+            lines.append(
+                f"| {size:,} | {labels[arm]} | {len(found)} | {_cell(found, lambda r: r['final']['train']['recall'])} / "
+                f"{_cell(found, lambda r: r['final']['heldout']['recall'])} | "
+                f"{_cell(found, lambda r: r['final']['train'].get('ranked_recall', float('nan')))} / "
+                f"{_cell(found, lambda r: r['final']['heldout'].get('ranked_recall', float('nan')))} | "
+                f"{_cell(found, lambda r: r['final']['train']['bits'], 0)} | {_cell(found, lambda r: r['final']['heldout']['bits'], 0)} |"
+            )  # fmt: skip
+        plain, resm = chosen["minilm_plain"].get(size, {}), chosen["minilm_resm"].get(size, {})
+        if plain and resm:
+            lines.append(f"| {size:,} | ResM / plain | {len(set(plain) & set(resm))} | | | "
+                         f"{_paired_ratio(resm, plain, lambda r: r['final']['train']['bits'])} | "
+                         f"{_paired_ratio(resm, plain, lambda r: r['final']['heldout']['bits'])} |")  # fmt: skip
+    lines.append("")
+    speed = data.get("minilm_speed")
+    if speed:
+        s = speed["seconds"]
+        lines += ["Training step (forward, backward, Adam; one thread; the two arms interleaved round by round in one process, "
+                  f"{s['minilm_plain']['steps']} steps each; batch {speed['batch'][0]} x {speed['batch'][1]} tokens; "
+                  f"{speed['machine']['cpu']}, {speed['machine']['cores']} cores, load {speed['machine'].get('load_before', '?')} "
+                  f"before, {speed['machine']['load']} after):", "",
+                  "| arm | median ms (quartiles) |", "|---|---|",
+                  *[f"| {labels[a]} | {s[a]['median'] * 1e3:.0f} ({s[a]['q1'] * 1e3:.0f}-{s[a]['q3'] * 1e3:.0f}) |" for a in VALUES_ARMS],
+                  f"| ResM / plain | {speed['ratio']:.2f}x |", ""]  # fmt: skip
+    lines += ["### Verdict", "",
+              "The goal: ResM-MiniLM >= 2x plain MiniLM's bits at equal steps and <= 1.3x its step time, where plain recalls "
+              "under half of the facts, at >= 500 people, held-out no worse, 3 seeds.", "", *values_verdict(data), ""]  # fmt: skip
+    if folder is not None:
+        name = values_figure(data, labels, folder)
+        if name:
+            lines += [f"![{name}]({name})", ""]
+    loads = [r["load"] for r in runs if "load" in r]
+    if loads:
+        lines += [f"Machine load (1-minute average) when these runs finished: {min(loads):.1f}–{max(loads):.1f} "
+                  "(runs trained two at a time, one thread each).", ""]  # fmt: skip
+    return lines
+
+
+def values_figure(data: dict, labels: dict, folder: Path, name: str = "knowledge_capacity_values.png") -> str | None:
+    """Bits against steps and against training time (steps x the interleaved step time), each arm at its tuned rates,
+    mean over seeds with the seeds' range, one line a size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    chosen, speed = values_chosen(data), data.get("minilm_speed")
+    if not any(chosen.values()):
+        return None
+    figure, axes = plt.subplots(1, 3 if speed else 2, figsize=(15 if speed else 10, 4.2))
+    styles = {n: style for n, style in zip(sorted({n for arm in chosen.values() for n in arm}), ("-", "--", ":", "-."))}
+    for arm, color in zip(VALUES_ARMS, ("C0", "C1")):
+        for size, by_seed in sorted(chosen[arm].items()):
+            curves = []
+            for run in by_seed.values():
+                points = sorted((int(step), point) for step, point in run["curve"].items())
+                curves.append([(0, {"train": 0.0, "heldout": 0.0})] + points if points and points[-1][0] == run["steps"]
+                              else [(0, {"train": 0.0, "heldout": 0.0}), *points, (run["steps"], {s: run["final"][s]["bits"] for s in ("train", "heldout")})])  # fmt: skip
+            steps = [step for step, _ in curves[0]]
+            if any([step for step, _ in c] != steps for c in curves):
+                continue
+            for axis, split in zip(axes[:2], ("train", "heldout")):
+                values = [[c[i][1][split] for c in curves] for i in range(len(steps))]
+                mean = [statistics.fmean(v) for v in values]
+                axis.plot(steps, mean, styles[size], color=color, marker="o", label=f"{labels[arm]}, {size:,} people")
+                axis.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=color, alpha=0.15)
+            if speed:
+                seconds = speed["seconds"][arm]["median"]
+                mean = [statistics.fmean(c[i][1]["train"] for c in curves) for i in range(len(steps))]
+                axes[2].plot([step * seconds / 60 for step in steps], mean, styles[size], color=color, marker="o",
+                             label=f"{labels[arm]}, {size:,} people")  # fmt: skip
+    axes[0].set(xlabel="training steps", ylabel="stored bits (sample)", title="training template")
+    axes[1].set(xlabel="training steps", ylabel="stored bits (sample)", title="held-out template")
+    if speed:
+        axes[2].set(xlabel="training time (minutes, one thread: steps x the interleaved step time)", ylabel="stored bits (sample)",
+                    title="training template, against time")  # fmt: skip
+    for axis in axes:
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    return _save(figure, plt, folder, name)

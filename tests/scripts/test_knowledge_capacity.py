@@ -403,3 +403,35 @@ def test_measure_people_measures_a_fixed_sample_of_the_base(tmp_path, monkeypatc
     completed = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "knowledge_capacity.py"), "--measure", folder,
                                 "--kb", str(kb_file), "--measure_people", "0"], capture_output=True, text=True)  # fmt: skip
     assert completed.returncode == 2 and "--measure_people must be at least 1" in completed.stderr
+
+
+def _values_run(arm, size, seed, bits, recall, held_bits, lr=1e-4, memory_lr=None):
+    point = lambda b, r: {"bits": b, "recall": r, "ranked_recall": r, "facts": size * 5}  # noqa: E731
+    run = dict(arm=arm, size=size, seed=seed, lr=lr, steps=500, masking="values", measured_people=250, load=1.0,
+               final={"train": point(bits, recall), "heldout": point(held_bits, recall / 2)},
+               curve={"250": {"train": bits / 2, "heldout": held_bits / 2}, "500": {"train": bits, "heldout": held_bits}})
+    return run | ({"memory_lr": memory_lr} if memory_lr else {})
+
+
+@pytest.mark.parametrize("resm_bits, step_ratio, met", [(2500.0, 1.2, True), (1500.0, 1.2, False), (2500.0, 1.5, False)])
+def test_the_value_masking_section_decides_the_goal_from_every_seed(tmp_path, resm_bits, step_ratio, met):
+    """ResM >= 2x plain's bits in every seed, <= 1.3x its step time, plain under half, >= 500 people, held-out no worse,
+    3 seeds: met only when all hold; the section has its tuning table, results by size and the figure."""
+    import knowledge_capacity_report as report
+
+    runs = {}
+    for seed in range(3):
+        runs[f"p{seed}"] = _values_run("minilm_plain", 1000, seed, 1000.0 + seed, 0.3, 400.0)
+        runs[f"r{seed}"] = _values_run("minilm_resm", 1000, seed, resm_bits + seed, 0.6, 500.0, memory_lr=1e-3)
+    runs["p_other_rate"] = _values_run("minilm_plain", 1000, 0, 10.0, 0.01, 1.0, lr=3e-5)
+    data = {"runs": runs, "tuning": {"minilm_plain/n1000": {"best": {"lr": 1e-4}, "grids": {"lr": [3e-5, 1e-4, 3e-4]}, "at_edge": []},
+                                     "minilm_resm/n1000": {"best": {"lr": 1e-4, "memory_lr": 1e-3}, "at_edge": [],
+                                                           "grids": {"lr": [3e-5, 1e-4, 3e-4], "memory_lr": [3e-4, 1e-3, 3e-3]}}},
+            "minilm_speed": {"ratio": step_ratio, "batch": [32, 20], "machine": {"cpu": "x", "cores": 2, "load": 1.0},
+                             "seconds": {a: {"median": 0.1 * (step_ratio if a == "minilm_resm" else 1), "q1": 0.09, "q3": 0.2, "steps": 8}
+                                         for a in report.VALUES_ARMS}}}  # fmt: skip
+    verdict = report.values_verdict(data)
+    assert len(verdict) == 1 and verdict[0].startswith(f"- 1000 people: **{'met' if met else 'not met'}**")
+    lines = "\n".join(report.values_lines(data, kc.LABELS, tmp_path))
+    assert "| 1,000 | ResM / plain | 3 |" in lines and "3.2 times at 1,000 people" in lines  # 500 x 32 / (1,000 x 5)
+    assert (tmp_path / "knowledge_capacity_values.png").exists() and "first 250 people" in lines
