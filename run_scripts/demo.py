@@ -129,6 +129,8 @@ def parse_args():
     parser.add_argument("--knowledge_people", type=int, default=10, help="People in the knowledge base (5 facts each).")
     parser.add_argument("--knowledge_steps", type=int, default=120, help="Masked-LM steps on the knowledge base.")
     parser.add_argument("--knowledge_learning_rate", type=float, default=1e-3)
+    parser.add_argument("--knowledge_memory_learning_rate", type=float, default=1e-2,
+                        help="The memory values' own rate on the knowledge base (ResM).")
     parser.add_argument(
         "--with_baseline",
         action="store_true",
@@ -172,7 +174,8 @@ def run_mlm_command(args, model_path: str, output_dir: Path, pkm: bool) -> list[
 
 
 def knowledge_command(args, model_path: str, data: Path, output_dir: Path, pkm: bool) -> list[str]:
-    """The same conversion as the main run, trained on the knowledge base's sentences (a fact a line)."""
+    """The same conversion as the main run, trained on the knowledge base's sentences (a fact a line, its value masked
+    in every exposure)."""
     command = run_mlm_command(args, model_path, output_dir, pkm)
     replaced = {
         "--max_seq_length": "48", "--per_device_train_batch_size": "32",
@@ -181,8 +184,32 @@ def knowledge_command(args, model_path: str, data: Path, output_dir: Path, pkm: 
     }  # fmt: skip
     command = [replaced.get(previous, word) for previous, word in zip([None, *command], command)]
     command = [word for word in command if word not in ("--evaluate_before_training", "--track_staleness")]
-    command += ["--train_file", str(data / "train.txt"), "--validation_file", str(data / "heldout.txt"), "--line_by_line"]
-    return command + (["--memory_learning_rate", "1e-2"] if pkm else [])
+    # salient-span (value) masking: every value masked in every exposure, the other tokens at 15%
+    command += ["--train_file", str(data / "train.jsonl"), "--span_column", "spans", "--mask_replace_prob", "1",
+                "--validation_file", str(data / "heldout.txt"), "--line_by_line"]  # fmt: skip
+    return command + (["--memory_learning_rate", f"{args.knowledge_memory_learning_rate:g}"] if pkm else [])
+
+
+def write_knowledge_data(args, data: Path) -> dict:
+    """The knowledge base of `--knowledge_people` people in `data`: kb.json, train.jsonl (a fact a line, 8 sentences a
+    person and attribute, each with its value's character span: run_mlm.py's `--span_column spans`) and heldout.txt
+    (every fact in a held-out template, for the perplexity). Returns the base."""
+    from modeling_pkm_bert.analysis.knowledge import (
+        fact_probes,
+        generate_knowledge_base,
+        probe_text,
+        sentences_with_spans,
+        write_knowledge_base,
+    )
+
+    data.mkdir(parents=True, exist_ok=True)
+    kb = generate_knowledge_base(args.knowledge_people, seed=args.seed)
+    write_knowledge_base(kb, data / "kb.json")
+    rows = [json.dumps({"text": text, "spans": spans}) for text, spans in sentences_with_spans(kb, per_person=8)]
+    (data / "train.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    heldout = [probe_text(p) for p in fact_probes(kb, "heldout", context="sentence")]
+    (data / "heldout.txt").write_text("\n".join(heldout) + "\n", encoding="utf-8")
+    return kb
 
 
 def learn_knowledge(args, model_path: str, output_dir: Path, env: dict) -> tuple[dict, dict, Path]:
@@ -191,22 +218,10 @@ def learn_knowledge(args, model_path: str, output_dir: Path, env: dict) -> tuple
     from transformers import AutoModelForMaskedLM, AutoTokenizer
 
     from modeling_pkm_bert import register_auto_classes
-    from modeling_pkm_bert.analysis.knowledge import (
-        fact_probes,
-        generate_knowledge_base,
-        measure,
-        probe_text,
-        sentences,
-        write_knowledge_base,
-    )
+    from modeling_pkm_bert.analysis.knowledge import measure
 
     data = output_dir / "knowledge"
-    data.mkdir(parents=True, exist_ok=True)
-    kb = generate_knowledge_base(args.knowledge_people, seed=args.seed)
-    write_knowledge_base(kb, data / "kb.json")
-    (data / "train.txt").write_text("\n".join(sentences(kb, per_person=8)) + "\n", encoding="utf-8")
-    heldout = [probe_text(p) for p in fact_probes(kb, "heldout", context="sentence")]
-    (data / "heldout.txt").write_text("\n".join(heldout) + "\n", encoding="utf-8")
+    kb = write_knowledge_data(args, data)
     register_auto_classes()
     metrics, folders = {}, {"ResM-MiniLM": output_dir / "resm-minilm-facts", "plain MiniLM": output_dir / "plain-minilm-facts"}
     for label, folder in folders.items():
