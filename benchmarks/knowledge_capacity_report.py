@@ -471,8 +471,24 @@ def values_lines(data: dict, labels: dict, folder: Path | None = None) -> list[s
         "--results benchmarks/knowledge_capacity_values.json",
         "```", "",
     ]  # fmt: skip
+    tuned = {key.split("/")[0] for key in data.get("tuning", {}) if key.split("/")[0] in VALUES_ARMS}
+    if tuned != set(VALUES_ARMS):
+        lines += [f"**Status: the tuning has not finished ({len(runs)} runs; tuned: {', '.join(sorted(tuned)) or 'none'}). "
+                  "The rows below are each arm's best so far at the sweep's size, seed 0; the verdict waits for the plan.**", ""]  # fmt: skip
+    if data.get("history"):
+        lines += ["Earlier tries of this plan:", "", *[f"- {entry}" for entry in data["history"]], ""]
     lines += tuning_lines({"runs": {k: r for k, r in data["runs"].items() if r["arm"] in VALUES_ARMS},
                            "tuning": data.get("tuning", {})}, labels)[2:]  # fmt: skip
+    if tuned != set(VALUES_ARMS):  # every run so far, each arm's rates side by side
+        lines += ["Every run so far (seed 0):", "", "| arm | rates | people | recall train / held-out | ranked recall train / held-out | bits train |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for run in sorted(runs, key=lambda r: (r["arm"], r["size"], r["lr"], r.get("memory_lr") or 0)):
+            rates = rates_label({"lr": run["lr"], **({"memory_lr": run["memory_lr"]} if run["arm"] == "minilm_resm" else {})})
+            f = run["final"]
+            lines.append(f"| {labels[run['arm']]} | {rates} | {run['size']:,} | {f['train']['recall']:.3f} / {f['heldout']['recall']:.3f} | "
+                         f"{f['train'].get('ranked_recall', float('nan')):.3f} / {f['heldout'].get('ranked_recall', float('nan')):.3f} | "
+                         f"{f['train']['bits']:,.0f} |")  # fmt: skip
+        lines.append("")
     chosen = values_chosen(data)
     lines += ["Each arm at its tuned rates; mean ± standard deviation over seeds; ResM / plain seed by seed, mean (min-max):", "",
               "| people | arm | seeds | recall train / held-out | ranked recall train / held-out | bits train (sample) | bits held-out (sample) |",
@@ -507,7 +523,8 @@ def values_lines(data: dict, labels: dict, folder: Path | None = None) -> list[s
                   f"| ResM / plain | {speed['ratio']:.2f}x |", ""]  # fmt: skip
     lines += ["### Verdict", "",
               "The goal: ResM-MiniLM >= 2x plain MiniLM's bits at equal steps and <= 1.3x its step time, where plain recalls "
-              "under half of the facts, at >= 500 people, held-out no worse, 3 seeds.", "", *values_verdict(data), ""]  # fmt: skip
+              "under half of the facts, at >= 500 people, held-out no worse, 3 seeds.", "",
+              *(values_verdict(data) if tuned == set(VALUES_ARMS) else ["- Not decided: the plan has not finished."]), ""]  # fmt: skip
     if folder is not None:
         name = values_figure(data, labels, folder)
         if name:

@@ -435,3 +435,5 @@ def test_the_value_masking_section_decides_the_goal_from_every_seed(tmp_path, re
     lines = "\n".join(report.values_lines(data, kc.LABELS, tmp_path))
     assert "| 1,000 | ResM / plain | 3 |" in lines and "3.2 times at 1,000 people" in lines  # 500 x 32 / (1,000 x 5)
     assert (tmp_path / "knowledge_capacity_values.png").exists() and "first 250 people" in lines
+    untuned = "\n".join(report.values_lines({**data, "tuning": {}}, kc.LABELS))
+    assert "the tuning has not finished" in untuned and "- Not decided: the plan has not finished." in untuned
