@@ -22,19 +22,25 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from modeling_pkm_bert.utils.output_folders import check_command_paths  # noqa: E402
+from benchmarks.harness import REPO_ROOT
+from modeling_pkm_bert.utils.output_folders import check_command_paths
 
 
-# run by each checkout's python on its own code: its run_benchmarks.py builds the layers and models; timed with the CPU
-# time of this thread (one torch thread: forward and the CPU backward run on it), so that another process holding the
-# core does not count
+# run by each checkout's python on its own code (the checkout first on PYTHONPATH, see `run`): its speed harness builds
+# the layers and models (`rb`: benchmarks.harness and benchmarks.speed.common, or an older checkout's flat
+# run_benchmarks.py); timed with the CPU time of this thread (one torch thread: forward and the CPU backward run on it),
+# so that another process holding the core does not count
 PRELUDE = """
-import json, sys, time, torch
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks"]
+import json, sys, time, types, torch
 sys.argv = sys.argv[:1]
 torch.set_num_threads(1)
-import run_benchmarks as rb
+try:
+    from benchmarks import harness
+    from benchmarks.speed import common
+    from modeling_pkm_bert import use_huge_pages
+    rb = types.SimpleNamespace(**{**vars(harness), **vars(common), "use_huge_pages": use_huge_pages})
+except ModuleNotFoundError:  # a checkout from before the benchmarks package
+    import run_benchmarks as rb
 """
 LAYER = PRELUDE + """
 torch.manual_seed(1)
@@ -57,7 +63,9 @@ print(json.dumps({"samples": rb.interleaved({k: forward(m) for k, m in models.it
 
 
 def run(tree: Path, args: list[str]) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    # the checkout's own code first; a checkout from before the benchmarks package imports its flat benchmarks/ folder
+    paths = [tree] if (tree / "benchmarks" / "__init__.py").exists() else [tree, tree / "benchmarks"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths)), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, *args], env=env, cwd=tree, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"error: {tree}: {' '.join(args[:3])} failed:\n{done.stderr[-2000:]}")
@@ -73,7 +81,7 @@ def main():
         allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--before", type=Path, required=True, help="a checkout of the code before (e.g. a worktree)")
-    parser.add_argument("--after", type=Path, default=Path(__file__).resolve().parents[1])
+    parser.add_argument("--after", type=Path, default=REPO_ROOT)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layer_rounds", type=int, default=3)
     parser.add_argument("--table1_rounds", type=int, default=7)

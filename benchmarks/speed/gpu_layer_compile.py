@@ -1,29 +1,28 @@
 """The PKM layer on a GPU, eager and compiled, fp32 and bf16, against lucidrains' PKM: wall times of forward + backward
-at the paper's size, 8 x 128 tokens (the layers of `run_benchmarks.py` section 1). Ours: dense and sparse value
+at the paper's size, 8 x 128 tokens (the layers of the speed section `layer`). Ours: dense and sparse value
 gradients, each on its plan (compiled: one graph, the value read the custom op, `fullgraph=True`) and on the plain
 reference (`use_reference()`), which decides whether the custom op stays. Interleaved rounds, CUDA-synchronised medians, ratios paired per round.
 
-    python benchmarks/gpu_layer_compile.py                 # on a CUDA machine (benchmarks/gpu_check.sh runs it)
-    python benchmarks/gpu_layer_compile.py --device cpu --size tiny --rounds 1   # a smoke run of the code (the tests)
+    python -m benchmarks.speed.gpu_layer_compile                 # on a CUDA machine (benchmarks/gpu_check.sh runs it)
+    python -m benchmarks.speed.gpu_layer_compile --device cpu --size tiny --rounds 1   # a smoke run of the code (the tests)
 """
 
 import argparse
 import contextlib
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import run_benchmarks as rb  # noqa: E402  (the layers and timing helpers)
+from benchmarks import harness  # the timing helpers
+from benchmarks.speed import common  # the layers of the speed sections
 
-from modeling_pkm_bert.product_key_memory_ops import use_reference  # noqa: E402
+from modeling_pkm_bert.product_key_memory_ops import use_reference
 
 
 SIZES = {  # (layer builder, input shape)
-    "paper": (rb.build_layer, (8, 128, 768)),
-    "tiny": (rb.build_tiny_layer, (2, 4, 32)),
+    "paper": (common.build_layer, (8, 128, 768)),
+    "tiny": (common.build_tiny_layer, (2, 4, 32)),
 }
 
 
@@ -76,11 +75,11 @@ def main(argv=None):
                     torch.cuda.synchronize()
                 name = f"{impl} {mode}"
                 print(f"<!-- {dtype_name} {name}: warm-up (and compilation) {time.perf_counter() - start:.1f} s -->", flush=True)
-                steps[name] = rb.synchronized(step, args.device)
-        samples = rb.interleaved(steps, rounds=args.rounds, warmup=2)
+                steps[name] = common.synchronized(step, args.device)
+        samples = harness.interleaved(steps, rounds=args.rounds, warmup=2)
         for name, values in samples.items():
-            speedup = rb.paired_ratio(samples, "lucidrains eager", name)
-            print(f"| {dtype_name} | {name} | {rb.median(values) * 1e3:.3f} | {speedup:.2f}x |", flush=True)
+            speedup = harness.paired_ratio(samples, "lucidrains eager", name)
+            print(f"| {dtype_name} | {name} | {harness.median(values) * 1e3:.3f} | {speedup:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,20 @@
 """Where a PKM layer step's time goes on a GPU: torch.profiler tables (CUDA kernel time, CPU time) of one forward + backward
 at the paper's size, 8 x 128 tokens, for lucidrains' PKM and ours (dense, sparse value gradient). Run on a CUDA machine:
-`python benchmarks/gpu_layer_profile.py`; benchmarks/RESULTS.md (section 5, H200) reads its totals."""
-import os
+`python -m benchmarks.speed.gpu_layer_profile` from the repository root; benchmarks/RESULTS.md (section 5, H200) reads its totals."""
 import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import run_benchmarks as rb  # noqa: E402  (its layer builders: the same layers as section 1)
+from benchmarks.speed import common  # the layer builders of the speed section `layer`
 
 if not torch.cuda.is_available():
     sys.exit("gpu_layer_profile.py profiles CUDA kernels: no CUDA device here")
 x = torch.randn(8, 128, 768, device="cuda", requires_grad=True)
 g = torch.randn(8, 128, 768, device="cuda")
 for impl in ("lucidrains", "ours_dense", "ours_sparse"):
-    module = rb.build_layer(impl).cuda().train()
-    step = rb.layer_step_fn(module, x, g)
+    module = common.build_layer(impl).cuda().train()
+    step = common.layer_step_fn(module, x, g)
     for _ in range(5):
         step()
     torch.cuda.synchronize()

@@ -1,7 +1,7 @@
 """A few training steps of run_mlm.py and run_glue.py in fp32, bf16 and fp16, compared: the GPU check of mixed
 precision (benchmarks/gpu_check.sh runs it on a lent GPU; it runs on CPU too, where fp16 has no loss scaler).
 
-    python benchmarks/gpu_mixed_precision.py --output_dir /tmp/mixed_precision [--steps 30]
+    python -m benchmarks.speed.gpu_mixed_precision --output_dir /tmp/mixed_precision [--steps 30]
 
 A small BertPkm (hidden 128, 4 layers, a ResM memory of 32² slots at layer 2) and a word-level tokenizer are built
 from the bundled book excerpts (no Hub, no shared data); run_mlm trains it on Pride and Prejudice, run_glue on a
@@ -23,9 +23,10 @@ import sys
 from pathlib import Path
 
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from modeling_pkm_bert.utils.output_folders import check_command_paths  # noqa: E402
+from benchmarks.harness import REPO_ROOT as REPO
+from modeling_pkm_bert.utils.output_folders import check_command_paths
+
+
 DATA = REPO / "run_scripts" / "data"
 PRECISIONS = ("no", "bf16", "fp16")
 
@@ -45,7 +46,6 @@ def build_model(folder: Path):
     import torch
     from transformers import BertTokenizer
 
-    sys.path.insert(0, str(REPO))
     from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM
 
     text = (DATA / "pride_and_prejudice_train.txt").read_text(encoding="utf-8").lower()
@@ -135,7 +135,7 @@ def main():
             evaluation = {k: v for k, v in metrics.items() if k.startswith("eval_") and isinstance(v, float)}
             results[(job, precision)] = dict(train_loss=metrics["train_loss"], values=values, other=other, **evaluation)
     lines = [f"# Mixed precision: {args.steps} steps of run_mlm.py and run_glue.py in fp32, bf16 and fp16", "",
-             f"Device: {device}; torch {torch.__version__}. Command: `python benchmarks/gpu_mixed_precision.py "
+             f"Device: {device}; torch {torch.__version__}. Command: `python -m benchmarks.speed.gpu_mixed_precision "
              f"--output_dir {out.name} --steps {args.steps}`", "",
              "| script | precision | train loss | loss / fp32 | values moved / fp32 | other weights moved / fp32 |",
              "|---|---|---|---|---|---|"]  # fmt: skip

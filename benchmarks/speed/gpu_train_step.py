@@ -3,18 +3,17 @@ in bf16 autocast and fp32: forward, backward and the optimizer steps (AdamW; the
 SparseRowAdam, sparse), random weights and tokens, batch 32 x 128. Interleaved rounds, CUDA-synchronised medians,
 time ratios paired per round (ResM / BERT: the cost of the memories in training).
 
-    python benchmarks/gpu_train_step.py                  # on a CUDA machine (benchmarks/gpu_check.sh runs it)
-    python benchmarks/gpu_train_step.py --device cpu --size tiny --rounds 1 --batch 2   # a smoke run (the tests)
+    python -m benchmarks.speed.gpu_train_step                  # on a CUDA machine (benchmarks/gpu_check.sh runs it)
+    python -m benchmarks.speed.gpu_train_step --device cpu --size tiny --rounds 1 --batch 2   # a smoke run (the tests)
 """
 
 import argparse
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import run_benchmarks as rb  # noqa: E402  (models, optimizers, batches and timing helpers of the train section)
+from benchmarks import harness  # the timing helpers
+from benchmarks.speed import common  # the models, optimizers and batches of the speed section `train`
 
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=1000)
@@ -22,7 +21,7 @@ TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermed
 
 def build(kind: str, size: str):
     if size == "base":
-        return rb.build_mlm(kind)
+        return common.build_mlm(kind)
     import transformers
 
     from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM
@@ -48,7 +47,7 @@ def main(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_train_step.py times CUDA steps: no CUDA device here (--device cpu --size tiny for a smoke run)")
     vocab = 1000 if args.size == "tiny" else 30000
-    batch = {k: v.clamp(max=vocab - 1).to(args.device) for k, v in rb.mlm_batch(args.batch).items()}
+    batch = {k: v.clamp(max=vocab - 1).to(args.device) for k, v in common.mlm_batch(args.batch).items()}
     batch["labels"] = torch.where(batch["labels"] >= 0, batch["labels"], -100)
     kinds = ["bert", "resm_dense", "resm_sparse"]
     print(f"device: {torch.cuda.get_device_name() if args.device == 'cuda' else args.device}; torch {torch.__version__}")
@@ -57,8 +56,8 @@ def main(argv=None):
         steps = {}
         for kind in kinds:
             model = build(kind, args.size).to(args.device).train()
-            optimizers = rb.make_optimizers(model, kind)
-            step = rb.train_step_fn(model, optimizers, batch)
+            optimizers = common.make_optimizers(model, kind)
+            step = common.train_step_fn(model, optimizers, batch)
 
             def run(step=step):
                 with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=precision == "bf16"):
@@ -66,11 +65,11 @@ def main(argv=None):
 
             for _ in range(2):  # optimizer state, buffers
                 run()
-            steps[kind] = rb.synchronized(run, args.device)
-        samples = rb.interleaved(steps, rounds=args.rounds, warmup=1)
+            steps[kind] = common.synchronized(run, args.device)
+        samples = harness.interleaved(steps, rounds=args.rounds, warmup=1)
         for kind in kinds:
-            ratio = rb.paired_ratio(samples, kind, "bert")
-            print(f"| {precision} | {kind} | {rb.median(samples[kind]) * 1e3:.1f} | {ratio:.2f} |", flush=True)
+            ratio = harness.paired_ratio(samples, kind, "bert")
+            print(f"| {precision} | {kind} | {harness.median(samples[kind]) * 1e3:.1f} | {ratio:.2f} |", flush=True)
         steps = samples = None  # the models go before the next precision's
 
 

@@ -1,7 +1,7 @@
 """What the bad-input checks of issue 13 cost on the forward (CPU): the memory's training check (non-finite queries,
 single token) and the model's input check (shapes, id ranges), on the tiny test layer and the paper-size layer.
 
-    OMP_NUM_THREADS=2 python benchmarks/input_checks_cost.py [--repeats 15]
+    OMP_NUM_THREADS=2 python benchmarks/speed/input_checks_cost.py [--repeats 15]
 
 Each check is timed alone (median of `--repeats`), next to the step it guards, measured in the same run, interleaved.
 """

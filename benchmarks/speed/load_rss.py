@@ -1,6 +1,6 @@
 """Peak RSS growth while a saved BertPkm folder loads through remote code, in a process without the package:
 
-    python benchmarks/load_rss.py FOLDER
+    python benchmarks/speed/load_rss.py FOLDER
 
 A warm-up load on the meta device first (imports, remote code, no tensors); then the RSS is sampled every 2 ms during
 `from_pretrained` and a read of every page of every tensor; prints the growth over the RSS before, and its ratio to the
