@@ -12,12 +12,12 @@ import pytest
 import torch
 
 
+from benchmarks.studies.knowledge_capacity import config as kc_config
+from benchmarks.studies.knowledge_capacity import runner as kc
+from modeling_pkm_bert.analysis import knowledge as kbase
+
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-
-import knowledge_capacity as kc  # noqa: E402
-
-from modeling_pkm_bert.analysis import knowledge as kbase  # noqa: E402
 
 
 def real_tokenizer():
@@ -192,9 +192,9 @@ def test_quick_pipeline_resumes_and_measures_from_the_saved_folder(tmp_path):
     subprocess.run(command, check=True, env=env, capture_output=True)
     results = json.loads((tmp_path / "out" / "knowledge_capacity.json").read_text())
     runs = {k: r for k, r in results["runs"].items() if not k.startswith("sanity")}
-    assert {r["arm"] for r in runs.values()} == set(kc.PLAN_ARMS)
-    assert all(r["steps"] == kc.QUICK["steps"] and r["curve"] for r in runs.values())
-    assert "quantized" in runs["resm/n8/seed0/lr0.003"] and results["speed"]["arms"].keys() == set(kc.PLAN_ARMS)
+    assert {r["arm"] for r in runs.values()} == set(kc_config.PLAN_ARMS)
+    assert all(r["steps"] == kc_config.QUICK["steps"] and r["curve"] for r in runs.values())
+    assert "quantized" in runs["resm/n8/seed0/lr0.003"] and results["speed"]["arms"].keys() == set(kc_config.PLAN_ARMS)
     report = (tmp_path / "out" / "KNOWLEDGE_CAPACITY.md").read_text()
     assert "(b) ResM" in report and (tmp_path / "out" / "knowledge_capacity.png").exists()
     # a second call trains nothing again: every run is kept

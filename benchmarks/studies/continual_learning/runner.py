@@ -31,15 +31,15 @@ import time
 from pathlib import Path
 
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+from benchmarks.harness import BENCHMARKS as HERE  # the report's folder (--output_dir's default)
+from benchmarks.harness import REPO_ROOT as ROOT
+from benchmarks.harness import results_dir
 
-from modeling_pkm_bert.utils.output_folders import check_command_paths  # noqa: E402
-from modeling_pkm_bert.methods.optimizers.memory_optimizer import SparseRowAdam, pkm_value_parameters  # noqa: E402
-from modeling_pkm_bert.methods.sparse_finetuning.method import (  # noqa: E402
+from modeling_pkm_bert.utils.output_folders import check_command_paths
+from modeling_pkm_bert.methods.optimizers.memory_optimizer import SparseRowAdam, pkm_value_parameters
+from modeling_pkm_bert.methods.sparse_finetuning.method import (
     SparseMemoryFinetuning,
     background_batches,
     compute_background_statistics,
@@ -49,6 +49,12 @@ from modeling_pkm_bert.methods.sparse_finetuning.method import (  # noqa: E402
 
 EMBEDDED = ROOT / "run_scripts" / "data"
 SHARED_DATA = Path(os.environ.get("PKM_SHARED_DATA", ROOT.parent / "shared" / "data"))
+
+
+def data_dir(out: Path) -> Path:
+    """Where a run's JSON and figure go: beside its report, or benchmarks/results/continual_learning/ for the
+    committed report (benchmarks/CONTINUAL_LEARNING.md)."""
+    return results_dir("continual_learning") if Path(out).resolve() == HERE else Path(out)
 
 
 def parse_args(argv=None):
@@ -440,7 +446,7 @@ def write_report(args, results):
     axes[0][0].legend(fontsize=7)
     figure.suptitle("Forgetting vs learning of a new text, starting from the healed model (left end of each curve)")
     figure.tight_layout()
-    figure.savefig(out / f"{name}.png", dpi=90)
+    figure.savefig(data_dir(out) / f"{name}.png", dpi=90)
     plt.close(figure)
 
     a = results["args"]
@@ -512,7 +518,7 @@ def write_report(args, results):
         "\"steps\" and the two metrics are interpolated linearly between evaluations where a curve crosses the target "
         "loss (a crossing before the first evaluation is interpolated from step 0, the healed model).",
         "",
-        f"![forgetting against learning]({name}.png)",
+        f"![forgetting against learning]({os.path.relpath(data_dir(out) / f'{name}.png', out)})",
         "",
         "## Every evaluation",
         "",
@@ -529,7 +535,7 @@ def write_report(args, results):
         "\n".join(lines) + "\n", encoding="utf-8"
     )
     if "argv_parts" not in results:  # a run's own data (a merged report keeps its parts' files)
-        (out / f"{name}.json").write_text(json.dumps(results, indent=1, default=str), encoding="utf-8")
+        (data_dir(out) / f"{name}.json").write_text(json.dumps(results, indent=1, default=str), encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 from pathlib import Path
+
+from benchmarks.studies.knowledge_capacity.config import ARMS, BASE, LABELS, MEMORY, PLAN_ARMS
 
 
 HERE_NOTES = Path(__file__).resolve().parent / "knowledge_capacity_notes.md"  # the findings, written by hand
@@ -166,7 +169,6 @@ def write_figures(data: dict, plan: dict, labels: dict, folder: Path) -> list[st
 
 
 def write_report(args, data: dict) -> None:
-    from knowledge_capacity import ARMS, BASE, LABELS, MEMORY, PLAN_ARMS
 
     plan = args.plan
     report = Path(args.report)
@@ -364,8 +366,9 @@ def write_report(args, data: dict) -> None:
     if findings:
         lines += [findings.strip(), ""]
     if _runs(data):
-        for name in write_figures(data, plan, LABELS, report.parent):
-            lines += [f"![{name}]({name})", ""]
+        figures = Path(args.results).parent  # beside the results JSON
+        for name in write_figures(data, plan, LABELS, figures):
+            lines += [f"![{name}]({os.path.relpath(figures / name, report.parent)})", ""]
     loads = [r["load"] for r in data["runs"].values() if "load" in r]
     if loads:
         lines += [f"Machine load (1-minute average) when runs finished: {min(loads):.1f}–{max(loads):.1f}.", ""]

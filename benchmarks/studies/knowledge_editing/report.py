@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import datetime
+import os
 import statistics
 from pathlib import Path
 
-import knowledge_capacity as kc
-import knowledge_editing as ke
+from benchmarks.studies.knowledge_capacity import config as kc
+from benchmarks.studies.knowledge_editing import config as ke
 
 
 ARM_STYLES = {  # the A model a method starts from: its name in the figure and its line
@@ -207,9 +208,9 @@ def write_report(args, data: dict) -> None:
             lines.append(f"| {method} | {row['lr']:g} | {len(reached)}/{len(row['at'])} | {spread([a['step'] for a in reached], 0)} | "
                          f"{spread([a['a_drop'] for a in reached])} | {spread([a['ppl_change'] for a in reached])} |")  # fmt: skip
         lines.append("")
-    figure_path = Path(args.report).with_name(Path(args.report).stem.lower() + ".png")  # a probe does not overwrite the plan's figure
+    figure_path = Path(args.results).with_name(Path(args.report).stem.lower() + ".png")  # a probe does not overwrite the plan's figure
     if rows and figure(rows, figure_path):
-        lines += [f"![learning B against forgetting A]({figure_path.name})", ""]
+        lines += [f"![learning B against forgetting A]({os.path.relpath(figure_path, Path(args.report).parent)})", ""]
     diagnosis = data.get("diagnosis")
     if diagnosis:
         touched = diagnosis["touched"]

@@ -18,7 +18,6 @@ import os
 import platform
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,9 +26,9 @@ import torch
 import torch.multiprocessing as mp
 
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from modeling_pkm_bert.utils.output_folders import check_command_paths  # noqa: E402
+from benchmarks.harness import REPO_ROOT as REPO
+from benchmarks.harness import results_dir
+from modeling_pkm_bert.utils.output_folders import check_command_paths
 
 
 def model_config(args):
@@ -141,6 +140,13 @@ def free_port():
         return sock.getsockname()[1]
 
 
+def json_of(report) -> Path:
+    """The runs' JSON of a report: beside it, in benchmarks/results/memory_parallel/ for the committed one."""
+    report = Path(report)
+    default = report.resolve() == REPO / "benchmarks" / "MEMORY_PARALLEL.md"
+    return results_dir("memory_parallel") / report.with_suffix(".json").name if default else report.with_suffix(".json")
+
+
 def main():
     parser = argparse.ArgumentParser(
         allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -172,7 +178,7 @@ def main():
     load = os.getloadavg()[0]
     Path(args.output).write_text(report(args, runs, load))
     saved = {"args": {k: v for k, v in vars(args).items() if k not in ("output", "from_json")}, "runs": runs, "load": load}
-    Path(args.output).with_suffix(".json").write_text(json.dumps(saved, indent=1) + "\n")
+    json_of(args.output).write_text(json.dumps(saved, indent=1) + "\n")
     print(f"wrote {args.output}")
 
 

@@ -35,10 +35,11 @@ import time
 from pathlib import Path
 
 
-HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parent
-sys.path.insert(0, str(REPO_ROOT))
-from modeling_pkm_bert.utils.output_folders import check_command_paths  # noqa: E402
+from benchmarks.harness import BENCHMARKS as HERE  # the report's folder
+from benchmarks.harness import REPO_ROOT, read_json, results_dir, write_json
+from modeling_pkm_bert.utils.output_folders import check_command_paths
+
+
 DATA = REPO_ROOT / "run_scripts" / "data"
 SHARED_DATA = Path(os.environ.get("PKM_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 
@@ -85,7 +86,7 @@ def parse_args(argv=None):
     if args.skip_glue:
         args.tasks = ["mlm"]
     if args.results is None:
-        args.results = str(Path(args.output_dir) / "results.json" if args.tiny else HERE / "ngram_memory.json")
+        args.results = str(Path(args.output_dir) / "results.json" if args.tiny else results_dir("ngram_memory") / "ngram_memory.json")
     check_command_paths(parser, args, "ngram_memory")
     return args
 
@@ -171,16 +172,11 @@ def mean_spread(values: list[float], digits: int = 1) -> str:
 
 def load_results(args) -> dict:
     """The results file: {"runs": {"<task>/<arm slug>/<seed>": metrics}, "speed": {...}}."""
-    path = Path(args.results)
-    return json.loads(path.read_text()) if path.exists() else {"runs": {}}
+    return read_json(args.results, {"runs": {}})
 
 
 def save_results(args, results: dict) -> None:
-    path = Path(args.results)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(results, indent=1) + "\n")
-    os.replace(temporary, path)  # atomic: two processes of the comparison write it in turn
+    write_json(args.results, results)  # atomic: two processes of the comparison write it in turn
 
 
 @contextlib.contextmanager

@@ -28,14 +28,13 @@ import time
 from pathlib import Path
 
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-from modeling_pkm_bert.utils.output_folders import check_command_paths  # noqa: E402
+from benchmarks.harness import BENCHMARKS as HERE  # the report's folder
+from modeling_pkm_bert.utils.output_folders import check_command_paths
 
-import torch  # noqa: E402
+import torch
 
-from modeling_pkm_bert import BertPkmForMaskedLM, BertPkmForSequenceClassification, quantize_memory_values  # noqa: E402
-from modeling_pkm_bert.methods.optimizers.memory_optimizer import cast_pkm_values  # noqa: E402
+from modeling_pkm_bert import BertPkmForMaskedLM, BertPkmForSequenceClassification, quantize_memory_values
+from modeling_pkm_bert.methods.optimizers.memory_optimizer import cast_pkm_values
 
 
 VARIANTS = ("fp32", "bf16", "int8", "4bit")
@@ -91,7 +90,7 @@ def accuracy(model, tokenizer, dev_file):
 
 
 # peak RSS growth while a process without the package loads a folder: benchmarks/load_rss.py measures it
-LOAD_RSS = Path(__file__).parent / "load_rss.py"
+LOAD_RSS = HERE / "speed" / "load_rss.py"  # run by path: a process without the package
 
 
 def folder_sizes(model, folder):

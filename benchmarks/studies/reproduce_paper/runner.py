@@ -39,20 +39,18 @@ import sys
 import time
 from pathlib import Path
 
-
-HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parent
-SCRIPTS = REPO_ROOT / "run_scripts"
-EMBEDDED = SCRIPTS / "data"
-sys.path.insert(0, str(REPO_ROOT))
-
-from modeling_pkm_bert.utils.input_errors import usage_errors  # noqa: E402 (standard library only)
-from modeling_pkm_bert.utils.output_folders import (  # noqa: E402
+from benchmarks.harness import BENCHMARKS as HERE  # the report's folder
+from benchmarks.harness import REPO_ROOT, results_dir
+from modeling_pkm_bert.utils.input_errors import usage_errors  # (standard library only)
+from modeling_pkm_bert.utils.output_folders import (
     check_command_paths,
     check_output_folder,
     mark_output_folder,
 )
 
+
+SCRIPTS = REPO_ROOT / "run_scripts"
+EMBEDDED = SCRIPTS / "data"
 
 TOOL = "reproduce_paper"  # its --work_dir and --figures_dir hold the marker `.reproduce_paper`
 
@@ -95,6 +93,12 @@ BUDGETS = {
 GLUE_MAX_LENGTH = 64
 
 
+def figures_of(report: Path) -> Path:
+    """The figures' default folder: reproduction/ beside the report, benchmarks/results/reproduce_paper/ for the
+    committed one (benchmarks/REPRODUCTION.md)."""
+    return results_dir("reproduce_paper") if report.resolve() == HERE / "REPRODUCTION.md" else report.parent / "reproduction"
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="The quick budget (same as --budget quick).")
@@ -116,7 +120,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--figures_dir",
         default=None,
-        help="Its figures, replaced at each report (default: reproduction/ beside the report): new, empty or this "
+        help="Its figures, replaced at each report (default: reproduction/ beside the report; benchmarks/results/reproduce_paper/ beside REPRODUCTION.md): new, empty or this "
         "benchmark's own.",
     )
     parser.add_argument(
@@ -148,7 +152,7 @@ def parse_args(argv=None):
         f"_t{c['glue_train']}_v{c['glue_eval']}"
     )
     args.report = Path(args.report).absolute()
-    args.figures_dir = Path(args.figures_dir).absolute() if args.figures_dir else args.report.parent / "reproduction"
+    args.figures_dir = Path(args.figures_dir).absolute() if args.figures_dir else figures_of(args.report)
     for option, folder in (("--work_dir", args.work_dir), ("--figures_dir", args.figures_dir)):
         with usage_errors(parser):
             reads = {"--model": args.model, "--data_dir": args.data_dir}
