@@ -468,7 +468,7 @@ def test_shared_table_benchmark_section_compares_dense_and_sparse_gradients(monk
 
 
 def test_memory_plus_report_lists_every_finished_run(tmp_path):
-    mp = load_script("memory_plus", folder="benchmarks")
+    mp = load_script("runner", folder="benchmarks/studies/memory_plus")
     args = argparse.Namespace(
         output_dir=str(tmp_path), seeds=[0, 1], max_train_steps=5, max_seq_length=16, per_device_train_batch_size=2,
         learning_rate=1e-4, num_warmup_steps=1, memory_optimizer="adam",
