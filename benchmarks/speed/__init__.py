@@ -15,7 +15,7 @@ Sections:
   against lucidrains' and the XLM-style layer.
 - layer: one PKM layer at the paper's size (768 in/out, 512^2 slots, 4 heads, knn 32, k_dim 256, query BN), 8x128
   tokens, forward + backward, against lucidrains' product-key-memory 0.3.0 and a plain XLM-style implementation
-  (benchmarks/xlm_reference.py); peak memory of each in a fresh process (VmHWM); in the full run again with
+  (benchmarks/speed/xlm_reference.py); peak memory of each in a fresh process (VmHWM); in the full run again with
   THP_MEM_ALLOC_ENABLE=1 (huge pages for torch's CPU allocations).
 - update: one value-table update (262,144 x 768) against the fraction of rows the step touched: SparseRowAdam vs
   dense torch.optim.Adam (and torch.optim.SparseAdam in the full run).

@@ -54,7 +54,7 @@ def build_layer(impl: str):
 
 LAYER_IMPLS = {
     "lucidrains": "lucidrains `PKM` 0.3.0 (LayerNorm query, dense grads)",
-    "xlm": "XLM-style plain torch (`benchmarks/xlm_reference.py`, BN query, head loop, EmbeddingBag, dense grads)",
+    "xlm": "XLM-style plain torch (`benchmarks/speed/xlm_reference.py`, BN query, head loop, EmbeddingBag, dense grads)",
     "ours_dense": "ours, `ProductKeyMemory(...)` (dense value grad)",
     "ours_sparse": "ours, `ProductKeyMemory(..., sparse=True)` (sparse value grad)",
 }

@@ -13,7 +13,7 @@ from benchmarks.speed.common import build_tiny_layer, layer_step_fn, with_paths
 
 OVERHEAD_IMPLS = {
     "lucidrains": "lucidrains `PKM` 0.3.0",
-    "xlm": "XLM-style plain torch (`benchmarks/xlm_reference.py`)",
+    "xlm": "XLM-style plain torch (`benchmarks/speed/xlm_reference.py`)",
     "dense": "ours, dense value grad",
     "sparse": "ours, `sparse=True`",
     "memory_plus": "ours, Memory+ options (`qk_norm`, `output_gate='swilu'`, `memory_scale`)",

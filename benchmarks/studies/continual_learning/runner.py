@@ -1,5 +1,5 @@
 """Continual learning with sparse memory finetuning (SMF) against full finetuning and LoRA; writes
-benchmarks/CONTINUAL_LEARNING.md and benchmarks/continual_learning.png.
+benchmarks/CONTINUAL_LEARNING.md and benchmarks/results/continual_learning/continual_learning.png.
 
     python benchmarks/continual_learning.py            # ResM-MiniLM, the real run (~45 min on 2 cores shared with other jobs)
     python benchmarks/continual_learning.py --quick    # a tiny random model on the embedded texts (seconds)

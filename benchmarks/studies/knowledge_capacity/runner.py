@@ -14,7 +14,7 @@ of LMs 3.3's estimator (per attribute, N log2 |values| minus the values' cross-e
     python benchmarks/knowledge_capacity.py --write_kb kb.json --people 200
     python benchmarks/knowledge_capacity.py --measure FOLDER --kb kb.json   # recall of a saved model, from the two
 
-The stages (each run is kept in `benchmarks/knowledge_capacity.json` as it finishes, so a stopped run continues):
+The stages (each run is kept in `benchmarks/results/knowledge_capacity/knowledge_capacity.json` as it finishes, so a stopped run continues):
 1. `sanity`: the known answers (50 facts seen 500 times recalled, at each learning rate of the sweep; an untrained
    model at chance);
 2. `speed`: each arm's training step timed, interleaved in one process (ratios to the plain arm), which also sizes the
@@ -94,7 +94,7 @@ from modeling_pkm_bert.analysis.knowledge import (
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--output_dir", default=str(REPO_ROOT / "outputs" / "knowledge_capacity"))
-    parser.add_argument("--results", default=None, help="default: benchmarks/knowledge_capacity.json (--quick: in --output_dir)")
+    parser.add_argument("--results", default=None, help="default: benchmarks/results/knowledge_capacity/knowledge_capacity.json (--quick: in --output_dir)")
     parser.add_argument("--report", default=None, help="default: benchmarks/KNOWLEDGE_CAPACITY.md (--quick: in --output_dir)")
     parser.add_argument("--quick", action="store_true", help="the suite's version: a tiny base, a few steps")
     parser.add_argument(

@@ -15,7 +15,7 @@ sentences (fixed masks). Methods are compared at matched learning: where a curve
     python benchmarks/knowledge_editing.py --quick          # the suite's version: a tiny base, a few steps
     python benchmarks/knowledge_editing.py --methods full smf_tfidf_t1000 --stages base sweep   # a part of it
 
-Stages (each run is kept in `benchmarks/knowledge_editing.json` as it finishes; a stopped plan continues):
+Stages (each run is kept in `benchmarks/results/knowledge_editing/knowledge_editing.json` as it finishes; a stopped plan continues):
 1. `base`: the A models (ResM and plain) trained and measured; the ResM model's SMF background statistics, counted
    on A's training text in documents of one training batch (32 lines, as a step ranks them);
 2. `sweep`: every method at each of its learning rates (one budget of steps), seed 0;
@@ -101,7 +101,7 @@ from modeling_pkm_bert.analysis.knowledge import (
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--output_dir", default=str(REPO_ROOT / "outputs" / "knowledge_editing"))
-    parser.add_argument("--results", default=None, help="default: benchmarks/knowledge_editing.json (--quick: in --output_dir)")
+    parser.add_argument("--results", default=None, help="default: benchmarks/results/knowledge_editing/knowledge_editing.json (--quick: in --output_dir)")
     parser.add_argument("--report", default=None, help="default: benchmarks/KNOWLEDGE_EDITING.md (--quick: in --output_dir)")
     parser.add_argument("--quick", action="store_true", help="the suite's version: a tiny base, a few steps")
     parser.add_argument("--minilm", action="store_true",

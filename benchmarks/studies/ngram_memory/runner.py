@@ -15,7 +15,7 @@ tables of the largest primes <= 16384 rows x 24 features (6.26M per layer, layer
     OMP_NUM_THREADS=1 python benchmarks/ngram_memory.py --arms 0 2 & OMP_NUM_THREADS=1 python benchmarks/ngram_memory.py --arms 1 3
     python benchmarks/ngram_memory.py --report_only
 
-Every finished run's metrics are kept in `benchmarks/ngram_memory.json` (committed with the report: the run folders
+Every finished run's metrics are kept in `benchmarks/results/ngram_memory/ngram_memory.json` (committed with the report: the run folders
 under outputs/ are not), and the report is written from it; `--speed` adds its measurements there too.
 
 `--tiny` (the suite's version): a random 2-layer BERT folder instead of MiniLM, a few steps.
@@ -75,7 +75,7 @@ def parse_args(argv=None):
     parser.add_argument("--glue_learning_rate", type=float, default=5e-5)
     parser.add_argument("--tasks", nargs="+", choices=["mlm", "sst2"], default=["mlm", "sst2"])
     parser.add_argument("--skip_glue", action="store_true", help="the same as --tasks mlm")
-    parser.add_argument("--results", default=None, help="default: benchmarks/ngram_memory.json (--tiny: in --output_dir)")
+    parser.add_argument("--results", default=None, help="default: benchmarks/results/ngram_memory/ngram_memory.json (--tiny: in --output_dir)")
     parser.add_argument("--report_only", action="store_true", help="only write the report from finished runs")
     parser.add_argument("--tiny", action="store_true", help="the suite's version: tiny model and budget")
     parser.add_argument("--speed", action="store_true", help="measure the layer and Table 1 costs (item 4) instead")

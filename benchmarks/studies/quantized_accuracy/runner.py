@@ -89,7 +89,7 @@ def accuracy(model, tokenizer, dev_file):
     return 100.0 * correct / len(rows), len(rows)
 
 
-# peak RSS growth while a process without the package loads a folder: benchmarks/load_rss.py measures it
+# peak RSS growth while a process without the package loads a folder: benchmarks/speed/load_rss.py measures it
 LOAD_RSS = HERE / "speed" / "load_rss.py"  # run by path: a process without the package
 
 
