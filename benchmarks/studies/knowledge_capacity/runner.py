@@ -39,7 +39,6 @@ import fcntl
 import itertools
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -51,6 +50,7 @@ from pathlib import Path
 import torch
 
 
+from benchmarks.harness import machine  # the machine a results JSON records
 from benchmarks.studies.knowledge_capacity.config import (  # the arms, plans and paths (the report's too)
     ARMS,
     BASE,
@@ -805,11 +805,6 @@ def trim_vocabulary(source: str, tokenizer_folder: Path, target: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target)
     small.save_pretrained(target)
-
-
-def machine() -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
-            "load": round(os.getloadavg()[0], 2)}  # fmt: skip
 
 
 def measure_folder(folder: str, kb_path: str, checkpoints: bool, context: str = "sentence") -> dict:

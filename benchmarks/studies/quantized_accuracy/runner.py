@@ -29,6 +29,7 @@ from pathlib import Path
 
 
 from benchmarks.harness import BENCHMARKS as HERE  # the report's folder
+from benchmarks.harness import cpu_name, loadavg
 from modeling_pkm_bert.utils.output_folders import check_command_paths
 
 import torch
@@ -116,14 +117,9 @@ def folder_sizes(model, folder):
 
 
 def machine():
-    cpu = "n/a"
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
     import transformers
 
-    return (f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, transformers {transformers.__version__}, "
+    return (f"{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, transformers {transformers.__version__}, "
             f"python {platform.python_version()}, torch threads {torch.get_num_threads()}")
 
 
@@ -170,7 +166,7 @@ def main():
         f"`python benchmarks/quantized_accuracy.py --mlm_model {args.mlm_model} --glue_model {args.glue_model}` "
         f"(mask seed {args.seed}, {len(batches)} batches, {base['masked']} masked tokens). "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {machine()}; load average "
-        f"{' '.join(open('/proc/loadavg').read().split()[:3])}; took {time.perf_counter() - started:.0f} s.",
+        f"{loadavg()}; took {time.perf_counter() - started:.0f} s.",
         "",
     ]
     if args.command:
