@@ -39,7 +39,7 @@ try:
     from benchmarks.speed import common
     from modeling_pkm_bert import use_huge_pages
     rb = types.SimpleNamespace(**{**vars(harness), **vars(common), "use_huge_pages": use_huge_pages})
-except ModuleNotFoundError:  # a checkout from before the benchmarks package
+except ImportError:  # a checkout from before the benchmarks package (its benchmarks/ a namespace)
     import run_benchmarks as rb
 """
 LAYER = PRELUDE + """
