@@ -169,7 +169,6 @@ def write_figures(data: dict, plan: dict, labels: dict, folder: Path) -> list[st
 
 
 def write_report(args, data: dict) -> None:
-
     plan = args.plan
     report = Path(args.report)
     lines = ["# Knowledge capacity: what the memory is worth", ""]
