@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 
 
+from benchmarks.studies.knowledge_capacity import config as kcc  # its arms and MiniLM's conversion
 from benchmarks.studies.knowledge_capacity import runner as kc
 from benchmarks.studies.knowledge_editing.config import (  # the plans, methods and paths (the report's too)
     EDIT_ARMS,
@@ -188,9 +189,9 @@ def build_tokenizer(texts: list[str], folder: Path, check: list[str]):
     from transformers import AutoTokenizer, BertTokenizer
 
     full = AutoTokenizer.from_pretrained(kc.minilm_path())
-    pieces = sorted({piece for text in texts for piece in full.tokenize(text)} - set(kc.SPECIAL_TOKENS))
+    pieces = sorted({piece for text in texts for piece in full.tokenize(text)} - set(kcc.SPECIAL_TOKENS))
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vocab.txt").write_text("\n".join(kc.SPECIAL_TOKENS + pieces) + "\n", encoding="utf-8")
+    (folder / "vocab.txt").write_text("\n".join(kcc.SPECIAL_TOKENS + pieces) + "\n", encoding="utf-8")
     small = BertTokenizer(vocab=str(folder / "vocab.txt"), do_lower_case=True)
     small.model_max_length = 128
     for text in check:
@@ -623,7 +624,7 @@ class Benchmark:
         if self.args.masking == "values":  # the facts' lines get their values as spans; WikiText lines get none
             train_file, masking = kc.value_masking_file(train_file, self.data / "kb_a.json", strict=False), kc.VALUE_MASKING_FLAGS
         return [
-            sys.executable, str(kc.RUN_MLM), "--train_file", str(train_file),
+            sys.executable, str(kcc.RUN_MLM), "--train_file", str(train_file),
             "--validation_file", str(self.data / "validation.txt"), "--max_eval_samples", "32",
             "--line_by_line", "--max_seq_length", "128", "--per_device_train_batch_size", str(self.plan["batch_size"]),
             "--learning_rate", f"{lr:g}", "--memory_learning_rate", f"{memory_lr:g}", "--weight_decay", "0.01",
@@ -652,7 +653,7 @@ class Benchmark:
         else:
             command += ["--config_name", str(folder / "config"), "--tokenizer_name", str(self.data / "tokenizer")]
             if arm in EDIT_ARMS:
-                config = {"model_type": "bert_pkm", **kc.BASE, **EDIT_ARMS[arm], "vocab_size": vocab_size, "pkm_layers": []}
+                config = {"model_type": "bert_pkm", **kcc.BASE, **EDIT_ARMS[arm], "vocab_size": vocab_size, "pkm_layers": []}
             else:
                 config = kc.arm_config(arm, vocab_size, {})
         seconds = self.trained(folder, command)
@@ -828,7 +829,7 @@ class Benchmark:
             if self.base_folder(arm).exists():
                 model = AutoModelForMaskedLM.from_pretrained(self.base_folder(arm))
                 found[arm] = {f"layer_{i}": kc.keying_diagnosis(model, tokenizer, kb, people=len(kb["people"]), layer_index=i)
-                              for i in kc.MINILM_MEMORY_LAYERS}  # fmt: skip
+                              for i in kcc.MINILM_MEMORY_LAYERS}  # fmt: skip
         return found
 
     def sweep(self):
@@ -836,9 +837,9 @@ class Benchmark:
         self.run_all([(m, lr, seed) for lr_index in range(3) for m in self.args.methods
                       for lr in self.learning_rates(m)[lr_index : lr_index + 1]])  # fmt: skip
         # One tuning budget for every method: a best rate at an edge of its grid grows that grid one step (its ratio),
-        # up to kc.MAX_GRID_EXTENSIONS, so no method is compared at a rate its grid cut short.
+        # up to kcc.MAX_GRID_EXTENSIONS, so no method is compared at a rate its grid cut short.
         grids = {m: sorted(self.learning_rates(m)) for m in self.args.methods}
-        for _ in range(kc.MAX_GRID_EXTENSIONS):
+        for _ in range(kcc.MAX_GRID_EXTENSIONS):
             grow = [(m, rate) for m, grid in grids.items() if (rate := self.next_rate(m, grid, seed)) is not None]
             if not grow:
                 break
