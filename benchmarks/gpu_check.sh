@@ -9,10 +9,10 @@
 #    lacks: datasets and its dill/multiprocess, lucidrains' product-key-memory and its chain) go to /tmp/site;
 # 2. tests_cuda: `pytest -m cuda tests/layer/test_devices.py`;
 # 3. mixed_precision: a few steps of run_mlm.py and run_glue.py in fp32, bf16 and fp16 compared
-#    (benchmarks/gpu_mixed_precision.py, $OUT/mixed_precision/mixed_precision.md);
+#    (benchmarks/speed/gpu_mixed_precision.py, $OUT/mixed_precision/mixed_precision.md);
 # 4. layer_compile: the layer eager and compiled, fp32 and bf16, ours (dense, sparse) vs lucidrains
-#    (benchmarks/gpu_layer_compile.py, $OUT/layer_compile.log);
-# 5. train_step: a bf16 (and fp32) masked-LM training step of ResM-BERT-base vs BERT-base (benchmarks/gpu_train_step.py);
+#    (benchmarks/speed/gpu_layer_compile.py, $OUT/layer_compile.log);
+# 5. train_step: a bf16 (and fp32) masked-LM training step of ResM-BERT-base vs BERT-base (benchmarks/speed/gpu_train_step.py);
 # 6. benchmark_gpu: the GPU section of the benchmarks (gathers, the layer vs its peers, Table 1), $OUT/gpu_results.md
 #    (benchmarks/RESULTS.md is left alone).
 # Each part has its own time limit and log in $OUT, and a failing part does not stop the next; $OUT/summary.txt lists
@@ -76,10 +76,10 @@ wanted() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 ROUNDS=$([ -n "${QUICK:-}" ] && echo 5 || echo 15)
 wanted environment && part environment 60 bash -c environment
 wanted tests_cuda && part tests_cuda 150 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m cuda tests/layer/test_devices.py
-wanted mixed_precision && part mixed_precision 120 "$PYTHON" benchmarks/gpu_mixed_precision.py \
+wanted mixed_precision && part mixed_precision 120 "$PYTHON" -m benchmarks.speed.gpu_mixed_precision \
     --output_dir "$OUT/mixed_precision" --steps 20
-wanted layer_compile && part layer_compile 240 "$PYTHON" benchmarks/gpu_layer_compile.py --rounds "$ROUNDS"
-wanted train_step && part train_step 150 "$PYTHON" benchmarks/gpu_train_step.py --rounds "$ROUNDS"
+wanted layer_compile && part layer_compile 240 "$PYTHON" -m benchmarks.speed.gpu_layer_compile --rounds "$ROUNDS"
+wanted train_step && part train_step 150 "$PYTHON" -m benchmarks.speed.gpu_train_step --rounds "$ROUNDS"
 wanted benchmark_gpu && part benchmark_gpu 200 "$PYTHON" benchmarks/run_benchmarks.py --sections gpu overhead \
     --threads "$(nproc)" --output "$OUT/gpu_results.md" ${QUICK:+--quick}
 cat "$SUMMARY"

@@ -11,15 +11,11 @@ layers ("+Init" of Kim & Jung 2020) and save it as a complete Hub repository; op
 """
 
 import argparse
-import importlib.util
 import logging
 import os
 import sys
 from pathlib import Path
 
-
-if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 from modeling_pkm_bert.hub.card_command import card_command  # noqa: E402
 from modeling_pkm_bert.training.arguments import (  # noqa: E402

@@ -27,7 +27,6 @@ what 80 steps teach is that head. The memories' gain in the paper took 500k step
 
 import argparse
 import codecs
-import importlib.util
 import json
 import os
 import re
@@ -41,9 +40,6 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RUN_MLM = REPO_ROOT / "run_scripts" / "run_mlm.py"
-if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
-    sys.path.insert(0, str(REPO_ROOT))
-
 from modeling_pkm_bert.utils.input_errors import usage_errors  # noqa: E402 (standard library only)
 from modeling_pkm_bert.utils.output_folders import (  # noqa: E402
     check_command_paths,
@@ -542,7 +538,6 @@ def main():
     mark_output_folder(output_dir, TOOL)
     folder = output_dir / "resm-minilm"
     if args.timing_only:
-        sys.path.insert(0, str(REPO_ROOT))
         step_times = time_mlm_steps(args, {"ResM-MiniLM": folder, "plain MiniLM": output_dir / "plain-minilm"})
         print(
             f"MLM step of {args.per_device_train_batch_size} x {args.max_seq_length} tokens, interleaved: ResM-MiniLM "
@@ -572,7 +567,6 @@ def main():
         baseline = train(args, model_path, output_dir / "plain-minilm", pkm=False, env=env)
 
     banner("3. Check the Hub-ready folder")
-    sys.path.insert(0, str(REPO_ROOT))
     from modeling_pkm_bert.hub.upload import check_hub_folder
 
     check_hub_folder(folder)  # config with the full auto_map, every code file, the weights

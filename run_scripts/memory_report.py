@@ -16,14 +16,9 @@ held-out text (two chapters of Pride and Prejudice).
 """
 
 import argparse
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
-
-if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 from modeling_pkm_bert.training.arguments import help_requested  # noqa: E402 (standard library only)
 from modeling_pkm_bert.utils.input_errors import exits_with_usage_errors, usage_errors  # noqa: E402

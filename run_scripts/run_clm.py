@@ -40,16 +40,12 @@ A BERT config or checkpoint is made a decoder (`is_decoder=True`: causal self-at
 from __future__ import annotations  # annotations name torch types that `--help` does not import
 
 import argparse
-import importlib.util
 import os
 import random
 import sys
 import time
 from pathlib import Path
 
-
-if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 from modeling_pkm_bert.analysis.arguments import add_memory_report_arguments  # noqa: E402
 from modeling_pkm_bert.hub.card_command import card_command  # noqa: E402

@@ -50,7 +50,6 @@ every evaluation of every run (any seed, any number of processes) scores the sam
 from __future__ import annotations  # annotations name torch/datasets types that `--help` does not import
 
 import argparse
-import importlib.util
 import os
 import random
 import sys
@@ -58,9 +57,6 @@ import time
 from itertools import chain
 from pathlib import Path
 
-
-if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 from modeling_pkm_bert.analysis.arguments import add_memory_report_arguments  # noqa: E402
 from modeling_pkm_bert.hub.card_command import card_command  # noqa: E402

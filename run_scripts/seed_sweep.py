@@ -18,7 +18,6 @@ after the other, each logging to `OUTPUT_DIR/seed_s.log`. The runs' `all_results
 """
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -30,8 +29,6 @@ import textwrap
 import time
 
 
-if importlib.util.find_spec("modeling_pkm_bert") is None:  # run from a source checkout without `pip install -e .`
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 from modeling_pkm_bert.hub.card_command import redact_argv  # noqa: E402 (the package's import is lazy: no torch)
 from modeling_pkm_bert.utils.input_errors import usage_errors  # noqa: E402 (standard library only)
 from modeling_pkm_bert.utils.output_folders import (  # noqa: E402

@@ -23,6 +23,9 @@ TESTS = Path(__file__).resolve().parent
 # `from helpers import ...` in the test files of every folder (pytest puts only each file's own folder on sys.path)
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
+# `import benchmarks` (the benchmarks package is not installed; `python -m pytest` from the root finds it anyway)
+if str(TESTS.parent) not in sys.path:
+    sys.path.append(str(TESTS.parent))
 # the real data sits beside the checkout (CI has it); PKM_SHARED_DATA points elsewhere
 SHARED_DATA = Path(os.environ.get("PKM_SHARED_DATA", TESTS.parent.parent / "shared" / "data"))
 

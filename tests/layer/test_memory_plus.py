@@ -446,7 +446,7 @@ def test_run_mlm_trains_memory_plus_from_flags_and_clips_the_values(tmp_path, mo
 
 
 def test_options_benchmark_section_measures_every_variant_against_the_default(monkeypatch):
-    bench = load_script("run_benchmarks", folder="benchmarks")
+    from benchmarks.speed import options as bench
     monkeypatch.setattr(bench, "PAPER", dict(n_keys=16, heads=2, knn=4, k_dim=16))
     lines = bench.section_options(argparse.Namespace(quick=True, threads=1, options_batch=(2, 8)))
     rows = [line for line in lines if line.startswith("| ") and "ms" not in line and "---" not in line]
@@ -455,7 +455,7 @@ def test_options_benchmark_section_measures_every_variant_against_the_default(mo
 
 
 def test_shared_table_benchmark_section_compares_dense_and_sparse_gradients(monkeypatch):
-    bench = load_script("run_benchmarks", folder="benchmarks")
+    from benchmarks.speed import shared as bench
     monkeypatch.setattr(bench, "PAPER", dict(n_keys=16, heads=2, knn=4, k_dim=16))
     lines = bench.section_shared(argparse.Namespace(quick=True, threads=1, options_batch=(2, 8)))
     rows = [line for line in lines if line.startswith("| ") and "ms" not in line and "---" not in line]
@@ -468,7 +468,7 @@ def test_shared_table_benchmark_section_compares_dense_and_sparse_gradients(monk
 
 
 def test_memory_plus_report_lists_every_finished_run(tmp_path):
-    mp = load_script("memory_plus", folder="benchmarks")
+    mp = load_script("runner", folder="benchmarks/studies/memory_plus")
     args = argparse.Namespace(
         output_dir=str(tmp_path), seeds=[0, 1], max_train_steps=5, max_seq_length=16, per_device_train_batch_size=2,
         learning_rate=1e-4, num_warmup_steps=1, memory_optimizer="adam",

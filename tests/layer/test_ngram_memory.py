@@ -557,7 +557,7 @@ def test_ngram_benchmark_runs_its_arms_and_reports(tmp_path):
     from helpers import load_script
     from transformers import BertTokenizer
 
-    bench = load_script("ngram_memory", folder="benchmarks")
+    bench = load_script("runner", folder="benchmarks/studies/ngram_memory")
     source = tmp_path / "bert"
     words = (bench.DATA / "pride_and_prejudice_validation.txt").read_text().lower().split()[:400]
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted(set(words))[:250]

@@ -766,12 +766,8 @@ def test_compiled_masked_lm_with_padding_trains_like_eager(sparse):
 
 
 def test_benchmark_xlm_reference_computes_the_same_layer():
-    """benchmarks/xlm_reference.py (the peer of the speed comparison) is the same function as ProductKeyMemory."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from xlm_reference import XlmProductKeyMemory
+    """benchmarks/speed/xlm_reference.py (the peer of the speed comparison) is the same function as ProductKeyMemory."""
+    from benchmarks.speed.xlm_reference import XlmProductKeyMemory
 
     torch.manual_seed(11)
     ours = ProductKeyMemory(20, 12, n_keys=8, heads=3, knn=5, k_dim=10).double().train()

@@ -29,7 +29,7 @@ def test_load_script_runs_a_fresh_module_registered_only_while_it_executes(tmp_p
 
 def test_load_script_finds_the_scripts_and_benchmarks():
     assert callable(load_script("seed_sweep").main)
-    assert callable(load_script("reproduce_paper", folder="benchmarks").main)
+    assert callable(load_script("runner", folder="benchmarks/studies/reproduce_paper").main)
 
 
 HANGING = """

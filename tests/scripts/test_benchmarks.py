@@ -6,17 +6,23 @@ import time
 
 import pytest
 import torch
-from helpers import load_script
 
 from modeling_pkm_bert import BertPkmConfig, BertPkmModel
 
 
 @pytest.fixture(scope="module")
 def bench():
-    module = load_script("run_benchmarks", folder="benchmarks")
-    sys.modules["run_benchmarks"] = module
-    yield module
-    sys.modules.pop("run_benchmarks", None)
+    """The names of the speed package that these tests read (the harness, the sections, RESULTS.md's format) in one
+    namespace; a test that replaces a name patches the module that uses it."""
+    import types
+
+    from benchmarks import harness, speed
+    from benchmarks.speed import overhead, results, table1, trainer
+
+    names = {}
+    for module in (harness, speed, table1, overhead, trainer, results):
+        names |= {name: value for name, value in vars(module).items() if not name.startswith("__")}
+    return types.SimpleNamespace(**names)
 
 
 def test_interleaved_runs_every_function_each_round_in_rotated_order(bench):
@@ -147,9 +153,9 @@ def test_gpu_benchmarks_smoke_on_cpu(tmp_path):
     from helpers import REPO_ROOT
 
     for command, rows in (
-        (["benchmarks/gpu_layer_compile.py", "--device", "cpu", "--size", "tiny", "--rounds", "1", "--dtypes", "float32",
+        (["-m", "benchmarks.speed.gpu_layer_compile", "--device", "cpu", "--size", "tiny", "--rounds", "1", "--dtypes", "float32",
           "--modes", "eager"], 5),  # lucidrains; ours dense and sparse, each on its plan and on the reference
-        (["benchmarks/gpu_train_step.py", "--device", "cpu", "--size", "tiny", "--rounds", "1", "--batch", "2",
+        (["-m", "benchmarks.speed.gpu_train_step", "--device", "cpu", "--size", "tiny", "--rounds", "1", "--batch", "2",
           "--precisions", "fp32"], 3),
     ):  # fmt: skip
         result = subprocess.run([sys.executable, *command], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
@@ -182,7 +188,7 @@ def test_results_keep_the_latest_run_of_each_section_and_a_history(bench, tmp_pa
 def test_the_committed_results_are_in_the_writers_format(bench, tmp_path):
     """benchmarks/RESULTS.md reads back into sections and history and is rewritten unchanged (no hand edit outside a
     section would survive the next run)."""
-    committed = bench.HERE / "RESULTS.md"
+    committed = bench.BENCHMARKS / "RESULTS.md"
     sections, history = bench.read_results(committed)
     assert set(sections) <= set(bench.SECTIONS) and {"layer", "table1"} <= set(sections) and history
     copy = tmp_path / "RESULTS.md"

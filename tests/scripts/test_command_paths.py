@@ -5,10 +5,12 @@ path (symlinks resolved). The walk below takes each command's flags from its own
 declared fails it; the reproductions of the issue run the real commands."""
 
 import argparse
+import importlib
 import itertools
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +21,20 @@ from modeling_pkm_bert.utils.output_folders import COMMAND_PATHS, command_paths_
 
 
 FOLDERS = ("run_scripts", "benchmarks")
+
+
+def command_name(script: Path) -> str:
+    """A command's name in COMMAND_PATHS: its script's, or the entry's that runs it (benchmarks/<study>.py runs
+    benchmarks/studies/<study>/runner.py, benchmarks/run_benchmarks.py benchmarks/speed/__main__.py)."""
+    if script.name == "runner.py":
+        return script.parent.name
+    return "run_benchmarks" if script.name == "__main__.py" else script.stem
+
+
 COMMANDS = sorted(
-    (path.stem, folder)
+    (command_name(path), str(path.relative_to(REPO_ROOT)))
     for folder in FOLDERS
-    for path in (REPO_ROOT / folder).glob("*.py")
+    for path in (REPO_ROOT / folder).glob("*.py" if folder == "run_scripts" else "**/*.py")  # the package's modules
     if "ArgumentParser(" in path.read_text(encoding="utf-8")
 )
 TEXT = (REPO_ROOT / "run_scripts" / "data" / "pride_and_prejudice_validation.txt").read_text(encoding="utf-8")
@@ -32,15 +44,20 @@ class _Parsed(Exception):
     """Raised in place of parsing: carries the command's parser out before any of its work."""
 
 
-def command_parser(name: str, folder: str, monkeypatch) -> argparse.ArgumentParser:
-    """The parser of `folder/name.py`: its `parse_args` (or `main`) runs up to its first `parser.parse_args`."""
+def command_parser(name: str, script: str, monkeypatch) -> argparse.ArgumentParser:
+    """The parser of `script` (a file of run_scripts/, or a module of the benchmarks package): its `parse_args` (or
+    `main`) runs up to its first `parser.parse_args`."""
 
     def capture(parser, *args, **kwargs):
         raise _Parsed(parser)
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
     monkeypatch.setattr(sys, "argv", [f"{name}.py"])
-    module = load_script(name, folder)
+    path = Path(script)
+    if path.parts[0] == "benchmarks":  # a module of the package (imported: `__main__.py` must not run as a script)
+        module = importlib.import_module(".".join(path.with_suffix("").parts))
+    else:
+        module = load_script(path.stem, path.parent)
     entry = getattr(module, "parse_args", None) or module.main
     with pytest.raises(_Parsed) as parsed:
         entry()
@@ -58,20 +75,20 @@ def path_flags(parser: argparse.ArgumentParser) -> set[str]:
     }
 
 
-@pytest.mark.parametrize("name,folder", COMMANDS, ids=[name for name, _ in COMMANDS])
-def test_every_path_flag_is_declared(name, folder, monkeypatch):
+@pytest.mark.parametrize("name,script", COMMANDS, ids=[name for name, _ in COMMANDS])
+def test_every_path_flag_is_declared(name, script, monkeypatch):
     """Each flag that may name a path is read, written or declared no path; each declared flag exists."""
-    assert name in COMMAND_PATHS, f"{folder}/{name}.py parses flags: declare its paths in COMMAND_PATHS"
+    assert name in COMMAND_PATHS, f"{script} parses flags: declare its paths in COMMAND_PATHS"
     declared = COMMAND_PATHS[name]
-    flags = path_flags(command_parser(name, folder, monkeypatch))
+    flags = path_flags(command_parser(name, script, monkeypatch))
     undeclared = flags - {*declared.reads, *declared.writes, *declared.not_paths}
     assert not undeclared, f"{name}: declare {sorted(undeclared)} as read, written or not a path"
-    dests = {action.dest for action in command_parser(name, folder, monkeypatch)._actions}
+    dests = {action.dest for action in command_parser(name, script, monkeypatch)._actions}
     shared = name in ("run_mlm", "run_clm", "run_glue", "run_squad")  # one declaration for the four
     unknown = {*declared.reads, *declared.writes, *declared.not_paths} - dests - set(declared.labels)
     assert shared or not unknown, f"{name}: {sorted(unknown)} are no flags of its parser"
     if declared.writes:  # checked while its flags are parsed
-        source = (REPO_ROOT / folder / f"{name}.py").read_text(encoding="utf-8")
+        source = (REPO_ROOT / script).read_text(encoding="utf-8")
         assert "check_command_paths(parser, args" in source or (shared and "validate_training_arguments" in source)
 
 
@@ -231,7 +248,7 @@ def test_explorer_over_its_own_dataset_folder_is_refused(tiny_model, tmp_path, c
 
 
 def test_reproduce_paper_refuses_one_folder_for_runs_and_figures(tmp_path, capsys):
-    script = load_script("reproduce_paper", folder=REPO_ROOT / "benchmarks")
+    script = load_script("runner", folder=REPO_ROOT / "benchmarks/studies/reproduce_paper")
     data = tmp_path / "data"
     (data / "glue" / "SST-2").mkdir(parents=True)
     for name in ("train.tsv", "dev.tsv"):

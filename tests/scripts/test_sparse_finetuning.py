@@ -681,7 +681,7 @@ def test_run_glue_and_run_squad_train_only_value_rows(tiny_checkpoint, tmp_path,
 def test_continual_learning_benchmark_quick(tmp_path):
     import json as json_module
 
-    module = load_script("continual_learning", folder="benchmarks")
+    module = load_script("runner", folder="benchmarks/studies/continual_learning")
     results = module.main(["--quick", "--output_dir", str(tmp_path)])
     methods = ["full", "lora", "smf_tfidf_t4", "smf_tfidf_t16", "smf_kl_t4", "smf_kl_t16"]
     assert list(results["curves"]) == methods
@@ -723,7 +723,7 @@ def test_adam_momentum_would_move_unchosen_rows_without_the_restore():
 
 
 def test_benchmark_matched_learning_arithmetic_and_merge():
-    bench = load_script("continual_learning", folder="benchmarks")
+    bench = load_script("runner", folder="benchmarks/studies/continual_learning")
     base = {"new_loss": 5.0, "heldout_ppl": 100.0}
     fast = [{"step": 0, **base}, {"step": 10, "new_loss": 3.0, "heldout_ppl": 140.0}]
     slow = [{"step": 0, **base}, {"step": 10, "new_loss": 4.5, "heldout_ppl": 101.0}, {"step": 20, "new_loss": 4.0, "heldout_ppl": 102.0}]

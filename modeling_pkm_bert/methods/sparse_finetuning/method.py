@@ -29,7 +29,7 @@ Recipe:
      the IDF hardly separates a row read in one document from a row never read (`log(37 / 2)` against `log(37)` at
      `N = 36`), so TF-IDF writes rows the background reads. Outputs on the background itself stay bit-identical;
      a masked LM's facts are recalled at [MASK] positions, whose rows unmasked text does not read, so they are not
-     protected (`benchmarks/KNOWLEDGE_EDITING_MINILM_UNREAD.md`: it forgot more than TF-IDF).
+     protected (`benchmarks/KNOWLEDGE_EDITING.md`, its History: it forgot more than TF-IDF).
    Slots the step did not read are never chosen (fewer than `t` read: all of them). Ties are broken by the lower slot
    index (a stable descending sort of float64 scores; every process computes the same choice from the same
    all-reduced counts).

@@ -1,0 +1,1 @@
+"""The study behind benchmarks/KNOWLEDGE_CAPACITY.md; its entry: benchmarks/knowledge_capacity.py."""

@@ -1,0 +1,1 @@
+"""The study behind benchmarks/MEMORY_PLUS.md; its entry: benchmarks/memory_plus.py."""

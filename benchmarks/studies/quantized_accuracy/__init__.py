@@ -1,0 +1,1 @@
+"""The study behind benchmarks/QUANTIZED.md; its entry: benchmarks/quantized_accuracy.py."""

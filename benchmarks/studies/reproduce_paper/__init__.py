@@ -1,0 +1,1 @@
+"""The study behind benchmarks/REPRODUCTION.md; its entry: benchmarks/reproduce_paper.py."""

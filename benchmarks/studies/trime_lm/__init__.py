@@ -1,0 +1,1 @@
+"""The study behind benchmarks/TRIME.md; its entry: benchmarks/trime_lm.py."""
