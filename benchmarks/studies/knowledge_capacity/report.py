@@ -175,13 +175,13 @@ def write_report(args, data: dict) -> None:
     lines = ["# Knowledge capacity: what the memory is worth", ""]
     if getattr(args, "masking", "random") == "values":  # a value-masking plan's own report: its section alone
         report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text("\n".join(lines + values_lines(data, LABELS, report.parent)), encoding="utf-8")
+        report.write_text("\n".join(lines + values_lines(data, LABELS, Path(args.results).parent, report.parent)), encoding="utf-8")
         print(f"wrote {report}")
         return
     if VALUES_RESULTS.exists():  # the current regime first; the random-masking runs below are its history
         import json
 
-        lines += values_lines(json.loads(VALUES_RESULTS.read_text(encoding="utf-8")), LABELS, report.parent)
+        lines += values_lines(json.loads(VALUES_RESULTS.read_text(encoding="utf-8")), LABELS, VALUES_RESULTS.parent, report.parent)
         lines += ["## History: the earlier runs, 15% random masking", "",
                   "A fact's value was supervised in about one exposure of seven: the rows below measure little storage "
                   "(see the value-masking section above for the regime that decides).", ""]  # fmt: skip
@@ -449,8 +449,9 @@ def values_verdict(data: dict) -> list[str]:
     return lines
 
 
-def values_lines(data: dict, labels: dict, folder: Path | None = None) -> list[str]:
-    """The section of the value-masking pretrained regime: setup, tuning, results by size, curves, step time, verdict."""
+def values_lines(data: dict, labels: dict, folder: Path | None = None, report_dir: Path | None = None) -> list[str]:
+    """The section of the value-masking pretrained regime: setup, tuning, results by size, curves, step time, verdict;
+    its figure written in `folder` and linked from `report_dir` (default: the same folder)."""
     runs = [r for r in data["runs"].values() if r["arm"] in VALUES_ARMS and r.get("masking") == "values"]
     if not runs:
         return []
@@ -492,6 +493,10 @@ def values_lines(data: dict, labels: dict, folder: Path | None = None) -> list[s
                          f"{f['train']['bits']:,.0f} |")  # fmt: skip
         lines.append("")
     chosen = values_chosen(data)
+    chance = [statistics.fmean(a["chance"] for a in r["final"]["train"]["attributes"].values()) for r in runs
+              if r["final"]["train"].get("attributes") and all("chance" in a for a in r["final"]["train"]["attributes"].values())]  # fmt: skip
+    if chance:
+        lines += [f"Chance (a uniform guess of each value, averaged over the five attributes): {chance[0]:.3f} of the facts.", ""]
     lines += ["Each arm at its tuned rates; mean ± standard deviation over seeds; ResM / plain seed by seed, mean (min-max):", "",
               "| people | arm | seeds | recall train / held-out | ranked recall train / held-out | bits train (sample) | bits held-out (sample) |",
               "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -530,7 +535,7 @@ def values_lines(data: dict, labels: dict, folder: Path | None = None) -> list[s
     if folder is not None:
         name = values_figure(data, labels, folder)
         if name:
-            lines += [f"![{name}]({name})", ""]
+            lines += [f"![{name}]({os.path.relpath(folder / name, report_dir or folder)})", ""]
     loads = [r["load"] for r in runs if "load" in r]
     if loads:
         lines += [f"Machine load (1-minute average) when these runs finished: {min(loads):.1f}–{max(loads):.1f} "
@@ -574,7 +579,7 @@ def values_figure(data: dict, labels: dict, folder: Path, name: str = "knowledge
     axes[0].set(xlabel="training steps", ylabel="stored bits (sample)", title="training template")
     axes[1].set(xlabel="training steps", ylabel="stored bits (sample)", title="held-out template")
     if speed:
-        axes[2].set(xlabel="training time (minutes, one thread: steps x the interleaved step time)", ylabel="stored bits (sample)",
+        axes[2].set(xlabel="minutes on one thread (steps x interleaved step time)", ylabel="stored bits (sample)",
                     title="training template, against time")  # fmt: skip
     for axis in axes:
         axis.grid(alpha=0.3)
