@@ -18,6 +18,7 @@ PKM_CODE_VERSION = "0.6.0"
 REMOTE_CODE_FILES = (
     "configuration_bert_pkm.py",
     "modeling_bert_pkm.py",
+    "modeling_pkm_utils.py",
     "product_key_memory.py",
     "product_key_memory_ops.py",
     "ngram_memory.py",

@@ -14,8 +14,9 @@ needs no optional dependency and the memories see a padding mask: the query Batc
 n-gram memories hash padding as padding, and a padded batch computes, for its real tokens, what each row computes
 alone (rotary positions are relative, so left padding shifts nothing). The memory sits beside the MLP on the same
 normalised input: `h + MLP(LN(h)) + PKM(LN(h))` (`pkm_mode="resm"`) or `h + PKM(LN(h))` (`"replace"`); with
-`pkm_value_init="zeros"` it adds exactly zero, so a converted checkpoint starts as its source. The checked loading
-and saving are BertPkm's (`BertPkmPreTrainedModel`), under ModernBERT's names.
+`pkm_value_init="zeros"` it adds exactly zero, so a converted checkpoint starts as its source. The memory factories,
+the attention masks, the input checks and the checked loading and saving are the shared module's
+(`modeling_pkm_utils.py`: `PkmPreTrainedModel`), under ModernBERT's names.
 """
 
 import math
@@ -24,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
+from torch.nn import CrossEntropyLoss
 from transformers import GradientCheckpointingLayer
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -38,25 +39,31 @@ from transformers.modeling_outputs import (
 )
 from transformers.utils import logging
 
-# transformers before 5.24 copies only the direct relative imports of a loaded file: every file modeling_bert_pkm and
+# transformers before 5.24 copies only the direct relative imports of a loaded file: every file modeling_pkm_utils and
 # the configurations need is imported here too
 from .configuration_bert_pkm import PKM_CODE_VERSION  # noqa: F401
 from .configuration_modernbert_pkm import ModernBertPkmConfig
-from .modeling_bert_pkm import (
+
+# a ModernBertPkm folder holds every shipped file but RobertaPkm's (`hub.refresh.code_files_of`), BertPkm's included
+from .modeling_bert_pkm import BertPkmPreTrainedModel  # noqa: F401
+from .modeling_pkm_utils import (
     ATTENTION_FUNCTIONS,
-    BertPkmPreTrainedModel,
+    PkmPreTrainedModel,
     additive_mask,
-    check_attention_mask,
+    check_id_values,
+    check_model_inputs,
     ngram_memory,
+    number_of_choices,
     product_key_memory,
     real_tokens_of_4d_mask,
-    refuse_input,
+    sequence_classification_loss,
     shared_values_names,
+    shared_values_ties,
     value_table,
 )
 from .ngram_memory import NgramMemory  # noqa: F401
 from .product_key_memory import ProductKeyMemory  # noqa: F401  (a direct import: transformers < 5.24 copies only those)
-from .product_key_memory_ops import is_exporting
+from .product_key_memory_ops import is_exporting  # noqa: F401
 
 
 logger = logging.get_logger(__name__)
@@ -116,9 +123,10 @@ def default_inv_freq(config, layer_type: str, device=None) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
 
 
-# Adapted from transformers.models.modernbert.modeling_modernbert.ModernBertRotaryEmbedding: the default rope type
-# only (transformers' RoPE registry and dynamic updates are internals), buffers by register_buffer
 class ModernBertPkmRotaryEmbedding(nn.Module):
+    """ModernBERT's rotary embedding (one inverse frequency per attention kind), ours: the default rope type only
+    (transformers' RoPE registry and dynamic updates are internals)."""
+
     def __init__(self, config: ModernBertPkmConfig, device=None):
         super().__init__()
         self.config = config
@@ -193,10 +201,9 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-# Adapted from transformers.models.modernbert.modeling_modernbert.apply_rotary_pos_emb: without the hub kernel
-# decorator (an internal of transformers)
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """Applies Rotary Position Embedding to the query and key tensors (in fp32, back in their dtype)."""
+    """Applies Rotary Position Embedding to the query and key tensors (in fp32, back in their dtype). Ours: transformers'
+    ModernBERT wraps its copy in a hub-kernel module (an internal), so there is no plain source to check it against."""
     original_dtype = q.dtype
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
@@ -205,8 +212,13 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     return q_embed.to(original_dtype), k_embed.to(original_dtype)
 
 
-# Adapted from transformers.models.modernbert.modeling_modernbert.ModernBertAttention: our attention functions (the
-# sliding window is in the mask), no hub kernels
+# Copied from transformers.models.modernbert.modeling_modernbert.ModernBertAttention with ModernBert->ModernBertPkm
+# Differs: `@use_kernelized_func(apply_rotary_pos_emb)` -> ``
+# Differs: `"""Performs multi-headed self attention on a batch of unpadded sequences.\n\n    If Flash Attention 2 is installed, this module uses Flash Attention to improve throughput.\n    If Flash Attention 2 is not installed, the implementation will use PyTorch's SDPA kernel,\n    which requires padding and unpadding inputs, adding some overhead.\n\n    See `forward` method for additional details.\n    """` -> `"""Multi-headed self attention with rotary positions; a local layer's window is in its attention mask."""`
+# Differs: `**kwargs: Unpack[TransformersKwargs],` -> `**kwargs,`
+# Differs: `attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(\n            self.config._attn_implementation, eager_attention_forward\n        )` -> `attention, boolean_mask = attention_function(self.config._attn_implementation)\n        if attention_mask is not None and not boolean_mask:\n            attention_mask = additive_mask(attention_mask, query_states.dtype)`
+# Differs: `= attention_interface(` -> `= attention(`
+# Differs: `deterministic=self.deterministic_flash_attn,` -> ``
 class ModernBertPkmAttention(nn.Module):
     """Multi-headed self attention with rotary positions; a local layer's window is in its attention mask."""
 
@@ -262,6 +274,7 @@ class ModernBertPkmAttention(nn.Module):
         attention, boolean_mask = attention_function(self.config._attn_implementation)
         if attention_mask is not None and not boolean_mask:
             attention_mask = additive_mask(attention_mask, query_states.dtype)
+
         attn_output, attn_weights = attention(
             self,
             query_states,
@@ -279,9 +292,8 @@ class ModernBertPkmAttention(nn.Module):
         return attn_output, attn_weights
 
 
-# Adapted from transformers.models.modernbert.modeling_modernbert.ModernBertEncoderLayer: the memories
 class ModernBertPkmEncoderLayer(GradientCheckpointingLayer):
-    """ModernBERT's pre-norm layer; at `config.pkm_layers` a product key memory beside (`resm`) or instead of
+    """ModernBERT's pre-norm layer (transformers' `ModernBertEncoderLayer`), ours: at `config.pkm_layers` a product key memory beside (`resm`) or instead of
     (`replace`) the MLP, on the MLP's normalised input; at `config.ngram_layers` an n-gram memory added to the layer's
     input before its attention (Engram's place)."""
 
@@ -355,9 +367,9 @@ class ModernBertPkmPredictionHead(nn.Module):
         return self.norm(self.act(self.dense(hidden_states)))
 
 
-class ModernBertPkmPreTrainedModel(BertPkmPreTrainedModel):
-    """ModernBERT's weight initialisation; BertPkm's memory initialisation, checked loading and saving under
-    ModernBERT's names (`model.layers.{i}.`, the MLP `.mlp.`)."""
+class ModernBertPkmPreTrainedModel(PkmPreTrainedModel):
+    """ModernBERT's weight initialisation; the memories' initialisation, checked loading and saving
+    (`PkmPreTrainedModel`) under ModernBERT's names (`model.layers.{i}.`, the MLP `.mlp.`)."""
 
     config: ModernBertPkmConfig
     base_model_prefix = "model"
@@ -367,8 +379,9 @@ class ModernBertPkmPreTrainedModel(BertPkmPreTrainedModel):
     memory_replaced_parts = (".mlp.Wi.", ".mlp.Wo.")
     body_prefixes = ("embeddings.", LAYER_PATH, "final_norm.")
 
-    # Adapted from transformers.models.modernbert.modeling_modernbert.ModernBertPreTrainedModel._init_weights: our
-    # classes, the memories first (BertPkm's), the rotary frequencies of the default rope type
+    # Copied from transformers.models.modernbert.modeling_modernbert.ModernBertPreTrainedModel._init_weights with ModernBert->ModernBertPkm
+    # Differs: `def _init_weights(self, module: nn.Module):` -> `@torch.no_grad()\ndef _init_weights(self, module: nn.Module):`
+    # Differs: `rope_init_fn = module.compute_default_rope_parameters\n            if module.rope_type[layer_type] != "default":\n                rope_init_fn = ROPE_INIT_FUNCTIONS[module.rope_type[layer_type]]\n            curr_inv_freq, _ = rope_init_fn(module.config, layer_type=layer_type)\n            init.copy_(getattr(module, f"{layer_type}_inv_freq"), curr_inv_freq)\n            init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), curr_inv_freq)` -> `init.copy_(getattr(module, f"{layer_type}_inv_freq"), default_inv_freq(module.config, layer_type))\n    elif isinstance(module, nn.LayerNorm):\n        init.ones_(module.weight)\n        if module.bias is not None:\n            init.zeros_(module.bias)`
     @torch.no_grad()
     def _init_weights(self, module: nn.Module):
         super()._init_weights(module)
@@ -377,9 +390,17 @@ class ModernBertPkmPreTrainedModel(BertPkmPreTrainedModel):
             cutoff_factor = 3
 
         def init_weight(module: nn.Module, std: float):
-            init.trunc_normal_(module.weight, mean=0.0, std=std, a=-cutoff_factor * std, b=cutoff_factor * std)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                init.zeros_(module.bias)
+            init.trunc_normal_(
+                module.weight,
+                mean=0.0,
+                std=std,
+                a=-cutoff_factor * std,
+                b=cutoff_factor * std,
+            )
+
+            if isinstance(module, nn.Linear):
+                if module.bias is not None:
+                    init.zeros_(module.bias)
 
         stds = {
             "in": self.config.initializer_range,
@@ -445,9 +466,8 @@ class ModernBertPkmModel(ModernBertPkmPreTrainedModel):
         self.rotary_emb = ModernBertPkmRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
         # pkm_shared_values: transformers' tied weights save the table once (under the first memory)
-        names = shared_values_names(config, layer_path=LAYER_PATH)
-        if names:
-            self._tied_weights_keys = {name: names[0] for name in names[1:]}
+        if shared_values_names(config, layer_path=LAYER_PATH):
+            self._tied_weights_keys = shared_values_ties(config, LAYER_PATH)
 
         self.post_init()
 
@@ -455,8 +475,7 @@ class ModernBertPkmModel(ModernBertPkmPreTrainedModel):
         # the shared value table is tied whatever `tie_word_embeddings` says (that flag is about the embeddings)
         if all_submodels:
             return super().get_expanded_tied_weights_keys(all_submodels=True)
-        names = shared_values_names(self.config, layer_path=LAYER_PATH)
-        return {name: names[0] for name in names[1:]}
+        return shared_values_ties(self.config, LAYER_PATH)
 
     def get_input_embeddings(self):
         return self.embeddings.tok_embeddings
@@ -575,33 +594,9 @@ class ModernBertPkmModel(ModernBertPkmPreTrainedModel):
     def _check_inputs(self, input_ids, attention_mask, position_ids, inputs_embeds):
         """Shapes always (free); the values of ids in eager mode only, in one host sync (a compiled or exported graph
         holds no data-dependent check). `validate_input_values = False` skips the latter."""
-        config = self.config
-        if input_ids is not None:
-            if input_ids.dim() != 2:
-                hint = "; a single sequence needs a batch dimension: input_ids[None]" if input_ids.dim() == 1 else ""
-                refuse_input("input_ids", input_ids.shape, f"must be 2-D (batch_size, sequence_length){hint}")
-            if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-                refuse_input("input_ids", input_ids.shape, f"has dtype {input_ids.dtype}; token ids must be integers")
-            name, shape = "input_ids", tuple(input_ids.shape)
-        else:
-            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
-                allowed = f"must be (batch_size, sequence_length, hidden_size={config.hidden_size})"
-                refuse_input("inputs_embeds", inputs_embeds.shape, allowed)
-            name, shape = "inputs_embeds", tuple(inputs_embeds.shape[:2])
-        batch, length = shape
-        if batch == 0 or length == 0:
-            refuse_input(name, shape, "holds no token: every batch needs at least one sequence of at least one token")
-        if position_ids is not None and tuple(position_ids.shape) not in (shape, (1, length)):
-            refuse_input("position_ids", position_ids.shape, f"must match {name}: {shape} (or (1, {length}))")
-        if attention_mask is not None:
-            check_attention_mask(attention_mask, batch, length, 0)
-        if input_ids is None or not self.validate_input_values or torch.compiler.is_compiling() or is_exporting():
-            return
-        # out-of-range ids index the embedding table: an IndexError on CPU, a device-side assert on GPU
-        low, high = (int(value) for value in torch.stack(torch.aminmax(input_ids.detach())).tolist())
-        if low < 0 or high >= config.vocab_size:
-            value = low if low < 0 else high
-            refuse_input("input_ids", input_ids.shape, f"holds {value}; values must be in [0, {config.vocab_size - 1}]")
+        check_model_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids)
+        if self.validate_input_values:
+            check_id_values([("input_ids", input_ids, self.config.vocab_size)])
 
 
 class ModernBertPkmForMaskedLM(ModernBertPkmPreTrainedModel):
@@ -730,29 +725,7 @@ class ModernBertPkmForSequenceClassification(ModernBertPkmPreTrainedModel):
         )
         pooled_output = self.drop(self.head(pooled(self.config, outputs[0], attention_mask)))
         logits = self.classifier(pooled_output)
-
-        loss = None
-        if labels is not None:
-            if self.config.problem_type is None:
-                if self.num_labels == 1:
-                    self.config.problem_type = "regression"
-                elif self.num_labels > 1 and (labels.dtype == torch.long or labels.dtype == torch.int):
-                    self.config.problem_type = "single_label_classification"
-                else:
-                    self.config.problem_type = "multi_label_classification"
-
-            if self.config.problem_type == "regression":
-                loss_fct = MSELoss()
-                if self.num_labels == 1:
-                    loss = loss_fct(logits.squeeze(), labels.squeeze())
-                else:
-                    loss = loss_fct(logits, labels)
-            elif self.config.problem_type == "single_label_classification":
-                loss_fct = CrossEntropyLoss()
-                loss = loss_fct(logits.view(-1, self.num_labels), labels.view(-1))
-            elif self.config.problem_type == "multi_label_classification":
-                loss_fct = BCEWithLogitsLoss()
-                loss = loss_fct(logits, labels)
+        loss = sequence_classification_loss(self, logits, labels)
 
         output = SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
@@ -915,16 +888,7 @@ class ModernBertPkmForMultipleChoice(ModernBertPkmPreTrainedModel):
             The index of the right choice.
         """
         return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
-        if input_ids is not None and input_ids.dim() != 3:
-            raise ValueError(
-                f"input_ids of shape {tuple(input_ids.shape)} must be 3-D (batch_size, num_choices, sequence_length)"
-            )
-        if inputs_embeds is not None and inputs_embeds.dim() != 4:
-            raise ValueError(
-                f"inputs_embeds of shape {tuple(inputs_embeds.shape)} must be 4-D (batch_size, num_choices,"
-                " sequence_length, hidden_size)"
-            )
-        num_choices = input_ids.shape[1] if input_ids is not None else inputs_embeds.shape[1]
+        num_choices = number_of_choices(input_ids, inputs_embeds)
 
         input_ids = input_ids.view(-1, input_ids.size(-1)) if input_ids is not None else None
         attention_mask = attention_mask.view(-1, attention_mask.size(-1)) if attention_mask is not None else None

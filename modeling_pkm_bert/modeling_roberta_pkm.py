@@ -3,14 +3,15 @@
 Remote code, as modeling_bert_pkm.py: it imports only torch, transformers' stable public API and its sibling files.
 RoBERTa is BERT with three differences, which are all this file holds: embeddings whose positions are counted from
 `padding_idx + 1` and derived from the input ids, a single token type, and RoBERTa's heads (`lm_head`, a
-classification head on the first token instead of a pooler). The layers, the memories, the attention masks and the
-checked loading and saving are BertPkm's, imported. Weight names follow transformers' RoBERTa (`roberta.embeddings...`,
-`lm_head.dense/layer_norm/decoder`, `classifier.dense/out_proj`), so that a RoBERTa checkpoint's heads load as they are.
+classification head on the first token instead of a pooler). The layers are BertPkm's, imported; the memories, the
+attention masks and the checked loading and saving are the shared module's (`modeling_pkm_utils.py`). Weight names
+follow transformers' RoBERTa (`roberta.embeddings...`, `lm_head.dense/layer_norm/decoder`, `classifier.dense/out_proj`),
+so that a RoBERTa checkpoint's heads load as they are.
 """
 
 import torch
 from torch import nn
-from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
+from torch.nn import CrossEntropyLoss
 from transformers import Cache, GenerationMixin
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -24,11 +25,18 @@ from transformers.modeling_outputs import (
 )
 from transformers.utils import logging
 
-# transformers before 5.24 copies only the direct relative imports of a loaded file: every file modeling_bert_pkm and
-# the configurations need is imported here too
+# transformers before 5.24 copies only the direct relative imports of a loaded file: every file modeling_bert_pkm,
+# modeling_pkm_utils and the configurations need is imported here too
 from .configuration_bert_pkm import PKM_CODE_VERSION  # noqa: F401
 from .configuration_roberta_pkm import RobertaPkmConfig
-from .modeling_bert_pkm import CACHE_FIELD, BertPkmModel, BertPkmPreTrainedModel, add_ngram_history
+from .modeling_bert_pkm import BertPkmModel, BertPkmPreTrainedModel
+from .modeling_pkm_utils import (
+    CACHE_FIELD,
+    add_ngram_history,
+    merge_cache_arguments,
+    number_of_choices,
+    sequence_classification_loss,
+)
 from .ngram_memory import NgramMemory  # noqa: F401
 from .product_key_memory import ProductKeyMemory  # noqa: F401
 from .product_key_memory_ops import is_exporting  # noqa: F401
@@ -37,8 +45,8 @@ from .product_key_memory_ops import is_exporting  # noqa: F401
 logger = logging.get_logger(__name__)
 
 
-# Adapted from transformers.models.roberta.modeling_roberta.RobertaEmbeddings: buffers by register_buffer, the
-# token_type_ids buffer always there
+# Copied from transformers.models.roberta.modeling_roberta.RobertaEmbeddings with Roberta->RobertaPkm
+# Differs: `self.token_type_ids.to(position_ids.device).expand(` -> `self.token_type_ids.expand(`
 class RobertaPkmEmbeddings(nn.Module):
     """Construct the embeddings from word, position and token_type embeddings."""
 
@@ -50,10 +58,8 @@ class RobertaPkmEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         # position_ids (1, len position emb) is contiguous in memory and exported when serialized
-        self.register_buffer(
-            "position_ids", torch.arange(config.max_position_embeddings).expand((1, -1)), persistent=False
-        )
-        self.register_buffer("token_type_ids", torch.zeros(self.position_ids.size(), dtype=torch.long), persistent=False)
+        self.position_ids = nn.Buffer(torch.arange(config.max_position_embeddings).expand((1, -1)), persistent=False)
+        self.token_type_ids = nn.Buffer(torch.zeros(self.position_ids.size(), dtype=torch.long), persistent=False)
 
         self.padding_idx = config.pad_token_id
         self.position_embeddings = nn.Embedding(
@@ -82,11 +88,17 @@ class RobertaPkmEmbeddings(nn.Module):
 
         batch_size, seq_length = input_shape
 
-        # the all-zero buffer helps users trace the model without token_type_ids (transformers issue #5664)
+        # Setting the token_type_ids to the registered buffer in constructor where it is all zeros, which usually occurs
+        # when its auto-generated, registered buffer helps users when tracing the model without passing token_type_ids, solves
+        # issue #5664
         if token_type_ids is None:
-            buffered_token_type_ids = self.token_type_ids.expand(position_ids.shape[0], -1)
-            buffered_token_type_ids = torch.gather(buffered_token_type_ids, dim=1, index=position_ids)
-            token_type_ids = buffered_token_type_ids.expand(batch_size, seq_length)
+            if hasattr(self, "token_type_ids"):
+                # NOTE: We assume either pos ids to have bsz == 1 (broadcastable) or bsz == effective bsz (input_shape[0])
+                buffered_token_type_ids = self.token_type_ids.expand(position_ids.shape[0], -1)
+                buffered_token_type_ids = torch.gather(buffered_token_type_ids, dim=1, index=position_ids)
+                token_type_ids = buffered_token_type_ids.expand(batch_size, seq_length)
+            else:
+                token_type_ids = torch.zeros(input_shape, dtype=torch.long, device=self.position_ids.device)
 
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)
@@ -102,7 +114,14 @@ class RobertaPkmEmbeddings(nn.Module):
 
     @staticmethod
     def create_position_ids_from_inputs_embeds(inputs_embeds, padding_idx):
-        """Sequential positions from `padding_idx + 1` (embeddings alone do not show which tokens are padding)."""
+        """
+        We are provided embeddings directly. We cannot infer which are padded so just generate sequential position ids.
+
+        Args:
+            inputs_embeds: torch.Tensor
+
+        Returns: torch.Tensor
+        """
         input_shape = inputs_embeds.size()[:-1]
         sequence_length = input_shape[1]
 
@@ -113,17 +132,25 @@ class RobertaPkmEmbeddings(nn.Module):
 
     @staticmethod
     def create_position_ids_from_input_ids(input_ids, padding_idx, cache_length=0):
-        """Positions of the non-padding tokens counted from `padding_idx + 1`; padding keeps `padding_idx` (fairseq's
-        `utils.make_positions`)."""
+        """
+        Replace non-padding symbols with their position numbers. Position numbers begin at padding_idx+1. Padding symbols
+        are ignored. This is modified from fairseq's `utils.make_positions`.
+
+        Args:
+            x: torch.Tensor x:
+
+        Returns: torch.Tensor
+        """
         # The series of casts and type-conversions here are carefully balanced to both work with ONNX export and XLA.
         mask = input_ids.ne(padding_idx).int()
         incremental_indices = (torch.cumsum(mask, dim=1).type_as(mask) + cache_length) * mask
         return incremental_indices.long() + padding_idx
 
 
-# Adapted from transformers.models.roberta.modeling_roberta.RobertaLMHead: gelu through ACT2FN
+# Copied from transformers.models.roberta.modeling_roberta.RobertaLMHead with Roberta->RobertaPkm
+# Differs: `x = gelu(x)` -> `x = ACT2FN["gelu"](x)`
 class RobertaPkmLMHead(nn.Module):
-    """Roberta Head for masked language modeling."""
+    """RobertaPkm Head for masked language modeling."""
 
     def __init__(self, config):
         super().__init__()
@@ -140,6 +167,7 @@ class RobertaPkmLMHead(nn.Module):
 
         # project back to size of vocabulary with bias
         x = self.decoder(x)
+
         return x
 
 
@@ -200,8 +228,10 @@ class RobertaPkmModel(BertPkmModel, RobertaPkmPreTrainedModel):
         return self.config.pad_token_id + 1  # RoBERTa counts positions from padding_idx + 1
 
 
+# Copied from modeling_pkm_bert.modeling_bert_pkm.BertPkmForMaskedLM with bert->roberta, BertPkm->RobertaPkm, cls\.predictions\.decoder->lm_head.decoder, cls\.predictions\.bias->lm_head.bias, self\.cls->self.lm_head, OnlyMLMHead->LMHead
+# Differs: `self.lm_head.bias = new_embeddings.bias` -> ``
 class RobertaPkmForMaskedLM(RobertaPkmPreTrainedModel):
-    """RobertaPkm with RoBERTa's masked language modeling head (`lm_head`, tied to the word embeddings)."""
+    """RobertaPkm with a masked language modeling head on top, tied to the word embeddings."""
 
     _auto_class = "AutoModelForMaskedLM"
     _tied_weights_keys = {
@@ -242,7 +272,7 @@ class RobertaPkmForMaskedLM(RobertaPkmPreTrainedModel):
     ) -> tuple[torch.Tensor] | MaskedLMOutput:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
-            Token ids to predict at the masked positions; `-100` elsewhere (ignored). Other arguments: `BertPkmModel`.
+            Token ids to predict at the masked positions; `-100` elsewhere (ignored). Other arguments: `RobertaPkmModel`.
         """
         return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         outputs = self.roberta(
@@ -355,8 +385,7 @@ class RobertaPkmForCausalLM(RobertaPkmPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             encoder_hidden_states=encoder_hidden_states,
             encoder_attention_mask=encoder_attention_mask,
-            cache=cache,
-            past_key_values=past_key_values,
+            cache=merge_cache_arguments(cache, past_key_values),
             use_cache=use_cache,
             return_dict=True,
             **kwargs,
@@ -422,29 +451,7 @@ class RobertaPkmForSequenceClassification(RobertaPkmPreTrainedModel):
             **kwargs,
         )
         logits = self.classifier(outputs[0])
-
-        loss = None
-        if labels is not None:
-            if self.config.problem_type is None:
-                if self.num_labels == 1:
-                    self.config.problem_type = "regression"
-                elif self.num_labels > 1 and (labels.dtype == torch.long or labels.dtype == torch.int):
-                    self.config.problem_type = "single_label_classification"
-                else:
-                    self.config.problem_type = "multi_label_classification"
-
-            if self.config.problem_type == "regression":
-                loss_fct = MSELoss()
-                if self.num_labels == 1:
-                    loss = loss_fct(logits.squeeze(), labels.squeeze())
-                else:
-                    loss = loss_fct(logits, labels)
-            elif self.config.problem_type == "single_label_classification":
-                loss_fct = CrossEntropyLoss()
-                loss = loss_fct(logits.view(-1, self.num_labels), labels.view(-1))
-            elif self.config.problem_type == "multi_label_classification":
-                loss_fct = BCEWithLogitsLoss()
-                loss = loss_fct(logits, labels)
+        loss = sequence_classification_loss(self, logits, labels)
 
         output = SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
@@ -452,9 +459,10 @@ class RobertaPkmForSequenceClassification(RobertaPkmPreTrainedModel):
         return output if return_dict else output.to_tuple()
 
 
-# Adapted from modeling_pkm_bert.modeling_bert_pkm.BertPkmForMultipleChoice: RoBERTa's dropout (hidden_dropout_prob)
+# Copied from modeling_pkm_bert.modeling_bert_pkm.BertPkmForMultipleChoice with bert->roberta, BertPkm->RobertaPkm
+# Differs: `classifier_dropout = (\n            config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob\n        )\n        self.dropout = nn.Dropout(classifier_dropout)` -> `self.dropout = nn.Dropout(config.hidden_dropout_prob)  # RoBERTa's`
 class RobertaPkmForMultipleChoice(RobertaPkmPreTrainedModel):
-    """RobertaPkm with a multiple choice head (a score per choice from the pooled output, as RoBERTa's)."""
+    """RobertaPkm with a multiple choice head (a score per choice from the pooled output)."""
 
     _auto_class = "AutoModelForMultipleChoice"
 
@@ -462,7 +470,7 @@ class RobertaPkmForMultipleChoice(RobertaPkmPreTrainedModel):
         super().__init__(config)
 
         self.roberta = RobertaPkmModel(config)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)  # RoBERTa's
         self.classifier = nn.Linear(config.hidden_size, 1)
 
         self.post_init()
@@ -485,16 +493,7 @@ class RobertaPkmForMultipleChoice(RobertaPkmPreTrainedModel):
             The index of the right choice.
         """
         return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
-        if input_ids is not None and input_ids.dim() != 3:
-            raise ValueError(
-                f"input_ids of shape {tuple(input_ids.shape)} must be 3-D (batch_size, num_choices, sequence_length)"
-            )
-        if inputs_embeds is not None and inputs_embeds.dim() != 4:
-            raise ValueError(
-                f"inputs_embeds of shape {tuple(inputs_embeds.shape)} must be 4-D (batch_size, num_choices,"
-                " sequence_length, hidden_size)"
-            )
-        num_choices = input_ids.shape[1] if input_ids is not None else inputs_embeds.shape[1]
+        num_choices = number_of_choices(input_ids, inputs_embeds)
 
         def flat(tensor):
             return tensor.reshape(-1, tensor.size(-1)) if tensor is not None else None

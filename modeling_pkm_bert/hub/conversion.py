@@ -25,6 +25,7 @@ from ..configuration_modernbert_pkm import MODERNBERT_AUTO_MAP, ModernBertPkmCon
 from ..configuration_roberta_pkm import ROBERTA_AUTO_MAP, RobertaPkmConfig
 from ..modeling_bert_pkm import BertPkmPreTrainedModel
 from ..modeling_modernbert_pkm import ModernBertPkmPreTrainedModel
+from ..modeling_pkm_utils import PkmPreTrainedModel
 from ..modeling_roberta_pkm import RobertaPkmPreTrainedModel
 from ..utils.input_errors import InputError
 from ..utils.output_folders import check_output_folder, mark_output_folder
@@ -475,7 +476,7 @@ def _resolve_target_class(target_class, architecture, family: str) -> type[BertP
         if target_class not in names:
             raise ValueError(f"target_class {target_class!r} is not a {prefix} model class: {names}")
         target_class = getattr(module, target_class)
-    if not (isinstance(target_class, type) and issubclass(target_class, BertPkmPreTrainedModel)):
+    if not (isinstance(target_class, type) and issubclass(target_class, PkmPreTrainedModel)):
         raise ValueError(f"target_class must be a model class {names}, got {target_class!r}")
     others = [other for name, (_, _, other, _) in FAMILIES.items() if name not in ("bert", family)]
     if not issubclass(target_class, base_class) or issubclass(target_class, tuple(others)):

@@ -6,8 +6,18 @@ Each block marked `# Copied from transformers.<module>.<Name> [with A->B, C->D]`
 in the installed transformers (pinned in constraints.txt), and each block marked `# Copied from
 modeling_pkm_bert.<module>.<Name> [with ...]` equals that block of our own file, after the marker's replacements
 (`re.sub(A, B)` in order, as check_copies does). Both sides are formatted by ruff and the object's own name in the
-first line is ignored; comments and docstrings count. A block changed on purpose is marked `# Adapted from`, which
-claims nothing.
+first line is ignored; comments and docstrings count.
+
+A block that differs from its source on purpose records each difference on a line of its own between the marker and
+the block, as literal text of the source (after the replacements, formatted by ruff) and ours:
+
+    # Copied from transformers.models.bert.modeling_bert.eager_attention_forward
+    # Differs: `attn_weights + attention_mask` -> `attn_weights + _mask_for(query, attention_mask)`
+    # Differs: `    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")` -> ``
+
+Each source text is replaced wherever it occurs (`\n` stands for a line break); an empty replacement removes the whole
+lines the text covers. A recorded difference whose source text is no longer in the source is reported (the source
+changed there: look again). So every block that repeats code is checked, and what differs is written down beside it.
 
     python tests/repo/check_copies.py                      # names each drifted block, exit status 1 if any
     python tests/repo/check_copies.py --fix_and_overwrite  # rewrites each drifted block with the expected code
@@ -32,6 +42,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = REPO_ROOT / "modeling_pkm_bert"
 MARKER = re.compile(r"^\s*#\s*Copied from\s+(?P<source>(?:transformers|modeling_pkm_bert)\.\S+)(?P<rest>.*)$")
 REPLACEMENT = re.compile(r"^\s*(\S+)->(\S+)\s*$")
+# a recorded difference: `source text` -> `our text`, right below the marker (or below another recorded difference)
+DIFFERENCE = re.compile(r"^\s*#\s*Differs:\s*`(?P<old>.*?)`\s*->\s*`(?P<new>.*)`\s*$")
 # the first line of a definition: its own name is expected to differ from the source's
 DEFINITION = re.compile(r"^(\s*(?:async\s+def|class|def)\s+)\w+")
 
@@ -49,7 +61,8 @@ def installed_transformers() -> str:
 
 def _marked(path: Path) -> list[dict]:
     """Every `# Copied from` of `path`: the marker's line (1-based), the source's dotted name, the replacements, the
-    block's first and last line (the definition after the marker, decorators included), its name and indentation."""
+    recorded differences, the block's first and last line (the definition after the marker and its `# Differs:`
+    lines, decorators included), its name and indentation."""
     text = path.read_text(encoding="utf-8")
     lines = text.splitlines(keepends=True)
     definitions = {}
@@ -62,9 +75,19 @@ def _marked(path: Path) -> list[dict]:
         match = MARKER.match(line)
         if match is None:
             continue
-        node = definitions.get(number + 1)
+        differences = []
+        while number + len(differences) < len(lines):
+            found = DIFFERENCE.match(lines[number + len(differences)])
+            if found is None:
+                break
+            differences.append(tuple(found[side].replace("\\n", "\n") for side in ("old", "new")))
+        first = number + len(differences)  # the marker's and the recorded differences' lines stay as they are
+        node = definitions.get(first + 1)
         if node is None:
-            raise ValueError(f"{path.name}:{number}: a `# Copied from` marker must stand right above a def or class")
+            raise ValueError(
+                f"{path.name}:{number}: a `# Copied from` marker (and its `# Differs:` lines) must stand right above a"
+                " def or class"
+            )
         rest = match.group("rest").strip()
         replacements = []
         if rest:
@@ -77,8 +100,8 @@ def _marked(path: Path) -> list[dict]:
                 replacements.append(found.groups())
         blocks.append({
             "line": number, "source": match.group("source"), "replacements": replacements,
-            "code": "".join(lines[number : node.end_lineno]), "end": node.end_lineno, "name": node.name,
-            "indent": " " * node.col_offset,
+            "differences": differences, "first": first, "code": "".join(lines[first : node.end_lineno]),
+            "end": node.end_lineno, "name": node.name, "indent": " " * node.col_offset,
         })  # fmt: skip
     return blocks
 
@@ -104,11 +127,28 @@ def source_of(dotted: str) -> str:
     raise LookupError(f"{dotted}: no module of it imports")
 
 
-def expected_code(dotted: str, replacements: list[tuple[str, str]]) -> str:
-    """The source of `dotted` after the replacements (`re.sub` in order)."""
+class StaleDifference(ValueError):
+    """A recorded difference whose source text is not in the source (any more)."""
+
+
+def expected_code(dotted: str, replacements: list[tuple[str, str]], differences: list[tuple[str, str]] = ()) -> str:
+    """The source of `dotted` after the replacements (`re.sub` in order), then, formatted by ruff, after the recorded
+    differences (literal text, every occurrence; an empty replacement removes the whole lines its text covers)."""
     expected = source_of(dotted)
     for old, new in replacements:
         expected = re.sub(old, new, expected)
+    if not differences:
+        return expected
+    expected = formatted(expected)
+    for old, new in differences:
+        if old not in expected:
+            raise StaleDifference(f"the recorded difference `{old}` is not in {dotted} (after the replacements)")
+        if new:
+            expected = expected.replace(old, new)
+        else:
+            expected = re.sub(rf"^[ \t]*{re.escape(old)}[ \t]*\n", "", expected, flags=re.MULTILINE)
+            if old in expected:  # not whole lines: the text alone
+                expected = expected.replace(old, "")
     return expected
 
 
@@ -140,25 +180,31 @@ def copy_differences(path: Path) -> list[str]:
     differing line of each side."""
     differences = []
     for block in _marked(path):
-        found = _first_difference(block["code"], expected_code(block["source"], block["replacements"]))
+        try:
+            expected = expected_code(block["source"], block["replacements"], block["differences"])
+        except StaleDifference as stale:
+            differences.append(f"{path.name}:{block['line']} `# Copied from {block['source']}`: {stale}")
+            continue
+        found = _first_difference(block["code"], expected)
         if found is not None:
             index, mine, source = found
             differences.append(
                 f"{path.name}:{block['line']} `# Copied from {block['source']}` differs at its line {index + 1}: ours"
-                f" {mine!r}, the source's {source!r} (make it equal, or mark it `# Adapted from` if it was changed on"
-                " purpose)"
+                f" {mine!r}, the source's {source!r} (make it equal, or record the difference below the marker:"
+                " `# Differs: `source text` -> `ours``)"
             )
     return differences
 
 
 def fix_copies(path: Path) -> list[int]:
     """Rewrites each marked block of `path` that differs from its source with the source after the replacements, as
-    ruff formats it, at the block's indentation and under the block's own name (the marker line stays); returns the
-    markers' lines of the blocks it rewrote. A file without a drifted block is not written."""
+    ruff formats it, at the block's indentation and under the block's own name (the marker line and the recorded
+    differences stay, and are applied); returns the markers' lines of the blocks it rewrote. A file without a drifted
+    block is not written; a stale recorded difference is an error (StaleDifference: the source changed there)."""
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     fixed = []
     for block in reversed(_marked(path)):  # from the bottom up: the lines above a rewritten block keep their numbers
-        expected = expected_code(block["source"], block["replacements"])
+        expected = expected_code(block["source"], block["replacements"], block["differences"])
         if _first_difference(block["code"], expected) is None:
             continue
         new = formatted(expected).splitlines()
@@ -166,7 +212,7 @@ def fix_copies(path: Path) -> list[int]:
             if DEFINITION.match(line):
                 new[index] = DEFINITION.sub(lambda m: m.group(1) + block["name"], line, count=1)
                 break
-        lines[block["line"] : block["end"]] = [block["indent"] + line + "\n" if line else "\n" for line in new]
+        lines[block["first"] : block["end"]] = [block["indent"] + line + "\n" if line else "\n" for line in new]
         fixed.append(block["line"])
     if fixed:
         path.write_text("".join(lines), encoding="utf-8")
@@ -197,7 +243,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if differences else 0
     changed = False
     for path in files:
-        for line in fix_copies(path):
+        try:
+            fixed = fix_copies(path)
+        except StaleDifference as stale:
+            print(f"{path.name}: {stale}: the source changed there; edit the block and its `# Differs:` line by hand")
+            return 1
+        for line in fixed:
             changed = True
             print(f"{path.name}:{line}: rewritten from its source")
     # a block copied from one of ours that was rewritten above was compared with the module as imported before: check

@@ -142,3 +142,64 @@ def test_the_command_refuses_another_transformers(monkeypatch, capsys):
     monkeypatch.setattr(check_copies, "installed_transformers", lambda: "0.0.1")
     assert check_copies.main(["--fix_and_overwrite"]) == 2
     assert f"transformers=={pinned_transformers()}" in capsys.readouterr().err
+
+
+def test_no_block_claims_an_unchecked_origin():
+    """Every block that repeats code is a checked `# Copied from` (its differences recorded below the marker): no
+    shipped file carries the unchecked `# Adapted from` any more."""
+    assert [path.name for path in PACKAGE.glob("*.py") if "# Adapted from" in path.read_text(encoding="utf-8")] == []
+
+
+@PINNED
+def test_recorded_differences_are_checked_and_kept_by_the_fix(tmp_path):
+    """A block with `# Differs:` lines equals its source with those differences: a change elsewhere in it is found and
+    the fix restores the block with the differences applied (byte for byte); a change of a recorded line is found."""
+    name = "modeling_bert_pkm.py"
+    original = (PACKAGE / name).read_text(encoding="utf-8")
+    assert "# Differs: `attn_weights + attention_mask`" in original
+    path = planted(tmp_path, name, "attn_weights = nn.functional.softmax(attn_weights, dim=-1)",
+                   "attn_weights = nn.functional.softmax(attn_weights, dim=-2)")  # fmt: skip
+    found = copy_differences(path)
+    assert len(found) == 1 and "eager_attention_forward" in found[0] and "dim=-2" in found[0]
+    assert len(check_copies.fix_copies(path)) == 1
+    assert path.read_text(encoding="utf-8") == original
+    # the recorded difference itself: ours must say what the line records
+    path = planted(tmp_path, name, "_mask_for(query, attention_mask)", "attention_mask")
+    assert len(copy_differences(path)) == 1
+
+
+@PINNED
+def test_a_stale_recorded_difference_is_reported(tmp_path):
+    """A recorded difference whose source text is no longer in the source (transformers changed the line) is reported,
+    and the fix refuses to guess (the command's exit status 1)."""
+    name = "modeling_bert_pkm.py"
+    text = (PACKAGE / name).read_text(encoding="utf-8")
+    stale = "# Differs: `attn_weights + attention_mask` -> "
+    assert text.count(stale) == 1
+    path = tmp_path / name
+    path.write_text(text.replace(stale, "# Differs: `attn_weights * attention_mask` -> "), encoding="utf-8")
+    found = copy_differences(path)
+    assert len(found) == 1 and "attn_weights * attention_mask" in found[0] and "is not in" in found[0]
+    with pytest.raises(check_copies.StaleDifference):
+        check_copies.fix_copies(path)
+    command = [sys.executable, str(REPO_ROOT / "tests" / "repo" / "check_copies.py"), "--fix_and_overwrite", str(path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert done.returncode == 1 and "the source changed there" in done.stdout
+
+
+@PINNED
+def test_make_fix_copies_restores_a_deliberately_broken_copy_of_each_kind(tmp_path):
+    """The command `make fix-copies` runs restores, in one run, a broken block copied from transformers, one copied from
+    our own code, and one with recorded differences, each file byte for byte."""
+    broken = {
+        "modeling_bert_pkm.py": ("dense(hidden_states)", "dense(2 * hidden_states)"),
+        "modeling_roberta_pkm.py": ("/ 2", "/ 3"),
+        "modeling_modernbert_pkm.py": ("scaling=self.head_dim**-0.5", "scaling=self.head_dim**-0.25"),
+    }
+    paths = [planted(tmp_path, name, old, new) for name, (old, new) in broken.items()]
+    assert all(copy_differences(path) for path in paths)
+    command = [sys.executable, str(REPO_ROOT / "tests" / "repo" / "check_copies.py"), "--fix_and_overwrite"]
+    done = subprocess.run([*command, *map(str, paths)], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for path in paths:
+        assert path.read_bytes() == (PACKAGE / path.name).read_bytes(), path.name
