@@ -354,10 +354,12 @@ def fixture_code_files(release: Path, folder: str) -> list[Path]:
     model type, BertPkm's in every folder (the other families build on them), as `save_pretrained` writes them."""
     model_type = json.loads((release / folder / "config.json").read_text(encoding="utf-8"))["model_type"]
     code = sorted((release / FIXTURE_CODE).glob("*.py"))
+    families = {path.stem.removeprefix("configuration_") for path in code if path.name.startswith("configuration_")}
 
-    def family(path: Path) -> str | None:
+    def family(path: Path) -> str | None:  # a file shared by every family (e.g. modeling_pkm_utils.py) has none
         prefix = next((p for p in ("configuration_", "modeling_") if path.name.startswith(p)), None)
-        return path.stem.removeprefix(prefix) if prefix else None
+        name = path.stem.removeprefix(prefix) if prefix else None
+        return name if name in families else None
 
     return [path for path in code if family(path) in (None, "bert_pkm", model_type)]
 
