@@ -61,6 +61,8 @@ from benchmarks.studies.knowledge_capacity.config import (  # the arms, plans an
     MEMORY_LR_ARMS,
     MINILM,
     MINILM_ARMS,
+    MINILM_MEMORY_LAYERS,
+    MINILM_N_KEYS,
     MINILM_QUICK,
     MINILM_VALUES,
     MINILM_VALUES_QUICK,

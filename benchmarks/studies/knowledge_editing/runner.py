@@ -78,7 +78,6 @@ from benchmarks.studies.knowledge_editing.config import (  # the plans, methods 
     RESULTS,
     TOOL,
     WIKITEXT,
-    best_lr,
     best_run,
     learning_rates,
     plan_stem,
