@@ -586,6 +586,11 @@ BACKGROUND = "smf_background.safetensors"  # beside the A model's folder: the st
 BACKGROUND_MASKED = "smf_background_masked.safetensors"
 
 
+def run_key(method: str, lr: float, seed: int, memory_lr: float | None = None) -> str:
+    """A B run's key in the results: the values' own rate only where it has one (older runs keep their keys)."""
+    return f"{method}/lr{lr:g}" + (f"/mlr{memory_lr:g}" if memory_lr is not None else "") + f"/seed{seed}"
+
+
 class Benchmark:
     def __init__(self, args):
         self.args, self.plan = args, args.plan
@@ -727,7 +732,7 @@ class Benchmark:
     # stages 2 and 3: B
     def run(self, method: str, lr: float, seed: int, memory_lr: float | None = None) -> dict:
         """One B run; `memory_lr`: the values' own rate (else full finetuning's earlier rule, 5x `lr`)."""
-        key = f"{method}/lr{lr:g}" + (f"/mlr{memory_lr:g}" if memory_lr is not None else "") + f"/seed{seed}"
+        key = run_key(method, lr, seed, memory_lr)
         done = self.results.read()["runs"].get(key)
         if done is not None:
             return done
@@ -898,8 +903,7 @@ class Benchmark:
 
     @staticmethod
     def swept_run(data: dict, method: str, lr: float, seed: int, memory_lr: float | None = None) -> dict | None:
-        key = f"{method}/lr{lr:g}" + (f"/mlr{memory_lr:g}" if memory_lr is not None else "") + f"/seed{seed}"
-        return data["runs"].get(key)
+        return data["runs"].get(run_key(method, lr, seed, memory_lr))
 
     def seeds(self):
         data = self.results.read()
