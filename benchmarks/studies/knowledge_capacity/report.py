@@ -13,12 +13,12 @@ HERE_NOTES = Path(__file__).resolve().parent / "knowledge_capacity_notes.md"  # 
 VALUES_RESULTS = RESULTS / "knowledge_capacity_values.json"  # `--masking values`'s committed runs
 
 
-def _mean_spread(values: list[float]) -> str:
+def _mean_spread(values: list[float], digits: int = 0) -> str:
     if not values:
         return "—"
     if len(values) == 1:
-        return f"{values[0]:,.0f}"
-    return f"{statistics.mean(values):,.0f} ± {statistics.stdev(values):,.0f}"
+        return f"{values[0]:,.{digits}f}"
+    return f"{statistics.mean(values):,.{digits}f} ± {statistics.stdev(values):,.{digits}f}"
 
 
 def _runs(data: dict, **where) -> list[dict]:
@@ -405,12 +405,7 @@ def _paired_ratio(resm: dict, plain: dict, key) -> str:
 
 
 def _cell(runs: list[dict], key, digits: int = 2) -> str:
-    values = [key(r) for r in runs]
-    if not values:
-        return "—"
-    if len(values) == 1:
-        return f"{values[0]:,.{digits}f}"
-    return f"{statistics.fmean(values):,.{digits}f} ± {statistics.stdev(values):,.{digits}f}"
+    return _mean_spread([key(r) for r in runs], digits)
 
 
 def values_chosen(data: dict) -> dict:
