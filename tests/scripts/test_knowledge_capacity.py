@@ -437,3 +437,36 @@ def test_the_value_masking_section_decides_the_goal_from_every_seed(tmp_path, re
     assert (tmp_path / "knowledge_capacity_values.png").exists() and "first 250 people" in lines
     untuned = "\n".join(report.values_lines({**data, "tuning": {}}, kc_config.LABELS))
     assert "the tuning has not finished" in untuned and "- Not decided: the plan has not finished." in untuned
+
+
+def test_the_value_masking_goal_is_decided_at_the_last_step_where_plain_recalls_under_half():
+    """Plain at 0.3 then 0.8 recall: the goal is decided at the earlier step (ResM 2.5x there, 1.1x at the end), and
+    the curve's table marks it; where plain is at half or more at every step, the first step decides (and fails)."""
+    from benchmarks.studies.knowledge_capacity import report
+
+    def run(arm, seed, curve, final_recall, final_bits):
+        result = _values_run(arm, 1000, seed, final_bits, final_recall, final_bits, memory_lr=1e-3 if arm == "minilm_resm" else None)
+        result["curve"] = {"250": curve, "500": {"train": final_bits, "heldout": final_bits, "train_recall": final_recall,
+                                                 "heldout_recall": final_recall / 2}}  # fmt: skip
+        return result
+
+    def data(plain_recall_at_250):
+        runs = {}
+        for seed in range(3):
+            runs[f"p{seed}"] = run("minilm_plain", seed, {"train": 400.0, "heldout": 100.0, "train_recall": plain_recall_at_250,
+                                                          "heldout_recall": 0.1}, 0.8, 4000.0)  # fmt: skip
+            runs[f"r{seed}"] = run("minilm_resm", seed, {"train": 1000.0, "heldout": 150.0, "train_recall": 0.7,
+                                                         "heldout_recall": 0.2}, 0.9, 4400.0)  # fmt: skip
+        tuning = {f"{arm}/n1000": {"best": {"lr": 1e-4, **({"memory_lr": 1e-3} if arm == "minilm_resm" else {})}, "at_edge": [],
+                                   "grids": {"lr": [3e-5, 1e-4, 3e-4]}} for arm in report.VALUES_ARMS}  # fmt: skip
+        speed = {"ratio": 1.2, "batch": [32, 20], "machine": {"cpu": "x", "cores": 2, "load": 1.0},
+                 "seconds": {a: {"median": 0.1, "q1": 0.09, "q3": 0.2, "steps": 8} for a in report.VALUES_ARMS}}  # fmt: skip
+        return {"runs": runs, "tuning": tuning, "minilm_speed": speed}
+
+    verdict = report.values_verdict(data(0.3))
+    assert verdict == [verdict[0]] and verdict[0].startswith("- 1000 people: **met** at step 250:") and "2.50x" in verdict[0]
+    table = report.values_curve_lines(data(0.3), kc_config.LABELS)
+    assert any(line.startswith("| 1,000 | 250 | 3 |") and line.endswith("decisive |") for line in table)
+    assert any(line.startswith("| 1,000 | 500 | 3 |") and "1.10x" in line and not line.endswith("decisive |") for line in table)
+    late = report.values_verdict(data(0.6))
+    assert late[0].startswith("- 1000 people: **not met** at step 250:") and "✗ plain recalls under half (0.60)" in late[0]

@@ -418,18 +418,49 @@ def values_chosen(data: dict) -> dict:
     return chosen
 
 
+def values_points(run: dict) -> dict[int, dict]:
+    """{step: {"train", "heldout" (bits), "train_recall", "heldout_recall"}}: the run's measured checkpoints (those
+    with their recall) and its final step."""
+    points = {int(step): point for step, point in run.get("curve", {}).items() if "train_recall" in point}
+    final = run["final"]
+    points[run["steps"]] = {**{s: final[s]["bits"] for s in ("train", "heldout")},
+                            **{f"{s}_recall": final[s]["recall"] for s in ("train", "heldout")}}  # fmt: skip
+    return points
+
+
+def values_steps(plain: dict, resm: dict) -> list[int]:
+    """The steps measured in every seed of both arms ({seed: run} each), in order."""
+    runs = [*plain.values(), *resm.values()]
+    return sorted(set.intersection(*(set(values_points(run)) for run in runs))) if runs else []
+
+
+def decisive_step(plain: dict, steps: list[int]) -> int:
+    """The step the goal is decided at, fixed before looking at ResM: the last measured step where plain's recall
+    (training template, mean over seeds) is still under half (plain has learned the most there while it still leaves
+    room to double); where plain is at half or more at every step, the first."""
+    under = [step for step in steps
+             if statistics.fmean(values_points(run)[step]["train_recall"] for run in plain.values()) < 0.5]  # fmt: skip
+    return under[-1] if under else steps[0]
+
+
 def values_verdict(data: dict) -> list[str]:
-    """The goal, decided per size: ResM >= 2x plain's bits at equal steps (training template, every seed's pair), step
-    time <= 1.3x (the interleaved timing), where plain recalls under half, >= 500 people, held-out no worse, 3 seeds."""
+    """The goal, decided per size at `decisive_step`: ResM >= 2x plain's bits at equal steps (training template, every
+    seed's pair), step time <= 1.3x (the interleaved timing), where plain recalls under half, >= 500 people, held-out
+    no worse, 3 seeds."""
     chosen, speed = values_chosen(data), data.get("minilm_speed")
     lines = []
     for size in sorted(set(chosen["minilm_plain"]) & set(chosen["minilm_resm"])):
-        plain, resm = chosen["minilm_plain"][size], chosen["minilm_resm"][size]
-        seeds = sorted(set(plain) & set(resm))
-        bits = lambda r, s="train": r["final"][s]["bits"]  # noqa: E731
-        ratios = [bits(resm[s]) / bits(plain[s]) for s in seeds if bits(plain[s])]
-        plain_recall = statistics.fmean(plain[s]["final"]["train"]["recall"] for s in seeds)
-        held = [bits(resm[s], "heldout") >= bits(plain[s], "heldout") for s in seeds]
+        seeds = sorted(set(chosen["minilm_plain"][size]) & set(chosen["minilm_resm"][size]))
+        plain = {s: chosen["minilm_plain"][size][s] for s in seeds}
+        resm = {s: chosen["minilm_resm"][size][s] for s in seeds}
+        steps = values_steps(plain, resm)
+        if not steps:
+            continue
+        step = decisive_step(plain, steps)
+        point = lambda run: values_points(run)[step]  # noqa: E731
+        ratios = [point(resm[s])["train"] / point(plain[s])["train"] for s in seeds if point(plain[s])["train"]]
+        plain_recall = statistics.fmean(point(run)["train_recall"] for run in plain.values())
+        held = [point(resm[s])["heldout"] >= point(plain[s])["heldout"] for s in seeds]
         checks = {
             ">= 500 people": size >= 500,
             "3 seeds": len(seeds) >= 3,
@@ -439,9 +470,36 @@ def values_verdict(data: dict) -> list[str]:
             "held-out no worse in every seed": bool(held) and all(held),
         }  # fmt: skip
         met = all(checks.values())
-        lines.append(f"- {size} people: **{'met' if met else 'not met'}**: "
+        lines.append(f"- {size} people: **{'met' if met else 'not met'}** at step {step:,}: "
                      + "; ".join(f"{'✓' if ok else '✗'} {name}" for name, ok in checks.items()) + ".")  # fmt: skip
     return lines
+
+
+def values_curve_lines(data: dict, labels: dict) -> list[str]:
+    """Recall and the paired bits ratio at every step measured in every seed of both arms (each at its tuned rates)."""
+    chosen = values_chosen(data)
+    rows = []
+    for size in sorted(set(chosen["minilm_plain"]) & set(chosen["minilm_resm"])):
+        seeds = sorted(set(chosen["minilm_plain"][size]) & set(chosen["minilm_resm"][size]))
+        plain = {s: chosen["minilm_plain"][size][s] for s in seeds}
+        resm = {s: chosen["minilm_resm"][size][s] for s in seeds}
+        steps = values_steps(plain, resm)
+        for step in steps:
+            at = lambda run, key: values_points(run)[step][key]  # noqa: E731
+            rows.append(
+                f"| {size:,} | {step:,} | {len(seeds)} | "
+                + " | ".join(f"{_cell(list(arm.values()), lambda r: at(r, 'train_recall'))} / "
+                             f"{_cell(list(arm.values()), lambda r: at(r, 'heldout_recall'))}" for arm in (plain, resm))
+                + f" | {_paired_ratio(resm, plain, lambda r: at(r, 'train'))} | {_paired_ratio(resm, plain, lambda r: at(r, 'heldout'))} |"
+                + (" decisive |" if step == decisive_step(plain, steps) else " |")
+            )  # fmt: skip
+    if not rows:
+        return []
+    return ["Along the training (each arm at its tuned rates; recall: greedy, mean ± standard deviation over seeds; bits: "
+            "ResM / plain seed by seed, mean (min-max); the decisive step: the last where plain recalls under half):", "",
+            f"| people | step | seeds | {labels['minilm_plain']} recall train / held-out | {labels['minilm_resm']} recall "
+            "train / held-out | bits train ResM / plain | bits held-out ResM / plain | |",
+            "|---|---|---|---|---|---|---|---|", *rows, ""]  # fmt: skip
 
 
 def values_lines(data: dict, labels: dict, folder: Path | None = None, report_dir: Path | None = None) -> list[str]:
@@ -513,6 +571,7 @@ def values_lines(data: dict, labels: dict, folder: Path | None = None, report_di
                          f"{_paired_ratio(resm, plain, lambda r: r['final']['train']['bits'])} | "
                          f"{_paired_ratio(resm, plain, lambda r: r['final']['heldout']['bits'])} |")  # fmt: skip
     lines.append("")
+    lines += values_curve_lines(data, labels)
     speed = data.get("minilm_speed")
     if speed:
         s = speed["seconds"]

@@ -130,7 +130,19 @@ def parse_args(argv=None):
     parser.add_argument("--context", choices=["sentence", "biography"], default=None, help="--measure's probes")
     parser.add_argument("--minilm_steps", type=int, default=None)
     parser.add_argument("--minilm_sizes", type=int, nargs="+", default=None, help="default: 25 50 100 (--quick: 8)")
+    parser.add_argument("--minilm_set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="override an entry of the MiniLM stage's plan (JSON values), e.g. checkpoints=3 (a probe)")
     args = parser.parse_args(argv)
+    args.minilm_overrides = {}
+    base = minilm_plan(args)
+    for item in args.minilm_set:
+        key, _, value = item.partition("=")
+        try:
+            args.minilm_overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            key = None
+        if key not in base:
+            parser.error(f"--minilm_set {item!r}: expected KEY=VALUE (VALUE in JSON) with KEY one of {sorted(base)}")
     if args.masking == "values" and args.results is None and not args.quick:
         parser.error("--masking values needs its own --results file (the default one holds the random-masking runs)")
     args.plan = dict(QUICK if args.quick else FULL, training_text=args.training_text)
@@ -178,9 +190,12 @@ def rate_past_edge(grid: list[float], best: float) -> float | None:
 
 
 def minilm_plan(args) -> dict:
+    """The MiniLM stage's plan, with --minilm_set's overrides."""
     if args.masking == "values":
-        return MINILM_VALUES_QUICK if args.quick else MINILM_VALUES
-    return MINILM_QUICK if args.quick else MINILM
+        plan = MINILM_VALUES_QUICK if args.quick else MINILM_VALUES
+    else:
+        plan = MINILM_QUICK if args.quick else MINILM
+    return {**plan, **getattr(args, "minilm_overrides", {})}
 
 
 def minilm_path() -> str:
