@@ -186,11 +186,10 @@ class FamilyModelTester:
         tokenizer.save_pretrained(folder)
         return tokenizer
 
-    def _save_folder(self, folder, tokenizer_args_of, model_class, seed, overrides) -> str:
-        config = self.get_config(**overrides)
-        self.save_tokenizer(folder, *tokenizer_args_of(config))
+    def _save_folder(self, folder, tokenizer, model_class, seed, overrides) -> str:
+        tokenizer.save_pretrained(folder)
         if model_class is None:
-            config.save_pretrained(folder)
+            self.get_config(**overrides).save_pretrained(folder)
         else:
             self.get_model(model_class, seed, **overrides).save_pretrained(folder)
         return str(folder)
@@ -250,7 +249,8 @@ class BertPkmModelTester(FamilyModelTester):
     def save_folder(self, folder, model_class=None, split: str = "train", seed: int | None = None, **overrides) -> str:
         """The tokenizer and the config (`overrides` on the tester's), or a random `model_class` of that config (seeded
         with `seed`, else the caller seeds torch), saved in `folder`; returns the folder as a string."""
-        return self._save_folder(folder, lambda config: (split, config.vocab_size), model_class, seed, overrides)
+        tokenizer = self.get_tokenizer(split, overrides.get("vocab_size"))  # default: the tester's vocabulary size
+        return self._save_folder(folder, tokenizer, model_class, seed, overrides)
 
 
 class RobertaPkmModelTester(BertPkmModelTester):
@@ -335,7 +335,7 @@ class ModernBertPkmModelTester(FamilyModelTester):
         )  # fmt: skip
 
     def save_folder(self, folder, model_class=None, seed: int | None = None, **overrides) -> str:
-        return self._save_folder(folder, lambda config: (), model_class, seed, overrides)
+        return self._save_folder(folder, self.get_tokenizer(), model_class, seed, overrides)
 
 
 def family_tester(model_class) -> FamilyModelTester:
