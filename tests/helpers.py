@@ -157,11 +157,51 @@ def embedded_text_vocab(split: str = "train", size: int = 200) -> list[str]:
     return BERT_SPECIAL_TOKENS + [w for w, _ in words.most_common(size - len(BERT_SPECIAL_TOKENS))]
 
 
-class BertPkmModelTester:
+def placeholder_vocab(size: int = 99) -> list[str]:
+    """BERT's 5 special tokens and the placeholder words w0, w1, ..., `size` tokens in all (a vocabulary that stands for
+    no text: for folders whose tokenizer is saved, not used)."""
+    return BERT_SPECIAL_TOKENS + [f"w{i}" for i in range(size - len(BERT_SPECIAL_TOKENS))]
+
+
+class FamilyModelTester:
+    """What the family testers share; each defines `get_config(**overrides)` and `get_tokenizer(...)`."""
+
+    def get_model(self, model_class, seed: int | None = None, **overrides) -> torch.nn.Module:
+        """A random `model_class` (a class, or the name of one in modeling_pkm_bert) of `get_config(**overrides)`
+        (`is_decoder=True` unless overridden where the class is a causal LM), in training mode as built; with `seed`,
+        torch is seeded with it first."""
+        if isinstance(model_class, str):
+            import modeling_pkm_bert
+
+            model_class = getattr(modeling_pkm_bert, model_class)
+        if model_class.__name__.endswith("ForCausalLM"):
+            overrides = {"is_decoder": True, **overrides}
+        if seed is not None:
+            torch.manual_seed(seed)
+        return model_class(self.get_config(**overrides))
+
+    def save_tokenizer(self, folder, *args, **kwargs):
+        """`get_tokenizer(*args, **kwargs)` saved in `folder`; returns the tokenizer."""
+        tokenizer = self.get_tokenizer(*args, **kwargs)
+        tokenizer.save_pretrained(folder)
+        return tokenizer
+
+    def _save_folder(self, folder, tokenizer, model_class, seed, overrides) -> str:
+        tokenizer.save_pretrained(folder)
+        if model_class is None:
+            self.get_config(**overrides).save_pretrained(folder)
+        else:
+            self.get_model(model_class, seed, **overrides).save_pretrained(folder)
+        return str(folder)
+
+
+class BertPkmModelTester(FamilyModelTester):
     """The tiny BertPkm models of the suite: `get_config(**overrides)` (3 layers, hidden 32, a memory of 8**2 slots at
-    layer 1, dropout off), `get_tokenizer(split)` (a word-level BertTokenizer of the embedded text, as many tokens as the
-    config's vocabulary) and `save_folder(folder, model_class=None, split="train")` (both in one folder, the config alone
-    or a random model of `model_class`). `BertPkmModelTester(**overrides)` changes the defaults of all three."""
+    layer 1, dropout off), `get_model(model_class, seed=None, **overrides)` (a random model of that config),
+    `get_tokenizer(split)` (a word-level BertTokenizer of the embedded text, as many tokens as the config's vocabulary),
+    `get_placeholder_tokenizer(vocab_folder=None)` (one of `placeholder_vocab`), `save_tokenizer(folder, ...)` and
+    `save_folder(folder, model_class=None, split="train", seed=None)` (the tokenizer and the config alone or a random
+    model of `model_class`, in one folder). `BertPkmModelTester(**overrides)` changes the defaults of all of them."""
 
     config_class = BertPkmConfig
     defaults = dict(
@@ -194,13 +234,23 @@ class BertPkmModelTester:
         vocab = embedded_text_vocab(split, vocab_size or self.config_kwargs["vocab_size"])
         return BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
 
-    def save_folder(self, folder, model_class=None, split: str = "train", **overrides) -> str:
-        """The tokenizer and the config (`overrides` on the tester's), or a random `model_class` of that config (the
-        caller seeds torch), saved in `folder`; returns the folder as a string."""
-        config = self.get_config(**overrides)
-        self.get_tokenizer(split, config.vocab_size).save_pretrained(folder)
-        (config if model_class is None else model_class(config)).save_pretrained(folder)
-        return str(folder)
+    def get_placeholder_tokenizer(self, vocab_folder=None):
+        """A BertTokenizer of `placeholder_vocab` (as many tokens as the config's vocabulary); with `vocab_folder`, read
+        from the vocab.txt it writes there (the same tokenizer, saved alike)."""
+        from transformers import BertTokenizer
+
+        vocab = placeholder_vocab(self.config_kwargs["vocab_size"])
+        if vocab_folder is None:
+            return BertTokenizer(vocab={w: i for i, w in enumerate(vocab)})
+        vocab_file = Path(vocab_folder) / "vocab.txt"
+        vocab_file.write_text("\n".join(vocab) + "\n")
+        return BertTokenizer(vocab=str(vocab_file))
+
+    def save_folder(self, folder, model_class=None, split: str = "train", seed: int | None = None, **overrides) -> str:
+        """The tokenizer and the config (`overrides` on the tester's), or a random `model_class` of that config (seeded
+        with `seed`, else the caller seeds torch), saved in `folder`; returns the folder as a string."""
+        tokenizer = self.get_tokenizer(split, overrides.get("vocab_size"))  # default: the tester's vocabulary size
+        return self._save_folder(folder, tokenizer, model_class, seed, overrides)
 
 
 class RobertaPkmModelTester(BertPkmModelTester):
@@ -235,12 +285,13 @@ class RobertaPkmModelTester(BertPkmModelTester):
         return RobertaTokenizer(vocab=vocab, merges=merges)
 
 
-class ModernBertPkmModelTester:
+class ModernBertPkmModelTester(FamilyModelTester):
     """The tiny ModernBertPkm models: a ModernBERT body (`base`: 3 layers, global, local, local; a window of 4 tokens
     that 12-token sequences exceed; two rotary thetas; pad 0, [CLS] 1, [SEP] 2) and a memory of 8**2 slots at layer 1
-    (`memory`). `get_config(**overrides)` is their ModernBertPkmConfig, `get_source_config(**overrides)` transformers'
-    ModernBertConfig of the body, `get_tokenizer()` a word-level tokenizer of `WORDS` with BERT-style special tokens
-    ([CLS] x [SEP], as ModernBERT's) and `save_folder(folder, model_class=None)` the tokenizer and the config (or a
+    (`memory`). `get_config(**overrides)` is their ModernBertPkmConfig, `get_model(model_class, seed=None, **overrides)`
+    a random model of it, `get_source_config(**overrides)` transformers' ModernBertConfig of the body, `get_tokenizer()`
+    a word-level tokenizer of `WORDS` with BERT-style special tokens ([CLS] x [SEP], as ModernBERT's),
+    `save_tokenizer(folder)` and `save_folder(folder, model_class=None, seed=None)` the tokenizer and the config (or a
     random model of `model_class`). `ModernBertPkmModelTester(**overrides)` changes the defaults (pkm_* and ngram_*
     fields go to `memory`, the others to `base`)."""
 
@@ -283,11 +334,16 @@ class ModernBertPkmModelTester:
             unk_token="[UNK]", model_max_length=64, model_input_names=["input_ids", "attention_mask"],
         )  # fmt: skip
 
-    def save_folder(self, folder, model_class=None, **overrides) -> str:
-        config = self.get_config(**overrides)
-        self.get_tokenizer().save_pretrained(folder)
-        (config if model_class is None else model_class(config)).save_pretrained(folder)
-        return str(folder)
+    def save_folder(self, folder, model_class=None, seed: int | None = None, **overrides) -> str:
+        return self._save_folder(folder, self.get_tokenizer(), model_class, seed, overrides)
+
+
+def family_tester(model_class) -> FamilyModelTester:
+    """The tester of `model_class`'s family (a class or a class name): RobertaPkm*, ModernBertPkm* or BertPkm*."""
+    name = model_class if isinstance(model_class, str) else model_class.__name__
+    if name.startswith("RobertaPkm"):
+        return RobertaPkmModelTester()
+    return ModernBertPkmModelTester() if name.startswith("ModernBertPkm") else BertPkmModelTester()
 
 
 def tiny_config(**overrides) -> BertPkmConfig:
@@ -326,10 +382,11 @@ def batch(batch_size=3, seq_len=9, vocab=99, pad_from=(None, 6, 4)):
     return input_ids, attention_mask
 
 
-def make_tiny_folder(folder) -> str:
+def make_tiny_folder(folder, model_class=None, seed: int | None = None) -> str:
     """For run_mlm.py and run_clm.py: a tiny BertPkm config (memory at layer 1, dropout on: a resume must restore the
-    RNG) and a word-level tokenizer of 200 tokens made from the embedded training text, saved in `folder`."""
-    return BertPkmModelTester(vocab_size=200, hidden_dropout_prob=0.1).save_folder(folder)
+    RNG), or a random `model_class` of it (seeded with `seed`), and a word-level tokenizer of 200 tokens made from the
+    embedded training text, saved in `folder`."""
+    return BertPkmModelTester(vocab_size=200, hidden_dropout_prob=0.1).save_folder(folder, model_class, seed=seed)
 
 
 def mlm_args(tiny, output_dir, options=""):

@@ -26,6 +26,7 @@ from modeling_pkm_bert import (
 WORDS = "the a cat dog sat on mat is was good bad movie film great awful who where what paris london city lives in".split()
 
 
+# not a tester's tokenizer: the pipelines' texts below are made of WORDS (then fillers word<i> up to 99 tokens)
 def tiny_tokenizer(folder: Path) -> BertTokenizer:
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS
     vocab += [f"word{i}" for i in range(99 - len(vocab))]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import modeling_pkm_bert
-from helpers import tiny_config
+from helpers import BertPkmModelTester
 from modeling_pkm_bert.integrations.export import export_onnx, export_program, run_onnx
 from modeling_pkm_bert.methods.optimizers import set_sparse_values
 from modeling_pkm_bert.utils.memories import memory_modules
@@ -31,8 +31,7 @@ CLASSES = [
 
 
 def tiny_model(class_name: str, **overrides) -> torch.nn.Module:
-    config = tiny_config(is_decoder=class_name == "BertPkmForCausalLM", pkm_layers=[0, 2], **overrides)
-    model = getattr(modeling_pkm_bert, class_name)(config)
+    model = BertPkmModelTester().get_model(class_name, pkm_layers=[0, 2], **overrides)  # the causal LM a decoder
     # running statistics that are not the init's, so that padding entering them would show
     for memory in memory_modules(model).values():
         memory.query_batchnorm.running_mean.normal_()

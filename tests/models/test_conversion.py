@@ -29,7 +29,7 @@ from transformers import (
     RobertaModel,
 )
 
-from helpers import bert_pkm_code_files, load_script, usage_error
+from helpers import BertPkmModelTester, bert_pkm_code_files, load_script, usage_error
 from modeling_pkm_bert import (
     AUTO_MAP,
     BertPkmConfig,
@@ -100,18 +100,12 @@ def max_diff(a, b):
     return (a - b).abs().max().item()
 
 
-def tiny_tokenizer(folder):
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(94)]
-    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    return BertTokenizer(vocab=str(folder / "vocab.txt"))
-
-
 @pytest.fixture
 def bert_dir(tmp_path):
     """A random BertForPreTraining checkpoint (MLM + NSP heads, pooler) with a tokenizer and a licensed README."""
     folder = tmp_path / "bert-src"
     perturbed(BertForPreTraining(bert_config())).save_pretrained(folder)
-    tiny_tokenizer(tmp_path).save_pretrained(folder)
+    BertPkmModelTester().get_placeholder_tokenizer(tmp_path).save_pretrained(folder)  # also writes tmp_path/vocab.txt
     (folder / "README.md").write_text("---\nlicense: mit\nlanguage: en\n---\n# tiny bert\n")
     return folder
 

@@ -6,7 +6,7 @@ import os
 import re
 
 import pytest
-from helpers import load_script, tiny_config
+from helpers import BertPkmModelTester, load_script, placeholder_vocab, tiny_config
 from huggingface_hub import ModelCard
 from transformers import BertConfig, BertForMaskedLM, BertTokenizer
 
@@ -41,6 +41,7 @@ def machine_paths(text: str, *roots) -> list[str]:
     return found + re.findall(r"(?<![\w.])/(?:work|root|home|tmp|usr)/\S*", text)
 
 
+# a plain BERT folder (a conversion's source), not a BertPkm one: no tester builds it
 def tiny_bert_folder(folder, **config):
     BertTokenizer(vocab={w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b"])}).save_pretrained(folder)
     BertForMaskedLM(
@@ -164,8 +165,8 @@ def test_run_mlm_card_after_a_real_run(tmp_path, monkeypatch):
     """run_mlm.py writes the card after every run: the token given on the command line never reaches it."""
     run_mlm = load_script("run_mlm")
     folder = tmp_path / "tiny"
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(94)]
-    BertTokenizer(vocab={w: i for i, w in enumerate(words)}).save_pretrained(folder)
+    words = placeholder_vocab()
+    BertPkmModelTester().get_placeholder_tokenizer().save_pretrained(folder)
     tiny_config().save_pretrained(folder)
     (tmp_path / "train.txt").write_text(" ".join(words[5:]) + "\n" + " ".join(reversed(words[5:])) + "\n")
     monkeypatch.chdir(tmp_path)

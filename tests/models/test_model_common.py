@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import modeling_pkm_bert
-from helpers import tiny_config, tiny_roberta_config
+from helpers import family_tester, tiny_config
 from modeling_pkm_bert.utils.memories import memory_modules
 
 
@@ -33,9 +33,7 @@ def head(class_name: str) -> str:
 
 def make_model(class_name: str) -> torch.nn.Module:
     labels = 3 if head(class_name) in ("BertPkmForSequenceClassification", "BertPkmForTokenClassification") else 2
-    make_config = tiny_roberta_config if class_name.startswith("RobertaPkm") else tiny_config
-    config = make_config(is_decoder=head(class_name) == "BertPkmForCausalLM", pkm_layers=[0, 2], num_labels=labels)
-    return getattr(modeling_pkm_bert, class_name)(config)
+    return family_tester(class_name).get_model(class_name, pkm_layers=[0, 2], num_labels=labels)  # CausalLM: a decoder
 
 
 def make_inputs(class_name: str, size: int = 3, length: int = 7) -> dict:

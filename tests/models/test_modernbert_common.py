@@ -20,7 +20,7 @@ from transformers.models.auto import modeling_auto
 from transformers.models.auto.auto_factory import _LazyAutoMapping
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, ModernBertPkmModelTester
 from modeling_pkm_bert import (
     ModernBertPkmConfig,
     ModernBertPkmForMaskedLM,
@@ -131,44 +131,24 @@ DOCUMENTED_DEVIATIONS = {
 }
 
 
-class ModernBertPkmModelTester:
-    """A tiny ModernBERT (2 layers: global, local) with a memory of 4**2 slots at layer 1 (`pkm_mode` as asked)."""
+class ModernBertPkmCommonModelTester(ModernBertPkmModelTester):
+    """helpers' tiny ModernBertPkm model with 2 layers (global, local; the 7-token sequences exceed the local window of
+    4), 512 positions, an intermediate size of 37 and a memory of 4**2 slots at layer 1 (`pkm_mode` as asked); the
+    sizes ModelTesterMixin reads are attributes."""
 
-    def __init__(self, parent, pkm_mode, batch_size=13, seq_length=7, vocab_size=99, hidden_size=32,
-                 num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, num_choices=4):  # fmt: skip
+    common = dict(num_hidden_layers=2, intermediate_size=37, max_position_embeddings=512, pkm_n_keys=4)
+    sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+    def __init__(self, parent, pkm_mode, batch_size=13, seq_length=7, num_choices=4):
+        super().__init__(**self.common, pkm_mode=pkm_mode)
         self.parent = parent
         self.pkm_mode = pkm_mode
         self.batch_size = batch_size
         self.seq_length = seq_length
         self.is_training = True
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.intermediate_size = intermediate_size
         self.num_choices = num_choices
-
-    def get_config(self) -> ModernBertPkmConfig:
-        return ModernBertPkmConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            intermediate_size=self.intermediate_size,
-            max_position_embeddings=512,
-            local_attention=4,  # the 7-token sequences exceed the local window
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-            cls_token_id=1,
-            sep_token_id=2,
-            pkm_layers=[1],
-            pkm_mode=self.pkm_mode,
-            pkm_n_keys=4,
-            pkm_heads=2,
-            pkm_knn=4,
-            pkm_k_dim=16,
-        )
+        for name in self.sizes:
+            setattr(self, name, self.base[name])
 
     def prepare_config_and_inputs_for_common(self):
         inputs = {
@@ -202,7 +182,7 @@ class ModernBertPkmCommonTests(ModelTesterMixin):
         super().tearDownClass()
 
     def setUp(self):
-        self.model_tester = ModernBertPkmModelTester(self, self.pkm_mode)
+        self.model_tester = ModernBertPkmCommonModelTester(self, self.pkm_mode)
         self.config_tester = test_configuration_common.ConfigTester(
             self, config_class=ModernBertPkmConfig, hidden_size=48
         )

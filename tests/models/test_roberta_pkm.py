@@ -1,6 +1,7 @@
 """RobertaPkm: RoBERTa / DistilRoBERTa / XLM-RoBERTa checkpoints converted function-preserving (+Init), every head
 trained a step, saved folders loaded through remote code without the package, the fill-mask and text-classification
-pipelines. Tiny random models built with transformers' own classes and a byte-level BPE tokenizer built here."""
+pipelines. Tiny random models built with transformers' own classes and RobertaPkmModelTester's byte-level BPE
+tokenizer."""
 
 import json
 import os
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from transformers import RobertaConfig, RobertaTokenizer, XLMRobertaConfig
+from transformers import RobertaConfig, XLMRobertaConfig
 
 from helpers import RobertaPkmModelTester, load_script, reset_accelerate_state, tiny_roberta_config
 from modeling_pkm_bert import (
@@ -36,15 +37,8 @@ HEADS = ["Model", "ForMaskedLM", "ForCausalLM", "ForSequenceClassification", "Fo
          "ForTokenClassification", "ForQuestionAnswering"]  # fmt: skip
 
 
-def tiny_tokenizer(folder=None) -> RobertaTokenizer:
-    """RobertaPkmModelTester's byte-level BPE tokenizer, saved in `folder` if given."""
-    tokenizer = RobertaPkmModelTester().get_tokenizer()
-    if folder is not None:
-        tokenizer.save_pretrained(folder)
-    return tokenizer
-
-
-VOCAB_SIZE = len(tiny_tokenizer())
+TESTER = RobertaPkmModelTester()
+VOCAB_SIZE = len(TESTER.get_tokenizer())
 
 
 def source_config(kind: str, **overrides):
@@ -113,7 +107,7 @@ def outputs_of_single(model):
 def test_distilroberta_style_source_with_fewer_layers(tmp_path):
     source = source_model("roberta", "ForMaskedLM", num_hidden_layers=2)
     source.save_pretrained(tmp_path / "source")
-    tiny_tokenizer(tmp_path / "source")
+    TESTER.save_tokenizer(tmp_path / "source")
     model, report = convert_to_pkm(tmp_path / "source", **{**SMALL_PKM, "pkm_layers": [0]})
     assert model.config.num_hidden_layers == 2 and report.memory_layers == [0]
     assert (outputs_of(model, "ForMaskedLM") - outputs_of(source, "ForMaskedLM")).abs().max() <= 1e-5
@@ -254,7 +248,7 @@ def test_saved_folders_load_as_remote_code_with_the_pipelines(tmp_path):
     for name, head in [("mlm", "ForMaskedLM"), ("cls", "ForSequenceClassification")]:
         source = source_model("roberta", head)
         source.save_pretrained(tmp_path / f"{name}_source")
-        tiny_tokenizer(tmp_path / f"{name}_source")
+        TESTER.save_tokenizer(tmp_path / f"{name}_source")
         model, report = convert_to_pkm(tmp_path / f"{name}_source", **{**SMALL_PKM, "pkm_value_init": "normal"})
         tokenizer = load_source_tokenizer(tmp_path / f"{name}_source")
         folders[name] = str(save_converted(model, report, tmp_path / name, tokenizer=tokenizer, source_name="tiny"))
@@ -278,7 +272,7 @@ def test_saved_folders_load_as_remote_code_with_the_pipelines(tmp_path):
 def test_cli_converts_an_xlm_roberta_folder_from_its_config_alone(tmp_path, capsys):
     source = source_model("xlm-roberta", "ForSequenceClassification")
     source.save_pretrained(tmp_path / "source")
-    tiny_tokenizer(tmp_path / "source")
+    TESTER.save_tokenizer(tmp_path / "source")
     out = tmp_path / "converted"
     argv = ["--model_name_or_path", str(tmp_path / "source"), "--output_dir", str(out), "--pkm_layers", "1"]
     argv += ["--pkm_n_keys", "8", "--pkm_heads", "2", "--pkm_knn", "4", "--pkm_k_dim", "16", "--pkm_value_init", "zeros"]
@@ -300,7 +294,7 @@ SENTENCES = ["a good movie", "the cat sat on the mat", "a bad film", "the movie 
 def roberta_folder(tmp_path):
     folder = tmp_path / "roberta"
     source_model("roberta", "ForMaskedLM").save_pretrained(folder)
-    tiny_tokenizer(folder)
+    TESTER.save_tokenizer(folder)
     return folder
 
 
@@ -427,9 +421,7 @@ def test_register_auto_classes_resolves_roberta_pkm_folders_without_remote_code(
 @pytest.fixture
 def robertapkm_folder(tmp_path):
     folder = tmp_path / "robertapkm"
-    torch.manual_seed(0)
-    RobertaPkmForMaskedLM(tiny_roberta_config(vocab_size=VOCAB_SIZE)).save_pretrained(folder)
-    tiny_tokenizer(folder)
+    TESTER.save_folder(folder, RobertaPkmForMaskedLM, seed=0, vocab_size=VOCAB_SIZE)
     return folder
 
 
@@ -516,7 +508,7 @@ def test_cli_converts_a_hub_id_from_the_cache_and_the_card_names_the_base_model(
     snapshot = repo / "snapshots" / ("a" * 40)
     source = source_model("xlm-roberta", "ForMaskedLM")
     source.save_pretrained(snapshot)
-    tiny_tokenizer(snapshot)
+    TESTER.save_tokenizer(snapshot)
     (snapshot / "README.md").write_text("---\nlicense: mit\n---\n# tiny XLM-R\n")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("a" * 40)

@@ -26,7 +26,7 @@ from transformers.models.auto import modeling_auto
 from transformers.models.auto.auto_factory import _LazyAutoMapping
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, BertPkmModelTester
 from modeling_pkm_bert import (
     BertPkmConfig,
     BertPkmForCausalLM,
@@ -140,44 +140,32 @@ DOCUMENTED_DEVIATIONS = {
 }
 
 
-class BertPkmModelTester:
-    """transformers' BertModelTester, tiny: 2 layers, a memory of 4**2 slots at layer 1 (`pkm_mode` as asked)."""
+class BertPkmCommonModelTester(BertPkmModelTester):
+    """transformers' BertModelTester: helpers' tiny BertPkm model at the sizes of transformers' own tests (2 layers,
+    dropout on, 512 positions, 16 token types) with a memory of 4**2 slots at layer 1 (`pkm_mode` as asked); the sizes
+    ModelTesterMixin reads are attributes."""
 
-    def __init__(self, parent, pkm_mode, batch_size=13, seq_length=7, vocab_size=99, hidden_size=32,
-                 num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, max_position_embeddings=512,
-                 type_vocab_size=16, num_choices=4):
+    common = dict(
+        num_hidden_layers=2,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+        max_position_embeddings=512,
+        type_vocab_size=16,
+        pkm_n_keys=4,
+    )
+    sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+             "max_position_embeddings", "type_vocab_size")  # fmt: skip
+
+    def __init__(self, parent, pkm_mode, batch_size=13, seq_length=7, num_choices=4):
+        super().__init__(**self.common, pkm_mode=pkm_mode)
         self.parent = parent
         self.pkm_mode = pkm_mode
         self.batch_size = batch_size
         self.seq_length = seq_length
         self.is_training = True
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.intermediate_size = intermediate_size
-        self.max_position_embeddings = max_position_embeddings
-        self.type_vocab_size = type_vocab_size
         self.num_choices = num_choices
-
-    def get_config(self) -> BertPkmConfig:
-        return BertPkmConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            intermediate_size=self.intermediate_size,
-            hidden_dropout_prob=0.1,
-            attention_probs_dropout_prob=0.1,
-            max_position_embeddings=self.max_position_embeddings,
-            type_vocab_size=self.type_vocab_size,
-            pkm_layers=[1],
-            pkm_mode=self.pkm_mode,
-            pkm_n_keys=4,
-            pkm_heads=2,
-            pkm_knn=4,
-            pkm_k_dim=16,
-        )
+        for name in self.sizes:
+            setattr(self, name, self.config_kwargs[name])
 
     def prepare_config_and_inputs_for_common(self):
         input_ids = ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
@@ -215,7 +203,7 @@ class BertPkmCommonTests(ModelTesterMixin):
         super().tearDownClass()
 
     def setUp(self):
-        self.model_tester = BertPkmModelTester(self, self.pkm_mode)
+        self.model_tester = BertPkmCommonModelTester(self, self.pkm_mode)
         self.config_tester = test_configuration_common.ConfigTester(self, config_class=BertPkmConfig, hidden_size=37)
 
     def test_config(self):

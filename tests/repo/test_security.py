@@ -16,9 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO_ROOT, bert_pkm_code_files, load_script, make_tiny_folder, reset_accelerate_state, tiny_config, usage_error
+from helpers import (
+    REPO_ROOT,
+    BertPkmModelTester,
+    bert_pkm_code_files,
+    load_script,
+    make_tiny_folder,
+    reset_accelerate_state,
+    tiny_config,
+    usage_error,
+)
 from safetensors.torch import load_file
-from transformers import BertTokenizer
 
 from modeling_pkm_bert import BertPkmForMaskedLM
 from modeling_pkm_bert.hub import upload
@@ -168,9 +176,7 @@ def run_folder(tmp_path):
     """A training output folder with everything a run leaves, wanted or not."""
     folder = tmp_path / "run"
     BertPkmForMaskedLM(tiny_config()).save_pretrained(folder)
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(94)]
-    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    BertTokenizer(vocab=str(tmp_path / "vocab.txt")).save_pretrained(folder)
+    BertPkmModelTester().get_placeholder_tokenizer().save_pretrained(folder)
     wanted = {"all_results.json": "{}", "eval_results.json": "{}", "staleness.safetensors": "x", "modules.json": "[]",
               "sentence_bert_config.json": "{}", "config_sentence_transformers.json": "{}",
               "1_Pooling/config.json": "{}", "2_Normalize/placeholder.json": "{}", "memory_report/usage.png": "png",

@@ -72,6 +72,7 @@ def test_a_lower_peak_must_clear_the_noise(bench):
     assert bench.clearly_lower(2050 * MiB, [2091 * MiB, 2061 * MiB], noise=10 * MiB)
 
 
+# not BertPkmModelTester's model: sizes of its own (vocabulary 64, 2 layers, 8-dim keys, BERT's positions and dropout)
 def tiny_model(layers):
     config = BertPkmConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,

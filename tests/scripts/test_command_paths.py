@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from helpers import REPO_ROOT, load_script, make_tiny_folder, reset_accelerate_state, usage_error
-from modeling_pkm_bert import BertPkmConfig, BertPkmForMaskedLM
+from modeling_pkm_bert import BertPkmForMaskedLM
 from modeling_pkm_bert.utils.output_folders import COMMAND_PATHS, command_paths_problem, output_marker
 
 
@@ -171,9 +170,7 @@ def test_a_hub_id_or_a_missing_read_never_matches(tmp_path, monkeypatch):
 def tiny_model(tmp_path_factory):
     """A tiny BertPkm folder with weights and a word-level tokenizer."""
     folder = tmp_path_factory.mktemp("models") / "pkm"
-    make_tiny_folder(folder)
-    torch.manual_seed(0)
-    BertPkmForMaskedLM(BertPkmConfig.from_pretrained(folder)).save_pretrained(folder)
+    make_tiny_folder(folder, BertPkmForMaskedLM, seed=0)
     return folder
 
 

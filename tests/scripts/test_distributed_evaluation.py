@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers import load_script, tiny_config
+from helpers import BertPkmModelTester, load_script
 
 
 pytestmark = pytest.mark.multiprocess  # every test reads the records of one launch of 2 processes
@@ -81,10 +81,9 @@ def collate(kind):
 def make_model(kind, batchnorm=True):
     from modeling_pkm_bert import BertPkmForMaskedLM, BertPkmForSequenceClassification
 
-    torch.manual_seed(0)
     if kind == "glue":
-        return BertPkmForSequenceClassification(tiny_config(num_labels=2)).eval()
-    return BertPkmForMaskedLM(tiny_config(pkm_query_batchnorm=batchnorm)).eval()
+        return BertPkmModelTester().get_model(BertPkmForSequenceClassification, seed=0, num_labels=2).eval()
+    return BertPkmModelTester().get_model(BertPkmForMaskedLM, seed=0, pkm_query_batchnorm=batchnorm).eval()
 
 
 def prepare(accelerator, model, mode):

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
-from transformers import BertConfig, BertForMaskedLM, BertTokenizer
+from transformers import BertConfig, BertForMaskedLM
 
-from helpers import bert_pkm_code_files, load_script, tiny_config, usage_error
+from helpers import BertPkmModelTester, bert_pkm_code_files, load_script, tiny_config, usage_error
 from modeling_pkm_bert import BertPkmForMaskedLM
 from modeling_pkm_bert.hub import upload
 
@@ -55,18 +55,12 @@ def hub(monkeypatch):
     return FakeHfApi
 
 
-def tokenizer(tmp_path):
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(94)]
-    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    return BertTokenizer(vocab=str(tmp_path / "vocab.txt"))
-
-
 @pytest.fixture
 def trained_dir(tmp_path):
     """What a training script leaves: the model, tokenizer, results and accelerate checkpoints (pickles inside)."""
     folder = tmp_path / "run"
     BertPkmForMaskedLM(tiny_config()).save_pretrained(folder)
-    tokenizer(tmp_path).save_pretrained(folder)
+    BertPkmModelTester().get_placeholder_tokenizer().save_pretrained(folder)
     (folder / "all_results.json").write_text(json.dumps({"perplexity": 12.3}))
     for checkpoint in ("step_10", "epoch_0"):
         (folder / checkpoint).mkdir()
@@ -107,7 +101,7 @@ def test_convert_cli_pushes_the_converted_folder(hub, tmp_path, capsys):
             vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37
         )
     ).save_pretrained(source)
-    tokenizer(tmp_path).save_pretrained(source)
+    BertPkmModelTester().get_placeholder_tokenizer().save_pretrained(source)
     out = tmp_path / "bert-pkm"
     script = load_script("convert_to_pkm")
     script.main(

@@ -9,7 +9,16 @@ import os
 
 import pytest
 import torch
-from helpers import REPO_ROOT, BertPkmModelTester, load_script, reset_accelerate_state, tiny_config, torchrun, usage_error
+from helpers import (
+    REPO_ROOT,
+    BertPkmModelTester,
+    load_script,
+    make_tiny_folder,
+    reset_accelerate_state,
+    tiny_config,
+    torchrun,
+    usage_error,
+)
 
 from modeling_pkm_bert import BertPkmForMaskedLM
 from modeling_pkm_bert.methods.sparse_finetuning.arguments import STATISTICS_NAME
@@ -189,8 +198,7 @@ def test_ties_are_broken_by_the_lower_slot_index():
 
 
 def tiny_model(**overrides):
-    torch.manual_seed(0)
-    return BertPkmForMaskedLM(tiny_config(**overrides))
+    return BertPkmModelTester().get_model(BertPkmForMaskedLM, seed=0, **overrides)
 
 
 def batches(count, seed=1, batch=3, length=10, pad=0):
@@ -441,8 +449,7 @@ def run_script(module, argv):
 def tiny_checkpoint(tmp_path_factory):
     """A tiny BertPkm masked LM (dropout on) with a word-level tokenizer of the embedded text, saved in one folder."""
     folder = tmp_path_factory.mktemp("smf_tiny")
-    torch.manual_seed(0)
-    BertPkmModelTester(vocab_size=200, hidden_dropout_prob=0.1).save_folder(folder, BertPkmForMaskedLM)
+    make_tiny_folder(folder, BertPkmForMaskedLM, seed=0)
     return folder
 
 
