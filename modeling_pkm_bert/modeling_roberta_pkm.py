@@ -315,6 +315,11 @@ def roberta_generation_positions(input_ids, attention_mask, new_tokens: int, pad
     return positions[:, -new_tokens:]
 
 
+# Copied from modeling_pkm_bert.modeling_bert_pkm.BertPkmForCausalLM with bert->roberta, BertPkm->RobertaPkm, cls\.predictions\.decoder->lm_head.decoder, cls\.predictions\.bias->lm_head.bias, self\.cls->self.lm_head, OnlyMLMHead->LMHead
+# Differs: `a language modeling head for causal LM (Lample et al.'s memory setting)` -> `RoBERTa's language modeling head for causal LM`
+# Differs: `self.lm_head.bias = new_embeddings.bias` -> ``
+# Differs: `; with n-gram memories also `ngram_history_ids`, the tokens\n        before the step's new ones (padding as -1), which the memories hash beside them.` -> `, with RoBERTa's positions (`roberta_generation_positions`) and,\n        with n-gram memories, `ngram_history_ids`.`
+# Differs: `model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)` -> `model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)\n        new_tokens = model_inputs["input_ids"].shape[1]\n        model_inputs["position_ids"] = roberta_generation_positions(\n            input_ids, kwargs.get("attention_mask"), new_tokens, self.config.pad_token_id\n        )`
 class RobertaPkmForCausalLM(RobertaPkmPreTrainedModel, GenerationMixin):
     """RobertaPkm with RoBERTa's language modeling head for causal LM; `generate` works."""
 
@@ -371,7 +376,7 @@ class RobertaPkmForCausalLM(RobertaPkmPreTrainedModel, GenerationMixin):
             Labels for the left-to-right language modeling loss (shifted inside); `-100` is ignored.
         logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
             Compute the logits of the last `logits_to_keep` positions only (0: all), or of the positions listed.
-        Other arguments: `BertPkmModel`.
+        Other arguments: `RobertaPkmModel`.
         """
         return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         if labels is not None:
