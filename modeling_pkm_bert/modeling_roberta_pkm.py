@@ -414,6 +414,10 @@ class RobertaPkmForCausalLM(RobertaPkmPreTrainedModel, GenerationMixin):
         return output if return_dict else output.to_tuple()
 
 
+# Copied from modeling_pkm_bert.modeling_bert_pkm.BertPkmForSequenceClassification with bert->roberta, BertPkm->RobertaPkm
+# Differs: `a sequence classification/regression head on the pooled output` -> `RoBERTa's classification/regression head (dense, tanh, out_proj on `<s>`)`
+# Differs: `self.roberta = RobertaPkmModel(config)\n        classifier_dropout = (\n            config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob\n        )\n        self.dropout = nn.Dropout(classifier_dropout)\n        self.classifier = nn.Linear(config.hidden_size, config.num_labels)` -> `self.roberta = RobertaPkmModel(config, add_pooling_layer=False)\n        self.classifier = RobertaPkmClassificationHead(config)`
+# Differs: `self.classifier(self.dropout(outputs[1]))` -> `self.classifier(outputs[0])`
 class RobertaPkmForSequenceClassification(RobertaPkmPreTrainedModel):
     """RobertaPkm with RoBERTa's classification/regression head (dense, tanh, out_proj on `<s>`) (GLUE)."""
 
@@ -443,7 +447,7 @@ class RobertaPkmForSequenceClassification(RobertaPkmPreTrainedModel):
         r"""
         labels (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
             Class ids in `[0, num_labels)` (cross-entropy), or targets for regression when `num_labels == 1` (MSE).
-            Other arguments: `BertPkmModel`.
+            Other arguments: `RobertaPkmModel`.
         """
         return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         outputs = self.roberta(
