@@ -16,7 +16,9 @@ alone (rotary positions are relative, so left padding shifts nothing). The memor
 normalised input: `h + MLP(LN(h)) + PKM(LN(h))` (`pkm_mode="resm"`) or `h + PKM(LN(h))` (`"replace"`); with
 `pkm_value_init="zeros"` it adds exactly zero, so a converted checkpoint starts as its source. The memory factories,
 the attention masks, the input checks and the checked loading and saving are the shared module's
-(`modeling_pkm_utils.py`: `PkmPreTrainedModel`), under ModernBERT's names.
+(`modeling_pkm_utils.py`: `PkmPreTrainedModel`), under ModernBERT's names. The sequence classification, token
+classification and question answering heads are BertPkm's (checked `# Copied from` blocks) on ModernBERT's `head`,
+`drop` and `classifier`; the masked LM and multiple choice heads are ModernBERT's, written here.
 """
 
 import math
@@ -682,6 +684,12 @@ def pooled(config, last_hidden_state: torch.Tensor, attention_mask: torch.Tensor
     return (last_hidden_state * attention_mask.unsqueeze(-1)).sum(dim=1) / attention_mask.sum(dim=1, keepdim=True)
 
 
+# Copied from modeling_pkm_bert.modeling_bert_pkm.BertPkmForSequenceClassification with BertPkm->ModernBertPkm, self\.bert->self.model, self\.dropout->self.drop
+# Differs: `a sequence classification/regression head on the pooled output` -> `ModernBERT's classification/regression head (pooling, `head`, `classifier`)`
+# Differs: `classifier_dropout = (\n            config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob\n        )\n        self.drop = nn.Dropout(classifier_dropout)` -> `self.head = ModernBertPkmPredictionHead(config)\n        self.drop = torch.nn.Dropout(config.classifier_dropout)`
+# Differs: `token_type_ids: torch.Tensor | None = None,` -> ``
+# Differs: `token_type_ids=token_type_ids,` -> ``
+# Differs: `self.drop(outputs[1])` -> `self.drop(self.head(pooled(self.config, outputs[0], attention_mask)))`
 class ModernBertPkmForSequenceClassification(ModernBertPkmPreTrainedModel):
     """ModernBertPkm with ModernBERT's classification/regression head (pooling, `head`, `classifier`) (GLUE)."""
 
@@ -701,7 +709,7 @@ class ModernBertPkmForSequenceClassification(ModernBertPkmPreTrainedModel):
 
     def forward(
         self,
-        input_ids: torch.LongTensor | None = None,
+        input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
@@ -716,15 +724,14 @@ class ModernBertPkmForSequenceClassification(ModernBertPkmPreTrainedModel):
         """
         return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         outputs = self.model(
-            input_ids=input_ids,
+            input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
             return_dict=True,
             **kwargs,
         )
-        pooled_output = self.drop(self.head(pooled(self.config, outputs[0], attention_mask)))
-        logits = self.classifier(pooled_output)
+        logits = self.classifier(self.drop(self.head(pooled(self.config, outputs[0], attention_mask))))
         loss = sequence_classification_loss(self, logits, labels)
 
         output = SequenceClassifierOutput(
@@ -733,6 +740,12 @@ class ModernBertPkmForSequenceClassification(ModernBertPkmPreTrainedModel):
         return output if return_dict else output.to_tuple()
 
 
+# Copied from modeling_pkm_bert.modeling_bert_pkm.BertPkmForTokenClassification with BertPkm->ModernBertPkm, self\.bert->self.model, self\.dropout->self.drop
+# Differs: `a token classification head` -> `ModernBERT's token classification head (`head`, `classifier`)`
+# Differs: `ModernBertPkmModel(config, add_pooling_layer=False)\n        classifier_dropout = (\n            config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob\n        )\n        self.drop = nn.Dropout(classifier_dropout)` -> `ModernBertPkmModel(config)\n        self.head = ModernBertPkmPredictionHead(config)\n        self.drop = torch.nn.Dropout(config.classifier_dropout)`
+# Differs: `token_type_ids: torch.Tensor | None = None,` -> ``
+# Differs: `token_type_ids=token_type_ids,` -> ``
+# Differs: `self.drop(outputs[0])` -> `self.drop(self.head(outputs[0]))`
 class ModernBertPkmForTokenClassification(ModernBertPkmPreTrainedModel):
     """ModernBertPkm with ModernBERT's token classification head (`head`, `classifier`) (e.g. NER)."""
 
@@ -751,7 +764,7 @@ class ModernBertPkmForTokenClassification(ModernBertPkmPreTrainedModel):
 
     def forward(
         self,
-        input_ids: torch.LongTensor | None = None,
+        input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
@@ -765,7 +778,7 @@ class ModernBertPkmForTokenClassification(ModernBertPkmPreTrainedModel):
         """
         return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         outputs = self.model(
-            input_ids=input_ids,
+            input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
@@ -784,6 +797,12 @@ class ModernBertPkmForTokenClassification(ModernBertPkmPreTrainedModel):
         return output if return_dict else output.to_tuple()
 
 
+# Copied from modeling_pkm_bert.modeling_bert_pkm.BertPkmForQuestionAnswering with BertPkm->ModernBertPkm, self\.bert->self.model, self\.dropout->self.drop, qa_outputs->classifier
+# Differs: `with a span extraction head` -> `with ModernBERT's span extraction head`
+# Differs: `ModernBertPkmModel(config, add_pooling_layer=False)` -> `ModernBertPkmModel(config)\n        self.head = ModernBertPkmPredictionHead(config)\n        self.drop = torch.nn.Dropout(config.classifier_dropout)`
+# Differs: `token_type_ids: torch.Tensor | None = None,` -> ``
+# Differs: `token_type_ids=token_type_ids,` -> ``
+# Differs: `self.classifier(outputs[0])` -> `self.classifier(self.drop(self.head(outputs[0])))`
 class ModernBertPkmForQuestionAnswering(ModernBertPkmPreTrainedModel):
     """ModernBertPkm with ModernBERT's span extraction head (start/end logits) for extractive QA (SQuAD)."""
 
@@ -818,7 +837,7 @@ class ModernBertPkmForQuestionAnswering(ModernBertPkmPreTrainedModel):
         """
         return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         outputs = self.model(
-            input_ids=input_ids,
+            input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,

@@ -315,6 +315,11 @@ def roberta_generation_positions(input_ids, attention_mask, new_tokens: int, pad
     return positions[:, -new_tokens:]
 
 
+# Copied from modeling_pkm_bert.modeling_bert_pkm.BertPkmForCausalLM with bert->roberta, BertPkm->RobertaPkm, cls\.predictions\.decoder->lm_head.decoder, cls\.predictions\.bias->lm_head.bias, self\.cls->self.lm_head, OnlyMLMHead->LMHead
+# Differs: `a language modeling head for causal LM (Lample et al.'s memory setting)` -> `RoBERTa's language modeling head for causal LM`
+# Differs: `self.lm_head.bias = new_embeddings.bias` -> ``
+# Differs: `; with n-gram memories also `ngram_history_ids`, the tokens\n        before the step's new ones (padding as -1), which the memories hash beside them.` -> `, with RoBERTa's positions (`roberta_generation_positions`) and,\n        with n-gram memories, `ngram_history_ids`.`
+# Differs: `model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)` -> `model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)\n        new_tokens = model_inputs["input_ids"].shape[1]\n        model_inputs["position_ids"] = roberta_generation_positions(\n            input_ids, kwargs.get("attention_mask"), new_tokens, self.config.pad_token_id\n        )`
 class RobertaPkmForCausalLM(RobertaPkmPreTrainedModel, GenerationMixin):
     """RobertaPkm with RoBERTa's language modeling head for causal LM; `generate` works."""
 
@@ -371,7 +376,7 @@ class RobertaPkmForCausalLM(RobertaPkmPreTrainedModel, GenerationMixin):
             Labels for the left-to-right language modeling loss (shifted inside); `-100` is ignored.
         logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
             Compute the logits of the last `logits_to_keep` positions only (0: all), or of the positions listed.
-        Other arguments: `BertPkmModel`.
+        Other arguments: `RobertaPkmModel`.
         """
         return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         if labels is not None:
@@ -409,6 +414,10 @@ class RobertaPkmForCausalLM(RobertaPkmPreTrainedModel, GenerationMixin):
         return output if return_dict else output.to_tuple()
 
 
+# Copied from modeling_pkm_bert.modeling_bert_pkm.BertPkmForSequenceClassification with bert->roberta, BertPkm->RobertaPkm
+# Differs: `a sequence classification/regression head on the pooled output` -> `RoBERTa's classification/regression head (dense, tanh, out_proj on `<s>`)`
+# Differs: `self.roberta = RobertaPkmModel(config)\n        classifier_dropout = (\n            config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob\n        )\n        self.dropout = nn.Dropout(classifier_dropout)\n        self.classifier = nn.Linear(config.hidden_size, config.num_labels)` -> `self.roberta = RobertaPkmModel(config, add_pooling_layer=False)\n        self.classifier = RobertaPkmClassificationHead(config)`
+# Differs: `self.classifier(self.dropout(outputs[1]))` -> `self.classifier(outputs[0])`
 class RobertaPkmForSequenceClassification(RobertaPkmPreTrainedModel):
     """RobertaPkm with RoBERTa's classification/regression head (dense, tanh, out_proj on `<s>`) (GLUE)."""
 
@@ -438,7 +447,7 @@ class RobertaPkmForSequenceClassification(RobertaPkmPreTrainedModel):
         r"""
         labels (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
             Class ids in `[0, num_labels)` (cross-entropy), or targets for regression when `num_labels == 1` (MSE).
-            Other arguments: `BertPkmModel`.
+            Other arguments: `RobertaPkmModel`.
         """
         return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         outputs = self.roberta(

@@ -66,6 +66,25 @@ def test_the_roberta_classes_that_repeat_a_bert_class_are_marked():
     assert repeating <= marked
 
 
+def test_the_task_heads_are_written_once():
+    """Every RobertaPkm task head and ModernBertPkm's sequence classification, token classification and question
+    answering heads are checked copies of their BertPkm namesakes (checked above), so the heads' common code (return_dict,
+    losses, outputs) is written once; ModernBertPkm's masked LM and multiple choice heads are its own (as copies of
+    transformers' ModernBERT heads they would need more recorded differences than lines worth checking)."""
+    copied_from = {
+        block_name: dotted
+        for name in ("modeling_roberta_pkm.py", "modeling_modernbert_pkm.py")
+        for _, dotted, _, block in marked_blocks(PACKAGE / name)
+        for block_name in re.findall(r"^class\s+(\w+For\w+)\(", block, re.MULTILINE)[:1]
+    }
+    heads = ["ForMaskedLM", "ForCausalLM", "ForSequenceClassification", "ForMultipleChoice", "ForTokenClassification",
+             "ForQuestionAnswering"]  # fmt: skip
+    bert = "modeling_pkm_bert.modeling_bert_pkm.BertPkm"
+    expected = {f"RobertaPkm{head}": bert + head for head in heads}
+    expected |= {f"ModernBertPkm{head}": bert + head for head in heads[2:] if head != "ForMultipleChoice"}
+    assert copied_from == expected
+
+
 def planted(tmp_path, name: str, old: str, new: str) -> Path:
     """A copy of the shipped file `name` in `tmp_path` with the first `old` in a marked block made `new`."""
     text = (PACKAGE / name).read_text(encoding="utf-8")
