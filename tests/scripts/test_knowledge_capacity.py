@@ -470,3 +470,18 @@ def test_the_value_masking_goal_is_decided_at_the_last_step_where_plain_recalls_
     assert any(line.startswith("| 1,000 | 500 | 3 |") and "1.10x" in line and not line.endswith("decisive |") for line in table)
     late = report.values_verdict(data(0.6))
     assert late[0].startswith("- 1000 people: **not met** at step 250:") and "✗ plain recalls under half (0.60)" in late[0]
+
+
+def test_a_probe_with_one_point_a_rate_is_not_a_verdict(tmp_path):
+    """Every rate at one point (--minilm_set): the section says it is a probe, not tuned, and leaves the verdict
+    undecided, with where the probe stands below it."""
+    from benchmarks.studies.knowledge_capacity import report
+
+    runs = {"p0": _values_run("minilm_plain", 500, 0, 100.0, 0.02, 50.0),
+            "r0": _values_run("minilm_resm", 500, 0, 150.0, 0.03, 60.0, memory_lr=1e-3)}  # fmt: skip
+    tuning = {"minilm_plain/n500": {"best": {"lr": 1e-4}, "grids": {"lr": [1e-4]}, "at_edge": []},
+              "minilm_resm/n500": {"best": {"lr": 1e-4, "memory_lr": 1e-3}, "grids": {"lr": [1e-4], "memory_lr": [1e-3]},
+                                   "at_edge": []}}  # fmt: skip
+    lines = "\n".join(report.values_lines({"runs": runs, "tuning": tuning}, kc_config.LABELS, tmp_path))
+    assert "**Status: a probe, each rate at one point" in lines and "1 seed(s): not tuned" in lines
+    assert "- Not decided: the plan has not finished.\n  - where the probe stands: 500 people: **not met** at step 500" in lines

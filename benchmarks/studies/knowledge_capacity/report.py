@@ -527,10 +527,18 @@ def values_lines(data: dict, labels: dict, folder: Path | None = None, report_di
         "--results benchmarks/results/knowledge_capacity/knowledge_capacity_values.json",
         "```", "",
     ]  # fmt: skip
-    tuned = {key.split("/")[0] for key in data.get("tuning", {}) if key.split("/")[0] in VALUES_ARMS}
+    tuning = {key: entry for key, entry in data.get("tuning", {}).items() if key.split("/")[0] in VALUES_ARMS}
+    tuned = {key.split("/")[0] for key in tuning}
+    # a probe: every rate of every arm at one point (--minilm_set), so nothing was tuned
+    probe = bool(tuning) and all(len(grid) < 2 for entry in tuning.values() for grid in entry["grids"].values())
     if tuned != set(VALUES_ARMS):
         lines += [f"**Status: the tuning has not finished ({len(runs)} runs; tuned: {', '.join(sorted(tuned)) or 'none'}). "
                   "The rows below are each arm's best so far at the sweep's size, seed 0; the verdict waits for the plan.**", ""]  # fmt: skip
+    elif probe:
+        rates = "; ".join(f"{labels[key.split('/')[0]]} {rates_label(entry['best'])}" for key, entry in sorted(tuning.items()))
+        lines += [f"**Status: a probe, each rate at one point ({rates}), {len({r['seed'] for r in runs})} seed(s): not tuned. "
+                  "The verdict waits for the plan's grids and seeds; the command above continues it (the probe's runs are "
+                  "its grids' middles).**", ""]  # fmt: skip
     if data.get("history"):
         lines += ["Earlier tries of this plan:", "", *[f"- {entry}" for entry in data["history"]], ""]
     lines += tuning_lines({"runs": {k: r for k, r in data["runs"].items() if r["arm"] in VALUES_ARMS},
@@ -585,7 +593,9 @@ def values_lines(data: dict, labels: dict, folder: Path | None = None, report_di
     lines += ["### Verdict", "",
               "The goal: ResM-MiniLM >= 2x plain MiniLM's bits at equal steps and <= 1.3x its step time, where plain recalls "
               "under half of the facts, at >= 500 people, held-out no worse, 3 seeds.", "",
-              *(values_verdict(data) if tuned == set(VALUES_ARMS) else ["- Not decided: the plan has not finished."]), ""]  # fmt: skip
+              *(values_verdict(data) if tuned == set(VALUES_ARMS) and not probe else
+                ["- Not decided: the plan has not finished.",
+                 *(f"  - where the probe stands: {line[2:]}" for line in (values_verdict(data) if probe else []))]), ""]  # fmt: skip
     if folder is not None:
         name = values_figure(data, labels, folder)
         if name:
