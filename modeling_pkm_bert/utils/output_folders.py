@@ -173,6 +173,7 @@ COMMAND_PATHS: dict[str, CommandPaths] = {
     "knowledge_capacity": CommandPaths(
         reads=("measure", "kb"),
         writes=("output_dir", "results", "report", "save_models", "write_kb"),
+        not_paths=("minilm_set",),
         # --quick keeps its results and report in --output_dir; --measure (a worker of this benchmark) reads one of
         # its run folders and its knowledge base there, and writes nothing
         inside=(("results", "output_dir"), ("report", "output_dir"), ("measure", "output_dir"), ("kb", "output_dir")),
