@@ -523,8 +523,8 @@ def values_lines(data: dict, labels: dict, folder: Path | None = None, report_di
         + (f"Measured on the first {', '.join(map(str, sample))} people of every base (the same facts for every run and "
            "checkpoint)." if sample else ""), "",
         "```",
-        "python benchmarks/knowledge_capacity.py --masking values --stages minilm minilm_speed "
-        "--results benchmarks/results/knowledge_capacity/knowledge_capacity_values.json",
+        data.get("command", "python benchmarks/knowledge_capacity.py --masking values --stages minilm minilm_speed "
+                 "--results benchmarks/results/knowledge_capacity/knowledge_capacity_values.json"),
         "```", "",
     ]  # fmt: skip
     tuning = {key: entry for key, entry in data.get("tuning", {}).items() if key.split("/")[0] in VALUES_ARMS}
