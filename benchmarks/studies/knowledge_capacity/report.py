@@ -443,17 +443,25 @@ def decisive_step(plain: dict, steps: list[int]) -> int:
     return under[-1] if under else steps[0]
 
 
-def values_verdict(data: dict) -> list[str]:
-    """The goal, decided per size at `decisive_step`: ResM >= 2x plain's bits at equal steps (training template, every
-    seed's pair), step time <= 1.3x (the interleaved timing), where plain recalls under half, >= 500 people, held-out
-    no worse, 3 seeds."""
-    chosen, speed = values_chosen(data), data.get("minilm_speed")
-    lines = []
+def values_pairs(data: dict):
+    """(size, plain, resm, steps) for every size both arms ran at their tuned rates: {seed: run} of the seeds both
+    have, and the steps measured in all of them (`values_steps`)."""
+    chosen = values_chosen(data)
     for size in sorted(set(chosen["minilm_plain"]) & set(chosen["minilm_resm"])):
         seeds = sorted(set(chosen["minilm_plain"][size]) & set(chosen["minilm_resm"][size]))
         plain = {s: chosen["minilm_plain"][size][s] for s in seeds}
         resm = {s: chosen["minilm_resm"][size][s] for s in seeds}
-        steps = values_steps(plain, resm)
+        yield size, plain, resm, values_steps(plain, resm)
+
+
+def values_verdict(data: dict) -> list[str]:
+    """The goal, decided per size at `decisive_step`: ResM >= 2x plain's bits at equal steps (training template, every
+    seed's pair), step time <= 1.3x (the interleaved timing), where plain recalls under half, >= 500 people, held-out
+    no worse, 3 seeds."""
+    speed = data.get("minilm_speed")
+    lines = []
+    for size, plain, resm, steps in values_pairs(data):
+        seeds = sorted(plain)
         if not steps:
             continue
         step = decisive_step(plain, steps)
@@ -477,21 +485,17 @@ def values_verdict(data: dict) -> list[str]:
 
 def values_curve_lines(data: dict, labels: dict) -> list[str]:
     """Recall and the paired bits ratio at every step measured in every seed of both arms (each at its tuned rates)."""
-    chosen = values_chosen(data)
     rows = []
-    for size in sorted(set(chosen["minilm_plain"]) & set(chosen["minilm_resm"])):
-        seeds = sorted(set(chosen["minilm_plain"][size]) & set(chosen["minilm_resm"][size]))
-        plain = {s: chosen["minilm_plain"][size][s] for s in seeds}
-        resm = {s: chosen["minilm_resm"][size][s] for s in seeds}
-        steps = values_steps(plain, resm)
+    for size, plain, resm, steps in values_pairs(data):
+        decisive = decisive_step(plain, steps) if steps else None
         for step in steps:
             at = lambda run, key: values_points(run)[step][key]  # noqa: E731
             rows.append(
-                f"| {size:,} | {step:,} | {len(seeds)} | "
+                f"| {size:,} | {step:,} | {len(plain)} | "
                 + " | ".join(f"{_cell(list(arm.values()), lambda r: at(r, 'train_recall'))} / "
                              f"{_cell(list(arm.values()), lambda r: at(r, 'heldout_recall'))}" for arm in (plain, resm))
                 + f" | {_paired_ratio(resm, plain, lambda r: at(r, 'train'))} | {_paired_ratio(resm, plain, lambda r: at(r, 'heldout'))} |"
-                + (" decisive |" if step == decisive_step(plain, steps) else " |")
+                + (" decisive |" if step == decisive else " |")
             )  # fmt: skip
     if not rows:
         return []
