@@ -485,3 +485,14 @@ def test_a_probe_with_one_point_a_rate_is_not_a_verdict(tmp_path):
     lines = "\n".join(report.values_lines({"runs": runs, "tuning": tuning}, kc_config.LABELS, tmp_path))
     assert "**Status: a probe, each rate at one point" in lines and "1 seed(s): not tuned" in lines
     assert "- Not decided: the plan has not finished.\n  - where the probe stands: 500 people: **not met** at step 500" in lines
+
+
+@pytest.mark.parametrize("item", ["foo=1", "steps=abc", "steps"])
+def test_minilm_set_names_a_plan_entry_with_a_json_value(item, capsys):
+    """--minilm_set KEY=VALUE overrides the MiniLM plan; an unknown key or a value that is not JSON is a one-line error."""
+    assert kc.minilm_plan(kc.parse_args(["--minilm_set", "steps=7", "seeds=[4]"])) == {
+        **kc.minilm_plan(kc.parse_args([])), "steps": 7, "seeds": [4]}  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        kc.parse_args(["--minilm_set", item])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2 and f"error: --minilm_set {item!r}: expected KEY=VALUE" in last
